@@ -1,0 +1,63 @@
+# The one entry point. `make demo` and `make test` set everything up on a fresh clone.
+PYTHON ?= python3
+VENV   ?= .venv
+BIN    := $(VENV)/bin
+PY     := $(BIN)/python
+STAMP  := $(VENV)/.installed
+# torch first, exactly this version: a CPU wheel of it ships with the machine (see README).
+TORCH_SPEC ?= torch==2.13.0
+PYTEST_ARGS ?=
+BENCH_OUT ?= bench-results
+
+.PHONY: help venv demo test test-unit test-component test-cluster proto proto-check lint bench clean
+
+help:
+	@echo "make demo   - set up, build a tiny model, start a local cluster, serve requests"
+	@echo "make test   - set up, then the whole test suite"
+	@echo "make lint   - ruff and mypy"
+	@echo "make proto  - regenerate the gRPC stubs from protos/*.proto"
+	@echo "make bench  - benchmarks, JSON under $(BENCH_OUT)/"
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet "$(TORCH_SPEC)"
+	$(PY) -m pip install --quiet -e ".[dev]"
+	touch $(STAMP)
+
+venv: $(STAMP)
+
+proto: $(STAMP)
+	$(PY) -m grpc_tools.protoc -I . --python_out=. --grpc_python_out=. --pyi_out=. protos/*.proto
+
+# The committed stubs must be exactly what `make proto` generates.
+proto-check: $(STAMP)
+	$(PY) scripts/proto_check.py
+
+lint: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/mypy protos replica transfer router scripts tests
+
+test: $(STAMP) proto-check
+	$(BIN)/pytest -q $(PYTEST_ARGS)
+
+test-unit: $(STAMP)
+	$(BIN)/pytest -q -m unit $(PYTEST_ARGS)
+
+test-component: $(STAMP)
+	$(BIN)/pytest -q -m component $(PYTEST_ARGS)
+
+test-cluster: $(STAMP)
+	$(BIN)/pytest -q -m cluster $(PYTEST_ARGS)
+
+demo: $(STAMP)
+	$(BIN)/pdcluster demo --workdir .demo
+
+bench: $(STAMP)
+	mkdir -p $(BENCH_OUT)
+	$(BIN)/pdcluster bench replica --json $(BENCH_OUT)/replica.json
+	$(BIN)/pdcluster bench transfer --algo p2p --size 256MiB --ranks 2 --json $(BENCH_OUT)/transfer-p2p.json
+	$(BIN)/pdcluster bench transfer --algo chain --size 256MiB --ranks 4 --json $(BENCH_OUT)/transfer-chain.json
+
+clean:
+	rm -rf $(VENV) .demo $(BENCH_OUT) .pytest_cache .mypy_cache .ruff_cache build *.egg-info

@@ -1,0 +1,85 @@
+"""The replica's typed errors: one class per gRPC status a caller can get.
+
+Everything inside the replica raises these (or lets a transfer error through, which the edge maps
+to UNAVAILABLE / DEADLINE_EXCEEDED); the servicer's interceptor turns them into precise statuses.
+Nothing here imports grpc: the mapping lives at the edge.
+"""
+
+from __future__ import annotations
+
+import enum
+
+
+class Status(enum.Enum):
+    """The status a replica error maps to (names match grpc.StatusCode)."""
+
+    INVALID_ARGUMENT = "INVALID_ARGUMENT"
+    NOT_FOUND = "NOT_FOUND"
+    ALREADY_EXISTS = "ALREADY_EXISTS"
+    RESOURCE_EXHAUSTED = "RESOURCE_EXHAUSTED"
+    FAILED_PRECONDITION = "FAILED_PRECONDITION"
+    DEADLINE_EXCEEDED = "DEADLINE_EXCEEDED"
+    UNAVAILABLE = "UNAVAILABLE"
+    PERMISSION_DENIED = "PERMISSION_DENIED"
+    UNIMPLEMENTED = "UNIMPLEMENTED"
+    INTERNAL = "INTERNAL"
+
+
+class ReplicaError(Exception):
+    """Base of every error the replica reports to its caller."""
+
+    status: Status = Status.INTERNAL
+
+
+class InvalidArgument(ReplicaError):
+    """Malformed request, token out of vocabulary, bad sampling values, lists of the wrong length."""
+
+    status = Status.INVALID_ARGUMENT
+
+
+class NotFound(ReplicaError):
+    """Unknown batch id (or request id inside a batch)."""
+
+    status = Status.NOT_FOUND
+
+
+class AlreadyExists(ReplicaError):
+    """Batch id already cached."""
+
+    status = Status.ALREADY_EXISTS
+
+
+class ResourceExhausted(ReplicaError):
+    """Not enough free KV pages, or a prompt over the limits."""
+
+    status = Status.RESOURCE_EXHAUSTED
+
+
+class FailedPrecondition(ReplicaError):
+    """Weights not loaded, wrong role, or an operation out of order."""
+
+    status = Status.FAILED_PRECONDITION
+
+
+class PeerTimeout(ReplicaError):
+    """A peer did not answer in time during a transfer."""
+
+    status = Status.DEADLINE_EXCEEDED
+
+
+class PeerUnavailable(ReplicaError):
+    """A peer went away or refused the connection during a transfer."""
+
+    status = Status.UNAVAILABLE
+
+
+class PermissionDenied(ReplicaError):
+    """Admin call without the token, or a load path outside the model root."""
+
+    status = Status.PERMISSION_DENIED
+
+
+class Unimplemented(ReplicaError):
+    """The operation belongs to work not yet landed (the message names it)."""
+
+    status = Status.UNIMPLEMENTED
