@@ -1,0 +1,60 @@
+"""The FastAPI application: OpenAI and TGI routes over one `Scheduler`, plus /health and /metrics."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from fastapi import FastAPI
+from starlette.requests import Request
+from starlette.responses import Response
+
+from router.http import openai_api, tgi_api
+from router.http.common import Backend, backend_of, json_response
+from router.http.errors import APIError, Flavor, error_body
+from router.http.info import ServingInfo
+from router.tokenizer import Tokenizer
+from router.types import Scheduler
+
+_TGI_PATHS = ("/generate", "/generate_stream", "/", "/info")
+
+
+def create_app(
+    scheduler: Scheduler,
+    tokenizer: Tokenizer,
+    info: ServingInfo,
+    render_metrics: Callable[[], tuple[bytes, str]],
+) -> FastAPI:
+    """Build the HTTP front end; serve it with uvicorn (`uvicorn.Server(uvicorn.Config(app, ...))`)."""
+    app = FastAPI(title="pdcluster router", version=info.version, docs_url="/docs", redoc_url=None)
+    app.state.backend = Backend(scheduler, tokenizer, info, render_metrics)
+    app.include_router(openai_api.router)
+    app.include_router(tgi_api.router)
+    app.add_api_route("/health", health, methods=["GET"])
+    app.add_api_route("/metrics", metrics, methods=["GET"])
+    app.add_exception_handler(APIError, _api_error)  # type: ignore[arg-type]
+    app.add_exception_handler(Exception, _unexpected)
+    return app
+
+
+async def health(request: Request) -> Response:
+    """200 when at least one replica can serve, else 503."""
+    healthy = backend_of(request).scheduler.is_healthy()
+    return json_response({"status": "ok" if healthy else "unavailable"}, 200 if healthy else 503)
+
+
+async def metrics(request: Request) -> Response:
+    """Prometheus text from the scheduler's metrics."""
+    body, content_type = backend_of(request).render_metrics()
+    return Response(body, media_type=content_type)
+
+
+def _flavor(request: Request) -> Flavor:
+    return Flavor.TGI if request.url.path in _TGI_PATHS else Flavor.OPENAI
+
+
+async def _api_error(request: Request, exc: APIError) -> Response:
+    return json_response(exc.body(), exc.status)
+
+
+async def _unexpected(request: Request, exc: Exception) -> Response:
+    return json_response(error_body(f"internal error: {exc!r}", 500, _flavor(request)), 500)

@@ -1,0 +1,94 @@
+"""What every generation route shares: the backend, submitting, waiting for the first event, JSON."""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import Response
+
+from router.http.errors import APIError, Flavor
+from router.http.events import EventFeed, collect, submit, unless_disconnected
+from router.http.info import ServingInfo
+from router.tokenizer import Tokenizer
+from router.types import ErrorEvent, Event, FinishEvent, GenerateRequest, Scheduler
+
+CLIENT_CLOSED_REQUEST = 499  # nginx's status for "the client went away first"; never seen by a client
+
+
+@dataclass(frozen=True)
+class Backend:
+    """What the routes serve from (kept in `app.state.backend`)."""
+
+    scheduler: Scheduler
+    tokenizer: Tokenizer
+    info: ServingInfo
+    render_metrics: Callable[[], tuple[bytes, str]]
+
+
+def backend_of(request: Request) -> Backend:
+    """The app's backend."""
+    backend: Backend = request.app.state.backend
+    return backend
+
+
+def dumps(obj: Any) -> str:
+    """Compact JSON text (non-ASCII kept as is)."""
+    return json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
+
+
+def json_response(obj: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
+    """A JSON response from a plain object."""
+    return Response(dumps(obj), status_code=status, media_type="application/json", headers=headers)
+
+
+def new_request_id(prefix: str) -> str:
+    """An id like OpenAI's (`cmpl-…`, `chatcmpl-…`)."""
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+async def start(request: Request, req: GenerateRequest, flavor: Flavor) -> tuple[EventFeed, Event]:
+    """Submit and wait for the first event, so a rejection still gets a proper HTTP status.
+
+    Raises `ClientGone` when the client leaves while the request waits (the feed is closed).
+    """
+    feed = submit(backend_of(request).scheduler, req, flavor)
+    first = await unless_disconnected(feed.next(), request.receive, feed)
+    if first is None:
+        await feed.close()
+        raise APIError("the scheduler ended the request without an answer", 500, flavor)
+    return feed, first
+
+
+async def finish_all(
+    request: Request,
+    feed: EventFeed,
+    first: Event,
+    flavor: Flavor,
+    observe: Callable[[Event], None] | None = None,
+) -> list[Event]:
+    """All events of a non-streamed request, ending with its `FinishEvent`; errors become `APIError`."""
+    try:
+        rest = (
+            []
+            if isinstance(first, FinishEvent | ErrorEvent)
+            else await unless_disconnected(collect(feed, observe), request.receive, feed)
+        )
+    finally:
+        await feed.close()
+    events = [first, *rest]
+    last = events[-1]
+    if isinstance(last, ErrorEvent):
+        raise APIError(f"generation failed: {last.message}", max(last.http_status, 500), flavor)
+    if not isinstance(last, FinishEvent):
+        raise APIError("the scheduler ended the request without finishing it", 500, flavor)
+    return events
+
+
+def gone_response() -> Response:
+    """What a handler returns after its client disconnected (nobody reads it)."""
+    return Response(status_code=CLIENT_CLOSED_REQUEST)

@@ -1,0 +1,68 @@
+"""Errors the front end answers with, in the flavour of the API that was called.
+
+OpenAI routes answer ``{"error": {"message", "type", "param", "code"}}``; TGI routes answer
+``{"error": message, "error_type": type}`` (what the `text-generation` client parses).
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Any
+
+from pydantic import ValidationError
+
+
+class Flavor(enum.Enum):
+    """Which API's error shape a route uses."""
+
+    OPENAI = "openai"
+    TGI = "tgi"
+
+
+_OPENAI_TYPES = {400: "invalid_request_error", 404: "not_found_error", 429: "rate_limit_error"}
+_TGI_TYPES = {400: "validation", 404: "validation", 422: "validation", 429: "overloaded"}
+
+
+class APIError(Exception):
+    """A request-level failure with its HTTP status; rendered by the app's exception handler."""
+
+    def __init__(
+        self,
+        message: str,
+        status: int = 400,
+        flavor: Flavor = Flavor.OPENAI,
+        param: str | None = None,
+        code: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.message = message
+        self.status = status
+        self.flavor = flavor
+        self.param = param
+        self.code = code
+
+    def body(self) -> dict[str, Any]:
+        """The JSON body of this error in its route's flavour."""
+        return error_body(self.message, self.status, self.flavor, self.param, self.code)
+
+
+def error_body(
+    message: str, status: int, flavor: Flavor, param: str | None = None, code: str | None = None
+) -> dict[str, Any]:
+    """An error body; also used for the SSE error event sent when a stream fails midway."""
+    if flavor is Flavor.TGI:
+        error_type = _TGI_TYPES.get(status, "generation" if status >= 500 else "validation")
+        return {"error": message, "error_type": error_type}
+    error_kind = _OPENAI_TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
+    return {"error": {"message": message, "type": error_kind, "param": param, "code": code}}
+
+
+def from_validation_error(exc: ValidationError, flavor: Flavor) -> APIError:
+    """The first pydantic complaint as a 400 naming the offending field."""
+    first = exc.errors(include_url=False)[0]
+    loc = ".".join(str(part) for part in first.get("loc", ()) if not str(part).startswith("function-"))
+    kind = str(first.get("type", ""))
+    if kind == "json_invalid":
+        return APIError(f"malformed JSON body: {first.get('msg', '')}", 400, flavor, code="invalid_json")
+    where = f"`{loc}`: " if loc else ""
+    return APIError(f"{where}{first.get('msg', 'invalid value')}", 400, flavor, param=loc or None, code=kind)

@@ -1,0 +1,235 @@
+"""OpenAI-compatible routes: /v1/completions, /v1/chat/completions, /v1/models."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+
+from fastapi import APIRouter
+from starlette.requests import Request
+from starlette.responses import Response
+
+from router.http.common import (
+    backend_of,
+    dumps,
+    finish_all,
+    gone_response,
+    json_response,
+    new_request_id,
+    start,
+)
+from router.http.errors import APIError, Flavor, error_body
+from router.http.events import ClientGone, EventFeed, EventStreamResponse, failed_event, sse
+from router.http.openai_format import OpenAIAnswer, OpenAIContext
+from router.http.schemas import ChatCompletionRequest, CompletionRequest
+from router.http.validation import (
+    check_model,
+    check_openai_unsupported,
+    check_prompt,
+    generate_request,
+    max_new_tokens,
+    openai_sampling,
+    parse_body,
+    stop_sequences,
+)
+from router.tokenizer import ChatTemplateError
+from router.types import (
+    ErrorEvent,
+    Event,
+    FinishEvent,
+    GenerateRequest,
+    PrefillEvent,
+    StoppingParams,
+    TokenEvent,
+)
+
+OPENAI = Flavor.OPENAI
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's documented default for /v1/completions
+
+router = APIRouter()
+
+
+@router.get("/v1/models")
+async def list_models(request: Request) -> Response:
+    """The one served model."""
+    info = backend_of(request).info
+    model = {
+        "id": info.model_id,
+        "object": "model",
+        "created": info.created,
+        "owned_by": "pdcluster",
+        "max_model_len": info.max_total_tokens,
+    }
+    return json_response({"object": "list", "data": [model]})
+
+
+@router.post("/v1/completions")
+async def completions(request: Request) -> Response:
+    """Text completion of one prompt (text or token ids), streamed or not."""
+    backend = backend_of(request)
+    body = parse_body(await request.body(), CompletionRequest, OPENAI)
+    check_model(body.model, backend.info)
+    check_openai_unsupported(body)
+    if body.best_of not in (None, 1):
+        raise APIError("only best_of=1 is supported", 400, param="best_of")
+    if body.suffix:
+        raise APIError("suffix is not supported by this server", 400, param="suffix")
+    text, raw_ids = _completion_prompt(body.prompt, request)
+    ids = check_prompt(raw_ids, backend.info, backend.tokenizer.vocab_size, OPENAI)
+    max_new = max_new_tokens(
+        body.max_tokens, COMPLETIONS_DEFAULT_MAX_TOKENS, len(ids), backend.info, OPENAI, "max_tokens"
+    )
+    stops = stop_sequences(body.stop, backend.info, OPENAI)
+    want_logprobs = body.logprobs is not None
+    req = generate_request(
+        ids,
+        openai_sampling(body),
+        StoppingParams(max_new_tokens=max_new, stop_sequences=stops, ignore_eos=body.ignore_eos),
+        prefill_logprobs=body.echo and want_logprobs,
+        top_n_tokens=body.logprobs or 0,
+    )
+    ctx = _context(request, "cmpl", False, stops, want_logprobs, body.stream, body.stream_options)
+    if body.echo:
+        ctx = OpenAIContext(**{**ctx.__dict__, "echo": text})
+    return await _answer(request, req, ctx, body.stream)
+
+
+@router.post("/v1/chat/completions")
+async def chat_completions(request: Request) -> Response:
+    """Chat completion: messages rendered with the checkpoint's chat template, streamed or not."""
+    backend = backend_of(request)
+    body = parse_body(await request.body(), ChatCompletionRequest, OPENAI)
+    check_model(body.model, backend.info)
+    check_openai_unsupported(body)
+    messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+    try:
+        prompt = backend.tokenizer.apply_chat_template(messages, body.add_generation_prompt)
+    except ChatTemplateError as exc:
+        raise APIError(str(exc), 400, param="messages") from exc
+    ids = check_prompt(
+        backend.tokenizer.encode(prompt, add_special_tokens=False),
+        backend.info,
+        backend.tokenizer.vocab_size,
+        OPENAI,
+        "messages",
+    )
+    asked, param = (
+        (body.max_completion_tokens, "max_completion_tokens")
+        if body.max_completion_tokens is not None
+        else (body.max_tokens, "max_tokens")
+    )
+    max_new = max_new_tokens(
+        asked, backend.info.default_max_new_tokens, len(ids), backend.info, OPENAI, param
+    )
+    stops = stop_sequences(body.stop, backend.info, OPENAI)
+    top_n = (body.top_logprobs or 0) if body.logprobs else 0
+    req = generate_request(
+        ids,
+        openai_sampling(body),
+        StoppingParams(max_new_tokens=max_new, stop_sequences=stops, ignore_eos=body.ignore_eos),
+        top_n_tokens=top_n,
+    )
+    ctx = _context(request, "chatcmpl", True, stops, body.logprobs, body.stream, body.stream_options)
+    return await _answer(request, req, ctx, body.stream)
+
+
+def _completion_prompt(
+    prompt: str | list[int] | list[str] | list[list[int]], request: Request
+) -> tuple[str, list[int]]:
+    """One prompt's text and token ids; several prompts in one request are refused (like n > 1)."""
+    tokenizer = backend_of(request).tokenizer
+    if isinstance(prompt, str):
+        return prompt, tokenizer.encode(prompt)
+    if not prompt:
+        raise APIError("the prompt is empty", 400, param="prompt")
+    first = prompt[0]
+    if isinstance(first, int):
+        ids = [t for t in prompt if isinstance(t, int)]
+        return tokenizer.decode(ids, skip_special_tokens=False), ids
+    if len(prompt) != 1:
+        raise APIError("only one prompt per request is supported", 400, param="prompt")
+    if isinstance(first, str):
+        return first, tokenizer.encode(first)
+    return tokenizer.decode(first, skip_special_tokens=False), list(first)
+
+
+def _context(
+    request: Request,
+    prefix: str,
+    chat: bool,
+    stops: tuple[str, ...],
+    logprobs: bool,
+    stream: bool,
+    options: object,
+) -> OpenAIContext:
+    info = backend_of(request).info
+    include_usage = bool(stream and getattr(options, "include_usage", False))
+    return OpenAIContext(
+        request_id=new_request_id(prefix),
+        model=info.model_id,
+        created=int(time.time()),
+        chat=chat,
+        stops=stops,
+        logprobs=logprobs,
+        include_usage=include_usage,
+        fingerprint=f"pdcluster-{info.version}",
+    )
+
+
+async def _answer(request: Request, req: GenerateRequest, ctx: OpenAIContext, stream: bool) -> Response:
+    try:
+        feed, first = await start(request, req, OPENAI)
+    except ClientGone:
+        return gone_response()
+    answer = OpenAIAnswer(ctx)
+    if stream:
+        return EventStreamResponse(_stream(answer, first, feed), feed, {"x-request-id": ctx.request_id})
+    try:
+        events = await finish_all(request, feed, first, OPENAI)
+    except ClientGone:
+        return gone_response()
+    for event in events:
+        _fold(answer, event)
+    final = answer.final_object()
+    headers = {"x-request-id": ctx.request_id, "x-pdcluster-route": dumps(final["pdcluster_route"])}
+    return json_response(final, headers=headers)
+
+
+def _fold(answer: OpenAIAnswer, event: Event) -> str:
+    if isinstance(event, PrefillEvent):
+        answer.on_prefill(event)
+    elif isinstance(event, TokenEvent):
+        return answer.on_token(event)
+    elif isinstance(event, FinishEvent):
+        return answer.on_finish(event)
+    return ""
+
+
+async def _stream(answer: OpenAIAnswer, first: Event, feed: EventFeed) -> AsyncIterator[str]:
+    """SSE chunks: (role | echo), one per token, the finish with the route, (usage), [DONE]."""
+    ctx = answer.ctx
+    if ctx.chat:
+        yield sse(dumps(answer.chunk("", [], role=True)))
+    elif ctx.echo:
+        yield sse(dumps(answer.chunk(ctx.echo, [])))
+    event: Event | None = first
+    try:
+        while event is not None:
+            if isinstance(event, ErrorEvent):
+                yield failed_event(event, OPENAI)
+                return
+            piece = _fold(answer, event)
+            if isinstance(event, FinishEvent):
+                yield sse(dumps(answer.final_chunk(piece)))
+                if ctx.include_usage:
+                    yield sse(dumps(answer.usage_chunk()))
+                yield sse("[DONE]")
+                return
+            if isinstance(event, TokenEvent) and (piece or ctx.logprobs):
+                yield sse(dumps(answer.chunk(piece, [event.token])))
+            event = await feed.next()
+        yield sse(dumps(error_body("the scheduler ended the stream without finishing it", 500, OPENAI)))
+    except APIError as exc:
+        yield sse(dumps(exc.body()))
+    except Exception as exc:  # a scheduler bug must still end the stream with a reason
+        yield sse(dumps(error_body(f"internal error: {exc!r}", 500, OPENAI)))

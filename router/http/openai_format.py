@@ -1,0 +1,202 @@
+"""Scheduler events → OpenAI completion / chat objects and stream chunks (pure; no I/O).
+
+One `OpenAIAnswer` per request folds the events in order. While streaming, each event yields the
+chunk to send now; at the end it holds the whole non-streamed object. Both carry the route of the
+request in the non-standard `pdcluster_route` field of the final object.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from router.http.stops import StopTrimmer
+from router.types import FinishEvent, FinishReason, PrefillEvent, Route, TokenEvent, TokenInfo
+
+LOGPROB_FLOOR = -9999.0  # JSON has no -inf; OpenAI clients expect a finite float
+
+
+def openai_finish_reason(reason: FinishReason) -> str:
+    """OpenAI knows only "length" and "stop"."""
+    return "length" if reason is FinishReason.LENGTH else "stop"
+
+
+def finite(logprob: float) -> float:
+    """A logprob JSON can carry."""
+    return logprob if math.isfinite(logprob) else LOGPROB_FLOOR
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    """OpenAI's usage object."""
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
+
+
+def route_dict(route: Route) -> dict[str, Any]:
+    """The route as JSON (header `x-pdcluster-route` and field `pdcluster_route`)."""
+    return {
+        "prefill_replica": route.prefill_replica,
+        "decode_replica": route.decode_replica,
+        "strategy": route.strategy,
+        "migration_bytes": route.migration_bytes,
+        "migration_seconds": route.migration_seconds,
+    }
+
+
+def chat_logprob(token: TokenInfo) -> dict[str, Any]:
+    """One entry of a chat choice's `logprobs.content`."""
+    return {
+        "token": token.text,
+        "logprob": finite(token.logprob),
+        "bytes": list(token.text.encode("utf-8")),
+        "top_logprobs": [
+            {"token": t.text, "logprob": finite(t.logprob), "bytes": list(t.text.encode("utf-8"))}
+            for t in token.top
+        ],
+    }
+
+
+def completion_logprobs(tokens: list[TokenInfo], first_offset: int, first_is_prompt_start: bool) -> dict:
+    """A completion choice's `logprobs` (tokens, token_logprobs, top_logprobs, text_offset)."""
+    offsets, position = [], first_offset
+    for token in tokens:
+        offsets.append(position)
+        position += len(token.text)
+    token_logprobs: list[float | None] = [finite(t.logprob) for t in tokens]
+    if first_is_prompt_start and token_logprobs:
+        token_logprobs[0] = None  # the first prompt token has no logprob
+    return {
+        "tokens": [t.text for t in tokens],
+        "token_logprobs": token_logprobs,
+        "top_logprobs": [{x.text: finite(x.logprob) for x in t.top} or None for t in tokens],
+        "text_offset": offsets,
+    }
+
+
+@dataclass(frozen=True)
+class OpenAIContext:
+    """What shapes one request's answer."""
+
+    request_id: str
+    model: str
+    created: int
+    chat: bool
+    stops: tuple[str, ...] = ()
+    logprobs: bool = False
+    echo: str | None = None
+    include_usage: bool = False
+    fingerprint: str = "pdcluster"
+
+
+@dataclass
+class OpenAIAnswer:
+    """Folds a request's events into OpenAI chunks and the final object."""
+
+    ctx: OpenAIContext
+    trimmer: StopTrimmer = field(init=False)
+    text: str = ""
+    tokens: list[TokenInfo] = field(default_factory=list)
+    prompt_tokens: list[TokenInfo] = field(default_factory=list)
+    finish: FinishEvent | None = None
+
+    def __post_init__(self) -> None:
+        self.trimmer = StopTrimmer(self.ctx.stops)
+        self.text = self.ctx.echo or ""
+
+    # ---- folding events -------------------------------------------------------------------
+    def on_prefill(self, event: PrefillEvent) -> None:
+        """Remember prompt tokens (echo with logprobs)."""
+        self.prompt_tokens = list(event.prompt_tokens)
+
+    def on_token(self, event: TokenEvent) -> str:
+        """Fold one token; return the text now safe to show."""
+        self.tokens.append(event.token)
+        piece = "" if event.token.special else self.trimmer.push(event.token.text)
+        self.text += piece
+        return piece
+
+    def on_finish(self, event: FinishEvent) -> str:
+        """Fold the finish; return the rest of the text."""
+        self.finish = event
+        piece = self.trimmer.finish(event.text)
+        self.text += piece
+        return piece
+
+    # ---- stream chunks --------------------------------------------------------------------
+    def chunk(
+        self, text: str, tokens: list[TokenInfo], finish_reason: str | None = None, role: bool = False
+    ) -> dict[str, Any]:
+        """One stream chunk carrying `text` (and the logprobs of `tokens` when asked)."""
+        choice: dict[str, Any] = {"index": 0, "logprobs": self._logprobs(tokens, len(self.text) - len(text))}
+        if self.ctx.chat:
+            choice["delta"] = {"role": "assistant", "content": text} if role else {"content": text}
+        else:
+            choice["text"] = text
+        choice["finish_reason"] = finish_reason
+        body = self._envelope(chunk=True, choices=[choice])
+        if self.ctx.include_usage:
+            body["usage"] = None
+        return body
+
+    def final_chunk(self, text: str) -> dict[str, Any]:
+        """The chunk with the finish reason and the route."""
+        assert self.finish is not None
+        body = self.chunk(text, [], openai_finish_reason(self.finish.reason))
+        body["pdcluster_route"] = route_dict(self.finish.route)
+        return body
+
+    def usage_chunk(self) -> dict[str, Any]:
+        """The extra chunk `stream_options.include_usage` asks for: no choices, only usage."""
+        body = self._envelope(chunk=True, choices=[])
+        body["usage"] = self.usage()
+        return body
+
+    # ---- the whole answer -----------------------------------------------------------------
+    def final_object(self) -> dict[str, Any]:
+        """The non-streamed answer (call after `on_finish`)."""
+        assert self.finish is not None
+        choice: dict[str, Any] = {"index": 0}
+        logprobs = self._logprobs(self.prompt_tokens + self.tokens if self.ctx.echo else self.tokens, 0)
+        if self.ctx.chat:
+            choice["message"] = {"role": "assistant", "content": self.text}
+        else:
+            choice["text"] = self.text
+        choice["logprobs"] = logprobs
+        choice["finish_reason"] = openai_finish_reason(self.finish.reason)
+        body = self._envelope(chunk=False, choices=[choice])
+        body["usage"] = self.usage()
+        body["pdcluster_route"] = route_dict(self.finish.route)
+        return body
+
+    def usage(self) -> dict[str, int]:
+        """Prompt and completion token counts (from the finish event when there is one)."""
+        if self.finish is None:
+            return usage(len(self.prompt_tokens), len(self.tokens))
+        return usage(self.finish.prompt_tokens, self.finish.generated_tokens)
+
+    def _logprobs(self, tokens: list[TokenInfo], first_offset: int) -> dict[str, Any] | None:
+        if not self.ctx.logprobs:
+            return None
+        if self.ctx.chat:
+            return {"content": [chat_logprob(t) for t in tokens]}
+        from_prompt = (
+            bool(self.ctx.echo) and bool(self.prompt_tokens) and tokens[:1] == self.prompt_tokens[:1]
+        )
+        return completion_logprobs(tokens, first_offset, from_prompt)
+
+    def _envelope(self, chunk: bool, choices: list[dict[str, Any]]) -> dict[str, Any]:
+        kind = ("chat.completion" if self.ctx.chat else "text_completion") + (
+            ".chunk" if chunk and self.ctx.chat else ""
+        )
+        return {
+            "id": self.ctx.request_id,
+            "object": kind,
+            "created": self.ctx.created,
+            "model": self.ctx.model,
+            "system_fingerprint": self.ctx.fingerprint,
+            "choices": choices,
+        }

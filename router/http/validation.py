@@ -1,0 +1,178 @@
+"""From a parsed request body to a `GenerateRequest`: limits, defaults and what is not supported.
+
+Every refusal is an `APIError` (HTTP 4xx) raised before anything reaches the scheduler.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TypeVar
+
+from pydantic import BaseModel, ValidationError
+
+from router.http.errors import APIError, Flavor, from_validation_error
+from router.http.info import ServingInfo
+from router.http.schemas import TGIParameters, _OpenAISampling
+from router.types import GenerateRequest, SamplingParams, StoppingParams
+
+Body = TypeVar("Body", bound=BaseModel)
+
+
+def parse_body(raw: bytes, schema: type[Body], flavor: Flavor) -> Body:
+    """Parse and type-check a JSON body; malformed JSON and wrong types become 400s."""
+    if not raw.strip():
+        raise APIError("empty request body: expected a JSON object", 400, flavor, code="invalid_json")
+    try:
+        return schema.model_validate_json(raw)
+    except ValidationError as exc:
+        raise from_validation_error(exc, flavor) from exc
+
+
+def check_model(name: str | None, info: ServingInfo) -> None:
+    """The OpenAI `model` field must name the served model (absent means the served one)."""
+    if name is not None and name != info.model_id:
+        raise APIError(
+            f"The model `{name}` does not exist; this server serves `{info.model_id}`.",
+            404,
+            param="model",
+            code="model_not_found",
+        )
+
+
+def check_openai_unsupported(body: _OpenAISampling) -> None:
+    """Refuse OpenAI features the replicas cannot honour instead of silently ignoring them."""
+    if body.n != 1:
+        raise APIError("only n=1 is supported", 400, param="n", code="unsupported_value")
+    if body.logit_bias:
+        raise APIError("logit_bias is not supported by this server", 400, param="logit_bias")
+    if body.stream_options is not None and not body.stream:
+        raise APIError("stream_options is only allowed when stream is true", 400, param="stream_options")
+
+
+def openai_sampling(body: _OpenAISampling) -> SamplingParams:
+    """OpenAI semantics: temperature defaults to 1 (sampling); temperature 0 means greedy."""
+    temperature = 1.0 if body.temperature is None else body.temperature
+    greedy = temperature == 0.0
+    top_k = body.top_k if body.top_k is not None and body.top_k > 0 else 0
+    return SamplingParams(
+        temperature=1.0 if greedy else temperature,
+        top_k=0 if greedy else top_k,
+        top_p=1.0 if greedy or body.top_p is None else body.top_p,
+        do_sample=not greedy,
+        seed=body.seed,
+        repetition_penalty=body.repetition_penalty or 1.0,
+        frequency_penalty=body.frequency_penalty,
+        presence_penalty=body.presence_penalty,
+    )
+
+
+def tgi_sampling(params: TGIParameters) -> SamplingParams:
+    """TGI semantics: greedy unless `do_sample` or a warper (temperature, top-k/p, typical-p) is set."""
+    temperature = params.temperature if params.temperature is not None else 1.0
+    top_k = params.top_k or 0
+    top_p = params.top_p if params.top_p is not None else 1.0
+    typical_p = params.typical_p if params.typical_p is not None else 1.0
+    warped = temperature != 1.0 or top_k != 0 or top_p < 1.0 or typical_p < 1.0
+    return SamplingParams(
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+        typical_p=typical_p,
+        do_sample=params.do_sample or warped,
+        seed=params.seed,
+        repetition_penalty=params.repetition_penalty or 1.0,
+        frequency_penalty=params.frequency_penalty or 0.0,
+        presence_penalty=params.presence_penalty or 0.0,
+    )
+
+
+def check_tgi_unsupported(params: TGIParameters, info: ServingInfo) -> None:
+    """Refuse TGI features the replicas cannot honour."""
+    if params.best_of not in (None, 1):
+        raise APIError("best_of > 1 is not supported", 400, Flavor.TGI)
+    if params.watermark:
+        raise APIError("watermark is not supported", 400, Flavor.TGI)
+    if params.grammar is not None:
+        raise APIError("grammar is not supported", 400, Flavor.TGI)
+    top_n = params.top_n_tokens or 0
+    if top_n > info.max_top_n_tokens:
+        raise APIError(f"top_n_tokens must be <= {info.max_top_n_tokens}", 400, Flavor.TGI)
+
+
+def stop_sequences(stop: str | Sequence[str] | None, info: ServingInfo, flavor: Flavor) -> tuple[str, ...]:
+    """`stop` as a tuple of non-empty strings, at most `info.max_stop_sequences` of them."""
+    if stop is None:
+        return ()
+    stops = (stop,) if isinstance(stop, str) else tuple(stop)
+    if len(stops) > info.max_stop_sequences:
+        raise APIError(f"at most {info.max_stop_sequences} stop sequences are allowed", 400, flavor, "stop")
+    if any(not s for s in stops):
+        raise APIError("stop sequences must not be empty strings", 400, flavor, "stop")
+    return stops
+
+
+def check_prompt(
+    ids: Sequence[int], info: ServingInfo, vocab_size: int, flavor: Flavor, param: str = "prompt"
+) -> tuple[int, ...]:
+    """A non-empty prompt of known token ids within `max_input_tokens`."""
+    if not ids:
+        raise APIError("the prompt is empty", 400, flavor, param)
+    if any(not 0 <= t < vocab_size for t in ids):
+        raise APIError(f"prompt token ids must be in [0, {vocab_size})", 400, flavor, param)
+    if len(ids) > info.max_input_tokens:
+        raise APIError(
+            f"the prompt has {len(ids)} tokens, over the limit of {info.max_input_tokens} input tokens",
+            400,
+            flavor,
+            param,
+            "context_length_exceeded",
+        )
+    return tuple(ids)
+
+
+def max_new_tokens(
+    requested: int | None, default: int, num_input: int, info: ServingInfo, flavor: Flavor, param: str
+) -> int:
+    """The number of tokens to generate: asked for (checked) or the default capped by the total budget."""
+    room = info.max_total_tokens - num_input
+    if requested is None:
+        if room < 1:
+            raise APIError(
+                f"the prompt has {num_input} tokens and leaves no room to generate within "
+                f"{info.max_total_tokens} total tokens",
+                400,
+                flavor,
+                param,
+                "context_length_exceeded",
+            )
+        return min(default, room)
+    if requested < 1:
+        raise APIError(f"`{param}` must be at least 1", 400, flavor, param)
+    if requested > room:
+        raise APIError(
+            f"prompt tokens ({num_input}) + `{param}` ({requested}) must be <= {info.max_total_tokens}",
+            400,
+            flavor,
+            param,
+            "context_length_exceeded",
+        )
+    return requested
+
+
+def generate_request(
+    ids: tuple[int, ...],
+    sampling: SamplingParams,
+    stopping: StoppingParams,
+    prefill_logprobs: bool = False,
+    top_n_tokens: int = 0,
+    truncate: int | None = None,
+) -> GenerateRequest:
+    """Assemble the scheduler's request (everything already validated)."""
+    return GenerateRequest(
+        input_ids=ids,
+        sampling=sampling,
+        stopping=stopping,
+        prefill_logprobs=prefill_logprobs,
+        top_n_tokens=top_n_tokens,
+        truncate=truncate,
+    )

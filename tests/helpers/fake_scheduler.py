@@ -1,0 +1,130 @@
+"""A fake `Scheduler` for front-end tests: a deterministic token stream that records closes.
+
+Each request produces tokens `" w<k>"` (ids from `WORDS`) derived from its prompt, honours
+`max_new_tokens`, stop sequences and `ignore_eos`, and can be told to reject, fail midway or go
+slowly. `closed` lists the requests whose iterator was closed before their `FinishEvent`: what a
+real scheduler must treat as "client gone, drop it and free its pages".
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from router.types import (
+    ErrorEvent,
+    Event,
+    FinishEvent,
+    FinishReason,
+    GenerateRequest,
+    PrefillEvent,
+    ReplicaId,
+    RequestRejected,
+    Route,
+    TokenEvent,
+    TokenInfo,
+    TopToken,
+)
+
+WORDS = tuple(f"w{i}" for i in range(40))
+EOS_ID = 2
+ROUTE = Route(
+    prefill_replica=ReplicaId(0),
+    decode_replica=ReplicaId(1),
+    strategy="full",
+    migration_bytes=4096,
+    migration_seconds=0.002,
+)
+
+
+def fake_token(request: GenerateRequest, index: int) -> TokenInfo:
+    """The `index`-th generated token of `request` (deterministic in its prompt)."""
+    word = (sum(request.input_ids) + index) % len(WORDS)
+    top = tuple(
+        TopToken(id=100 + (word + k) % len(WORDS), text=f" w{(word + k) % len(WORDS)}", logprob=-0.5 - k)
+        for k in range(request.top_n_tokens)
+    )
+    return TokenInfo(id=100 + word, text=f" {WORDS[word]}", logprob=-0.5, top=top)
+
+
+def expected_text(request: GenerateRequest, count: int) -> str:
+    """The text of the first `count` tokens the fake generates for `request`."""
+    return "".join(fake_token(request, i).text for i in range(count))
+
+
+@dataclass
+class FakeScheduler:
+    """Deterministic scheduler double; records every request and every early close."""
+
+    healthy: bool = True
+    token_delay: float = 0.0
+    reject: RequestRejected | None = None
+    reject_on_first_event: RequestRejected | None = None
+    fail_after: int | None = None
+    eos_after: int | None = None
+    submitted: list[GenerateRequest] = field(default_factory=list)
+    closed: list[int] = field(default_factory=list)
+    finished: list[int] = field(default_factory=list)
+    closed_event: threading.Event = field(default_factory=threading.Event)
+
+    def submit(self, request: GenerateRequest) -> AsyncIterator[Event]:
+        """Record and stream `request`, or raise the configured rejection."""
+        if self.reject is not None:
+            raise self.reject
+        self.submitted.append(request)
+        return self._run(len(self.submitted) - 1, request)
+
+    def is_healthy(self) -> bool:
+        """As configured."""
+        return self.healthy
+
+    async def _run(self, index: int, request: GenerateRequest) -> AsyncIterator[Event]:
+        done = False
+        try:
+            if self.reject_on_first_event is not None:
+                raise self.reject_on_first_event
+            prompt = tuple(
+                TokenInfo(id=t, text=f"p{t}", logprob=-1.0) for t in request.input_ids if request.prefill_logprobs
+            )
+            yield PrefillEvent(prompt_tokens=prompt)
+            async for event in self._tokens(request):
+                done = isinstance(event, FinishEvent | ErrorEvent)
+                yield event
+        finally:
+            (self.finished if done else self.closed).append(index)
+            if not done:
+                self.closed_event.set()
+
+    async def _tokens(self, request: GenerateRequest) -> AsyncIterator[Event]:
+        text = ""
+        limit = request.stopping.max_new_tokens
+        for i in range(limit):
+            if self.token_delay:
+                await asyncio.sleep(self.token_delay)
+            if self.fail_after is not None and i == self.fail_after:
+                yield ErrorEvent(message="replica 1 failed the batch: boom", http_status=500)
+                return
+            if self.eos_after is not None and i == self.eos_after and not request.stopping.ignore_eos:
+                yield TokenEvent(TokenInfo(id=EOS_ID, text="", logprob=-0.1, special=True), i)
+                yield self._finish(request, text, FinishReason.EOS_TOKEN, i + 1)
+                return
+            token = fake_token(request, i)
+            text += token.text
+            yield TokenEvent(token, i)
+            if any(stop in text for stop in request.stopping.stop_sequences):
+                yield self._finish(request, text, FinishReason.STOP_SEQUENCE, i + 1)
+                return
+        yield self._finish(request, text, FinishReason.LENGTH, limit)
+
+    @staticmethod
+    def _finish(request: GenerateRequest, text: str, reason: FinishReason, count: int) -> FinishEvent:
+        return FinishEvent(
+            text=text,
+            reason=reason,
+            generated_tokens=count,
+            prompt_tokens=len(request.input_ids),
+            seed=request.sampling.seed,
+            route=ROUTE,
+        )
