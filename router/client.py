@@ -1,0 +1,365 @@
+"""The replica client edge: the only router module that touches `generate_pb2`.
+
+Every call converts plain dataclasses to protobuf and back, carries a deadline, and turns a gRPC
+status into a typed `ReplicaCallError` subclass so the loops can decide: a dead replica
+(`ReplicaUnavailable`) re-queues its requests elsewhere, anything else fails only that batch.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+import grpc.aio
+
+from protos import generate_pb2 as pb
+from protos import generate_pb2_grpc as pb_grpc
+from router.queue import BatchId
+from router.types import FinishReason, GenerateRequest, RequestId, TokenInfo, TopToken
+
+
+class PrefillCase(enum.IntFlag):
+    """`PrefillV2Request.forward_case` flags."""
+
+    NORMAL = 0
+    MIGRATE = 1
+    MIGRATE_PROGRESSIVE = 2
+    NAIVE_PP = 4
+    IMMIGRATE = 8
+
+
+@dataclass(frozen=True)
+class WireRequest:
+    """One request of a batch as sent to a replica."""
+
+    id: RequestId
+    request: GenerateRequest
+
+
+@dataclass(frozen=True)
+class BatchSpec:
+    """A new batch for a prefill (or the `Batch` named by a migration)."""
+
+    id: BatchId
+    requests: tuple[WireRequest, ...]
+    max_tokens: int
+
+
+@dataclass(frozen=True)
+class CachedBatch:
+    """A batch cached on a replica."""
+
+    id: BatchId
+    request_ids: tuple[RequestId, ...]
+    max_tokens: int = 0
+
+
+@dataclass(frozen=True)
+class Finished:
+    """A request finished in this step."""
+
+    text: str
+    generated_tokens: int
+    reason: FinishReason
+    seed: int | None = None
+
+
+@dataclass(frozen=True)
+class Generation:
+    """One request's output of one step."""
+
+    request_id: RequestId
+    tokens: tuple[TokenInfo, ...]
+    prefill_tokens: tuple[TokenInfo, ...] = ()
+    finished: Finished | None = None
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """A prefill or decode step: generations and the cached batch (None when all finished)."""
+
+    generations: tuple[Generation, ...]
+    batch: CachedBatch | None
+
+
+@dataclass(frozen=True)
+class ReplicaInfo:
+    """The replica's Info facts the router uses."""
+
+    model_id: str
+    dtype: str
+    num_layers: int
+    block_size: int
+    num_blocks_total: int
+    num_blocks_free: int
+    rank: int
+    max_input_tokens: int
+    max_total_tokens: int
+    num_layers_loaded: int = 0
+    embed_ready: bool = False
+    lm_head_ready: bool = False
+    num_cached_batches: int = 0
+    device_type: str = "cpu"
+
+    @property
+    def loaded(self) -> bool:
+        """Every weight region has arrived: the replica can run a full forward."""
+        return self.embed_ready and self.lm_head_ready and self.num_layers_loaded >= self.num_layers
+
+
+class ReplicaCallError(Exception):
+    """A replica call failed; `code` is the gRPC status name."""
+
+    def __init__(self, address: str, method: str, code: str, details: str) -> None:
+        super().__init__(f"replica {address} {method}: {code}: {details}")
+        self.address = address
+        self.method = method
+        self.code = code
+        self.details = details
+
+
+class ReplicaUnavailable(ReplicaCallError):
+    """The replica cannot be reached: treat it as dead."""
+
+
+class ReplicaTimeout(ReplicaCallError):
+    """The call's deadline passed."""
+
+
+class ReplicaUnimplemented(ReplicaCallError):
+    """The replica does not implement this RPC (yet)."""
+
+
+class ReplicaRejected(ReplicaCallError):
+    """The replica refused the call (bad arguments, no pages, wrong state...)."""
+
+
+class ReplicaInternal(ReplicaCallError):
+    """The replica failed internally."""
+
+
+_ERRORS: dict[grpc.StatusCode, type[ReplicaCallError]] = {
+    grpc.StatusCode.UNAVAILABLE: ReplicaUnavailable,
+    grpc.StatusCode.CANCELLED: ReplicaUnavailable,
+    grpc.StatusCode.DEADLINE_EXCEEDED: ReplicaTimeout,
+    grpc.StatusCode.UNIMPLEMENTED: ReplicaUnimplemented,
+    grpc.StatusCode.INVALID_ARGUMENT: ReplicaRejected,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: ReplicaRejected,
+    grpc.StatusCode.FAILED_PRECONDITION: ReplicaRejected,
+    grpc.StatusCode.NOT_FOUND: ReplicaRejected,
+    grpc.StatusCode.ALREADY_EXISTS: ReplicaRejected,
+    grpc.StatusCode.PERMISSION_DENIED: ReplicaRejected,
+    grpc.StatusCode.OUT_OF_RANGE: ReplicaRejected,
+}
+
+
+def _error(address: str, method: str, exc: grpc.aio.AioRpcError) -> ReplicaCallError:
+    code = exc.code()
+    cls = _ERRORS.get(code, ReplicaInternal)
+    return cls(address, method, code.name, exc.details() or "")
+
+
+# ---- dataclass -> protobuf ----------------------------------------------------------------------
+
+
+def _request_pb(wire: WireRequest) -> pb.Request:
+    req, s, st = wire.request, wire.request.sampling, wire.request.stopping
+    params = pb.NextTokenChooserParameters(
+        temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, typical_p=s.typical_p,
+        do_sample=s.do_sample, seed=s.seed or 0, repetition_penalty=s.repetition_penalty,
+    )
+    if s.frequency_penalty:
+        params.frequency_penalty = s.frequency_penalty
+    if s.presence_penalty:
+        params.presence_penalty = s.presence_penalty
+    msg = pb.Request(
+        id=wire.id, parameters=params, input_tokens=list(req.input_ids),
+        stopping_parameters=pb.StoppingCriteriaParameters(
+            max_new_tokens=st.max_new_tokens, stop_sequences=list(st.stop_sequences),
+            ignore_eos_token=st.ignore_eos,
+        ),
+        prefill_logprobs=req.prefill_logprobs, top_n_tokens=req.top_n_tokens,
+    )
+    if req.truncate is not None:
+        msg.truncate = req.truncate
+    return msg
+
+
+def batch_pb(batch: BatchSpec) -> pb.Batch:
+    """A new batch as protobuf."""
+    return pb.Batch(
+        id=batch.id, requests=[_request_pb(r) for r in batch.requests],
+        size=len(batch.requests), max_tokens=batch.max_tokens,
+    )
+
+
+def _cached_pb(batch: CachedBatch) -> pb.CachedBatch:
+    return pb.CachedBatch(
+        id=batch.id, request_ids=list(batch.request_ids), size=len(batch.request_ids),
+        max_tokens=batch.max_tokens,
+    )
+
+
+# ---- protobuf -> dataclass ----------------------------------------------------------------------
+
+
+def _cached(msg: pb.CachedBatch) -> CachedBatch:
+    return CachedBatch(BatchId(msg.id), tuple(RequestId(i) for i in msg.request_ids), msg.max_tokens)
+
+
+def _tokens(msg: pb.Tokens, tops: Sequence[pb.Tokens] = ()) -> tuple[TokenInfo, ...]:
+    out = []
+    for i, tid in enumerate(msg.ids):
+        top: tuple[TopToken, ...] = ()
+        if i < len(tops):
+            t = tops[i]
+            top = tuple(
+                TopToken(t.ids[j], _at(t.texts, j, ""), _at(t.logprobs, j, 0.0), _at(t.is_special, j, False))
+                for j in range(len(t.ids))
+            )
+        out.append(TokenInfo(
+            tid, _at(msg.texts, i, ""), _at(msg.logprobs, i, 0.0), _at(msg.is_special, i, False), top,
+        ))
+    return tuple(out)
+
+
+def _at(seq: Sequence[Any], i: int, default: Any) -> Any:
+    return seq[i] if i < len(seq) else default
+
+
+_REASONS = {
+    pb.FINISH_REASON_LENGTH: FinishReason.LENGTH,
+    pb.FINISH_REASON_EOS_TOKEN: FinishReason.EOS_TOKEN,
+    pb.FINISH_REASON_STOP_SEQUENCE: FinishReason.STOP_SEQUENCE,
+}
+
+
+def _generation(msg: pb.Generation) -> Generation:
+    finished = None
+    if msg.HasField("generated_text"):
+        g = msg.generated_text
+        finished = Finished(
+            g.text, g.generated_tokens, _REASONS.get(g.finish_reason, FinishReason.LENGTH),
+            g.seed if g.HasField("seed") else None,
+        )
+    prefill = _tokens(msg.prefill_tokens) if msg.HasField("prefill_tokens") else ()
+    return Generation(RequestId(msg.request_id), _tokens(msg.tokens, msg.top_tokens), prefill, finished)
+
+
+def _step(generations: Sequence[pb.Generation], batch: pb.CachedBatch | None) -> StepResult:
+    return StepResult(tuple(_generation(g) for g in generations), _cached(batch) if batch else None)
+
+
+def _info(msg: pb.InfoResponse) -> ReplicaInfo:
+    return ReplicaInfo(
+        model_id=msg.model_id, dtype=msg.dtype, num_layers=msg.num_layers, block_size=msg.block_size,
+        num_blocks_total=msg.num_blocks_total, num_blocks_free=msg.num_blocks_free, rank=msg.rank,
+        max_input_tokens=msg.max_input_tokens, max_total_tokens=msg.max_total_tokens,
+        num_layers_loaded=msg.num_layers_loaded, embed_ready=msg.embed_ready,
+        lm_head_ready=msg.lm_head_ready, num_cached_batches=msg.num_cached_batches,
+        device_type=msg.device_type,
+    )
+
+
+@dataclass
+class ReplicaClient:
+    """An asyncio gRPC client of one replica; every call has a deadline (seconds)."""
+
+    address: str
+    timeout: float = 60.0
+    transfer_timeout: float = 300.0
+    _channel: grpc.aio.Channel | None = field(default=None, init=False, repr=False)
+
+    @property
+    def stub(self) -> pb_grpc.TextGenerationServiceStub:
+        """The generated stub on a lazily opened channel (opened inside the running event loop)."""
+        if self._channel is None:
+            self._channel = grpc.aio.insecure_channel(
+                self.address, options=[("grpc.max_receive_message_length", 64 << 20)]
+            )
+        return pb_grpc.TextGenerationServiceStub(self._channel)
+
+    async def close(self) -> None:
+        """Close the channel."""
+        if self._channel is not None:
+            await self._channel.close()
+            self._channel = None
+
+    async def _call(self, method: str, request: object, timeout: float | None = None) -> Any:
+        try:
+            return await getattr(self.stub, method)(request, timeout=timeout or self.timeout)
+        except grpc.aio.AioRpcError as exc:
+            raise _error(self.address, method, exc) from None
+
+    async def info(self) -> ReplicaInfo:
+        """Model and cache facts."""
+        return _info(await self._call("Info", pb.InfoRequest()))
+
+    async def health(self) -> str:
+        """'serving', 'loading' or 'inactive'."""
+        resp = await self._call("Health", pb.HealthRequest())
+        return str(resp.state)
+
+    async def prefill(
+        self, batch: BatchSpec, case: PrefillCase = PrefillCase.NORMAL, pipe_peer: Sequence[int] = ()
+    ) -> StepResult:
+        """PrefillV2 of a new batch (with migration flags when `case` asks for them)."""
+        req = pb.PrefillV2Request(batch=batch_pb(batch), forward_case=int(case), pipe_peer=list(pipe_peer))
+        timeout = self.transfer_timeout if case else None
+        resp = await self._call("PrefillV2", req, timeout)
+        return _step(resp.generations, resp.batch if resp.HasField("batch") else None)
+
+    async def decode(self, batches: Sequence[CachedBatch], last_tokens: Sequence[Sequence[int]]
+                     ) -> StepResult:
+        """DecodeV2: append `last_tokens` (one list per batch), merge the batches (id = first), one step."""
+        req = pb.DecodeV2Request(
+            batches=[_cached_pb(b) for b in batches],
+            last_iter_tokens=[pb.Tokens(ids=list(ids)) for ids in last_tokens],
+        )
+        resp = await self._call("DecodeV2", req)
+        return _step(resp.generations, resp.batch if resp.HasField("batch") else None)
+
+    async def filter_batch(self, batch_id: BatchId, keep: Sequence[RequestId]) -> CachedBatch:
+        """Keep only `keep`; the replica frees the others' pages."""
+        req = pb.FilterBatchRequest(batch_id=batch_id, request_ids=list(keep))
+        resp = await self._call("FilterBatch", req)
+        return _cached(resp.batch)
+
+    async def clear_cache(self, batch_id: BatchId | None = None) -> None:
+        """Free one batch (or every batch when None)."""
+        req = pb.ClearCacheRequest() if batch_id is None else pb.ClearCacheRequest(id=batch_id)
+        await self._call("ClearCache", req)
+
+    async def migrate(self, batch: BatchSpec, src: Sequence[int], dst: Sequence[int]) -> CachedBatch:
+        """Sender side of a full KV migration."""
+        req = pb.MigrateRequest(batch=batch_pb(batch), src=list(src), dst=list(dst))
+        return _cached((await self._call("Migrate", req, self.transfer_timeout)).batch)
+
+    async def immigrate(self, batch: BatchSpec, src: Sequence[int], dst: Sequence[int]) -> CachedBatch:
+        """Receiver side of a full KV migration: returns the decode-ready batch."""
+        req = pb.ImmigrateRequest(batch=batch_pb(batch), src=list(src), dst=list(dst))
+        return _cached((await self._call("Immigrate", req, self.transfer_timeout)).batch)
+
+    async def send_params(self, dst: int) -> None:
+        """Start a background p2p weight send to global rank `dst`."""
+        await self._call("SendParams", pb.SendParamsRequest(dst=dst))
+
+    async def recv_params(self, src: int) -> None:
+        """Start a background p2p weight receive from global rank `src`."""
+        await self._call("RecvParams", pb.RecvParamsRequest(src=src))
+
+    async def rdma_broadcast(self, src_ranks: Sequence[int], dst_ranks: Sequence[int]) -> None:
+        """Start this member's part of a chain multicast of the weights."""
+        req = pb.BroadcastRequest(src_ranks=list(src_ranks), dst_ranks=list(dst_ranks))
+        await self._call("RdmaBroadcast", req)
+
+    async def wait_rdma_done(self) -> None:
+        """Join the background weight transfer; raises its error."""
+        await self._call("WaitRdmaDone", pb.WaitRdmaDoneRequest(), self.transfer_timeout)
+
+    async def reset_status(self) -> None:
+        """Mark the weights unloaded."""
+        await self._call("ResetStatus", pb.ResetStatusRequest())

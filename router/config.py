@@ -1,0 +1,87 @@
+"""`RouterConfig`: the one config of the router process; `pdcluster router`'s flags are its fields.
+
+Imports neither grpc nor torch (it loads for `--help`).
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+class Strategy(enum.Enum):
+    """How a prefilled batch reaches its decode replica."""
+
+    FULL = "full"
+    PROGRESSIVE = "progressive"
+    MUTATE = "mutate"
+    RECOMPUTE = "recompute"
+    COLOCATED = "colocated"
+
+
+ROLE_NAMES = ("prefill", "decode", "colocated", "inactive")
+
+
+def _help(text: str, **extra: object) -> dict[str, object]:
+    return {"help": text, **extra}
+
+
+@dataclass
+class RouterConfig:
+    """Flags of `pdcluster router`."""
+
+    model: Path = field(metadata=_help("checkpoint folder (tokenizer, config.json)"))
+    replica: list[str] = field(default_factory=list, metadata=_help("replica gRPC addresses HOST:PORT"))
+    role: list[str] = field(default_factory=list, metadata=_help(
+        "role of each --replica, same order (prefill|decode|colocated|inactive); default: the first "
+        "is prefill and the others decode, or colocated when there is one replica"))
+    host: str = field(default="127.0.0.1", metadata=_help("address the HTTP and admin servers bind"))
+    http_port: int = field(default=8080, metadata=_help("HTTP port (0 = pick a free one)"))
+    admin_port: int = field(default=50100, metadata=_help("admin gRPC port (0 = pick a free one)"))
+    strategy: Strategy = field(default=Strategy.FULL, metadata=_help("migration strategy"))
+    admin_token: str = field(default="", metadata=_help(
+        "token required in the `x-admin-token` metadata of mutating admin calls (empty = none)"))
+    model_id: str = field(default="", metadata=_help("model name served (default: the folder name)"))
+    max_batch_prefill_tokens: int = field(default=4096, metadata=_help("prompt tokens per prefill batch"))
+    max_batch_total_tokens: int = field(default=65536, metadata=_help(
+        "prompt + new tokens one prefill batch may reserve"))
+    max_batch_size: int = field(default=64, metadata=_help("requests per prefill batch"))
+    max_new_tokens: int = field(default=256, metadata=_help("default max new tokens of a request"))
+    max_inbound_migrations: int = field(default=2, metadata=_help(
+        "migrations in flight into one decode replica"))
+    max_pending_migrations: int = field(default=4, metadata=_help(
+        "prefilled batches one prefill replica may hold while they wait for a decode replica"))
+    max_requeues: int = field(default=3, metadata=_help("times a request is re-run after replica failures"))
+    heartbeat_interval: float = field(default=1.0, metadata=_help("seconds between replica liveness checks"))
+    heartbeat_timeout: float = field(default=5.0, metadata=_help(
+        "seconds without a heartbeat after which a replica is dead"))
+    rpc_timeout: float = field(default=60.0, metadata=_help("deadline of replica calls (seconds)"))
+    transfer_timeout: float = field(default=300.0, metadata=_help("deadline of migration and weight calls"))
+
+    def __post_init__(self) -> None:
+        self.model = Path(self.model)
+        if isinstance(self.strategy, str):
+            self.strategy = Strategy(self.strategy)
+        if self.role and len(self.role) != len(self.replica):
+            raise ValueError("--role needs one entry per --replica")
+        bad = [r for r in self.role if r not in ROLE_NAMES]
+        if bad:
+            raise ValueError(f"unknown role(s) {bad}; choose from {ROLE_NAMES}")
+        if self.max_inbound_migrations < 1 or self.max_pending_migrations < 1 or self.max_batch_size < 1:
+            raise ValueError("migration bounds and batch size must be >= 1")
+        if self.heartbeat_timeout <= self.heartbeat_interval:
+            raise ValueError("heartbeat_timeout must exceed heartbeat_interval")
+
+    def roles(self) -> list[str]:
+        """The role of each `--replica` (explicit or the default split)."""
+        if self.role:
+            return list(self.role)
+        if len(self.replica) == 1:
+            return ["colocated"]
+        return ["prefill"] + ["decode"] * (len(self.replica) - 1)
+
+    @property
+    def served_model_id(self) -> str:
+        """The model name clients use."""
+        return self.model_id or self.model.name

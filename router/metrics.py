@@ -1,0 +1,85 @@
+"""The router's Prometheus metrics, on its own `CollectorRegistry` (no global state).
+
+`render()` returns the exposition body and its content type; the front end serves it at `/metrics`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+from router.replicas import ReplicaState, Role
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+_BYTES_BUCKETS = tuple(float(1 << k) for k in range(10, 34, 2))
+
+
+class RouterMetrics:
+    """Counters, gauges and histograms of one router process."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.queue_depth = Gauge("pdcluster_queue_depth", "Requests waiting for a prefill", registry=r)
+        self.queue_tokens = Gauge("pdcluster_queue_prompt_tokens", "Prompt tokens waiting", registry=r)
+        self.ttft = Histogram("pdcluster_time_to_first_token_seconds", "Time to first token",
+                              buckets=_LATENCY_BUCKETS, registry=r)
+        self.tpot = Histogram("pdcluster_time_per_output_token_seconds", "Mean time per output token after "
+                              "the first", buckets=_LATENCY_BUCKETS, registry=r)
+        self.e2e = Histogram("pdcluster_e2e_request_latency_seconds", "Submit to last token",
+                             buckets=_LATENCY_BUCKETS, registry=r)
+        self.requests = Counter("pdcluster_requests", "Requests by outcome", ["outcome"], registry=r)
+        self.prompt_tokens = Counter("pdcluster_prompt_tokens", "Prompt tokens of finished requests",
+                                     registry=r)
+        self.generated_tokens = Counter("pdcluster_generated_tokens", "Tokens generated", registry=r)
+        self.migrations = Counter("pdcluster_migrations", "Batches moved to a decode replica",
+                                  ["strategy"], registry=r)
+        self.migration_bytes = Counter("pdcluster_migration_bytes", "Bytes moved by migrations",
+                                       ["strategy"], registry=r)
+        self.migration_seconds = Histogram("pdcluster_migration_seconds", "Time of one batch migration",
+                                           ["strategy"], buckets=_LATENCY_BUCKETS, registry=r)
+        self.migration_size = Histogram("pdcluster_migration_batch_bytes", "Bytes of one batch migration",
+                                        buckets=_BYTES_BUCKETS, registry=r)
+        self.requeued = Counter("pdcluster_requests_requeued", "Requests re-run after a replica died",
+                                registry=r)
+        self.replica_state = Gauge("pdcluster_replica_state", "1 for the replica's current role",
+                                   ["replica", "address", "role"], registry=r)
+        self.replica_free = Gauge("pdcluster_replica_free_blocks", "Free KV pages reported by the replica",
+                                  ["replica"], registry=r)
+        self.replica_used = Gauge("pdcluster_replica_router_used_blocks", "KV pages the router accounts "
+                                  "to the replica's batches", ["replica"], registry=r)
+
+    def request_done(self, outcome: str, submitted: float, first: float | None, end: float,
+                     prompt: int, generated: int) -> None:
+        """One request ended (`outcome`: finished, failed, cancelled)."""
+        self.requests.labels(outcome).inc()
+        if outcome != "finished":
+            return
+        self.prompt_tokens.inc(prompt)
+        self.e2e.observe(end - submitted)
+        if first is not None:
+            self.ttft.observe(first - submitted)
+            if generated > 1:
+                self.tpot.observe((end - first) / (generated - 1))
+
+    def migration(self, strategy: str, nbytes: int, seconds: float) -> None:
+        """One batch moved."""
+        self.migrations.labels(strategy).inc()
+        self.migration_bytes.labels(strategy).inc(nbytes)
+        self.migration_seconds.labels(strategy).observe(seconds)
+        self.migration_size.observe(nbytes)
+
+    def update_replicas(self, replicas: Iterable[ReplicaState]) -> None:
+        """Refresh per-replica gauges."""
+        for rep in replicas:
+            rid = str(rep.id)
+            for role in Role:
+                self.replica_state.labels(rid, rep.address, role.value).set(1 if rep.role is role else 0)
+            self.replica_free.labels(rid).set(rep.info.num_blocks_free)
+            self.replica_used.labels(rid).set(rep.used_blocks)
+
+    def render(self) -> tuple[bytes, str]:
+        """The Prometheus exposition of every metric, and its content type."""
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST
