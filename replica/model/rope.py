@@ -1,0 +1,99 @@
+"""Rotary position embeddings: inverse frequencies (with scaling), cos/sin tables, and the rotation.
+
+The arithmetic follows transformers' order of operations (float32 frequencies, cos/sin scaled by the
+attention factor in float32, then cast to the model dtype; the rotation in the model dtype) so that
+bfloat16/float16 results match it bit for bit, not merely approximately.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from replica.model.config import ModelConfig, RopeKind, RopeScaling
+
+
+def _default_inv_freq(theta: float, dim: int) -> torch.Tensor:
+    exponents = torch.arange(0, dim, 2, dtype=torch.int64).to(torch.float32) / dim
+    return 1.0 / (theta**exponents)
+
+
+def _llama3_inv_freq(inv_freq: torch.Tensor, s: RopeScaling) -> torch.Tensor:
+    # Llama 3.1: long wavelengths are divided by `factor`, short ones kept, the middle band blended.
+    old_context = s.original_max_position_embeddings or 8192
+    low_wavelen = old_context / s.low_freq_factor
+    high_wavelen = old_context / s.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / s.factor, inv_freq)
+    smooth = (old_context / wavelen - s.low_freq_factor) / (s.high_freq_factor - s.low_freq_factor)
+    blended = (1 - smooth) * scaled / s.factor + smooth * scaled
+    is_medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
+    return torch.where(is_medium, blended, scaled)
+
+
+def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def _yarn_attention_factor(s: RopeScaling) -> float:
+    if s.attention_factor is not None:
+        return float(s.attention_factor)
+    if s.mscale and s.mscale_all_dim:
+        return _yarn_mscale(s.factor, s.mscale) / _yarn_mscale(s.factor, s.mscale_all_dim)
+    return _yarn_mscale(s.factor)
+
+
+def _yarn_inv_freq(theta: float, dim: int, s: RopeScaling, max_positions: int) -> torch.Tensor:
+    # YaRN: interpolate low frequencies by `factor`, keep high ones, with a linear ramp between.
+    original = s.original_max_position_embeddings or max_positions
+
+    def correction_dim(rotations: float) -> float:
+        return (dim * math.log(original / (rotations * 2 * math.pi))) / (2 * math.log(theta))
+
+    low, high = correction_dim(s.beta_fast), correction_dim(s.beta_slow)
+    if s.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # avoid a division by zero in the ramp
+    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+    pos_freqs = theta ** (torch.arange(0, dim, 2).to(torch.float32) / dim)
+    extrapolation = 1.0 / pos_freqs
+    interpolation = 1.0 / (s.factor * pos_freqs)
+    keep = 1 - ramp
+    return interpolation * (1 - keep) + extrapolation * keep
+
+
+def inverse_frequencies(config: ModelConfig) -> tuple[torch.Tensor, float]:
+    """(head_dim/2,) float32 inverse frequencies and the cos/sin scale (attention factor)."""
+    s, dim, theta = config.rope_scaling, config.head_dim, config.rope_theta
+    if s.kind is RopeKind.YARN:
+        return _yarn_inv_freq(theta, dim, s, config.max_position_embeddings), _yarn_attention_factor(s)
+    inv_freq = _default_inv_freq(theta, dim)
+    if s.kind is RopeKind.LINEAR:
+        inv_freq = inv_freq / s.factor
+    elif s.kind is RopeKind.LLAMA3:
+        inv_freq = _llama3_inv_freq(inv_freq, s)
+    # DEFAULT and DYNAMIC (below max_position_embeddings) use the plain frequencies.
+    return inv_freq, 1.0
+
+
+def cos_sin(
+    inv_freq: torch.Tensor, scale: float, positions: torch.Tensor, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin tables (n, head_dim) for absolute `positions` (n,), in `dtype`."""
+    freqs = positions.to(torch.float32)[:, None] * inv_freq.to(positions.device)[None, :]  # (n, head_dim/2)
+    angles = torch.cat((freqs, freqs), dim=-1)  # (n, head_dim)
+    return (angles.cos() * scale).to(dtype), (angles.sin() * scale).to(dtype)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate `x` (n, heads, head_dim) by per-token tables cos/sin (n, head_dim)."""
+    cos, sin = cos[:, None, :], sin[:, None, :]  # broadcast over heads
+    return (x * cos) + (_rotate_half(x) * sin)

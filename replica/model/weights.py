@@ -1,0 +1,239 @@
+"""The flat weight buffer: allocate it, view it as typed tensors, fill it from safetensors files.
+
+```
+ model.safetensors (or model-0000i-of-0000N.safetensors + model.safetensors.index.json)
+        │ header parsed here; bytes read with readinto() straight into the buffer when dtypes match
+        ▼
+ buffer (uint8, layout.total_bytes): | embed | layer 0 | … | layer L-1 | head |
+        ▲  on_region("embed"), on_region("layer.0"), …, on_region("head") as each region completes
+```
+
+Reading the file's bytes directly into the buffer (no mmap, no intermediate tensor) keeps loading
+as fast as a raw read of the same files; only a dtype cast or a tensor-parallel slice goes through a
+temporary tensor.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import struct
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack
+from dataclasses import dataclass
+from pathlib import Path
+from typing import cast
+
+import torch
+
+from replica.model.config import CheckpointError
+from replica.model.layout import LM_HEAD_NAME, Split, TensorSpec, WeightLayout
+
+TORCH_DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+}
+DTYPE_NAMES = {v: k for k, v in TORCH_DTYPES.items()}
+_SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
+    "F32": torch.float32,
+    "BF16": torch.bfloat16,
+    "F16": torch.float16,
+    "F64": torch.float64,
+}
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+# Tensors some checkpoints carry that the math recomputes or does not need.
+_HARMLESS_SUFFIXES = ("rotary_emb.inv_freq",)
+
+RegionCallback = Callable[[str], None]
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """The layout's name for a torch dtype (refuses the ones we do not serve)."""
+    if dtype not in DTYPE_NAMES:
+        raise CheckpointError(f"dtype {dtype} not supported (supported: {', '.join(TORCH_DTYPES)})")
+    return DTYPE_NAMES[dtype]
+
+
+def allocate_buffer(layout: WeightLayout, device: str = "cpu") -> torch.Tensor:
+    """An uninitialised uint8 buffer of the layout's size."""
+    return torch.empty(layout.total_bytes, dtype=torch.uint8, device=device)
+
+
+def tensor_view(buffer: torch.Tensor, spec: TensorSpec) -> torch.Tensor:
+    """The typed view of `spec` inside the flat `buffer` (shares memory)."""
+    return buffer[spec.offset : spec.end].view(TORCH_DTYPES[spec.dtype]).view(spec.shape)
+
+
+def tensor_views(layout: WeightLayout, buffer: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Every tensor of the layout as a view, by HF name (a tied lm_head maps to the embedding)."""
+    if buffer.dtype != torch.uint8 or buffer.numel() != layout.total_bytes:
+        raise ValueError(
+            f"buffer must be uint8 of {layout.total_bytes} bytes, got {buffer.dtype} {buffer.numel()}"
+        )
+    views = {name: tensor_view(buffer, spec) for name, spec in layout.tensors().items()}
+    views[LM_HEAD_NAME] = tensor_view(buffer, layout.lm_head)
+    return views
+
+
+@dataclass(frozen=True)
+class StoredTensor:
+    """Where a tensor's bytes are in a safetensors file."""
+
+    file: Path
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    begin: int  # absolute byte offset in the file
+    end: int
+
+
+def read_header(file: Path) -> dict[str, StoredTensor]:
+    """Parse one safetensors file's header (8-byte little-endian length + JSON)."""
+    try:
+        with open(file, "rb") as handle:
+            (length,) = struct.unpack("<Q", handle.read(8))
+            header = json.loads(handle.read(length))
+    except (OSError, struct.error, json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise CheckpointError(f"cannot read safetensors header of {file}: {exc}") from exc
+    base = 8 + length
+    tensors = {}
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        if info["dtype"] not in _SAFETENSORS_DTYPES:
+            raise CheckpointError(f"{file}: tensor {name} has unsupported dtype {info['dtype']}")
+        begin, end = info["data_offsets"]
+        tensors[name] = StoredTensor(
+            file, _SAFETENSORS_DTYPES[info["dtype"]], tuple(info["shape"]), base + begin, base + end
+        )
+    return tensors
+
+
+def checkpoint_files(path: Path) -> list[Path]:
+    """The safetensors files of a checkpoint folder (from the index when sharded)."""
+    index = path / INDEX_FILE
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (OSError, json.JSONDecodeError, KeyError) as exc:
+            raise CheckpointError(f"cannot read {index}: {exc}") from exc
+        files = [path / name for name in dict.fromkeys(weight_map.values())]
+    elif (path / SINGLE_FILE).is_file():
+        files = [path / SINGLE_FILE]
+    else:
+        files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(f"no safetensors files in {path}")
+    missing = [str(f) for f in files if not f.is_file()]
+    if missing:
+        raise CheckpointError(f"{path}: safetensors file(s) named by the index are missing: {missing}")
+    return files
+
+
+def stored_tensors(path: Path) -> tuple[dict[str, StoredTensor], list[Path]]:
+    """All tensors of the checkpoint by name, and the files searched."""
+    files = checkpoint_files(path)
+    found: dict[str, StoredTensor] = {}
+    for file in files:
+        found.update(read_header(file))
+    return found, files
+
+
+def _check_extras(layout: WeightLayout, stored: dict[str, StoredTensor]) -> None:
+    expected = set(layout.tensors())
+    harmless = {LM_HEAD_NAME} if layout.tied_embeddings else set()
+    extra = sorted(
+        n for n in stored if n not in expected and n not in harmless and not n.endswith(_HARMLESS_SUFFIXES)
+    )
+    if extra:
+        shown = ", ".join(extra[:5]) + (f" (+{len(extra) - 5} more)" if len(extra) > 5 else "")
+        raise CheckpointError(f"checkpoint has tensors this model does not use: {shown}")
+
+
+def _shard_slice(full: torch.Tensor, spec: TensorSpec, layout: WeightLayout) -> torch.Tensor:
+    if spec.split is Split.REPLICATED or layout.shard.world == 1:
+        return full
+    dim = 0 if spec.split is Split.ROWS else 1
+    size = spec.shape[dim]
+    return full.narrow(dim, layout.shard.rank * size, size)
+
+
+def _full_shape(spec: TensorSpec, layout: WeightLayout) -> tuple[int, ...]:
+    shape = list(spec.shape)
+    if spec.split is Split.ROWS:
+        shape[0] *= layout.shard.world
+    elif spec.split is Split.COLUMNS:
+        shape[1] *= layout.shard.world
+    return tuple(shape)
+
+
+def _bytes_of(tensor: torch.Tensor) -> memoryview:
+    """A writable memoryview of a contiguous CPU uint8 tensor."""
+    return memoryview(tensor.numpy()).cast("B")  # type: ignore[arg-type]
+
+
+class _Reader:
+    """Reads stored tensors into buffer views, keeping one open handle per file."""
+
+    def __init__(self, stack: ExitStack, layout: WeightLayout, buffer: torch.Tensor) -> None:
+        self.stack, self.layout, self.buffer = stack, layout, buffer
+        self.handles: dict[Path, io.RawIOBase] = {}
+
+    def _handle(self, file: Path) -> io.RawIOBase:
+        if file not in self.handles:
+            # unbuffered: readinto() goes straight from the kernel into the weight buffer
+            raw = cast(io.RawIOBase, self.stack.enter_context(open(file, "rb", buffering=0)))  # noqa: SIM115
+            self.handles[file] = raw
+        return self.handles[file]
+
+    def _read_into(self, stored: StoredTensor, target: memoryview) -> None:
+        handle = self._handle(stored.file)
+        handle.seek(stored.begin)
+        done = 0
+        while done < len(target):
+            got = handle.readinto(target[done:])
+            if not got:
+                raise CheckpointError(f"{stored.file}: truncated while reading tensor data")
+            done += got
+
+    def load(self, spec: TensorSpec, stored: StoredTensor) -> None:
+        if stored.shape != _full_shape(spec, self.layout):
+            raise CheckpointError(
+                f"tensor {spec.name}: shape {list(stored.shape)} in {stored.file.name}, "
+                f"config expects {list(_full_shape(spec, self.layout))}"
+            )
+        direct = stored.dtype == TORCH_DTYPES[spec.dtype] and self.layout.shard.world == 1
+        if direct and self.buffer.device.type == "cpu":
+            self._read_into(stored, _bytes_of(self.buffer[spec.offset : spec.end]))
+            return
+        raw = torch.empty(stored.end - stored.begin, dtype=torch.uint8)
+        self._read_into(stored, _bytes_of(raw))
+        full = raw.view(stored.dtype).view(stored.shape)
+        tensor_view(self.buffer, spec).copy_(_shard_slice(full, spec, self.layout))
+
+
+def _in_file_order(specs: tuple[TensorSpec, ...], stored: dict[str, StoredTensor]) -> Iterator[TensorSpec]:
+    # Within a region, read in file order so the disk sees forward seeks only.
+    return iter(sorted(specs, key=lambda s: (str(stored[s.name].file), stored[s.name].begin)))
+
+
+def load_weights(
+    path: Path, layout: WeightLayout, buffer: torch.Tensor, on_region: RegionCallback | None = None
+) -> None:
+    """Fill `buffer` from the checkpoint at `path`, calling `on_region(name)` as each region completes."""
+    stored, files = stored_tensors(Path(path))
+    missing = [name for name in layout.tensors() if name not in stored]
+    if missing:
+        raise CheckpointError(
+            f"tensor {missing[0]} not found in {[f.name for f in files]} under {path}"
+            + (f" ({len(missing) - 1} more missing)" if len(missing) > 1 else "")
+        )
+    _check_extras(layout, stored)
+    with ExitStack() as stack:
+        reader = _Reader(stack, layout, buffer)
+        for region in layout.regions:
+            for spec in _in_file_order(region.tensors, stored):
+                reader.load(spec, stored[spec.name])
+            if on_region is not None:
+                on_region(region.name)

@@ -1,0 +1,222 @@
+"""`pdcluster make-tiny-model`: a random-weight Hugging Face checkpoint with a locally trained tokenizer.
+
+The folder (config.json, generation_config.json, model.safetensors or shards + index,
+tokenizer.json, tokenizer_config.json, special_tokens_map.json) loads as-is with
+`transformers.AutoModelForCausalLM.from_pretrained` and `AutoTokenizer.from_pretrained`, so tests
+can compare our replica with transformers on it. Nothing is downloaded. Torch and tokenizers are
+imported only when a model is made, so `--help` stays fast.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+ARCHS = {
+    "llama": ("LlamaForCausalLM", "llama"),
+    "mistral": ("MistralForCausalLM", "mistral"),
+    "qwen2": ("Qwen2ForCausalLM", "qwen2"),
+}
+SPECIAL_TOKENS = ("<unk>", "<s>", "</s>")  # ids 0, 1, 2
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}<|{{ message['role'] }}|>\n"
+    "{{ message['content'] }}{{ eos_token }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+# A small English corpus, enough for a few hundred byte-level BPE merges.
+CORPUS = """
+The quick brown fox jumps over the lazy dog. A journey of a thousand miles begins with a single step.
+Once upon a time there was a little town by the sea, and every morning the fishermen sailed out
+before the sun came up. The children ran along the beach, looking for shells and small crabs.
+In the evening the families gathered around the fire and told stories about the old days.
+What is the capital of France? The capital of France is Paris. What is two plus two? It is four.
+Hello, how are you today? I am fine, thank you. Please tell me a story about a dragon and a knight.
+The weather today is sunny with a light breeze from the west, and tomorrow it will rain.
+Machine learning models learn patterns from data. Large language models predict the next token.
+A server receives requests, batches them together, and sends the results back to the clients.
+The cat sat on the mat while the dog slept in the garden under the tall green tree.
+Water boils at one hundred degrees and freezes at zero. The moon moves around the earth.
+She opened the door, looked outside, and decided that it was a good day for a long walk.
+Numbers: one two three four five six seven eight nine ten eleven twelve twenty thirty hundred.
+Questions and answers, stories and poems, letters and lists: all of them are made of words.
+"""
+
+
+@dataclass
+class TinyModelConfig:
+    """Shape and contents of the tiny checkpoint."""
+
+    out: Path = field(metadata={"help": "output folder (created if missing)", "positional": True})
+    arch: str = field(default="llama", metadata={"help": "architecture", "choices": sorted(ARCHS)})
+    layers: int = field(default=2, metadata={"help": "number of decoder layers"})
+    hidden: int = field(default=64, metadata={"help": "hidden size"})
+    heads: int = field(default=4, metadata={"help": "attention heads"})
+    kv_heads: int = field(default=2, metadata={"help": "key/value heads (grouped-query attention)"})
+    intermediate: int = field(default=128, metadata={"help": "MLP intermediate size"})
+    vocab: int = field(default=512, metadata={"help": "vocabulary size (>= the tokenizer's, >= 300)"})
+    seed: int = field(default=0, metadata={"help": "random seed of the weights"})
+    max_positions: int = field(default=512, metadata={"help": "max_position_embeddings"})
+    tie_embeddings: bool = field(default=False, metadata={"help": "tie lm_head to the embedding"})
+    dtype: str = field(
+        default="float32", metadata={"help": "weight dtype", "choices": ["float32", "bfloat16", "float16"]}
+    )
+    shards: int = field(default=1, metadata={"help": "number of safetensors files (>1 writes an index)"})
+    head_dim: int = field(default=0, metadata={"help": "explicit head_dim (0: hidden / heads, key omitted)"})
+    rope_theta: float = field(default=10000.0, metadata={"help": "RoPE base"})
+    rope_scaling: str = field(
+        default="", metadata={"help": "rope_scaling as JSON (e.g. a llama3 dict); empty: none"}
+    )
+    sliding_window: int = field(default=0, metadata={"help": "sliding window (mistral/qwen2); 0: none"})
+    attention_bias: bool = field(default=False, metadata={"help": "llama: biases on q/k/v/o"})
+    mlp_bias: bool = field(default=False, metadata={"help": "llama: biases on the MLP"})
+
+    def __post_init__(self) -> None:
+        self.out = Path(self.out)
+        if self.arch not in ARCHS:
+            raise ValueError(f"arch must be one of {sorted(ARCHS)}, got {self.arch!r}")
+        if self.vocab < 300:
+            raise ValueError(f"vocab must be >= 300 (256 bytes + special tokens + merges), got {self.vocab}")
+        if min(self.layers, self.hidden, self.heads, self.kv_heads, self.intermediate, self.shards) <= 0:
+            raise ValueError("layers, hidden, heads, kv_heads, intermediate and shards must be positive")
+        if self.heads % self.kv_heads:
+            raise ValueError(f"heads ({self.heads}) must be a multiple of kv_heads ({self.kv_heads})")
+        if not self.head_dim and self.hidden % self.heads:
+            raise ValueError(f"hidden ({self.hidden}) must be a multiple of heads ({self.heads})")
+
+
+def hf_config(cfg: TinyModelConfig) -> dict[str, Any]:
+    """The config.json contents."""
+    architecture, model_type = ARCHS[cfg.arch]
+    config: dict[str, Any] = {
+        "architectures": [architecture],
+        "model_type": model_type,
+        "vocab_size": cfg.vocab,
+        "hidden_size": cfg.hidden,
+        "intermediate_size": cfg.intermediate,
+        "num_hidden_layers": cfg.layers,
+        "num_attention_heads": cfg.heads,
+        "num_key_value_heads": cfg.kv_heads,
+        "hidden_act": "silu",
+        "max_position_embeddings": cfg.max_positions,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": cfg.rope_theta,
+        "rope_scaling": json.loads(cfg.rope_scaling) if cfg.rope_scaling else None,
+        "tie_word_embeddings": cfg.tie_embeddings,
+        "torch_dtype": cfg.dtype,
+        "initializer_range": 0.02,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+        "use_cache": True,
+    }
+    if cfg.head_dim:
+        config["head_dim"] = cfg.head_dim
+    if cfg.arch == "llama":
+        config.update(attention_bias=cfg.attention_bias, mlp_bias=cfg.mlp_bias)
+    elif cfg.arch == "mistral":
+        config["sliding_window"] = cfg.sliding_window or None
+    else:
+        window = cfg.sliding_window or None
+        config.update(use_sliding_window=window is not None, sliding_window=window, max_window_layers=0)
+    return config
+
+
+def _random_weights(cfg: TinyModelConfig) -> dict[str, Any]:
+    import torch
+
+    from replica.model.config import ModelConfig
+    from replica.model.layout import WeightLayout
+
+    model_config = ModelConfig.from_dict(hf_config(cfg))
+    layout = WeightLayout.for_config(model_config, "float32")
+    generator = torch.Generator().manual_seed(cfg.seed)
+    tensors = {}
+    for name, spec in layout.tensors().items():
+        if name.endswith("norm.weight"):
+            # around 1 but not exactly, so a missing or misplaced norm weight changes the logits
+            tensor = 1.0 + 0.1 * torch.randn(spec.shape, generator=generator)
+        else:
+            std = 0.1 if name.endswith(("embed_tokens.weight", "lm_head.weight", "bias")) else 0.08
+            tensor = std * torch.randn(spec.shape, generator=generator)
+        tensors[name] = tensor.to(getattr(torch, cfg.dtype)).contiguous()
+    return tensors
+
+
+def _save_weights(cfg: TinyModelConfig, tensors: dict[str, Any]) -> None:
+    from safetensors.torch import save_file
+
+    names = list(tensors)
+    if cfg.shards == 1:
+        save_file(tensors, str(cfg.out / "model.safetensors"), metadata={"format": "pt"})
+        return
+    per_shard = -(-len(names) // cfg.shards)
+    weight_map: dict[str, str] = {}
+    for i in range(cfg.shards):
+        file = f"model-{i + 1:05d}-of-{cfg.shards:05d}.safetensors"
+        part = {n: tensors[n] for n in names[i * per_shard : (i + 1) * per_shard]}
+        save_file(part, str(cfg.out / file), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(part, file))
+    total = sum(t.numel() * t.element_size() for t in tensors.values())
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (cfg.out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+
+
+def _train_tokenizer(vocab: int) -> Any:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    tokenizer = Tokenizer(models.BPE(unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab,
+        special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator([line for line in CORPUS.splitlines() if line], trainer=trainer)
+    tokenizer.post_processor = processors.TemplateProcessing(
+        single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", 1)]
+    )
+    return tokenizer
+
+
+def _write_tokenizer(cfg: TinyModelConfig) -> None:
+    tokenizer = _train_tokenizer(cfg.vocab)
+    if tokenizer.get_vocab_size() > cfg.vocab:
+        raise ValueError(f"tokenizer has {tokenizer.get_vocab_size()} tokens, more than vocab={cfg.vocab}")
+    tokenizer.save(str(cfg.out / "tokenizer.json"))
+    special = {"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>"}
+    tokenizer_config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        **special,
+        "model_max_length": cfg.max_positions,
+        "add_bos_token": True,
+        "add_eos_token": False,
+        "clean_up_tokenization_spaces": False,
+        "chat_template": CHAT_TEMPLATE,
+    }
+    _write_json(cfg.out / "tokenizer_config.json", tokenizer_config)
+    _write_json(cfg.out / "special_tokens_map.json", special)
+
+
+def _write_json(path: Path, data: dict[str, Any]) -> None:
+    path.write_text(json.dumps(data, indent=2) + "\n")
+
+
+def make_tiny_model(config: TinyModelConfig) -> Path:
+    """Write the checkpoint folder described by `config` and return it."""
+    config.out.mkdir(parents=True, exist_ok=True)
+    _write_json(config.out / "config.json", hf_config(config))
+    _write_json(
+        config.out / "generation_config.json", {"bos_token_id": 1, "eos_token_id": 2, "do_sample": False}
+    )
+    _save_weights(config, _random_weights(config))
+    _write_tokenizer(config)
+    return config.out
+
+
+def run(config: TinyModelConfig) -> int:
+    """CLI runner: make the checkpoint and print its folder."""
+    print(make_tiny_model(config))
+    return 0
