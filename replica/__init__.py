@@ -1,0 +1,1 @@
+"""The replica: one process per device serving `generate.v2.TextGenerationService` (see README.md)."""

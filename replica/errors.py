@@ -83,3 +83,9 @@ class Unimplemented(ReplicaError):
     """The operation belongs to work not yet landed (the message names it)."""
 
     status = Status.UNIMPLEMENTED
+
+
+class DeadlineExceeded(ReplicaError):
+    """The call's own deadline passed before the engine finished its work (nothing was kept)."""
+
+    status = Status.DEADLINE_EXCEEDED

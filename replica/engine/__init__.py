@@ -1,0 +1,1 @@
+"""The engine: batches, the forward loop, sampling, stopping, detokenization (see README.md)."""

@@ -1,0 +1,222 @@
+"""`Engine`: prefill, decode, filter, clear, warmup over the model, the KV cache and the cached batches.
+
+Not thread-safe by design: only the engine thread (`replica.engine.worker`) calls it. Every method
+validates before it changes anything, and a failure after pages were allocated gives them back
+before the error leaves, so a refused call never changes `blocks.num_free`.
+
+```
+ prefill(BatchSpec) ─► admit (validate, allocate pages) ─► forward(prompts) ─► sample ─► cache batch
+ decode([DecodeInput]) ─► append last_iter_tokens ─► merge (id = first) ─► forward(new tokens) ─► sample
+```
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from replica.engine.batch import Batch, BatchStore, RequestState, merge
+from replica.engine.detokenizer import Detokenizer, DetokState
+from replica.engine.generation import appended_generation, prefill_tokens, step_generation
+from replica.engine.runner import ModelRunner, SeqInput
+from replica.engine.sampling import RowInput, choose_next
+from replica.engine.stopping import StopChecker
+from replica.engine.types import (
+    BatchId,
+    BatchSpec,
+    CachedBatchInfo,
+    DecodeInput,
+    EngineInfo,
+    Generation,
+    RequestId,
+    RequestSpec,
+    StepResult,
+)
+from replica.engine.validation import Limits, admit_batch, check_appended
+from replica.errors import FailedPrecondition, InvalidArgument
+from replica.kv.block_manager import BlockManager, PageId
+
+
+@dataclass(frozen=True)
+class EngineMeta:
+    """Static facts reported by Info."""
+
+    model_id: str
+    dtype: str
+    device_type: str
+
+
+@dataclass(frozen=True)
+class _StepTimes:
+    forward_ns: int
+    decode_ns: int
+
+
+class Engine:
+    """The replica's model state machine (see module docstring)."""
+
+    def __init__(self, runner: ModelRunner, detok: Detokenizer, limits: Limits, meta: EngineMeta) -> None:
+        self.runner = runner
+        self.detok = detok
+        self.limits = limits
+        self.meta = meta
+        self.blocks = BlockManager(runner.cache.num_blocks, runner.cache.block_size)
+        self.store = BatchStore()
+        self.eos_token_ids = frozenset(runner.model.config.eos_token_ids)
+
+    @property
+    def block_size(self) -> int:
+        """Tokens per KV page."""
+        return self.blocks.block_size
+
+    # ----------------------------------------------------------------------------------- prefill
+    def admit(self, spec: BatchSpec) -> Batch:
+        """Validate a new batch and reserve its pages (prompt + max_new_tokens); nothing cached yet."""
+        self.store.check_new(spec.id, [r.id for r in spec.requests])
+        tokenize = self.detok.encode if self.detok.available else None
+        prompts = admit_batch(spec, self.limits, tokenize)
+        pairs = list(zip(spec.requests, prompts, strict=True))
+        counts = [self.blocks.pages_for(len(p) + r.stopping.max_new_tokens) for r, p in pairs]
+        page_lists = self.blocks.allocate_many(counts)
+        requests = [self._new_request(r, p, pages) for (r, p), pages in zip(pairs, page_lists, strict=True)]
+        return Batch(id=spec.id, requests=requests)
+
+    def _new_request(self, spec: RequestSpec, prompt: list[int], pages: list[PageId]) -> RequestState:
+        return RequestState(
+            spec=spec,
+            tokens=list(prompt),
+            prompt_len=len(prompt),
+            pages=pages,
+            stop=StopChecker(spec.stopping, self.eos_token_ids),
+            detok=DetokState.after_prompt(len(prompt)),
+        )
+
+    def prefill(self, spec: BatchSpec) -> StepResult:
+        """Full forward of a new batch, first tokens sampled, batch cached (unless all finished)."""
+        start = time.perf_counter_ns()
+        batch = self.admit(spec)
+        try:
+            generations, times = self._step(batch.requests, with_prompt_logprobs=True)
+        except BaseException:
+            self.blocks.free(batch.pages())
+            raise
+        info = self._keep_or_drop(batch, cached=False)
+        total = time.perf_counter_ns() - start
+        return StepResult(tuple(generations), info, times.forward_ns, times.decode_ns, total)
+
+    # ------------------------------------------------------------------------------------ decode
+    def decode(self, inputs: Sequence[DecodeInput]) -> StepResult:
+        """Append the given tokens, merge the batches (id = first), one forward for every active request."""
+        start = time.perf_counter_ns()
+        if not inputs:
+            raise InvalidArgument("decode needs at least one batch")
+        batches = self.store.get_many([i.batch_id for i in inputs])
+        for batch, inp in zip(batches, inputs, strict=True):
+            if inp.last_iter_tokens:
+                check_appended(inp.last_iter_tokens, len(batch), self.limits.vocab_size, f"batch {batch.id}")
+        merged = merge(batches)
+        for batch in batches:
+            self.store.pop(batch.id)
+        self.store.put(merged)
+        concat_ns = time.perf_counter_ns() - start
+        generations = self._append(batches, inputs)
+        active = merged.active()
+        times = _StepTimes(0, 0)
+        if active:
+            stepped, times = self._step(active, with_prompt_logprobs=False)
+            generations.extend(stepped)
+        info = self._keep_or_drop(merged, cached=True)
+        total = time.perf_counter_ns() - start
+        return StepResult(tuple(generations), info, times.forward_ns, times.decode_ns, total, concat_ns)
+
+    def _append(self, batches: Sequence[Batch], inputs: Sequence[DecodeInput]) -> list[Generation]:
+        """Tokens generated elsewhere count exactly as if generated here."""
+        generations = []
+        for batch, inp in zip(batches, inputs, strict=True):
+            # no last_iter_tokens = nothing to append (zip stops at once)
+            for request, token in zip(batch.requests, inp.last_iter_tokens, strict=False):
+                if not request.finished:
+                    generation = appended_generation(request, token, self.detok)
+                    if generation is not None:
+                        generations.append(generation)
+        return generations
+
+    # ------------------------------------------------------------------------------ shared step
+    def _step(
+        self, requests: list[RequestState], with_prompt_logprobs: bool
+    ) -> tuple[list[Generation], _StepTimes]:
+        """Forward the uncached tokens of `requests`, choose one token each, account it."""
+        start = time.perf_counter_ns()
+        seqs = [
+            SeqInput(r.pending, r.pages, r.num_cached, with_prompt_logprobs and r.spec.prefill_logprobs)
+            for r in requests
+        ]
+        out = self.runner.forward(seqs)
+        forward_ns = time.perf_counter_ns() - start
+        rows = [RowInput(r.spec.sampling, r.tokens, r.prompt_len, r.spec.top_n_tokens) for r in requests]
+        choices = choose_next(out.last_logits, rows)
+        generations = []
+        for i, (request, choice) in enumerate(zip(requests, choices, strict=True)):
+            prompt = request.tokens[: request.prompt_len]
+            prefill = prefill_tokens(prompt, out.all_logits[i], self.detok) if i in out.all_logits else None
+            request.num_cached = len(request.tokens)
+            generations.append(step_generation(request, choice, self.detok, prefill))
+        return generations, _StepTimes(forward_ns, time.perf_counter_ns() - start - forward_ns)
+
+    def _keep_or_drop(self, batch: Batch, cached: bool) -> CachedBatchInfo | None:
+        """Cache a batch that still runs; drop (and free) one whose requests all finished."""
+        if batch.all_finished:
+            if cached:
+                self.store.pop(batch.id)
+            self.blocks.free(batch.pages())
+            return None
+        if not cached:
+            self.store.put(batch)
+        return batch.info(self.block_size)
+
+    # ------------------------------------------------------------------------ filter and clear
+    def filter(self, batch_id: BatchId, keep: Sequence[RequestId]) -> CachedBatchInfo:
+        """Keep only `keep` in the batch; free the pages of the others (an empty list drops the batch)."""
+        batch = self.store.get(batch_id)
+        kept, dropped = batch.split(keep)
+        self.blocks.free([p for r in dropped for p in r.pages])
+        batch.requests = kept
+        if not kept:
+            self.store.pop(batch_id)
+        return batch.info(self.block_size)
+
+    def clear(self, batch_id: BatchId | None = None) -> None:
+        """Free one batch (NotFound if unknown) or, with no id, every batch."""
+        batches = [self.store.get(batch_id)] if batch_id is not None else list(self.store)
+        for batch in batches:
+            self.store.pop(batch.id)
+            self.blocks.free(batch.pages())
+
+    # ------------------------------------------------------------------------------------- info
+    def info(self) -> EngineInfo:
+        """Model and cache facts, exact at this instant."""
+        config = self.runner.model.config
+        return EngineInfo(
+            model_id=self.meta.model_id,
+            dtype=self.meta.dtype,
+            device_type=self.meta.device_type,
+            num_layers=config.num_layers,
+            block_size=self.block_size,
+            num_blocks_total=self.blocks.num_blocks,
+            num_blocks_free=self.blocks.num_free,
+            embed_ready=True,
+            num_layers_loaded=config.num_layers,
+            lm_head_ready=True,
+            num_cached_batches=len(self.store),
+            max_input_tokens=self.limits.max_input_tokens,
+            max_total_tokens=self.limits.max_total_tokens,
+            window_size=config.sliding_window,
+        )
+
+    def replace_cache(self, runner: ModelRunner) -> None:
+        """Swap in a runner over a new KV cache (only while no batch is cached)."""
+        if len(self.store):
+            raise FailedPrecondition("cannot resize the KV cache while batches are cached")
+        self.runner = runner
+        self.blocks = BlockManager(runner.cache.num_blocks, runner.cache.block_size)

@@ -1,0 +1,84 @@
+"""`ModelRunner`: one ragged forward of several sequences over the paged cache, layer by layer.
+
+The engine hands it, per sequence, the tokens to feed, the pages and how many tokens are already
+cached; it returns the logits of each sequence's last new token (and, on request, of every new
+token for prompt log-probabilities). The layer loop is explicit so that a forward can later start
+at layer k from a given activation, stop after layer k, or wait for a layer's weights.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from replica.model.attention import AttentionContext, PagedKVCache, SeqSlice
+from replica.model.llama import CausalLM
+
+
+@dataclass(frozen=True)
+class SeqInput:
+    """One sequence of a forward: feed `tokens`, whose positions start at `start`, into `pages`."""
+
+    tokens: Sequence[int]
+    pages: Sequence[int]
+    start: int
+    all_logits: bool = False  # also return the logits of every fed token (prompt log-probabilities)
+
+
+@dataclass(frozen=True)
+class ForwardOutput:
+    """Last-token logits (seqs, vocab) and, where asked, every fed token's logits (length, vocab)."""
+
+    last_logits: torch.Tensor
+    all_logits: dict[int, torch.Tensor]
+
+
+class ModelRunner:
+    """Owns nothing but references: the model and the KV cache it writes into."""
+
+    def __init__(self, model: CausalLM, cache: PagedKVCache) -> None:
+        self.model = model
+        self.cache = cache
+        self.device = cache.tensor.device
+
+    @property
+    def num_layers(self) -> int:
+        """Transformer layers of the model."""
+        return self.model.config.num_layers
+
+    def context(self, seqs: Sequence[SeqInput]) -> AttentionContext:
+        """The attention context of one forward (positions, page tables, masks)."""
+        slices = [SeqSlice(tuple(s.pages), s.start, len(s.tokens)) for s in seqs]
+        return AttentionContext.build(self.cache, slices, self.model.config)
+
+    def embed(self, seqs: Sequence[SeqInput]) -> torch.Tensor:
+        """(n, hidden) embeddings of every fed token, sequences concatenated."""
+        flat = [t for s in seqs for t in s.tokens]
+        ids = torch.tensor(flat, dtype=torch.long, device=self.device)
+        return self.model.embed(ids)
+
+    def run_layers(self, hidden: torch.Tensor, ctx: AttentionContext, start: int, stop: int) -> torch.Tensor:
+        """Layers [start, stop) on `hidden`; each writes its K/V of the new tokens into the pages."""
+        for index in range(start, stop):
+            hidden = self.model.layer_forward(index, hidden, ctx)
+        return hidden
+
+    def logits(self, hidden: torch.Tensor, ctx: AttentionContext, seqs: Sequence[SeqInput]) -> ForwardOutput:
+        """Final norm + lm_head on each sequence's last token (and every token where asked)."""
+        last = self.model.head(hidden[ctx.last_token_index])
+        every: dict[int, torch.Tensor] = {}
+        offset = 0
+        for i, s in enumerate(seqs):
+            if s.all_logits:
+                every[i] = self.model.head(hidden[offset : offset + len(s.tokens)])
+            offset += len(s.tokens)
+        return ForwardOutput(last_logits=last, all_logits=every)
+
+    def forward(self, seqs: Sequence[SeqInput]) -> ForwardOutput:
+        """Embed, every layer, head."""
+        with torch.inference_mode():
+            ctx = self.context(seqs)
+            hidden = self.run_layers(self.embed(seqs), ctx, 0, self.num_layers)
+            return self.logits(hidden, ctx, seqs)

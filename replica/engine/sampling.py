@@ -1,0 +1,165 @@
+"""Choosing the next token: penalties, warpers, greedy or seeded sampling, log-probabilities.
+
+Semantics follow Hugging Face transformers' logits processors so results can be compared with
+`generate`: repetition penalty (CTRL: divide positive / multiply negative logits of every token seen
+in prompt + output), then, only when sampling, temperature → top-k → top-p → typical-p, each
+filtering with -inf and keeping at least one token. Frequency / presence penalties are OpenAI's:
+`logit -= count_in_output * frequency + (count_in_output > 0) * presence`, applied with the other
+penalties (so in greedy mode too). Greedy is the argmax of the penalised logits; log-probabilities
+are the log-softmax of the final processed logits.
+
+Reproducibility: a sampling step draws from a generator seeded by (request seed, tokens generated so
+far), so a request samples the same tokens whatever batch it shares and whichever replica runs it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from replica.engine.types import SamplingParams
+
+_MASK64 = (1 << 64) - 1
+
+
+def repetition_penalty(scores: torch.Tensor, seen: torch.Tensor, penalty: float) -> torch.Tensor:
+    """CTRL repetition penalty on `scores` (..., vocab) for the token ids in `seen` (..., n)."""
+    picked = scores.gather(-1, seen)
+    picked = torch.where(picked < 0, picked * penalty, picked / penalty)
+    return scores.scatter(-1, seen, picked)
+
+
+def frequency_presence_penalty(
+    scores: torch.Tensor, output: torch.Tensor, frequency: float, presence: float
+) -> torch.Tensor:
+    """OpenAI penalties on a (vocab,) row from the generated token ids `output` (n,)."""
+    counts = torch.bincount(output, minlength=scores.shape[-1]).to(scores.dtype)
+    return scores - counts * frequency - (counts > 0).to(scores.dtype) * presence
+
+
+def top_k_filter(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """Keep the k highest scores of the last dimension; -inf elsewhere."""
+    k = min(max(k, 1), scores.shape[-1])
+    threshold = torch.topk(scores, k, dim=-1).values[..., -1:]
+    return scores.masked_fill(scores < threshold, float("-inf"))
+
+
+def top_p_filter(scores: torch.Tensor, top_p: float) -> torch.Tensor:
+    """Nucleus filter: drop the least likely tokens whose total mass is at most 1 - top_p."""
+    ascending, order = torch.sort(scores, dim=-1)
+    mass_below = ascending.softmax(dim=-1).cumsum(dim=-1)
+    drop_sorted = mass_below <= (1.0 - top_p)
+    drop_sorted[..., -1:] = False  # the most likely token always stays
+    drop = drop_sorted.scatter(-1, order, drop_sorted)
+    return scores.masked_fill(drop, float("-inf"))
+
+
+def typical_filter(scores: torch.Tensor, mass: float) -> torch.Tensor:
+    """Locally typical filter: keep the tokens closest to the entropy until `mass` is covered."""
+    logp = torch.log_softmax(scores, dim=-1)
+    entropy = -(logp * logp.exp()).nansum(-1, keepdim=True)
+    distance = (-logp - entropy).abs()
+    by_distance, order = torch.sort(distance, dim=-1)
+    covered = scores.gather(-1, order).softmax(dim=-1).cumsum(dim=-1)
+    last = (covered < mass).sum(dim=-1, keepdim=True).clamp(max=scores.shape[-1] - 1)
+    drop_sorted = by_distance > by_distance.gather(-1, last)
+    drop_sorted[..., :1] = False
+    drop = drop_sorted.scatter(-1, order, drop_sorted)
+    return scores.masked_fill(drop, float("-inf"))
+
+
+def warp(scores: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """The sampling warpers in transformers' order: temperature, top-k, top-p, typical-p."""
+    if params.temperature != 1.0:
+        scores = scores / params.temperature
+    if params.top_k > 0:
+        scores = top_k_filter(scores, params.top_k)
+    if params.top_p < 1.0:
+        scores = top_p_filter(scores, params.top_p)
+    if params.typical_p < 1.0:
+        scores = typical_filter(scores, params.typical_p)
+    return scores
+
+
+def step_seed(seed: int, step: int) -> int:
+    """A well-mixed 64-bit seed for (request seed, step) (splitmix64 finaliser)."""
+    z = (seed + (step + 1) * 0x9E3779B97F4A7C15) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return z ^ (z >> 31)
+
+
+@dataclass(frozen=True)
+class RowInput:
+    """What choosing one request's next token needs besides its logits."""
+
+    params: SamplingParams
+    tokens: Sequence[int]  # prompt + generated so far
+    prompt_len: int
+    top_n: int = 0
+
+    @property
+    def num_generated(self) -> int:
+        """Tokens generated so far (the sampling step index)."""
+        return len(self.tokens) - self.prompt_len
+
+
+@dataclass(frozen=True)
+class Choice:
+    """The chosen token of one request, its log-probability and the top alternatives."""
+
+    token_id: int
+    logprob: float
+    top_ids: tuple[int, ...] = ()
+    top_logprobs: tuple[float, ...] = ()
+
+
+def _penalise(row: torch.Tensor, inp: RowInput) -> torch.Tensor:
+    params = inp.params
+    if params.repetition_penalty != 1.0 and inp.tokens:
+        seen = torch.tensor(list(inp.tokens), dtype=torch.long)
+        row = repetition_penalty(row, seen, params.repetition_penalty)
+    output = inp.tokens[inp.prompt_len :]
+    if (params.frequency_penalty or params.presence_penalty) and output:
+        ids = torch.tensor(list(output), dtype=torch.long)
+        row = frequency_presence_penalty(row, ids, params.frequency_penalty, params.presence_penalty)
+    return row
+
+
+def _choose_row(row: torch.Tensor, inp: RowInput) -> tuple[int, torch.Tensor]:
+    """(token, final log-probabilities) for one request that is not plain greedy."""
+    row = _penalise(row, inp)
+    if not inp.params.do_sample:
+        return int(torch.argmax(row)), torch.log_softmax(row, dim=-1)
+    row = warp(row, inp.params)
+    logprobs = torch.log_softmax(row, dim=-1)
+    generator = torch.Generator().manual_seed(step_seed(inp.params.seed, inp.num_generated))
+    token = int(torch.multinomial(logprobs.exp(), 1, generator=generator))
+    return token, logprobs
+
+
+def choose_next(logits: torch.Tensor, rows: Sequence[RowInput]) -> list[Choice]:
+    """One next token per row of `logits` (batch, vocab), float32 on the CPU."""
+    logprobs = torch.log_softmax(logits, dim=-1)
+    tokens = torch.argmax(logits, dim=-1)
+    special = [i for i, inp in enumerate(rows) if not inp.params.is_plain_greedy]
+    if special:
+        logprobs = logprobs.clone()
+        tokens = tokens.clone()
+        for i in special:
+            token, row_logprobs = _choose_row(logits[i], rows[i])
+            tokens[i] = token
+            logprobs[i] = row_logprobs
+    chosen_lp = logprobs.gather(1, tokens.view(-1, 1)).view(-1).tolist()
+    ids = tokens.tolist()
+    choices = []
+    for i, inp in enumerate(rows):
+        top_ids: tuple[int, ...] = ()
+        top_lp: tuple[float, ...] = ()
+        if inp.top_n > 0:
+            top = torch.topk(logprobs[i], min(inp.top_n, logprobs.shape[-1]))
+            top_ids, top_lp = tuple(top.indices.tolist()), tuple(top.values.tolist())
+        choices.append(Choice(ids[i], chosen_lp[i], top_ids, top_lp))
+    return choices

@@ -1,0 +1,38 @@
+"""Stopping criteria of one request: end-of-sequence token, stop sequences, length."""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+from dataclasses import dataclass, field
+
+from replica.engine.types import FinishReason, StoppingParams
+
+
+@dataclass
+class StopChecker:
+    """Fed every generated token and its text; says when (and why) the request is finished."""
+
+    params: StoppingParams
+    eos_token_ids: Collection[int]
+    generated: int = 0
+    output: str = field(default="")
+
+    def step(self, token_id: int, text: str) -> FinishReason | None:
+        """Account one generated token; the reason to stop now, or None."""
+        self.generated += 1
+        self.output += text
+        if not self.params.ignore_eos and token_id in self.eos_token_ids:
+            return FinishReason.EOS_TOKEN
+        if text and self._hit_stop_sequence(len(text)):
+            return FinishReason.STOP_SEQUENCE
+        if self.generated >= self.params.max_new_tokens:
+            return FinishReason.LENGTH
+        return None
+
+    def _hit_stop_sequence(self, new_chars: int) -> bool:
+        # Only a window touching the new text can hold a match that was not there before.
+        for stop in self.params.stop_sequences:
+            start = max(len(self.output) - new_chars - len(stop) + 1, 0)
+            if stop in self.output[start:]:
+                return True
+        return False

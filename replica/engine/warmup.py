@@ -1,0 +1,98 @@
+"""Warmup: the profile run (the largest prefill the limits allow) and sizing the KV cache from memory.
+
+When `--num-blocks` is not given, the cache gets `fraction` of the memory left: at start-up from the
+memory available then, and again at Warmup from the memory left after the profile run (the cache's
+own bytes count as left, so repeated warmups do not shrink it).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from replica.engine.engine import Engine
+from replica.engine.runner import ModelRunner, SeqInput
+from replica.engine.types import WarmupSpec
+from replica.errors import ResourceExhausted
+from replica.model.attention import PagedKVCache
+from replica.model.config import ModelConfig
+
+
+def available_memory_bytes(device: torch.device) -> int:
+    """Memory a new allocation can still get on `device` (CPU: MemAvailable of /proc/meminfo)."""
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0])
+    meminfo = Path("/proc/meminfo")
+    if meminfo.is_file():
+        for line in meminfo.read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    import os
+
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def blocks_for_memory(config: ModelConfig, block_size: int, dtype: torch.dtype, budget_bytes: float) -> int:
+    """Pages that fit in `budget_bytes` (at least one)."""
+    per_block = PagedKVCache.bytes_per_block(config, block_size, dtype)
+    return max(int(budget_bytes // per_block), 1)
+
+
+def check_limits(engine: Engine, spec: WarmupSpec) -> int:
+    """Refuse limits larger than this replica's; returns the profile run's prompt tokens."""
+    limits = engine.limits
+    asked = {
+        "max_input_length": (spec.max_input_tokens, limits.max_input_tokens),
+        "max_total_tokens": (spec.max_total_tokens, limits.max_total_tokens),
+        "max_prefill_tokens": (spec.max_prefill_tokens, limits.max_prefill_tokens),
+    }
+    for name, (value, ours) in asked.items():
+        if value is not None and value > ours:
+            raise ResourceExhausted(f"warmup {name}={value} is over this replica's limit {ours}")
+    return spec.max_prefill_tokens or limits.max_prefill_tokens
+
+
+def profile_run(engine: Engine, prefill_tokens: int) -> int:
+    """Run a prefill of up to `prefill_tokens` tokens (what fits in the free pages), then free them."""
+    per_seq = engine.limits.max_input_tokens
+    fits = engine.blocks.num_free * engine.block_size
+    total = min(prefill_tokens, fits)
+    lengths = [per_seq] * (total // per_seq) + ([total % per_seq] if total % per_seq else [])
+    if not lengths:
+        return 0
+    pages = engine.blocks.allocate_many([engine.blocks.pages_for(n) for n in lengths])
+    vocab = engine.limits.vocab_size
+    try:
+        seqs = [
+            SeqInput([(7 * i + j) % vocab for j in range(n)], p, 0)
+            for i, (n, p) in enumerate(zip(lengths, pages, strict=True))
+        ]
+        engine.runner.forward(seqs)
+    finally:
+        engine.blocks.free([p for ps in pages for p in ps])
+    return total
+
+
+def resize_from_memory(engine: Engine, fraction: float) -> None:
+    """Give the KV cache `fraction` of the memory left (no-op while batches are cached)."""
+    if len(engine.store):
+        return
+    old = engine.runner.cache
+    config = engine.runner.model.config
+    left = available_memory_bytes(old.tensor.device) + old.tensor.numel() * old.tensor.element_size()
+    num_blocks = blocks_for_memory(config, old.block_size, old.dtype, left * fraction)
+    if num_blocks == old.num_blocks:
+        return
+    device = str(old.tensor.device)
+    old.tensor = torch.empty(0, dtype=old.dtype)  # drop the old pages before the new ones are made
+    cache = PagedKVCache.for_model(config, num_blocks, old.block_size, old.dtype, device)
+    engine.replace_cache(ModelRunner(engine.runner.model, cache))
+
+
+def warmup(engine: Engine, spec: WarmupSpec, auto_size_fraction: float | None) -> int:
+    """The Warmup RPC: profile run, optional cache sizing, returns the tokens the cache holds."""
+    profile_run(engine, check_limits(engine, spec))
+    if auto_size_fraction is not None:
+        resize_from_memory(engine, auto_size_fraction)
+    return engine.blocks.num_blocks * engine.block_size

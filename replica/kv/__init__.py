@@ -1,0 +1,1 @@
+"""The KV page allocator: pure Python, no torch, no grpc (see README.md)."""
