@@ -1,0 +1,101 @@
+"""The fabric interface every backend implements, and the factory that picks one.
+
+A fabric is created once per process from the rank table and this process's rank. It registers
+buffers by name and posts sends/receives of a list of (offset, length) segments of one buffer as ONE
+message (gather on the sender, scatter on the receiver; the two lists may differ, the totals must
+match). Messages of one (peer, stream) pair are matched in posting order. Every call is thread-safe.
+"""
+
+from __future__ import annotations
+
+import abc
+import enum
+from typing import Any
+
+from transfer.core import Deadline, Handle, Rank, Segments
+from transfer.ranktable import RankTable
+
+
+class FabricKind(enum.StrEnum):
+    """The available fabrics."""
+
+    TCP = "tcp"
+    FAKE = "fake"
+    NCCL = "nccl"
+    RDMA = "rdma"
+
+
+class Fabric(abc.ABC):
+    """Moves segments of registered buffers between this rank and its peers."""
+
+    def __init__(self, table: RankTable, rank: int) -> None:
+        if rank not in table:
+            raise ValueError(f"rank {rank} is not in the rank table")
+        self.table = table
+        self.rank = Rank(rank)
+
+    @abc.abstractmethod
+    def register(self, name: str, obj: object) -> int:
+        """Register buffer `obj` under `name` (replacing any previous one); returns its size."""
+
+    @abc.abstractmethod
+    def unregister(self, name: str) -> None:
+        """Forget buffer `name`."""
+
+    @abc.abstractmethod
+    def set_layout(self, stream: int, descriptor: str) -> None:
+        """Set the layout descriptor checked at the handshake of every connection on `stream`."""
+
+    @abc.abstractmethod
+    def send(self, peer: int, name: str, segments: Segments, stream: int, deadline: Deadline) -> Handle:
+        """Post one message made of `segments` of buffer `name` to `peer` on `stream`."""
+
+    @abc.abstractmethod
+    def recv(self, peer: int, name: str, segments: Segments, stream: int, deadline: Deadline) -> Handle:
+        """Post a receive of one message from `peer` on `stream` into `segments` of buffer `name`."""
+
+    @abc.abstractmethod
+    def connect(self, peer: int, stream: int, deadline: Deadline) -> Handle:
+        """Establish (or reuse) the outgoing connection to `peer` on `stream` now, handshake included."""
+
+    @abc.abstractmethod
+    def abort(self, peer: int, stream: int, reason: str) -> None:
+        """Fail everything pending with `peer` on `stream` (both directions) and drop the connections.
+
+        The peer sees the loss (its pending operations fail with `PeerGone`); the next operation
+        connects afresh, so a retry starts from a clean, aligned state.
+        """
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Fail pending operations, close every socket and join every thread."""
+
+    def __enter__(self) -> Fabric:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def create_fabric(kind: FabricKind | str, table: RankTable, rank: int, **options: Any) -> Fabric:
+    """Create the fabric `kind` for `rank`; the backend module is imported only when chosen.
+
+    Options are passed to the backend (see each backend's constructor), e.g. `chunk_bytes`, or
+    `network` (a `FakeNetwork`) for `fake`, `rendezvous` for `nccl` and `rdma`.
+    """
+    kind = FabricKind(kind)
+    if kind is FabricKind.TCP:
+        from transfer.tcp.fabric import TcpFabric
+
+        return TcpFabric(table, rank, **options)
+    if kind is FabricKind.FAKE:
+        from transfer.fake import FakeFabric
+
+        return FakeFabric(table, rank, **options)
+    if kind is FabricKind.NCCL:
+        from transfer.nccl.fabric import NcclFabric
+
+        return NcclFabric(table, rank, **options)
+    from transfer.rdma.fabric import RdmaFabric
+
+    return RdmaFabric(table, rank, **options)

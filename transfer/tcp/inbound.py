@@ -1,0 +1,186 @@
+"""The receiving side of one (peer, stream): posted receives and the reader of the live connection.
+
+The reader thread reads a message header, waits for the oldest posted receive, checks the sizes
+agree and scatters the payload with `recv_into` / `recvmsg_into` straight into the registered
+buffer. A lost connection fails the pending receives with `PeerGone`; if none was pending, the loss
+is remembered and fails the next receive at once (the peer is gone: waiting for it is pointless),
+until the peer connects again or the caller aborts the channel.
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+from collections import deque
+from dataclasses import dataclass
+
+from transfer.core import Handle
+from transfer.errors import FabricClosed, PeerGone, TransferError
+from transfer.tcp.outbound import hard_close, unblock
+from transfer.tcp.wire import HEADER, IOV_BATCH, MESSAGE_MAGIC
+
+
+@dataclass
+class RecvOp:
+    """One posted receive."""
+
+    handle: Handle
+    views: list[memoryview]
+    nbytes: int
+
+
+class _Connection:
+    """One accepted socket and its reader thread."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self.retired = False
+        self.thread: threading.Thread | None = None
+
+
+class InboundChannel:
+    """Messages from `peer` to this rank on `stream`, matched to receives in posting order."""
+
+    def __init__(self, me: int, peer: int, stream: int) -> None:
+        self.me, self.peer, self.stream = me, peer, stream
+        self._recvs: deque[RecvOp] = deque()
+        self._cond = threading.Condition()
+        self._conn: _Connection | None = None
+        self._lost: TransferError | None = None
+        self._closed = False
+        self._header = bytearray(HEADER.size)
+        self._threads: list[threading.Thread] = []
+
+    def post(self, op: RecvOp) -> None:
+        """Queue a receive (fails at once if the peer's connection was lost since the last one)."""
+        with self._cond:
+            error = self._lost if self._conn is None else None
+            if self._closed:
+                error = FabricClosed(f"rank {self.me}: fabric closed")
+            if error is None:
+                self._recvs.append(op)
+                self._cond.notify_all()
+        if error is not None:
+            op.handle._fail(error)
+
+    def refuse(self, error: TransferError) -> None:
+        """A handshake from the peer was refused (layout): fail pending receives and remember it."""
+        with self._cond:
+            self._lost = error
+            failed = self._take_all()
+        for op in failed:
+            op.handle._fail(error)
+
+    def attach(self, sock: socket.socket) -> None:
+        """Start reading a freshly accepted, handshaken connection (replacing an older one)."""
+        conn = _Connection(sock)
+        with self._cond:
+            if self._closed:
+                hard_close(sock)
+                return
+            old, self._conn, self._lost = self._conn, conn, None
+            if old is not None:
+                old.retired = True
+                unblock(old.sock)
+            self._threads = [t for t in self._threads if t.is_alive()]
+            conn.thread = threading.Thread(
+                target=self._read_loop, args=(conn,), name=f"tcp-recv-{self.peer}-{self.stream}", daemon=True
+            )
+            self._threads.append(conn.thread)
+            self._cond.notify_all()
+        conn.thread.start()
+
+    def abort(self, error: TransferError) -> None:
+        """Fail pending receives and reset the connection; the next receive waits for a new one."""
+        with self._cond:
+            failed = self._take_all()
+            conn, self._conn, self._lost = self._conn, None, None
+            if conn is not None:
+                conn.retired = True
+                unblock(conn.sock)
+            self._cond.notify_all()
+        for op in failed:
+            op.handle._fail(error)
+
+    def close(self) -> None:
+        """Fail pending receives, close the connection, join the readers."""
+        with self._cond:
+            self._closed = True
+        self.abort(FabricClosed(f"rank {self.me}: fabric closed"))
+        for thread in list(self._threads):
+            thread.join(timeout=10)
+
+    def _take_all(self) -> list[RecvOp]:
+        failed = list(self._recvs)
+        self._recvs.clear()
+        return failed
+
+    def _read_loop(self, conn: _Connection) -> None:
+        try:
+            while True:
+                nbytes = self._read_header(conn.sock)
+                op = self._next_recv(conn)
+                if op is None:
+                    return
+                self._read_payload(conn, op, nbytes)
+        except (OSError, TransferError) as exc:
+            self._connection_lost(conn, exc)
+        finally:
+            hard_close(conn.sock)
+
+    def _read_header(self, sock: socket.socket) -> int:
+        view = memoryview(self._header)
+        got = 0
+        while got < HEADER.size:
+            k = sock.recv_into(view[got:])
+            if k == 0:
+                raise PeerGone(f"rank {self.peer} closed stream {self.stream}")
+            got += k
+        magic, nbytes = HEADER.unpack(self._header)
+        if magic != MESSAGE_MAGIC:
+            raise TransferError(f"rank {self.peer} stream {self.stream}: corrupt message header")
+        return int(nbytes)
+
+    def _next_recv(self, conn: _Connection) -> RecvOp | None:
+        with self._cond:
+            while not self._recvs and not conn.retired:
+                self._cond.wait()
+            return None if conn.retired else self._recvs[0]
+
+    def _read_payload(self, conn: _Connection, op: RecvOp, nbytes: int) -> None:
+        if nbytes != op.nbytes:
+            raise TransferError(
+                f"rank {self.peer} stream {self.stream} sent {nbytes} bytes into a {op.nbytes}-byte receive"
+            )
+        views = list(op.views)
+        index = 0
+        while index < len(views):
+            if index + 1 == len(views):
+                got = conn.sock.recv_into(views[index])
+            else:
+                got = conn.sock.recvmsg_into(views[index : index + IOV_BATCH])[0]
+            if got == 0:
+                raise PeerGone(f"rank {self.peer} closed stream {self.stream} mid-message")
+            while got and got >= len(views[index]):
+                got -= len(views[index])
+                index += 1
+            if got:
+                views[index] = views[index][got:]
+        with self._cond:
+            if self._recvs and self._recvs[0] is op:
+                self._recvs.popleft()
+        op.handle._complete()
+
+    def _connection_lost(self, conn: _Connection, exc: Exception) -> None:
+        if not isinstance(exc, TransferError):
+            exc = PeerGone(f"rank {self.peer}: connection lost ({exc})")
+        error = exc
+        with self._cond:
+            if conn.retired:
+                return  # replaced or aborted on purpose: nothing to report
+            self._conn = None
+            failed = self._take_all()
+            if not failed:
+                self._lost = PeerGone(f"rank {self.peer} went away on stream {self.stream}: {error}")
+        for op in failed:
+            op.handle._fail(error if isinstance(error, PeerGone) else PeerGone(str(error)))

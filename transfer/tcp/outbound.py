@@ -1,0 +1,184 @@
+"""The sending side of one (peer, stream) connection: a queue of messages and its writer thread.
+
+The writer connects lazily (retrying until the first message's deadline, since the peer may start
+later), performs the handshake, then writes each message as header + gather list with `sendmsg`
+straight from the registered buffers. Any failure resets the channel: the queued messages fail, the
+socket is closed with a reset (so the peer notices) and the next message connects afresh.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import struct
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+
+from transfer.core import Deadline, Handle
+from transfer.errors import FabricClosed, PeerGone, PeerTimeout, TransferError
+from transfer.ranktable import RankEntry
+from transfer.tcp.ratelimit import LinkPacer
+from transfer.tcp.wire import HEADER, IOV_BATCH, MESSAGE_MAGIC, PROTOCOL_VERSION, Hello, read_reply
+
+_RETRY_S = 0.05
+
+
+@dataclass
+class SendOp:
+    """One queued message (`views is None`: a connect request, no payload)."""
+
+    handle: Handle
+    views: list[memoryview] | None
+    nbytes: int
+    deadline: Deadline
+
+
+def hard_close(sock: socket.socket) -> None:
+    """Close with a TCP reset, so the peer's blocked reads and writes fail at once."""
+    with contextlib.suppress(OSError):
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    sock.close()
+
+
+def unblock(sock: socket.socket) -> None:
+    """Wake a thread blocked on `sock` (its owner then closes it)."""
+    with contextlib.suppress(OSError):
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        sock.shutdown(socket.SHUT_RDWR)
+
+
+class OutboundChannel:
+    """Messages from this rank to `peer` on `stream`, in posting order."""
+
+    def __init__(self, me: int, peer: RankEntry, stream: int, layout: str, pacer: LinkPacer | None) -> None:
+        self.me, self.peer, self.stream, self.layout, self.pacer = me, peer, stream, layout, pacer
+        self._queue: deque[SendOp] = deque()
+        self._cond = threading.Condition()
+        self._sock: socket.socket | None = None
+        self._busy = False
+        self._generation = 0
+        self._closed = False
+        self._header = bytearray(HEADER.size)
+        self._thread = threading.Thread(target=self._run, name=f"tcp-send-{peer.rank}-{stream}", daemon=True)
+        self._thread.start()
+
+    def post(self, op: SendOp) -> None:
+        """Queue a message (or a connect request)."""
+        with self._cond:
+            if self._closed:
+                op.handle._fail(FabricClosed(f"rank {self.me}: fabric closed"))
+                return
+            self._queue.append(op)
+            self._cond.notify()
+
+    def abort(self, error: TransferError) -> None:
+        """Fail everything queued and drop the connection (the peer sees a reset)."""
+        with self._cond:
+            self._generation += 1
+            failed = list(self._queue)
+            self._queue.clear()
+            sock, self._sock = self._sock, None
+            if sock is not None:
+                if self._busy:
+                    unblock(sock)  # the writer closes it when its write fails
+                else:
+                    hard_close(sock)
+        for op in failed:
+            op.handle._fail(error)
+
+    def close(self) -> None:
+        """Fail what is queued, close the socket, join the writer."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify()
+        self.abort(FabricClosed(f"rank {self.me}: fabric closed"))
+        self._thread.join(timeout=10)
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._queue and not self._closed:
+                    self._cond.wait()
+                if self._closed:
+                    return
+                op, generation, sock = self._queue[0], self._generation, self._sock
+                self._busy = True
+            try:
+                sock = sock or self._connect(op.deadline, generation)
+                if op.views is not None:
+                    self._write(sock, op)
+                self._finish(op, generation)
+            except (OSError, TransferError) as exc:
+                self._fail(sock, generation, self._as_error(exc, op))
+
+    def _finish(self, op: SendOp, generation: int) -> None:
+        with self._cond:
+            self._busy = False
+            if generation == self._generation and self._queue and self._queue[0] is op:
+                self._queue.popleft()
+        op.handle._complete()
+
+    def _fail(self, sock: socket.socket | None, generation: int, error: TransferError) -> None:
+        with self._cond:
+            self._busy = False
+            current = generation == self._generation
+            if current:
+                self._sock = None  # abort() already took it otherwise
+        if sock is not None:
+            hard_close(sock)
+        if current:
+            self.abort(error)
+
+    def _as_error(self, exc: Exception, op: SendOp) -> TransferError:
+        if isinstance(exc, TransferError):
+            return exc
+        where = f"rank {self.me} -> rank {self.peer.rank} stream {self.stream}"
+        if isinstance(exc, TimeoutError) or op.deadline.expired():
+            return PeerTimeout(f"{where}: deadline passed while sending")
+        return PeerGone(f"{where}: connection lost ({exc})")
+
+    def _connect(self, deadline: Deadline, generation: int) -> socket.socket:
+        address = (self.peer.transfer_host, self.peer.transfer_port)
+        while True:
+            try:
+                sock = socket.create_connection(address, timeout=max(0.001, min(deadline.remaining(), 2.0)))
+                break
+            except (ConnectionRefusedError, ConnectionResetError, TimeoutError) as exc:
+                if deadline.remaining() <= _RETRY_S:
+                    raise PeerTimeout(f"rank {self.peer.rank} at {address} not reachable: {exc}") from exc
+                time.sleep(_RETRY_S)  # the peer may not be listening yet
+        try:
+            return self._handshake(sock, deadline, generation)
+        except BaseException:
+            hard_close(sock)
+            raise
+
+    def _handshake(self, sock: socket.socket, deadline: Deadline, generation: int) -> socket.socket:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        sock.settimeout(max(0.001, deadline.remaining()))
+        hello = Hello(PROTOCOL_VERSION, self.me, self.stream, self.layout)
+        sock.sendall(hello.encode())
+        read_reply(sock, hello, self.peer.rank)
+        with self._cond:
+            if generation != self._generation:
+                raise PeerGone(f"rank {self.me}: channel to {self.peer.rank} aborted while connecting")
+            self._sock = sock
+        return sock
+
+    def _write(self, sock: socket.socket, op: SendOp) -> None:
+        assert op.views is not None
+        if self.pacer is not None:
+            self.pacer.take(op.nbytes, op.deadline)
+        HEADER.pack_into(self._header, 0, MESSAGE_MAGIC, op.nbytes)
+        sock.settimeout(max(0.001, op.deadline.remaining()))
+        pending: list[memoryview] = [memoryview(self._header), *op.views]
+        index = 0
+        while index < len(pending):
+            sent = sock.sendmsg(pending[index : index + IOV_BATCH])
+            while sent and sent >= len(pending[index]):
+                sent -= len(pending[index])
+                index += 1
+            if sent:
+                pending[index] = pending[index][sent:]
