@@ -57,10 +57,19 @@ def error_body(
     return {"error": {"message": message, "type": error_kind, "param": param, "code": code}}
 
 
+_TYPE_TAGS = frozenset({"str", "int", "float", "bool", "list", "dict", "none", "TextPart"})
+
+
+def _is_union_tag(part: object) -> bool:
+    """pydantic adds the union member tried (`str`, `list[int]`, ...) to an error's location."""
+    text = str(part)
+    return text in _TYPE_TAGS or any(c in text for c in "[-")
+
+
 def from_validation_error(exc: ValidationError, flavor: Flavor) -> APIError:
     """The first pydantic complaint as a 400 naming the offending field."""
     first = exc.errors(include_url=False)[0]
-    loc = ".".join(str(part) for part in first.get("loc", ()) if not str(part).startswith("function-"))
+    loc = ".".join(str(part) for part in first.get("loc", ()) if not _is_union_tag(part))
     kind = str(first.get("type", ""))
     if kind == "json_invalid":
         return APIError(f"malformed JSON body: {first.get('msg', '')}", 400, flavor, code="invalid_json")

@@ -138,10 +138,10 @@ def _completion_prompt(
 ) -> tuple[str, list[int]]:
     """One prompt's text and token ids; several prompts in one request are refused (like n > 1)."""
     tokenizer = backend_of(request).tokenizer
+    if not prompt or prompt == [""]:
+        raise APIError("the prompt is empty", 400, param="prompt")
     if isinstance(prompt, str):
         return prompt, tokenizer.encode(prompt)
-    if not prompt:
-        raise APIError("the prompt is empty", 400, param="prompt")
     first = prompt[0]
     if isinstance(first, int):
         ids = [t for t in prompt if isinstance(t, int)]

@@ -2,7 +2,7 @@
 
 Each request produces tokens `" w<k>"` (ids from `WORDS`) derived from its prompt, honours
 `max_new_tokens`, stop sequences and `ignore_eos`, and can be told to reject, fail midway or go
-slowly. `closed` lists the requests whose iterator was closed before their `FinishEvent`: what a
+slowly. `closed` lists the requests whose iterator was explicitly closed before their `FinishEvent`: what a
 real scheduler must treat as "client gone, drop it and free its pages".
 """
 
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 
 from router.types import (
@@ -74,35 +74,20 @@ class FakeScheduler:
         if self.reject is not None:
             raise self.reject
         self.submitted.append(request)
-        return self._run(len(self.submitted) - 1, request)
+        return FakeStream(self, len(self.submitted) - 1, self._events(request))
 
     def is_healthy(self) -> bool:
         """As configured."""
         return self.healthy
 
-    async def _run(self, index: int, request: GenerateRequest) -> AsyncIterator[Event]:
-        done = False
-        try:
-            if self.reject_on_first_event is not None:
-                raise self.reject_on_first_event
-            prompt = tuple(
-                TokenInfo(id=t, text=f"p{t}", logprob=-1.0) for t in request.input_ids if request.prefill_logprobs
-            )
-            yield PrefillEvent(prompt_tokens=prompt)
-            async for event in self._tokens(request):
-                done = isinstance(event, FinishEvent | ErrorEvent)
-                yield event
-        finally:
-            (self.finished if done else self.closed).append(index)
-            if not done:
-                self.closed_event.set()
-
-    async def _tokens(self, request: GenerateRequest) -> AsyncIterator[Event]:
+    def _events(self, request: GenerateRequest) -> Iterator[Event]:
+        prompt = tuple(
+            TokenInfo(id=t, text=f"p{t}", logprob=-1.0) for t in request.input_ids if request.prefill_logprobs
+        )
+        yield PrefillEvent(prompt_tokens=prompt)
         text = ""
         limit = request.stopping.max_new_tokens
         for i in range(limit):
-            if self.token_delay:
-                await asyncio.sleep(self.token_delay)
             if self.fail_after is not None and i == self.fail_after:
                 yield ErrorEvent(message="replica 1 failed the batch: boom", http_status=500)
                 return
@@ -128,3 +113,40 @@ class FakeScheduler:
             seed=request.sampling.seed,
             route=ROUTE,
         )
+
+
+class FakeStream:
+    """One request's events. Only an explicit `aclose()` counts as "client gone": a cancelled
+    `__anext__` leaves the stream open, so tests see whether the front end really closes it."""
+
+    def __init__(self, owner: FakeScheduler, index: int, events: Iterator[Event]) -> None:
+        self._owner = owner
+        self._index = index
+        self._events = events
+        self._done = False
+        self._closed = False
+
+    def __aiter__(self) -> FakeStream:
+        return self
+
+    async def __anext__(self) -> Event:
+        if self._closed or self._done:
+            raise StopAsyncIteration
+        if self._owner.reject_on_first_event is not None:
+            raise self._owner.reject_on_first_event
+        event = next(self._events)
+        if isinstance(event, TokenEvent) and self._owner.token_delay:
+            await asyncio.sleep(self._owner.token_delay)
+        if isinstance(event, FinishEvent | ErrorEvent):
+            self._done = True
+            self._owner.finished.append(self._index)
+        return event
+
+    async def aclose(self) -> None:
+        """The consumer is done; before the finish this means the client went away."""
+        if self._closed:
+            return
+        self._closed = True
+        if not self._done:
+            self._owner.closed.append(self._index)
+            self._owner.closed_event.set()

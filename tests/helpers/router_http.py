@@ -13,10 +13,12 @@ import uvicorn
 from tokenizers import Tokenizer, models, pre_tokenizers, processors
 
 SPECIALS = ("<unk>", "<s>", "</s>")
-WORDS = tuple(f"w{i}" for i in range(40)) + ("hello", "world", "the", "cat", "sat", "user:", "assistant:", ":")
+WORDS = (*(f"w{i}" for i in range(40)), "hello", "world", "the", "cat", "sat", "user:", "assistant:", ":")
 
 
-def write_word_tokenizer(folder: Path, chat_template: str | None = None, vocab_size: int | None = 200) -> Path:
+def write_word_tokenizer(
+    folder: Path, chat_template: str | None = None, vocab_size: int | None = 200
+) -> Path:
     """Write tokenizer.json (+ tokenizer_config.json, config.json) of a whitespace word-level tokenizer.
 
     Ids: <unk>=0, <s>=1, </s>=2, then `WORDS`. Encoding adds <s> in front (like Llama).
