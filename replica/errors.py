@@ -89,3 +89,9 @@ class DeadlineExceeded(ReplicaError):
     """The call's own deadline passed before the engine finished its work (nothing was kept)."""
 
     status = Status.DEADLINE_EXCEEDED
+
+
+class ShuttingDown(ReplicaError):
+    """The replica is stopping (or its engine thread is gone) and takes no more work."""
+
+    status = Status.UNAVAILABLE

@@ -1,0 +1,1 @@
+"""The replica's gRPC edge: servicer, pb<->dataclass conversion, error interceptor, process main."""

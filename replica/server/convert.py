@@ -1,0 +1,153 @@
+"""Protobuf <-> engine dataclasses. The only place (with the servicer) that touches `generate_pb2`.
+
+Proto3 scalars cannot be absent, so zeros that make no sense as values mean "unset" here:
+temperature 0 → 1.0, top_p / typical_p 0 → 1.0, repetition_penalty 0 → 1.0, truncate 0 → none.
+Negative or NaN values pass through so validation can refuse them with a clear message.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from protos import generate_pb2 as pb
+from replica.engine.types import (
+    BatchId,
+    BatchSpec,
+    CachedBatchInfo,
+    DecodeInput,
+    EngineInfo,
+    Generation,
+    RequestId,
+    RequestSpec,
+    SamplingParams,
+    StoppingParams,
+    TokenList,
+    WarmupSpec,
+)
+from replica.errors import InvalidArgument
+
+
+def _or_default(value: float, default: float) -> float:
+    return default if value == 0 else value
+
+
+def sampling_from_pb(msg: pb.NextTokenChooserParameters) -> SamplingParams:
+    """Sampling parameters (proto zeros → neutral values)."""
+    return SamplingParams(
+        do_sample=msg.do_sample,
+        temperature=_or_default(msg.temperature, 1.0),
+        top_k=msg.top_k,
+        top_p=_or_default(msg.top_p, 1.0),
+        typical_p=_or_default(msg.typical_p, 1.0),
+        seed=msg.seed,
+        repetition_penalty=_or_default(msg.repetition_penalty, 1.0),
+        frequency_penalty=msg.frequency_penalty if msg.HasField("frequency_penalty") else 0.0,
+        presence_penalty=msg.presence_penalty if msg.HasField("presence_penalty") else 0.0,
+        watermark=msg.watermark,
+    )
+
+
+def request_from_pb(msg: pb.Request) -> RequestSpec:
+    """One request of a new batch."""
+    stopping = msg.stopping_parameters
+    return RequestSpec(
+        id=RequestId(msg.id),
+        input_tokens=tuple(msg.input_tokens),
+        inputs=msg.inputs,
+        truncate=msg.truncate if msg.HasField("truncate") and msg.truncate > 0 else None,
+        sampling=sampling_from_pb(msg.parameters) if msg.HasField("parameters") else SamplingParams(),
+        stopping=StoppingParams(
+            max_new_tokens=stopping.max_new_tokens,
+            stop_sequences=tuple(stopping.stop_sequences),
+            ignore_eos=stopping.ignore_eos_token,
+        ),
+        prefill_logprobs=msg.prefill_logprobs,
+        top_n_tokens=msg.top_n_tokens,
+    )
+
+
+def batch_from_pb(msg: pb.Batch) -> BatchSpec:
+    """A new batch (`size` / `max_tokens` are informational: the engine counts for itself)."""
+    return BatchSpec(id=BatchId(msg.id), requests=tuple(request_from_pb(r) for r in msg.requests))
+
+
+def cached_batch_to_pb(info: CachedBatchInfo) -> pb.CachedBatch:
+    """The caller's view of a cached batch."""
+    return pb.CachedBatch(
+        id=info.id, request_ids=list(info.request_ids), size=info.size, max_tokens=info.max_tokens
+    )
+
+
+def decode_inputs_from_pb(
+    batches: Sequence[pb.CachedBatch], last: Sequence[pb.Tokens] = ()
+) -> list[DecodeInput]:
+    """Batches to step, each with the tokens to append first (none, or one list per batch)."""
+    if last and len(last) != len(batches):
+        raise InvalidArgument(f"{len(last)} last_iter_tokens entries for {len(batches)} batches")
+    appended = [tuple(t.ids) for t in last] if last else [()] * len(batches)
+    return [DecodeInput(BatchId(b.id), ids) for b, ids in zip(batches, appended, strict=True)]
+
+
+def tokens_to_pb(tokens: TokenList) -> pb.Tokens:
+    """Parallel token lists."""
+    return pb.Tokens(
+        ids=list(tokens.ids),
+        logprobs=list(tokens.logprobs),
+        texts=list(tokens.texts),
+        is_special=list(tokens.is_special),
+    )
+
+
+def generation_to_pb(gen: Generation) -> pb.Generation:
+    """One request's output of a step."""
+    msg = pb.Generation(request_id=gen.request_id, tokens=tokens_to_pb(gen.tokens))
+    if gen.prefill_tokens is not None:
+        msg.prefill_tokens.CopyFrom(tokens_to_pb(gen.prefill_tokens))
+    if gen.generated_text is not None:
+        done = gen.generated_text
+        msg.generated_text.CopyFrom(
+            pb.GeneratedText(
+                text=done.text,
+                generated_tokens=done.generated_tokens,
+                finish_reason=pb.FinishReason.ValueType(done.finish_reason.value),
+            )
+        )
+        if done.seed is not None:
+            msg.generated_text.seed = done.seed
+    msg.top_tokens.extend(tokens_to_pb(t) for t in gen.top_tokens)
+    return msg
+
+
+def warmup_from_pb(msg: pb.WarmupRequest) -> WarmupSpec:
+    """Limits the caller announces (absent = ours)."""
+    return WarmupSpec(
+        max_input_tokens=msg.max_input_length if msg.HasField("max_input_length") else None,
+        max_prefill_tokens=msg.max_prefill_tokens if msg.HasField("max_prefill_tokens") else None,
+        max_total_tokens=msg.max_total_tokens if msg.HasField("max_total_tokens") else None,
+    )
+
+
+def info_to_pb(info: EngineInfo, rank: int, tp_size: int) -> pb.InfoResponse:
+    """Info facts."""
+    msg = pb.InfoResponse(
+        requires_padding=False,
+        dtype=info.dtype,
+        device_type=info.device_type,
+        speculate=0,
+        model_id=info.model_id,
+        num_layers=info.num_layers,
+        block_size=info.block_size,
+        num_blocks_total=info.num_blocks_total,
+        num_blocks_free=info.num_blocks_free,
+        embed_ready=info.embed_ready,
+        num_layers_loaded=info.num_layers_loaded,
+        lm_head_ready=info.lm_head_ready,
+        rank=rank,
+        tp_size=tp_size,
+        num_cached_batches=info.num_cached_batches,
+        max_input_tokens=info.max_input_tokens,
+        max_total_tokens=info.max_total_tokens,
+    )
+    if info.window_size is not None:
+        msg.window_size = info.window_size
+    return msg

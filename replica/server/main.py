@@ -1,0 +1,93 @@
+"""`serve(config)`: the `pdcluster replica` process.
+
+Binds the port first (Health answers "loading" while the checkpoint loads), loads the model, then
+prints exactly one line `pdcluster replica serving on HOST:PORT` on stdout (with the real port
+when `--port 0`) and serves until SIGTERM or SIGINT, which shut it down cleanly (exit code 0).
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import sys
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from types import FrameType
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from protos import generate_pb2 as pb
+from protos import generate_pb2_grpc as pb_grpc
+from replica.config import ReplicaConfig
+from replica.engine.factory import build_engine
+from replica.engine.worker import EngineWorker
+from replica.server.interceptor import ErrorInterceptor
+from replica.server.servicer import ReplicaServicer
+
+log = logging.getLogger("replica")
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["TextGenerationService"].full_name
+READY_PREFIX = "pdcluster replica serving on"
+_MESSAGE_BYTES = 64 * 1024 * 1024
+
+
+def _build_server(config: ReplicaConfig) -> tuple[grpc.Server, int]:
+    server = grpc.server(
+        ThreadPoolExecutor(max_workers=config.grpc_workers, thread_name_prefix="grpc"),
+        interceptors=[ErrorInterceptor()],
+        options=[
+            ("grpc.max_send_message_length", _MESSAGE_BYTES),
+            ("grpc.max_receive_message_length", _MESSAGE_BYTES),
+        ],
+    )
+    port = server.add_insecure_port(f"{config.host}:{config.port}")
+    if port == 0:
+        raise OSError(f"cannot listen on {config.host}:{config.port}")
+    return server, port
+
+
+def _install_signal_handlers(stop: threading.Event) -> None:
+    def handle(signum: int, frame: FrameType | None) -> None:
+        log.info("signal %d: shutting down", signum)
+        stop.set()
+
+    signal.signal(signal.SIGTERM, handle)
+    signal.signal(signal.SIGINT, handle)
+
+
+def serve(config: ReplicaConfig) -> int:
+    """Run one replica until SIGTERM/SIGINT; returns the exit code."""
+    logging.basicConfig(
+        level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s %(levelname)s %(message)s"
+    )
+    stop = threading.Event()
+    _install_signal_handlers(stop)
+    server, port = _build_server(config)
+    worker = EngineWorker()
+    servicer = ReplicaServicer(config, worker)
+    servicer.address = f"{config.host}:{port}"
+    health_servicer = health.HealthServicer()
+    pb_grpc.add_TextGenerationServiceServicer_to_server(servicer, server)
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+    server.start()
+    for name in ("", SERVICE_NAME):
+        health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+    try:
+        servicer.engine = worker.call(lambda: build_engine(config))
+    except Exception:
+        log.exception("cannot load the model from %s", config.model)
+        server.stop(0)
+        worker.stop()
+        return 1
+    for name in ("", SERVICE_NAME):
+        health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    print(f"{READY_PREFIX} {config.host}:{port}", flush=True)
+    stop.wait()
+    health_servicer.enter_graceful_shutdown()
+    server.stop(grace=5.0).wait(10.0)
+    worker.stop()
+    log.info("replica stopped")
+    return 0

@@ -1,0 +1,192 @@
+"""`ReplicaServicer`: thin gRPC handlers — convert, submit to the engine thread, convert back.
+
+Handlers never touch engine state themselves: every call runs as one work item on the engine
+thread and the handler waits for it with the call's deadline. A Prefill whose caller gave up while
+it ran is undone (its batch dropped) on the engine thread, so nothing leaks.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import grpc
+
+from protos import generate_pb2 as pb
+from protos import generate_pb2_grpc as pb_grpc
+from replica.config import ReplicaConfig
+from replica.engine.engine import Engine
+from replica.engine.types import BatchId, HealthState, RequestId, StepResult
+from replica.engine.warmup import warmup
+from replica.engine.worker import EngineWorker
+from replica.errors import FailedPrecondition, ShuttingDown, Unimplemented
+from replica.server import convert
+
+T = TypeVar("T")
+
+_NO_DEADLINE = 10.0**7  # seconds; grpc's "no deadline" shows up as an enormous time_remaining
+
+ISSUE_4 = "issue 4 (moving state between replicas: KV migration, weight transfer, layer-level prefill)"
+
+
+class ReplicaServicer(pb_grpc.TextGenerationServiceServicer):
+    """The generate.v2 service of one replica."""
+
+    def __init__(self, config: ReplicaConfig, worker: EngineWorker) -> None:
+        self.config = config
+        self.worker = worker
+        self.engine: Engine | None = None  # set once the model is loaded
+        self.address = f"{config.host}:{config.port}"
+
+    # ------------------------------------------------------------------------------- helpers
+    def _run(
+        self,
+        context: grpc.ServicerContext,
+        fn: Callable[[Engine], T],
+        undo: Callable[[Engine, T], None] | None = None,
+    ) -> T:
+        engine = self.engine
+        if engine is None:
+            raise FailedPrecondition("the model is still loading")
+        undo_fn = (lambda result: undo(engine, result)) if undo is not None else None
+        return self.worker.call(lambda: fn(engine), _deadline(context), undo_fn)
+
+    @property
+    def health_state(self) -> HealthState:
+        """serving once the model is loaded, loading before."""
+        return HealthState.SERVING if self.engine is not None else HealthState.LOADING
+
+    # ------------------------------------------------------------------------------ facts
+    def Health(self, request: pb.HealthRequest, context: grpc.ServicerContext) -> pb.HealthResponse:
+        if not self.worker.alive:
+            raise ShuttingDown("the engine thread is not running")
+        return pb.HealthResponse(state=self.health_state.value)
+
+    def Info(self, request: pb.InfoRequest, context: grpc.ServicerContext) -> pb.InfoResponse:
+        info = self._run(context, lambda e: e.info())
+        return convert.info_to_pb(info, self.config.rank, tp_size=1)
+
+    def ServiceDiscovery(
+        self, request: pb.ServiceDiscoveryRequest, context: grpc.ServicerContext
+    ) -> pb.ServiceDiscoveryResponse:
+        table = {"ranks": [{"rank": self.config.rank, "url": self.address, "tp_rank": 0, "tp_size": 1}]}
+        return pb.ServiceDiscoveryResponse(urls=[self.address], ranks_view_in_json=json.dumps(table))
+
+    # ------------------------------------------------------------------------- batch life
+    def Warmup(self, request: pb.WarmupRequest, context: grpc.ServicerContext) -> pb.WarmupResponse:
+        spec = convert.warmup_from_pb(request)
+        fraction = None if self.config.num_blocks is not None else self.config.kv_memory_fraction
+        tokens = self._run(context, lambda e: warmup(e, spec, fraction))
+        return pb.WarmupResponse(max_supported_total_tokens=tokens)
+
+    def _prefill(self, batch: pb.Batch, context: grpc.ServicerContext) -> StepResult:
+        spec = convert.batch_from_pb(batch)
+        return self._run(context, lambda e: e.prefill(spec), undo=_drop_prefilled)
+
+    def Prefill(self, request: pb.PrefillRequest, context: grpc.ServicerContext) -> pb.PrefillResponse:
+        result = self._prefill(request.batch, context)
+        response = pb.PrefillResponse(
+            generations=[convert.generation_to_pb(g) for g in result.generations],
+            forward_ns=result.forward_ns,
+            decode_ns=result.decode_ns,
+            total_ns=result.total_ns,
+        )
+        if result.batch is not None:
+            response.batch.CopyFrom(convert.cached_batch_to_pb(result.batch))
+        return response
+
+    def PrefillV2(self, request: pb.PrefillV2Request, context: grpc.ServicerContext) -> pb.PrefillV2Response:
+        if request.forward_case != pb.NORMAL:
+            raise Unimplemented(f"PrefillV2 forward_case {request.forward_case} belongs to {ISSUE_4}")
+        result = self._prefill(request.batch, context)
+        response = pb.PrefillV2Response(
+            generations=[convert.generation_to_pb(g) for g in result.generations],
+            forward_ns=result.forward_ns,
+            decode_ns=result.decode_ns,
+            total_ns=result.total_ns,
+        )
+        if result.batch is not None:
+            response.batch.CopyFrom(convert.cached_batch_to_pb(result.batch))
+        return response
+
+    def Decode(self, request: pb.DecodeRequest, context: grpc.ServicerContext) -> pb.DecodeResponse:
+        inputs = convert.decode_inputs_from_pb(request.batches)
+        result = self._run(context, lambda e: e.decode(inputs))
+        response = pb.DecodeResponse(
+            generations=[convert.generation_to_pb(g) for g in result.generations],
+            forward_ns=result.forward_ns,
+            decode_ns=result.decode_ns,
+            total_ns=result.total_ns,
+            concat_ns=result.concat_ns,
+        )
+        if result.batch is not None:
+            response.batch.CopyFrom(convert.cached_batch_to_pb(result.batch))
+        return response
+
+    def DecodeV2(self, request: pb.DecodeV2Request, context: grpc.ServicerContext) -> pb.DecodeV2Response:
+        inputs = convert.decode_inputs_from_pb(request.batches, request.last_iter_tokens)
+        result = self._run(context, lambda e: e.decode(inputs))
+        response = pb.DecodeV2Response(
+            generations=[convert.generation_to_pb(g) for g in result.generations], total_ns=result.total_ns
+        )
+        if result.batch is not None:
+            response.batch.CopyFrom(convert.cached_batch_to_pb(result.batch))
+        return response
+
+    def FilterBatch(
+        self, request: pb.FilterBatchRequest, context: grpc.ServicerContext
+    ) -> pb.FilterBatchResponse:
+        keep = [RequestId(i) for i in request.request_ids]
+        info = self._run(context, lambda e: e.filter(BatchId(request.batch_id), keep))
+        return pb.FilterBatchResponse(batch=convert.cached_batch_to_pb(info))
+
+    def ClearCache(
+        self, request: pb.ClearCacheRequest, context: grpc.ServicerContext
+    ) -> pb.ClearCacheResponse:
+        batch_id = BatchId(request.id) if request.HasField("id") else None
+        self._run(context, lambda e: e.clear(batch_id))
+        return pb.ClearCacheResponse()
+
+
+def _deadline(context: grpc.ServicerContext) -> float | None:
+    """Seconds left of the call; None when the caller set no deadline (grpc reports a huge number)."""
+    remaining = context.time_remaining()
+    return None if remaining is None or remaining > _NO_DEADLINE else max(remaining, 0.0)
+
+
+def _drop_prefilled(engine: Engine, result: StepResult) -> None:
+    """Undo of a prefill whose caller is gone: drop the batch it cached."""
+    if result.batch is not None and result.batch.id in engine.store:
+        engine.clear(result.batch.id)
+
+
+def _issue_4(name: str) -> Callable[..., Any]:
+    def handler(self: ReplicaServicer, request: Any, context: grpc.ServicerContext) -> Any:
+        raise Unimplemented(f"{name} belongs to {ISSUE_4}")
+
+    handler.__name__ = name
+    handler.__doc__ = f"{name}: answers UNIMPLEMENTED until {ISSUE_4} lands."
+    return handler
+
+
+# The RPCs of issue 4 answer UNIMPLEMENTED, naming the issue, until it lands.
+ISSUE_4_RPCS = (
+    "SendParams",
+    "RecvParams",
+    "LoadParams",
+    "ZagPrefill",
+    "Migrate",
+    "Immigrate",
+    "MigratePartial",
+    "ImmigratePartial",
+    "WaitRdmaDone",
+    "ResetStatus",
+    "SetStatusReady",
+    "Relay",
+    "NvlBroadcast",
+    "RdmaBroadcast",
+    "TanzBroadcast",
+)
+for _name in ISSUE_4_RPCS:
+    setattr(ReplicaServicer, _name, _issue_4(_name))
