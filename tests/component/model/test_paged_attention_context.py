@@ -1,0 +1,77 @@
+"""AttentionContext over the paged cache: indices, page writes, batching independence, refused slices."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from replica.errors import InvalidArgument
+from replica.model.attention import AttentionContext, PagedKVCache, SeqSlice
+from replica.model.config import ModelConfig
+from replica.model.llama import load_model
+
+
+def _config() -> ModelConfig:
+    return ModelConfig.from_dict(
+        {
+            "architectures": ["LlamaForCausalLM"],
+            "vocab_size": 10,
+            "hidden_size": 16,
+            "intermediate_size": 8,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+        }
+    )
+
+
+def test_positions_last_index_and_page_writes() -> None:
+    config = _config()
+    cache = PagedKVCache.for_model(config, num_blocks=8, block_size=4, dtype=torch.float32)
+    seqs = [SeqSlice((5, 2), 0, 6), SeqSlice((7, 1, 3), 9, 1), SeqSlice((0, 4), 2, 3)]
+    ctx = AttentionContext.build(cache, seqs, config)
+    assert ctx.positions.tolist() == [0, 1, 2, 3, 4, 5, 9, 2, 3, 4]
+    assert ctx.last_token_index.tolist() == [5, 6, 9]
+    n = 10
+    k = torch.arange(n, dtype=torch.float32)[:, None, None].expand(n, 2, 4) + 1
+    ctx.attend(1, torch.zeros(n, 4, 4), k, -k)
+    layer = cache.tensor[1]  # (blocks, 2, block_size, kv_heads, head_dim)
+    assert layer[2, 0, 1, 0, 0] == 6  # seq 0 position 5 -> page 2 slot 1
+    assert layer[3, 0, 1, 0, 0] == 7  # seq 1 position 9 -> page 3 slot 1
+    assert layer[4, 1, 0, 0, 0] == -10  # seq 2 position 4 -> page 4 slot 0, V half
+    assert not cache.tensor[0].any()  # other layer untouched
+    assert cache.bytes_per_page() == 2 * 4 * 2 * 4 * 4
+    assert PagedKVCache.bytes_per_block(config, 4, torch.bfloat16) == 2 * 2 * 4 * 2 * 4 * 2
+
+
+@pytest.mark.parametrize(
+    ("seqs", "message"),
+    [
+        ([], "at least one"),
+        ([SeqSlice((0,), 0, 0)], "not a valid slice"),
+        ([SeqSlice((0,), 3, 2)], "need 2 pages"),
+        ([SeqSlice((0, 99), 3, 2)], "outside the cache"),
+    ],
+)
+def test_invalid_slices_are_refused(seqs: list[SeqSlice], message: str) -> None:
+    config = _config()
+    cache = PagedKVCache.for_model(config, num_blocks=8, block_size=4, dtype=torch.float32)
+    with pytest.raises(InvalidArgument, match=message):
+        AttentionContext.build(cache, seqs, config)
+
+
+def test_a_sequence_decodes_the_same_alone_or_in_a_batch(tiny_llama: Path) -> None:
+    loaded = load_model(tiny_llama, torch.float32)
+    model, config = loaded.model, loaded.config
+    cache = PagedKVCache.for_model(config, num_blocks=16, block_size=4, dtype=torch.float32)
+    prompts = [list(range(3, 14)), [1, 2, 3], list(range(20, 27))]
+    pages = [(9, 1, 4), (0,), (12, 6)]
+    seqs = [SeqSlice(p, 0, len(t)) for p, t in zip(pages, prompts, strict=True)]
+    ids = torch.tensor([tok for t in prompts for tok in t])
+    model(ids, AttentionContext.build(cache, seqs, config))
+    decode = [SeqSlice(p, len(t), 1) for p, t in zip(pages, prompts, strict=True)]
+    batch = model.head(model(torch.tensor([40, 41, 42]), AttentionContext.build(cache, decode, config)))
+    alone = model.head(model(torch.tensor([41]), AttentionContext.build(cache, decode[1:2], config)))
+    torch.testing.assert_close(batch[1:2], alone, atol=1e-5, rtol=0)
