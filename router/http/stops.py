@@ -37,10 +37,11 @@ class StopTrimmer:
         `final_text` is the scheduler's full text; when it extends what was fed (text the
         incremental detokenizer had not flushed yet) the difference is fed first.
         """
+        piece = ""
         if final_text is not None and final_text.startswith(self._text):
-            self.push(final_text[len(self._text) :])
+            piece = self.push(final_text[len(self._text) :])
         end = self._cut if self._cut is not None else len(self._text)
-        return self._release(end)
+        return piece + self._release(end)
 
     def _release(self, end: int) -> str:
         if end <= self._released:
