@@ -9,19 +9,16 @@ leader, `ranks[0]`), or raises a `TransferError`. A failure anywhere makes every
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from transfer.core import Deadline, Handle, Rank, Segment, control_stream
+from transfer.confirm import confirm
+from transfer.core import Deadline, Segment, control_stream
 from transfer.errors import PeerGone, TransferError
 from transfer.executor import Executor, ExecutorOptions, RegionCallback
 from transfer.fabric import Fabric
 from transfer.plans import Plan, plan_chain, plan_p2p, plan_ring, plan_tanz
 from transfer.regions import RegionMap
-
-_OK, _FAILED = 1, 2
-_confirm_ids = itertools.count()
 
 
 @dataclass(frozen=True)
@@ -32,6 +29,7 @@ class TransferOptions:
     window: int = 16
     stripe_bytes: int = 64 << 20  # Tanz stripe
     confirm: bool = True  # end with a completion confirmation through the leader
+    tag: int = 0  # identifies this collective in the confirmation; use a new one for each retry
 
 
 def run_plan(
@@ -59,67 +57,21 @@ def run_plan(
     except TransferError as exc:
         error = exc
     if options.confirm and not deadline.expired():
-        error = _confirmed(fabric, plan.ranks, stream, error, deadline)
+        error = _confirmed(fabric, plan, stream, options.tag, error, deadline)
     if error is not None:
         raise error
 
 
 def _confirmed(
-    fabric: Fabric, ranks: Sequence[Rank], stream: int, error: TransferError | None, deadline: Deadline
+    fabric: Fabric, plan: Plan, stream: int, tag: int, error: TransferError | None, deadline: Deadline
 ) -> TransferError | None:
     try:
-        all_ok = confirm(fabric, ranks, stream, error is None, deadline)
+        all_ok = confirm(fabric, plan.ranks, stream, tag, error is None, deadline)
     except TransferError as exc:
         return error or exc
     if error is None and not all_ok:
-        return PeerGone(f"rank {fabric.rank}: another rank of the collective {list(ranks)} failed")
+        return PeerGone(f"rank {fabric.rank}: another rank of the collective {list(plan.ranks)} failed")
     return error
-
-
-def confirm(fabric: Fabric, ranks: Sequence[Rank], stream: int, ok: bool, deadline: Deadline) -> bool:
-    """Gather every rank's status at `ranks[0]` and hand back the verdict (True: all succeeded)."""
-    ctl = control_stream(stream)
-    name = f"__confirm:{stream}:{next(_confirm_ids)}"
-    status = bytearray(len(ranks))
-    fabric.register(name, status)
-    try:
-        if fabric.rank == ranks[0]:
-            return _lead(fabric, ranks, name, status, ok, ctl, deadline)
-        status[0] = _OK if ok else _FAILED
-        sent = fabric.send(ranks[0], name, [(0, 1)], ctl, deadline)
-        got = fabric.recv(ranks[0], name, [(1, 1)], ctl, deadline)
-        try:
-            sent.wait(deadline)
-            got.wait(deadline)
-        except TransferError as exc:
-            fabric.abort(ranks[0], ctl, str(exc))  # keep the control channel aligned for the next call
-            raise
-        return status[1] == _OK
-    finally:
-        fabric.unregister(name)
-
-
-def _lead(
-    fabric: Fabric, ranks: Sequence[Rank], name: str, status: bytearray, ok: bool, ctl: int,
-    deadline: Deadline,
-) -> bool:
-    handles = [(r, fabric.recv(r, name, [(i, 1)], ctl, deadline)) for i, r in enumerate(ranks) if i]
-    all_ok = ok
-    for rank, handle in handles:
-        try:
-            handle.wait(deadline)
-        except TransferError as exc:
-            all_ok = False  # a dead or stalled rank: the others must hear that the collective failed
-            fabric.abort(rank, ctl, str(exc))
-    all_ok = all_ok and all(status[i] == _OK for i in range(1, len(ranks)))
-    status[0] = _OK if all_ok else _FAILED
-    replies: list[Handle] = [fabric.send(r, name, [(0, 1)], ctl, deadline) for r in ranks[1:]]
-    for rank, reply in zip(ranks[1:], replies, strict=True):
-        try:
-            reply.wait(deadline)
-        except TransferError as exc:
-            fabric.abort(rank, ctl, str(exc))  # that rank is gone; it already fails on its own
-    return all_ok
 
 
 def send_regions(

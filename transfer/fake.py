@@ -73,6 +73,7 @@ class FakeNetwork:
         self._pairs: dict[tuple[Rank, Rank, int], _Pair] = {}
         self._members: dict[Rank, FakeFabric] = {}
         self._dead: set[Rank] = set()
+        self._refused: dict[tuple[Rank, Rank, int], TransferError] = {}  # sticky handshake failures
         self._sent: dict[Rank, int] = {}
         self._due: list[tuple[float, int, Callable[[], None]]] = []
         self._wake = threading.Condition(self._lock)
@@ -116,10 +117,16 @@ class FakeNetwork:
         """Queue a send or receive and deliver whatever now matches."""
         with self._lock:
             dead = {src, dst} & self._dead
-            if not dead:
+            refused = None if sending else self._refused.get((src, dst, stream))
+            if refused is not None:
+                dead = set()
+            elif not dead:
                 pair = self._pairs.setdefault((src, dst, stream), _Pair())
                 (pair.sends if sending else pair.recvs).append(op)
                 matches = self._match(src, dst, stream, pair)
+        if refused is not None:
+            op.handle._fail(refused)
+            return
         if dead:
             op.handle._fail(PeerGone(f"rank {min(dead)} is dead"))
             return
@@ -184,9 +191,24 @@ class FakeNetwork:
                 _, _, action = heapq.heappop(self._due)
             action()
 
-    def fail_pair(self, a: Rank, b: Rank, stream: int, error: TransferError) -> None:
-        """Fail everything queued between `a` and `b` on `stream`, both directions."""
+    def refuse(self, src: Rank, dst: Rank, stream: int, error: TransferError | None) -> None:
+        """Record (or clear, with None) a failed handshake from `src` to `dst`, as the receiver sees it."""
         with self._lock:
+            if error is None:
+                self._refused.pop((src, dst, stream), None)
+                return
+            self._refused[(src, dst, stream)] = error
+            pair = self._pairs.get((src, dst, stream))
+            failed = list(pair.recvs) if pair else []
+            if pair:
+                pair.recvs.clear()
+        for op in failed:
+            op.handle._fail(error)
+
+    def fail_pair(self, a: Rank, b: Rank, stream: int, error: TransferError) -> None:
+        """`a` aborts: fail everything queued between `a` and `b` on `stream`, both directions."""
+        with self._lock:
+            self._refused.pop((b, a, stream), None)
             pairs = [self._pairs.pop(k) for k in ((a, b, stream), (b, a, stream)) if k in self._pairs]
         for pair in pairs:
             for op in (*pair.sends, *pair.recvs):
@@ -246,9 +268,10 @@ class FakeFabric(Fabric):
             handle._fail(PeerGone(f"rank {peer} is not reachable"))
         elif theirs != self.layouts.get(stream, ""):
             error = LayoutMismatch(f"stream {stream}: ranks {self.rank} and {peer} have different layouts")
-            self.network.fail_pair(self.rank, Rank(peer), stream, error)
+            self.network.refuse(self.rank, Rank(peer), stream, error)
             handle._fail(error)
         else:
+            self.network.refuse(self.rank, Rank(peer), stream, None)
             handle._complete()
         return handle
 

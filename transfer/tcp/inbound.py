@@ -2,9 +2,10 @@
 
 The reader thread reads a message header, waits for the oldest posted receive, checks the sizes
 agree and scatters the payload with `recv_into` / `recvmsg_into` straight into the registered
-buffer. A lost connection fails the pending receives with `PeerGone`; if none was pending, the loss
-is remembered and fails the next receive at once (the peer is gone: waiting for it is pointless),
-until the peer connects again or the caller aborts the channel.
+buffer. A lost connection fails the pending receives with `PeerGone`; a receive posted later waits for
+the peer to connect again (it may be restarting), bounded by the caller's deadline. A refused
+handshake (layout mismatch) is remembered instead, and fails receives until a good handshake or an
+abort, so both sides of a mismatch see `LayoutMismatch`.
 """
 
 from __future__ import annotations
@@ -180,7 +181,5 @@ class InboundChannel:
                 return  # replaced or aborted on purpose: nothing to report
             self._conn = None
             failed = self._take_all()
-            if not failed:
-                self._lost = PeerGone(f"rank {self.peer} went away on stream {self.stream}: {error}")
         for op in failed:
             op.handle._fail(error if isinstance(error, PeerGone) else PeerGone(str(error)))

@@ -1,0 +1,94 @@
+"""Test helpers for the transfer layer: groups of fabrics, running ranks in threads, leak checks."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+from transfer.fabric import Fabric
+from transfer.fake import FakeFabric, FakeFaults, FakeNetwork
+from transfer.ranktable import RankTable
+from transfer.tcp.fabric import TcpFabric
+
+FabricMaker = Callable[[int], list[Fabric]]
+
+
+def free_ports(n: int) -> list[int]:
+    """`n` currently free loopback ports."""
+    socks = []
+    for _ in range(n):
+        sock = socket.socket()
+        sock.bind(("127.0.0.1", 0))
+        socks.append(sock)
+    ports = [s.getsockname()[1] for s in socks]
+    for sock in socks:
+        sock.close()
+    return ports
+
+
+def local_table(n: int) -> RankTable:
+    """A one-node rank table of `n` ranks on free loopback ports."""
+    return RankTable.local(free_ports(n))
+
+
+def make_tcp(n: int, **options: Any) -> list[Fabric]:
+    """`n` TCP fabrics in this process."""
+    table = local_table(n)
+    return [TcpFabric(table, r, **options) for r in range(n)]
+
+
+def make_fake(n: int, faults: FakeFaults | None = None) -> list[Fabric]:
+    """`n` fake fabrics on one network."""
+    table = local_table(n)
+    network = FakeNetwork(faults)
+    return [FakeFabric(table, r, network=network) for r in range(n)]
+
+
+@contextlib.contextmanager
+def fabric_group(maker: FabricMaker, n: int) -> Iterator[list[Fabric]]:
+    """Fabrics that are closed on exit, whatever happens."""
+    fabrics = maker(n)
+    try:
+        yield fabrics
+    finally:
+        for fabric in fabrics:
+            fabric.close()
+
+
+def run_all(jobs: Sequence[Callable[[], object]], timeout: float = 60.0) -> list[BaseException | None]:
+    """Run each job in its own thread; return each job's exception (or None)."""
+    errors: list[BaseException | None] = [None] * len(jobs)
+
+    def wrap(i: int) -> None:
+        try:
+            jobs[i]()
+        except BaseException as exc:
+            errors[i] = exc
+
+    threads = [threading.Thread(target=wrap, args=(i,), daemon=True) for i in range(len(jobs))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout)
+        if thread.is_alive():
+            raise AssertionError("a rank did not finish: the transfer layer hung")
+    return errors
+
+
+def socket_fds() -> int:
+    """Open socket file descriptors of this process."""
+    count = 0
+    for fd in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):
+            if os.readlink(f"/proc/self/fd/{fd}").startswith("socket:"):
+                count += 1
+    return count
+
+
+def thread_names() -> set[str]:
+    """Names of live threads (to spot leaks)."""
+    return {t.name for t in threading.enumerate()}
