@@ -57,7 +57,8 @@ class _Prepared:
 @router.get("/info")
 async def info(request: Request) -> Response:
     """TGI's /info: the model and the limits this router enforces."""
-    served = backend_of(request).info
+    backend = backend_of(request)
+    served = backend.info
     return json_response(
         {
             "model_id": served.model_id,
@@ -74,7 +75,7 @@ async def info(request: Request) -> Response:
             "max_batch_total_tokens": served.max_batch_total_tokens,
             "max_client_batch_size": 1,
             "validation_workers": 1,
-            "vocab_size": served.vocab_size,
+            "vocab_size": served.vocab_size or backend.tokenizer.vocab_size,
             "router": "pdcluster",
             "version": served.version,
             "sha": None,

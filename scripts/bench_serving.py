@@ -1,0 +1,345 @@
+"""`pdcluster bench serving`: end-to-end serving benchmark through the OpenAI API, vLLM's metric names.
+
+```
+ workload (Poisson at --rate, or --trace) ──► async httpx, streamed /v1/completions ──► router (--url,
+        │                                     one task per request, token-id prompts    or `pdcluster up`)
+        ▼
+ OUT.jsonl (one line per request) + OUT (summary: throughput, TTFT/TPOT/ITL/E2EL, goodput)
+        + the replica engine in-process at the same batch size: cluster decode tokens/s ÷ in-process
+```
+
+Prompts are random token ids (exact input lengths, no tokenizer round trip); outputs are exactly
+`--output-len` tokens (greedy, `ignore_eos`). Each streamed chunk carries one token (the request
+asks for `logprobs: 0`, so even tokens without text arrive as a chunk): ITL is per token.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import random
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from scripts.serving_stats import (
+    RequestRecord,
+    cluster_decode_rate,
+    mean_concurrency,
+    parse_slos,
+    summarize,
+)
+from scripts.serving_workload import Arrival, clip, load_trace, poisson_arrivals
+
+DECODE_GOAL = 0.80  # cluster decode tokens/s ÷ in-process, the issue's goal
+
+
+@dataclass
+class BenchServingConfig:
+    """Options of `pdcluster bench serving`."""
+
+    url: str = field(default="", metadata={"help": "router base URL; empty: start `pdcluster up` on --model"})
+    model: Path | None = field(
+        default=None, metadata={"help": "checkpoint folder (local cluster, in-process engine run)"}
+    )
+    num: int = field(default=64, metadata={"help": "number of requests"})
+    rate: float = field(default=math.inf, metadata={"help": "requests/s, Poisson arrivals; inf: all at once"})
+    input_len: int = field(default=128, metadata={"help": "prompt tokens per request"})
+    output_len: int = field(default=64, metadata={"help": "generated tokens per request"})
+    strategy: str = field(
+        default="", metadata={"help": "migration strategy of the local cluster (pdcluster up)"}
+    )
+    prefill: int = field(default=1, metadata={"help": "prefill replicas of the local cluster"})
+    decode: int = field(default=1, metadata={"help": "decode replicas of the local cluster"})
+    trace: Path | None = field(
+        default=None,
+        metadata={"help": "replay arrivals and lengths of a Mooncake .jsonl or Azure .csv trace"},
+    )
+    trace_speed: float = field(default=1.0, metadata={"help": "trace time compression (2 = twice as fast)"})
+    slo: list[str] = field(
+        default_factory=list, metadata={"help": "goodput SLOs, e.g. ttft:500 tpot:50 (ms)"}
+    )
+    json: Path | None = field(
+        default=None, metadata={"help": "summary JSON file; per-request lines go to .jsonl"}
+    )
+    in_process: bool = field(default=True, metadata={"help": "also run the replica engine in-process"})
+    seed: int = field(default=0, metadata={"help": "seed of arrivals and prompts"})
+    request_timeout: float = field(default=600.0, metadata={"help": "seconds one request may take"})
+    startup_timeout: float = field(
+        default=180.0, metadata={"help": "seconds the local cluster may take to start"}
+    )
+
+    def __post_init__(self) -> None:
+        if not self.url and self.model is None:
+            raise ValueError("give --url of a running router or --model to start a local cluster")
+        if self.num < 1 or self.input_len < 1 or self.output_len < 1:
+            raise ValueError("--num, --input-len and --output-len must be >= 1")
+        if not self.rate > 0:
+            raise ValueError("--rate must be > 0 (inf: all at once)")
+        parse_slos(self.slo)
+
+
+@dataclass(frozen=True)
+class Served:
+    """What the router says about its model."""
+
+    model_id: str
+    max_input_tokens: int
+    max_total_tokens: int
+    vocab_size: int
+
+
+def run(config: BenchServingConfig) -> int:
+    """CLI runner: benchmark, print and write the summary."""
+    if config.url:
+        summary = asyncio.run(_bench(config, config.url.rstrip("/")))
+    else:
+        with LocalCluster(config) as url:
+            summary = asyncio.run(_bench(config, url))
+    records = summary.pop("_records")
+    if config.in_process and config.model is not None:
+        summary.update(_compare_in_process(config, records, summary["duration"]))
+    _write(config, summary, records)
+    _print(summary)
+    return 0 if summary["failed"] == 0 else 1
+
+
+# ------------------------------------------------------------------------------------ the client
+async def _bench(config: BenchServingConfig, url: str) -> dict[str, Any]:
+    import httpx
+
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    timeout = httpx.Timeout(config.request_timeout, connect=30.0)
+    async with httpx.AsyncClient(base_url=url, limits=limits, timeout=timeout) as client:
+        served = await _served(client)
+        arrivals = _workload(config, served)
+        rng = random.Random(config.seed)
+        prompts = [[rng.randrange(3, served.vocab_size) for _ in range(a.input_len)] for a in arrivals]
+        start = time.perf_counter()
+        tasks = [
+            asyncio.create_task(_one(client, served.model_id, i, a, prompts[i], start))
+            for i, a in enumerate(arrivals)
+        ]
+        records = await asyncio.gather(*tasks)
+        duration = time.perf_counter() - start
+    summary = summarize(records, duration, parse_slos(config.slo))
+    summary.update(
+        {"url": url, "model_id": served.model_id, "num": config.num, "rate": config.rate, "_records": records}
+    )
+    return summary
+
+
+async def _served(client: Any) -> Served:
+    models = (await client.get("/v1/models")).raise_for_status().json()["data"]
+    info = (await client.get("/info")).raise_for_status().json()
+    return Served(
+        model_id=models[0]["id"],
+        max_input_tokens=int(info["max_input_tokens"]),
+        max_total_tokens=int(info["max_total_tokens"]),
+        vocab_size=int(info.get("vocab_size") or 256),
+    )
+
+
+def _workload(config: BenchServingConfig, served: Served) -> list[Arrival]:
+    if config.trace is not None:
+        arrivals = load_trace(config.trace, config.num, config.trace_speed)
+    else:
+        arrivals = poisson_arrivals(config.num, config.rate, config.input_len, config.output_len, config.seed)
+    return clip(arrivals, served.max_input_tokens, served.max_total_tokens)
+
+
+async def _one(
+    client: Any, model: str, index: int, arrival: Arrival, prompt: list[int], t0: float
+) -> RequestRecord:
+    """Send one streamed completion at its arrival time and time every token."""
+    await asyncio.sleep(max(0.0, t0 + arrival.at - time.perf_counter()))
+    record = RequestRecord(index=index, input_len=arrival.input_len, start=time.perf_counter() - t0)
+    body = {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": arrival.output_len,
+        "temperature": 0,
+        "ignore_eos": True,
+        "logprobs": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    sent = time.perf_counter()
+    try:
+        async with client.stream("POST", "/v1/completions", json=body) as response:
+            if response.status_code != 200:
+                record.error = f"HTTP {response.status_code}: {(await response.aread()).decode()[:300]}"
+                return record
+            await _read_stream(response, record, sent)
+    except Exception as exc:  # a failed request is a data point, not the end of the run
+        record.error = f"{type(exc).__name__}: {exc}"
+    return record
+
+
+async def _read_stream(response: Any, record: RequestRecord, sent: float) -> None:
+    last = sent
+    tokens = 0
+    async for line in response.aiter_lines():
+        if not line.startswith("data:"):
+            continue
+        data = line[5:].strip()
+        if data == "[DONE]":
+            break
+        chunk = json.loads(data)
+        if "error" in chunk:
+            record.error = str(chunk["error"])
+            return
+        now = time.perf_counter()
+        if chunk.get("choices"):
+            if chunk["choices"][0].get("finish_reason") is None:
+                tokens += 1
+                if tokens == 1:
+                    record.ttft = now - sent
+                else:
+                    record.itl.append(now - last)
+                last = now
+            record.route = chunk.get("pdcluster_route", record.route)
+        if chunk.get("usage"):
+            record.output_len = int(chunk["usage"]["completion_tokens"])
+    record.latency = time.perf_counter() - sent
+    record.output_len = record.output_len or tokens
+    record.success = tokens > 0
+    if not record.success:
+        record.error = "the stream carried no token"
+
+
+# ------------------------------------------------------------------------- in-process comparison
+def _compare_in_process(config: BenchServingConfig, records: list[RequestRecord], duration: float) -> dict:
+    """The engine alone at the batch size the cluster ran (all requests, or the mean concurrency)."""
+    from scripts.engine_baseline import run_engine_baseline
+
+    assert config.model is not None
+    done = [r for r in records if r.success]
+    if not done:
+        return {}
+    if math.isinf(config.rate) and config.trace is None:
+        batch = len(done)
+    else:
+        batch = max(1, round(mean_concurrency(records, duration)))
+    input_len = round(sum(r.input_len for r in done) / len(done))
+    output_len = max(2, round(sum(r.output_len for r in done) / len(done)))
+    baseline = run_engine_baseline(config.model, batch, input_len, output_len, seed=config.seed)
+    cluster = cluster_decode_rate(records)
+    ratio = cluster / baseline.decode_tokens_per_s if baseline.decode_tokens_per_s else 0.0
+    return {
+        "in_process_batch_size": batch,
+        "in_process_decode_tokens_per_s": baseline.decode_tokens_per_s,
+        "in_process_prefill_tokens_per_s": baseline.prefill_tokens_per_s,
+        "cluster_decode_tokens_per_s": cluster,
+        "decode_ratio": ratio,
+        "decode_ratio_goal": DECODE_GOAL,
+        "decode_ratio_goal_met": ratio >= DECODE_GOAL,
+    }
+
+
+# --------------------------------------------------------------------------------- local cluster
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+class LocalCluster:
+    """`pdcluster up` in a subprocess for the duration of a `with` block; yields its HTTP URL."""
+
+    def __init__(self, config: BenchServingConfig) -> None:
+        self.config = config
+        self.port = _free_port()
+        self.log = tempfile.NamedTemporaryFile(prefix="pdcluster-up-", suffix=".log", delete=False)  # noqa: SIM115
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def command(self) -> list[str]:
+        """The `pdcluster up` command line."""
+        c = self.config
+        cmd = [sys.executable, "-m", "scripts.cli", "up", "--model", str(c.model)]
+        cmd += ["--prefill", str(c.prefill), "--decode", str(c.decode), "--http-port", str(self.port)]
+        cmd += ["--admin-port", "0"]
+        return cmd + (["--strategy", c.strategy] if c.strategy else [])
+
+    def __enter__(self) -> str:
+        self.proc = subprocess.Popen(self.command(), stdout=self.log, stderr=subprocess.STDOUT)
+        url = f"http://127.0.0.1:{self.port}"
+        try:
+            self._wait_healthy(url)
+        except BaseException:
+            self.__exit__()
+            raise
+        return url
+
+    def _wait_healthy(self, url: str) -> None:
+        import httpx
+
+        deadline = time.monotonic() + self.config.startup_timeout
+        assert self.proc is not None
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"pdcluster up exited with {self.proc.returncode}; log: {self.log.name}")
+            try:
+                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            time.sleep(0.5)
+        raise TimeoutError(
+            f"the local cluster was not healthy within {self.config.startup_timeout}s; log: {self.log.name}"
+        )
+
+    def __exit__(self, *exc: object) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+        self.log.close()
+
+
+# -------------------------------------------------------------------------------------- output
+def _write(config: BenchServingConfig, summary: dict[str, Any], records: list[RequestRecord]) -> None:
+    if config.json is None:
+        return
+    config.json.parent.mkdir(parents=True, exist_ok=True)
+    lines = config.json.with_suffix(".jsonl")
+    lines.write_text("".join(json.dumps(r.to_json()) + "\n" for r in records))
+    summary = {**summary, "per_request_file": str(lines)}
+    config.json.write_text(json.dumps(summary, indent=2, default=str) + "\n")
+
+
+def _print(summary: dict[str, Any]) -> None:
+    keys = [
+        "completed",
+        "failed",
+        "duration",
+        "request_throughput",
+        "output_throughput",
+        "total_token_throughput",
+    ]
+    keys += [k for k in summary if k.endswith("_ms") and k.split("_")[0] in ("mean", "median", "p99")]
+    keys += [
+        k
+        for k in (
+            "request_goodput",
+            "cluster_decode_tokens_per_s",
+            "in_process_decode_tokens_per_s",
+            "in_process_batch_size",
+            "decode_ratio",
+        )
+        if k in summary
+    ]
+    print("=" * 20, "serving benchmark", "=" * 20)
+    for key in keys:
+        value = summary[key]
+        print(f"{key:<36} {value:.3f}" if isinstance(value, float) else f"{key:<36} {value}")
