@@ -1,0 +1,67 @@
+"""Stopping criteria and incremental detokenization (a byte-level BPE trained in memory)."""
+
+from __future__ import annotations
+
+import pytest
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+from replica.engine.detokenizer import Detokenizer, DetokState
+from replica.engine.stopping import StopChecker
+from replica.engine.types import FinishReason, StoppingParams
+
+CORPUS = ["the cafÉ serves crème brûlée 🍰 and tea", "hello world, the end", "naïve façade 你好世界"] * 5
+
+
+@pytest.fixture(scope="module")
+def detok() -> Detokenizer:
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=300, special_tokens=["<s>", "</s>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
+    tok.train_from_iterator(CORPUS, trainer)
+    return Detokenizer(tok)
+
+
+def test_incremental_texts_concatenate_to_the_full_decode(detok: Detokenizer) -> None:
+    prompt = detok.encode("hello ")
+    generated = detok.encode("the cafÉ 🍰 你好世界 crème")
+    tokens = list(prompt)
+    state = DetokState.after_prompt(len(prompt))
+    pieces = []
+    for t in generated:
+        tokens.append(t)
+        pieces.append(detok.next_text(tokens, state))
+    assert "".join(pieces) == detok.decode(generated)
+    assert all("\ufffd" not in p for p in pieces)
+
+
+def test_special_tokens_and_no_tokenizer(detok: Detokenizer) -> None:
+    assert detok.is_special(0) and not detok.is_special(100)
+    none = Detokenizer(None)
+    assert not none.available and none.encode("x") == [] and none.decode([1, 2]) == ""
+    assert none.next_text([1, 2], DetokState.after_prompt(1)) == ""
+
+
+def _checker(**kwargs: object) -> StopChecker:
+    return StopChecker(StoppingParams(**kwargs), eos_token_ids={2})  # type: ignore[arg-type]
+
+
+def test_length_eos_and_ignore_eos() -> None:
+    stop = _checker(max_new_tokens=3)
+    assert [stop.step(5, "a"), stop.step(6, "b"), stop.step(7, "c")] == [None, None, FinishReason.LENGTH]
+    assert _checker(max_new_tokens=9).step(2, "</s>") is FinishReason.EOS_TOKEN
+    assert _checker(max_new_tokens=9, ignore_eos=True).step(2, "</s>") is None
+
+
+def test_stop_sequence_spanning_tokens_and_inside_one() -> None:
+    stop = _checker(max_new_tokens=20, stop_sequences=("END",))
+    assert [stop.step(5, t) for t in ("xE", "N", "")] == [None, None, None]
+    assert stop.step(6, "Dy") is FinishReason.STOP_SEQUENCE
+    inside = _checker(max_new_tokens=20, stop_sequences=("cd",))
+    assert inside.step(5, "abcdef") is FinishReason.STOP_SEQUENCE
+
+
+def test_eos_wins_over_length() -> None:
+    assert _checker(max_new_tokens=1).step(2, "") is FinishReason.EOS_TOKEN
