@@ -85,7 +85,9 @@ class _Simulation:
             source = self.plan.for_rank(src)[send.after]
             if source.kind is not OpKind.RECV or (source.start, source.length) != (send.start, send.length):
                 raise PlanError(f"rank {src} forwards {send} after unrelated op {source}")
-        elif not self.holds(src, send.start, send.length):
+        elif not any(s <= send.start and send.start + send.length <= s + n
+                     for s, n in self.plan.initial.get(src, ())):
+            # without `after`, the executor posts the send at once: the bytes must be there from the start
             raise PlanError(f"rank {src} sends [{send.start}, +{send.length}) before holding it")
 
 
