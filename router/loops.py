@@ -68,7 +68,7 @@ class ReplicaWorker:
 
     async def run(self) -> None:
         """Step until the replica dies; unexpected errors are logged, never fatal to the router."""
-        while self.h.state.alive:
+        while self.h.state.alive and not self.hub.stopping:
             token = self.hub.change_token()
             try:
                 did = await self.step()
@@ -135,17 +135,19 @@ class ReplicaWorker:
 
     async def run_prefill(self, members: list[Member], batch_id: BatchId,
                           case: PrefillCase = PrefillCase.NORMAL, pipe_peer: tuple[int, ...] = (),
-                          raise_errors: bool = False) -> LiveBatch | None:
+                          raise_errors: bool = False, from_queue: bool = True) -> LiveBatch | None:
         """Prefill `members` here; stream their first tokens; return the cached batch, pruned.
 
         A failed call releases its pages and, unless `raise_errors`, fails (or re-runs) the members.
+        `from_queue` is False for a decode replica's re-prefill (the route keeps the prefill replica).
         """
         spec = spec_for(batch_id, members, self.h.block_size)
         pages = {m.id: spec_pages for m, spec_pages in zip(members, self._pages(members), strict=True)}
         self.h.state.hold(pages)
         for m in members:
             m.state.replica = self.h.id
-            m.state.route.prefill_replica = self.h.id
+            if from_queue:
+                m.state.route.prefill_replica = self.h.id
         try:
             result = await self.h.client.prefill(spec, case, pipe_peer)
         except ReplicaCallError as exc:
@@ -220,7 +222,7 @@ class ReplicaWorker:
         members = [m for m in item.members if m.wanted]
         if not members:
             return None
-        live = await self.run_prefill(members, self.hub.queue.batch_ids.next())
+        live = await self.run_prefill(members, self.hub.queue.batch_ids.next(), from_queue=False)
         elapsed = self.hub.clock() - item.sent_at
         for m in members:
             m.state.route.migration_seconds += elapsed

@@ -13,7 +13,6 @@ Workers and migration tasks sleep on `wait_change` and are woken by `notify`.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import itertools
 import logging
 from collections.abc import Callable, Iterable
@@ -84,6 +83,7 @@ class ClusterScheduler:
         self._replica_ids = itertools.count(0)
         self._changed = asyncio.Event()
         self._monitor: asyncio.Task[None] | None = None
+        self.stopping = False
 
     # ---- wake-ups --------------------------------------------------------------------------------
 
@@ -99,8 +99,14 @@ class ClusterScheduler:
     async def wait_change(self, token: asyncio.Event | None = None, timeout: float = 0.5) -> None:
         """Sleep until `notify` (since `token` was taken) or `timeout` (which keeps loops self-healing)."""
         event = token or self._changed
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(event.wait(), timeout)
+        if event.is_set():
+            return
+        # Not asyncio.wait_for: on Python 3.11 it can swallow a cancellation that races the wake-up.
+        waiter = asyncio.ensure_future(event.wait())
+        try:
+            await asyncio.wait([waiter], timeout=timeout)
+        finally:
+            waiter.cancel()
 
     # ---- Scheduler protocol ----------------------------------------------------------------------
 
@@ -288,6 +294,7 @@ class ClusterScheduler:
 
     async def stop(self) -> None:
         """Stop every loop and close the clients; requests still running fail."""
+        self.stopping = True
         tasks = [t for t in [self._monitor, *(h.task for h in self.replicas.values())] if t is not None]
         tasks += list(self.migrations.tasks)
         for task in tasks:

@@ -1,0 +1,202 @@
+"""The admin gRPC service `router.v1.RouterAdmin` (protos/router.proto), with reflection and health.
+
+Thin: each method checks the token (mutating calls), converts, calls the scheduler or
+`router.control`, and maps our exceptions to precise status codes.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
+
+import grpc
+import grpc.aio
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from protos import router_pb2 as pb
+from protos import router_pb2_grpc as pb_grpc
+from router import control
+from router.client import ReplicaCallError
+from router.config import Strategy
+from router.replicas import Role, TransitionError
+from router.scheduler import ClusterScheduler, ReplicaHandle
+
+log = logging.getLogger("pdcluster.router")
+
+TOKEN_METADATA = "x-admin-token"
+
+_ROLES = {
+    Role.PREFILL: pb.REPLICA_ROLE_PREFILL, Role.DECODE: pb.REPLICA_ROLE_DECODE,
+    Role.COLOCATED: pb.REPLICA_ROLE_COLOCATED, Role.INACTIVE: pb.REPLICA_ROLE_INACTIVE,
+    Role.LOADING: pb.REPLICA_ROLE_LOADING, Role.DRAINING: pb.REPLICA_ROLE_DRAINING,
+    Role.MUTATING_TO_DECODE: pb.REPLICA_ROLE_MUTATING_TO_DECODE, Role.IDLE: pb.REPLICA_ROLE_IDLE,
+    Role.DEAD: pb.REPLICA_ROLE_DEAD,
+}
+_ROLES_BACK: dict[int, Role] = {int(v): k for k, v in _ROLES.items()}
+_STRATEGIES = {
+    Strategy.FULL: pb.MIGRATION_STRATEGY_FULL, Strategy.PROGRESSIVE: pb.MIGRATION_STRATEGY_PROGRESSIVE,
+    Strategy.MUTATE: pb.MIGRATION_STRATEGY_MUTATE, Strategy.RECOMPUTE: pb.MIGRATION_STRATEGY_RECOMPUTE,
+    Strategy.COLOCATED: pb.MIGRATION_STRATEGY_COLOCATED,
+}
+_STRATEGIES_BACK: dict[int, Strategy] = {int(v): k for k, v in _STRATEGIES.items()}
+_METHODS: dict[int, control.ActivationMethod] = {pb.ACTIVATION_METHOD_P2P: control.ActivationMethod.P2P,
+            pb.ACTIVATION_METHOD_CHAIN: control.ActivationMethod.CHAIN}
+
+Req = TypeVar("Req")
+Resp = TypeVar("Resp")
+Handler = Callable[[Any, Req, grpc.aio.ServicerContext], Awaitable[Resp]]
+
+
+def rpc(mutating: bool) -> Callable[[Handler[Req, Resp]], Handler[Req, Resp]]:
+    """Token check for mutating calls, and our exceptions → status codes."""
+    def wrap(method: Handler[Req, Resp]) -> Handler[Req, Resp]:
+        @functools.wraps(method)
+        async def inner(self: AdminService, request: Req, context: grpc.aio.ServicerContext) -> Resp:
+            if mutating and self.token and _token(context) != self.token:
+                await context.abort(grpc.StatusCode.PERMISSION_DENIED, "wrong or missing x-admin-token")
+            try:
+                return await method(self, request, context)
+            except KeyError as exc:
+                await context.abort(grpc.StatusCode.NOT_FOUND, str(exc.args[0]))
+            except TransitionError as exc:
+                await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+            except ValueError as exc:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            except ReplicaCallError as exc:
+                code = getattr(grpc.StatusCode, exc.code, grpc.StatusCode.UNAVAILABLE)
+                await context.abort(code, str(exc))
+            raise AssertionError("unreachable: abort raises")
+        return inner
+    return wrap
+
+
+def _token(context: grpc.aio.ServicerContext) -> str | None:
+    for key, value in context.invocation_metadata() or ():
+        if key == TOKEN_METADATA:
+            return str(value)
+    return None
+
+
+def _role(value: int, default: Role | None = None) -> Role:
+    if value == pb.REPLICA_ROLE_UNSPECIFIED and default is not None:
+        return default
+    if value not in _ROLES_BACK:
+        raise ValueError(f"invalid role {value}")
+    return _ROLES_BACK[value]
+
+
+def replica_status(hub: ClusterScheduler, h: ReplicaHandle) -> pb.ReplicaStatus:
+    """One replica as a message."""
+    s = h.state
+    age = hub.heartbeats.age(s.id, hub.clock())
+    return pb.ReplicaStatus(
+        id=s.id, address=s.address, role=_ROLES[s.role], rank=s.info.rank,
+        num_blocks_total=s.info.num_blocks_total, num_blocks_free=s.info.num_blocks_free,
+        router_used_blocks=s.used_blocks, requests=len(s.held), inbound_migrations=s.inbound,
+        outbound_migrations=s.outbound, registered=s.registered,
+        last_heartbeat_age_s=-1.0 if age is None else age,
+    )
+
+
+class AdminService(pb_grpc.RouterAdminServicer):
+    """`router.v1.RouterAdmin` over one scheduler."""
+
+    def __init__(self, hub: ClusterScheduler, token: str = "") -> None:
+        self.hub = hub
+        self.token = token
+
+    @rpc(mutating=False)
+    async def ListReplicas(self, request: pb.ListReplicasRequest, context: grpc.aio.ServicerContext
+                           ) -> pb.ListReplicasResponse:
+        statuses = [replica_status(self.hub, h) for h in self.hub.replicas.values()]
+        return pb.ListReplicasResponse(replicas=statuses)
+
+    @rpc(mutating=False)
+    async def Stats(self, request: pb.StatsRequest, context: grpc.aio.ServicerContext) -> pb.StatsResponse:
+        hub = self.hub
+        sample = hub.metrics.registry.get_sample_value
+
+        def total(name: str, labels: dict[str, str] | None = None) -> int:
+            return int(sample(name, labels or {}) or 0)
+
+        migrations = sum(total("pdcluster_migrations_total", {"strategy": s.value}) for s in Strategy)
+        nbytes = sum(total("pdcluster_migration_bytes_total", {"strategy": s.value}) for s in Strategy)
+        return pb.StatsResponse(
+            strategy=_STRATEGIES[hub.strategy], queue_depth=len(hub.queue),
+            queue_prompt_tokens=hub.queue.waiting_prompt_tokens(), active_requests=len(hub.requests),
+            requests_finished=total("pdcluster_requests_total", {"outcome": "finished"}),
+            requests_failed=total("pdcluster_requests_total", {"outcome": "failed"}),
+            requests_cancelled=total("pdcluster_requests_total", {"outcome": "cancelled"}),
+            generated_tokens=total("pdcluster_generated_tokens_total"), migrations=migrations,
+            migration_bytes=nbytes, requests_requeued=total("pdcluster_requests_requeued_total"),
+        )
+
+    @rpc(mutating=True)
+    async def RegisterReplica(self, request: pb.RegisterReplicaRequest, context: grpc.aio.ServicerContext
+                              ) -> pb.RegisterReplicaResponse:
+        if not request.address:
+            raise ValueError("address is required")
+        rid = await self.hub.add_replica(request.address, _role(request.role, Role.DECODE), registered=True)
+        cfg = self.hub.config
+        return pb.RegisterReplicaResponse(replica_id=rid, heartbeat_interval_s=cfg.heartbeat_interval,
+                                          heartbeat_timeout_s=cfg.heartbeat_timeout)
+
+    @rpc(mutating=True)
+    async def Heartbeat(self, request: pb.HeartbeatRequest, context: grpc.aio.ServicerContext
+                        ) -> pb.HeartbeatResponse:
+        return pb.HeartbeatResponse(known=self.hub.heartbeat(request.replica_id))  # type: ignore[arg-type]
+
+    @rpc(mutating=True)
+    async def SetRole(self, request: pb.SetRoleRequest, context: grpc.aio.ServicerContext
+                      ) -> pb.SetRoleResponse:
+        await control.set_role(self.hub, request.replica_id, _role(request.role))
+        h = control.handle_of(self.hub, request.replica_id)
+        return pb.SetRoleResponse(replica=replica_status(self.hub, h))
+
+    @rpc(mutating=True)
+    async def Drain(self, request: pb.DrainRequest, context: grpc.aio.ServicerContext) -> pb.DrainResponse:
+        control.drain(self.hub, request.replica_id)
+        h = control.handle_of(self.hub, request.replica_id)
+        return pb.DrainResponse(replica=replica_status(self.hub, h))
+
+    @rpc(mutating=True)
+    async def ActivateReplica(self, request: pb.ActivateReplicaRequest, context: grpc.aio.ServicerContext
+                              ) -> pb.ActivateReplicaResponse:
+        method = _METHODS.get(request.method)
+        role = _role(request.role, Role.DECODE)
+        seconds = await control.activate(self.hub, list(request.replica_ids), role, method,
+                                         list(request.source_ids))
+        handles = [control.handle_of(self.hub, i) for i in request.replica_ids]
+        return pb.ActivateReplicaResponse(replicas=[replica_status(self.hub, h) for h in handles],
+                                          seconds=seconds)
+
+    @rpc(mutating=True)
+    async def SetMigrationStrategy(self, request: pb.SetMigrationStrategyRequest,
+                                   context: grpc.aio.ServicerContext) -> pb.SetMigrationStrategyResponse:
+        if request.strategy not in _STRATEGIES_BACK:
+            raise ValueError(f"invalid strategy {request.strategy}")
+        previous = self.hub.strategy
+        self.hub.set_strategy(_STRATEGIES_BACK[request.strategy])
+        return pb.SetMigrationStrategyResponse(previous=_STRATEGIES[previous])
+
+
+async def start_admin_server(hub: ClusterScheduler, host: str, port: int, token: str = ""
+                             ) -> tuple[grpc.aio.Server, int]:
+    """Serve RouterAdmin + reflection + grpc.health.v1 on host:port (0 = free port); returns the port."""
+    server = grpc.aio.server()
+    pb_grpc.add_RouterAdminServicer_to_server(AdminService(hub, token), server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    names = (pb.DESCRIPTOR.services_by_name["RouterAdmin"].full_name,
+             health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME)
+    reflection.enable_server_reflection(names, server)
+    bound = server.add_insecure_port(f"{host}:{port}")
+    if bound == 0:
+        raise OSError(f"cannot bind the admin server to {host}:{port}")
+    await server.start()
+    await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+    await health_servicer.set(names[0], health_pb2.HealthCheckResponse.SERVING)
+    return server, bound

@@ -1,0 +1,126 @@
+"""Operator actions on replicas: role changes, draining, activation of inactive replicas.
+
+Called by the admin service; each validates against the role state machine and raises
+`TransitionError` (→ FAILED_PRECONDITION), `KeyError` (→ NOT_FOUND) or `ReplicaCallError`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import logging
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from router.replicas import SERVING, Role, TransitionError
+from router.types import ReplicaId
+
+if TYPE_CHECKING:
+    from router.scheduler import ClusterScheduler, ReplicaHandle
+
+log = logging.getLogger("pdcluster.router")
+
+
+class ActivationMethod(enum.Enum):
+    """How weights reach inactive replicas."""
+
+    P2P = "p2p"
+    CHAIN = "chain"
+
+
+def handle_of(hub: ClusterScheduler, rid: int) -> ReplicaHandle:
+    """The replica with this id (KeyError when unknown)."""
+    handle = hub.replicas.get(ReplicaId(rid))
+    if handle is None:
+        raise KeyError(f"no replica with id {rid}")
+    return handle
+
+
+async def set_role(hub: ClusterScheduler, rid: int, role: Role) -> None:
+    """Change a replica's role; prefill → decode is a mutation (its batches stay and decode there)."""
+    handle = handle_of(hub, rid)
+    old = handle.state.role
+    if old is role:
+        return
+    if role is Role.DECODE and old is Role.PREFILL:
+        handle.state.set_role(Role.MUTATING_TO_DECODE)
+    elif role is Role.PREFILL and old in (Role.DECODE, Role.COLOCATED) and not handle.empty:
+        raise TransitionError(f"replica {rid} still holds requests: drain it before making it prefill")
+    elif role is Role.INACTIVE and old is Role.IDLE:
+        await handle.client.reset_status()
+    handle.state.set_role(role)
+    log.info("replica %s: %s -> %s", rid, old.value, role.value)
+    hub.notify()
+
+
+def drain(hub: ClusterScheduler, rid: int) -> None:
+    """Give the replica no new work; its loop finishes what it holds, then it becomes IDLE."""
+    handle = handle_of(hub, rid)
+    handle.state.set_role(Role.DRAINING)
+    hub.ensure_roles()
+    hub.notify()
+
+
+def default_sources(hub: ClusterScheduler) -> list[ReplicaHandle]:
+    """Loaded live replicas that can send weights, serving ones first."""
+    loaded = [h for h in hub.replicas.values() if h.state.alive and h.state.info.loaded
+              and h.state.role not in (Role.INACTIVE, Role.LOADING)]
+    return sorted(loaded, key=lambda h: (h.state.role not in SERVING, h.id))
+
+
+async def activate(hub: ClusterScheduler, target_ids: Sequence[int], role: Role,
+                   method: ActivationMethod | None, source_ids: Sequence[int] = ()) -> float:
+    """Load weights into inactive replicas from loaded ones, then give them `role`; returns seconds."""
+    targets = [handle_of(hub, i) for i in target_ids]
+    if not targets:
+        raise ValueError("no replica to activate")
+    sources = [handle_of(hub, i) for i in source_ids] or default_sources(hub)[:1]
+    if not sources:
+        raise TransitionError("no loaded replica to send weights from")
+    for t in targets:
+        if t.state.role is not Role.INACTIVE:
+            raise TransitionError(f"replica {t.id} is {t.state.role.value}, not inactive")
+    method = method or (ActivationMethod.CHAIN if len(targets) > 1 else ActivationMethod.P2P)
+    for t in targets:
+        t.state.set_role(Role.LOADING)
+    t0 = hub.clock()
+    try:
+        if method is ActivationMethod.P2P:
+            await _p2p(sources, targets)
+        else:
+            await _chain(sources[0], targets)
+        await _become_ready(targets, role)
+    except BaseException:
+        for t in targets:
+            if t.state.role is Role.LOADING:
+                t.state.set_role(Role.INACTIVE)
+        raise
+    hub.notify()
+    return hub.clock() - t0
+
+
+async def _p2p(sources: list[ReplicaHandle], targets: list[ReplicaHandle]) -> None:
+    """One source per target (round robin), SendParams ‖ RecvParams, then join every transfer."""
+    pairs = [(sources[i % len(sources)], t) for i, t in enumerate(targets)]
+    for src, dst in pairs:
+        await asyncio.gather(src.client.send_params(dst.rank), dst.client.recv_params(src.rank))
+    involved = {h.id: h for pair in pairs for h in pair}
+    await asyncio.gather(*(h.client.wait_rdma_done() for h in involved.values()))
+
+
+async def _chain(source: ReplicaHandle, targets: list[ReplicaHandle]) -> None:
+    """Chain multicast source → t1 → t2 …: every member starts its part, then all join."""
+    members = [source, *targets]
+    src_ranks, dst_ranks = [source.rank], [t.rank for t in targets]
+    await asyncio.gather(*(m.client.rdma_broadcast(src_ranks, dst_ranks) for m in members))
+    await asyncio.gather(*(m.client.wait_rdma_done() for m in members))
+
+
+async def _become_ready(targets: list[ReplicaHandle], role: Role) -> None:
+    for t in targets:
+        info = await t.client.info()
+        if not info.loaded:
+            raise TransitionError(f"replica {t.id} reports its weights are not loaded after the transfer")
+        t.state.info = info
+        t.state.set_role(role)
+        log.info("replica %s activated as %s", t.id, role.value)

@@ -1,0 +1,147 @@
+"""`pdcluster router`: the scheduling core, the HTTP front end (uvicorn) and the admin gRPC server.
+
+```
+ uvicorn ── create_app(scheduler, tokenizer, info, metrics.render) ──┐
+ admin gRPC (router.v1.RouterAdmin + reflection + health) ───────────┼── ClusterScheduler ── replicas
+ SIGTERM / Ctrl-C ──► stop HTTP, stop admin, stop loops, close clients┘
+```
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import signal
+import socket
+import sys
+from collections.abc import Generator
+from pathlib import Path
+
+import uvicorn
+
+from router.admin import start_admin_server
+from router.client import ReplicaCallError
+from router.config import RouterConfig
+from router.http import ServingInfo, create_app
+from router.metrics import RouterMetrics
+from router.replicas import SERVING, Role
+from router.scheduler import ClusterScheduler
+from router.tokenizer import Tokenizer
+
+log = logging.getLogger("pdcluster.router")
+
+_DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
+
+
+def kv_bytes_per_token(model_dir: Path, dtype: str) -> int:
+    """KV bytes one token occupies over all layers (K and V), from the checkpoint's config.json."""
+    cfg = json.loads((model_dir / "config.json").read_text())
+    heads = int(cfg["num_attention_heads"])
+    kv_heads = int(cfg.get("num_key_value_heads") or heads)
+    head_dim = int(cfg.get("head_dim") or cfg["hidden_size"] // heads)
+    return 2 * int(cfg["num_hidden_layers"]) * kv_heads * head_dim * _DTYPE_BYTES.get(dtype, 4)
+
+
+def serving_info(config: RouterConfig, sched: ClusterScheduler) -> ServingInfo:
+    """The front end's limits: the tightest of the serving replicas (the checkpoint's when none)."""
+    infos = [h.state.info for h in sched.replicas.values() if h.state.role in SERVING]
+    if infos:
+        max_total = min(i.max_total_tokens for i in infos)
+        max_input = min(min(i.max_input_tokens for i in infos), max_total - 1)
+        dtype, device = infos[0].dtype, infos[0].device_type
+    else:
+        cfg = json.loads((config.model / "config.json").read_text())
+        max_total = int(cfg.get("max_position_embeddings", 2048))
+        max_input, dtype, device = max_total - 1, "float32", "cpu"
+    return ServingInfo(
+        model_id=config.served_model_id, max_input_tokens=max(1, max_input), max_total_tokens=max_total,
+        default_max_new_tokens=config.max_new_tokens, model_dtype=dtype, model_device_type=device,
+        max_batch_total_tokens=config.max_batch_total_tokens,
+    )
+
+
+class _Server(uvicorn.Server):
+    """uvicorn without its own signal handling: the router stops everything in order itself."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Generator[None, None, None]:
+        yield
+
+
+async def _connect(sched: ClusterScheduler, address: str, role: Role, deadline: float) -> None:
+    """Add a replica, retrying while it is still starting (until `deadline`, loop time)."""
+    loop = asyncio.get_running_loop()
+    while True:
+        try:
+            await sched.add_replica(address, role)
+            return
+        except ReplicaCallError:
+            if loop.time() > deadline:
+                raise
+            await asyncio.sleep(0.2)
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.listen(512)
+    sock.setblocking(False)
+    return sock
+
+
+async def run_router(config: RouterConfig, stop: asyncio.Event) -> None:
+    """Run until `stop` is set; prints one ready line."""
+    tokenizer = Tokenizer.from_model_dir(config.model)
+    metrics = RouterMetrics()
+    sched = ClusterScheduler(config, metrics)
+    deadline = asyncio.get_running_loop().time() + 30
+    for address, role in zip(config.replica, config.roles(), strict=True):
+        await _connect(sched, address, Role(role), deadline)
+    dtype = next((h.state.info.dtype for h in sched.replicas.values()), "float32")
+    sched.kv_bytes_per_token = kv_bytes_per_token(config.model, dtype)
+    await sched.start()
+    admin, admin_port = await start_admin_server(sched, config.host, config.admin_port, config.admin_token)
+    sock = _bind(config.host, config.http_port)
+    app = create_app(sched, tokenizer, serving_info(config, sched), metrics.render)
+    http = _Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=2))
+    http_task = asyncio.create_task(http.serve(sockets=[sock]))
+    while not http.started and not http_task.done():
+        await asyncio.sleep(0.05)
+    http_port = sock.getsockname()[1]
+    print(f"pdcluster router ready: http=http://{config.host}:{http_port} admin={config.host}:{admin_port} "
+          f"strategy={sched.strategy.value} replicas={len(sched.replicas)}", flush=True)
+    try:
+        stopped = asyncio.ensure_future(stop.wait())
+        await asyncio.wait([stopped, http_task], return_when=asyncio.FIRST_COMPLETED)
+        stopped.cancel()
+    finally:
+        http.should_exit = True
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(http_task, 5)
+        await admin.stop(1)
+        await sched.stop()
+        sock.close()
+        log.info("router stopped")
+
+
+def serve(config: RouterConfig) -> int:
+    """Entry point of `pdcluster router`: run until SIGTERM / Ctrl-C; exit code 0 on a clean stop."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s",
+                        stream=sys.stderr)
+
+    async def main() -> None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        await run_router(config, stop)
+
+    try:
+        asyncio.run(main())
+    except ReplicaCallError as exc:
+        print(f"pdcluster router: cannot reach a replica: {exc}", file=sys.stderr)
+        return 1
+    return 0

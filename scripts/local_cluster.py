@@ -1,0 +1,224 @@
+"""`pdcluster up`: a whole cluster on this machine — N prefill + M decode (+ K inactive) replica
+processes and a router — with one ready line, and a clean stop of everything it started.
+
+```
+ pdcluster up ─┬─ pdcluster replica --rank 0 (prefill)   ─┐ stdout: "pdcluster replica serving on H:P"
+               ├─ pdcluster replica --rank 1 (decode)    ─┤
+               └─ pdcluster router --replica H:P … --role …  stdout: "pdcluster router ready: http=… admin=…"
+```
+Children get SIGTERM when this process dies (Linux parent-death signal), so none is orphaned even
+if `pdcluster up` itself is killed; on Ctrl-C / SIGTERM the router stops first, then the replicas.
+`LocalCluster` is the same thing as a context manager (used by the demo and the cluster tests).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import dataclasses
+import queue
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import FrameType, TracebackType
+
+from router.config import Strategy
+
+REPLICA_READY = "pdcluster replica serving on "
+ROUTER_READY = "pdcluster router ready:"
+_PR_SET_PDEATHSIG = 1
+
+
+@dataclass
+class UpConfig:
+    """Flags of `pdcluster up`."""
+
+    model: Path = field(metadata={"help": "checkpoint folder"})
+    prefill: int = field(default=1, metadata={"help": "prefill replicas"})
+    decode: int = field(default=1, metadata={"help": "decode replicas"})
+    inactive: int = field(default=0, metadata={"help": "inactive replicas (no weights; scale-up targets)"})
+    strategy: Strategy = field(default=Strategy.FULL, metadata={"help": "migration strategy"})
+    http_port: int = field(default=8080, metadata={"help": "router HTTP port (0 = free port)"})
+    admin_port: int = field(default=50100, metadata={"help": "router admin gRPC port (0 = free port)"})
+    host: str = field(default="127.0.0.1", metadata={"help": "address every process binds"})
+    num_blocks: int = field(default=512, metadata={"help": "KV pages per replica"})
+    admin_token: str = field(default="", metadata={"help": "admin token of the router (empty = none)"})
+    log_dir: Path | None = field(default=None, metadata={"help": "folder of process logs (default: temp)"})
+    ready_timeout: float = field(default=180.0, metadata={"help": "seconds to wait for each ready line"})
+
+    def __post_init__(self) -> None:
+        self.model = Path(self.model)
+        if isinstance(self.strategy, str):
+            self.strategy = Strategy(self.strategy)
+        if min(self.prefill, self.decode, self.inactive) < 0 or self.prefill + self.decode < 1:
+            raise ValueError("need at least one prefill or decode replica, and no negative counts")
+
+
+def _die_with_parent() -> None:
+    """In the child before exec: get SIGTERM when the parent dies (Linux)."""
+    with contextlib.suppress(OSError):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+@dataclass
+class Proc:
+    """One started process: its role, its ready address, its log."""
+
+    name: str
+    role: str
+    popen: subprocess.Popen[str]
+    log: Path
+    address: str = ""
+    lines: queue.Queue[str] = field(default_factory=queue.Queue)
+
+    def pump(self) -> None:
+        """Forward stdout lines to the queue (a thread; keeps the pipe drained)."""
+        assert self.popen.stdout is not None
+        for line in self.popen.stdout:
+            self.lines.put(line.rstrip("\n"))
+
+    def wait_line(self, prefix: str, deadline: float) -> str:
+        """The first stdout line starting with `prefix` (RuntimeError on exit or past the deadline)."""
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise RuntimeError(f"{self.name} printed no ready line in time (log: {self.log})")
+            try:
+                line = self.lines.get(timeout=min(left, 0.2))
+            except queue.Empty:
+                if self.popen.poll() is not None and self.lines.empty():
+                    raise RuntimeError(f"{self.name} exited with {self.popen.returncode} (log: {self.log})"
+                                       ) from None
+                continue
+            if line.startswith(prefix):
+                return line
+
+
+class LocalCluster:
+    """Start replicas and a router as subprocesses; `stop()` ends every one of them."""
+
+    def __init__(self, config: UpConfig) -> None:
+        self.config = config
+        self.log_dir = config.log_dir or Path(tempfile.mkdtemp(prefix="pdcluster-up-"))
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        self.replicas: list[Proc] = []
+        self.router: Proc | None = None
+        self.http_url = ""
+        self.admin_address = ""
+
+    def __enter__(self) -> LocalCluster:
+        try:
+            self.start()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None
+                 ) -> None:
+        self.stop()
+
+    def _spawn(self, name: str, role: str, args: list[str]) -> Proc:
+        log = self.log_dir / f"{name}.log"
+        popen = subprocess.Popen(
+            [sys.executable, "-m", "scripts.cli", *args], stdout=subprocess.PIPE,
+            stderr=log.open("w"), text=True, preexec_fn=_die_with_parent,
+            cwd=Path(__file__).resolve().parent.parent,
+        )
+        proc = Proc(name, role, popen, log)
+        threading.Thread(target=proc.pump, daemon=True, name=f"pump-{name}").start()
+        return proc
+
+    def roles(self) -> list[str]:
+        """The role of each replica, by rank."""
+        c = self.config
+        return ["prefill"] * c.prefill + ["decode"] * c.decode + ["inactive"] * c.inactive
+
+    def start(self) -> None:
+        """Start every replica, wait for their ready lines, then the router and its ready line."""
+        c = self.config
+        if c.inactive and not _replica_has_flag("inactive"):
+            raise RuntimeError("this replica has no --inactive flag yet (it comes with issue 4)")
+        for rank, role in enumerate(self.roles()):
+            args = ["replica", "--model", str(c.model), "--host", c.host, "--port", "0", "--rank", str(rank),
+                    "--num-blocks", str(c.num_blocks)]
+            if role == "inactive":
+                args.append("--inactive")
+            self.replicas.append(self._spawn(f"replica-{rank}-{role}", role, args))
+        deadline = time.monotonic() + c.ready_timeout
+        for proc in self.replicas:
+            proc.address = proc.wait_line(REPLICA_READY, deadline)[len(REPLICA_READY):].strip()
+        args = ["router", "--model", str(c.model), "--host", c.host, "--http-port", str(c.http_port),
+                "--admin-port", str(c.admin_port), "--strategy", c.strategy.value,
+                "--replica", *[p.address for p in self.replicas], "--role", *self.roles()]
+        if c.admin_token:
+            args += ["--admin-token", c.admin_token]
+        self.router = self._spawn("router", "router", args)
+        line = self.router.wait_line(ROUTER_READY, time.monotonic() + c.ready_timeout)
+        fields = dict(part.split("=", 1) for part in line[len(ROUTER_READY):].split() if "=" in part)
+        self.http_url, self.admin_address = fields["http"], fields["admin"]
+
+    def ready_line(self) -> str:
+        """The one line `pdcluster up` prints once everything serves."""
+        reps = " ".join(f"{p.role}@{p.address}" for p in self.replicas)
+        return (f"pdcluster up ready: http={self.http_url} admin={self.admin_address} "
+                f"strategy={self.config.strategy.value} replicas=[{reps}] logs={self.log_dir}")
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """SIGTERM the router, then the replicas; SIGKILL whatever is still alive after `timeout`."""
+        for group in ([self.router] if self.router else [], self.replicas):
+            for proc in group:
+                if proc.popen.poll() is None:
+                    proc.popen.terminate()
+            for proc in group:
+                try:
+                    proc.popen.wait(timeout)
+                except subprocess.TimeoutExpired:
+                    proc.popen.kill()
+                    proc.popen.wait(timeout)
+
+    def crashed(self) -> list[Proc]:
+        """Started processes that have exited."""
+        procs = [*self.replicas, *([self.router] if self.router else [])]
+        return [p for p in procs if p.popen.poll() is not None]
+
+
+def _replica_has_flag(name: str) -> bool:
+    from replica.config import ReplicaConfig
+
+    return name in {f.name for f in dataclasses.fields(ReplicaConfig)}
+
+
+def run(config: UpConfig) -> int:
+    """Entry point of `pdcluster up`: start, print the ready line, run until Ctrl-C / SIGTERM."""
+    stop = threading.Event()
+
+    def on_signal(signum: int, frame: FrameType | None) -> None:
+        stop.set()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    cluster = LocalCluster(dataclasses.replace(config))
+    try:
+        cluster.start()
+        print(cluster.ready_line(), flush=True)
+        reported: set[str] = set()
+        while not stop.wait(0.5):
+            for proc in cluster.crashed():
+                if proc.name not in reported:
+                    reported.add(proc.name)
+                    print(f"pdcluster up: {proc.name} exited with {proc.popen.returncode} (log: {proc.log})",
+                          file=sys.stderr, flush=True)
+            if cluster.router is not None and cluster.router.popen.poll() is not None:
+                return 1
+    except RuntimeError as exc:
+        print(f"pdcluster up: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        cluster.stop()
+    return 0

@@ -1,0 +1,69 @@
+"""The scheduling core end to end over fake replicas (exact call sequences, fault injection)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from router.config import Strategy
+from router.replicas import Role
+from tests.helpers.fake_replica import expected_tokens
+from tests.helpers.router_core import collect, fake_cluster, finish_of, request, run, tokens_of
+
+PD = (Role.PREFILL, Role.DECODE)
+
+
+@pytest.mark.parametrize("strategy", list(Strategy))
+def test_every_strategy_generates_the_model_tokens_and_frees_pages(strategy: Strategy) -> None:
+    async def body() -> None:
+        async with fake_cluster(PD, strategy) as (sched, fakes):
+            prompts = [[5 + i] * (3 + i) for i in range(6)]
+            results = await asyncio.gather(*(collect(sched.submit(request(p, 6 + i)))
+                                             for i, p in enumerate(prompts)))
+            for i, (p, events) in enumerate(zip(prompts, results, strict=True)):
+                assert tokens_of(events) == expected_tokens(p, 6 + i)
+                fin = finish_of(events)
+                assert fin.generated_tokens == 6 + i
+                assert fin.route.strategy
+            await asyncio.sleep(0.05)
+            assert [f.free for f in fakes] == [f.num_blocks for f in fakes]
+    run(body())
+
+
+def test_full_migration_route_and_call_sequence() -> None:
+    async def body() -> None:
+        async with fake_cluster(PD, Strategy.FULL) as (sched, (p, d)):
+            events = await collect(sched.submit(request([1, 2, 3], 4)))
+            route = finish_of(events).route
+            assert (route.prefill_replica, route.decode_replica, route.strategy) == (0, 1, "full")
+            assert route.migration_bytes == 16 * 8  # one page of 16 tokens, 8 bytes per token
+            assert [c for c in p.calls if c != "Info"] == ["PrefillV2", "Migrate"]
+            assert [c for c in d.calls if c != "Info"][:2] == ["Immigrate", "DecodeV2"]
+    run(body())
+
+
+def test_migration_unimplemented_falls_back_to_recompute() -> None:
+    async def body() -> None:
+        async with fake_cluster(PD, Strategy.FULL) as (sched, fakes):
+            for f in fakes:
+                f.migrate = False
+            events = await collect(sched.submit(request([9, 9], 5)))
+            assert tokens_of(events) == expected_tokens([9, 9], 5)
+            route = finish_of(events).route
+            assert (route.decode_replica, route.strategy) == (1, "recompute")
+            await asyncio.sleep(0.05)
+            assert [f.free for f in fakes] == [f.num_blocks for f in fakes]
+    run(body())
+
+
+def test_progressive_unimplemented_falls_back() -> None:
+    async def body() -> None:
+        async with fake_cluster(PD, Strategy.PROGRESSIVE) as (sched, fakes):
+            for f in fakes:
+                f.migrate = False
+            events = await collect(sched.submit(request([4, 4, 4], 5)))
+            assert tokens_of(events) == expected_tokens([4, 4, 4], 5)
+            await asyncio.sleep(0.05)
+            assert [f.free for f in fakes] == [f.num_blocks for f in fakes]
+    run(body())
