@@ -58,6 +58,9 @@ class BenchServingConfig:
     )
     prefill: int = field(default=1, metadata={"help": "prefill replicas of the local cluster"})
     decode: int = field(default=1, metadata={"help": "decode replicas of the local cluster"})
+    num_blocks: int = field(
+        default=0, metadata={"help": "KV pages per replica of the local cluster (0: its default)"}
+    )
     trace: Path | None = field(
         default=None,
         metadata={"help": "replay arrivals and lengths of a Mooncake .jsonl or Azure .csv trace"},
@@ -265,7 +268,7 @@ class LocalCluster:
         c = self.config
         cmd = [sys.executable, "-m", "scripts.cli", "up", "--model", str(c.model)]
         cmd += ["--prefill", str(c.prefill), "--decode", str(c.decode), "--http-port", str(self.port)]
-        cmd += ["--admin-port", "0"]
+        cmd += ["--admin-port", "0"] + (["--num-blocks", str(c.num_blocks)] if c.num_blocks else [])
         return cmd + (["--strategy", c.strategy] if c.strategy else [])
 
     def __enter__(self) -> str:

@@ -1,8 +1,9 @@
 """The replica engine run in this process, no gRPC and no router: the ceiling the cluster is compared to.
 
 One batch of `batch_size` requests (`input_len` random prompt tokens, exactly `output_len` new
-tokens, greedy, EOS ignored) is prefilled, then decoded step by step until every request is done.
-Decode tokens/s counts the tokens of the decode steps over their wall time.
+tokens, greedy, EOS ignored) is prefilled, then decoded step by step until every request is done;
+after a warm-up, `repeats` times, keeping the fastest. Decode tokens/s counts the tokens of the
+decode steps over their wall time.
 """
 
 from __future__ import annotations
@@ -38,12 +39,18 @@ class BaselineResult:
 
 
 def run_engine_baseline(
-    model: Path, batch_size: int, input_len: int, output_len: int, block_size: int = 16, seed: int = 0
+    model: Path,
+    batch_size: int,
+    input_len: int,
+    output_len: int,
+    block_size: int = 16,
+    seed: int = 0,
+    repeats: int = 3,
 ) -> BaselineResult:
-    """Prefill one batch and decode it to the end on an in-process engine."""
+    """Prefill one batch and decode it to the end on an in-process engine; the best of `repeats` runs."""
     from replica.config import ReplicaConfig
     from replica.engine.factory import build_engine
-    from replica.engine.types import BatchId, BatchSpec, DecodeInput, RequestId, RequestSpec, StoppingParams
+    from replica.engine.types import BatchId, RequestId, RequestSpec, StoppingParams
 
     pages_per_request = -(-(input_len + output_len) // block_size)
     config = ReplicaConfig(
@@ -61,18 +68,25 @@ def run_engine_baseline(
         for i in range(batch_size)
     )
     _warm_up(engine, requests[0])
+    runs = [_measure(engine, requests, BatchId(2 + r)) for r in range(max(1, repeats))]
+    # The best run is the ceiling: the others lost time to whatever else shares the CPU.
+    prefill_s, decode_s, tokens, steps = min(runs, key=lambda run: run[1] / max(run[2], 1))
+    return BaselineResult(batch_size, input_len, output_len, prefill_s, decode_s, tokens, steps)
+
+
+def _measure(engine: Any, requests: tuple[Any, ...], batch_id: Any) -> tuple[float, float, int, int]:
+    """(prefill seconds, decode seconds, decode tokens, decode steps) of one batch run to the end."""
+    from replica.engine.types import BatchSpec, DecodeInput
+
     start = time.perf_counter()
-    result = engine.prefill(BatchSpec(id=BatchId(2), requests=requests))
+    result = engine.prefill(BatchSpec(id=batch_id, requests=requests))
     prefilled = time.perf_counter()
     tokens = steps = 0
     while result.batch is not None:
         result = engine.decode([DecodeInput(batch_id=result.batch.id)])
         tokens += sum(len(g.tokens.ids) for g in result.generations)
         steps += 1
-    done = time.perf_counter()
-    return BaselineResult(
-        batch_size, input_len, output_len, prefilled - start, done - prefilled, tokens, steps
-    )
+    return prefilled - start, time.perf_counter() - prefilled, tokens, steps
 
 
 def _warm_up(engine: Any, request: Any) -> None:
