@@ -1,0 +1,225 @@
+"""Fault handling of the scheduling core over fake replicas: disconnects, replica errors, dead
+replicas (unreachable, or missed heartbeats on a fake clock), draining, mutation, activation."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+
+from router import control
+from router.config import Strategy
+from router.replicas import Role
+from router.scheduler import ClusterScheduler
+from router.types import ErrorEvent, ReplicaId, TokenEvent
+from tests.helpers.fake_replica import FakeFabric, FakeReplica, expected_tokens
+from tests.helpers.router_core import (
+    collect,
+    config,
+    error_of,
+    fake_cluster,
+    finish_of,
+    request,
+    run,
+    tokens_of,
+)
+
+PD = (Role.PREFILL, Role.DECODE)
+
+
+async def settle(fakes: list[FakeReplica], timeout: float = 5.0) -> None:
+    """Wait until every fake replica has all its pages back (or the timeout)."""
+    loop = asyncio.get_running_loop()
+    end = loop.time() + timeout
+    while any(f.free != f.num_blocks for f in fakes) and loop.time() < end:
+        await asyncio.sleep(0.02)
+
+
+def test_client_disconnect_mid_stream_frees_pages() -> None:
+    async def body() -> None:
+        async with fake_cluster(PD, Strategy.FULL) as (sched, fakes):
+            fakes[1].step_delay = 0.02
+            stream = sched.submit(request([3, 1, 4], 200))
+            seen = 0
+            async for event in stream:
+                seen += isinstance(event, TokenEvent)
+                if seen == 3:
+                    break
+            await stream.aclose()
+            await settle(fakes)
+            assert [f.free for f in fakes] == [f.num_blocks for f in fakes]
+            assert "FilterBatch" in fakes[1].calls or "ClearCache" in fakes[1].calls
+            assert not sched.requests
+    run(body())
+
+
+def test_replica_error_fails_only_that_batch_and_the_router_keeps_serving() -> None:
+    async def body() -> None:
+        async with fake_cluster(PD, Strategy.FULL) as (sched, fakes):
+            fakes[1].fail["DecodeV2"] = grpc.StatusCode.INTERNAL
+            failed = await collect(sched.submit(request([7, 7], 5)))
+            err = error_of(failed)
+            assert "INTERNAL" in err.message and err.http_status >= 500
+            ok = await collect(sched.submit(request([7, 7], 5)))
+            assert tokens_of(ok) == expected_tokens([7, 7], 5)
+            await settle(fakes)
+            assert [f.free for f in fakes] == [f.num_blocks for f in fakes]
+    run(body())
+
+
+def test_decode_replica_dying_mid_run_its_requests_complete_on_the_other() -> None:
+    async def body() -> None:
+        async with fake_cluster((Role.PREFILL, Role.DECODE, Role.DECODE), Strategy.FULL) as (sched, fakes):
+            for f in fakes[1:]:
+                f.step_delay = 0.01
+            prompts = [[10 + i, 2 * i + 1] for i in range(8)]
+            tasks = [asyncio.create_task(collect(sched.submit(request(p, 40)))) for p in prompts]
+            while fakes[1].calls.count("DecodeV2") < 5:
+                await asyncio.sleep(0.01)
+            await fakes[1].stop()
+            results = await asyncio.gather(*tasks)
+            for p, events in zip(prompts, results, strict=True):
+                assert tokens_of(events) == expected_tokens(p, 40)
+                assert finish_of(events).route.decode_replica == 2
+            assert sched.replicas[ReplicaId(1)].state.role is Role.DEAD
+            await settle([fakes[0], fakes[2]])
+            assert fakes[0].free == fakes[0].num_blocks and fakes[2].free == fakes[2].num_blocks
+    run(body())
+
+
+def test_missed_heartbeat_marks_dead_and_requeues() -> None:
+    async def body() -> None:
+        now = [1000.0]
+        fabric = FakeFabric()
+        fakes = [FakeReplica(0, fabric), FakeReplica(1, fabric)]
+        fakes[1].step_delay = 0.02
+        sched = ClusterScheduler(config(Strategy.FULL), clock=lambda: now[0])
+        try:
+            await sched.add_replica(await fakes[0].start(), Role.PREFILL)
+            await sched.add_replica(await fakes[1].start(), Role.DECODE, registered=True)
+            task = asyncio.create_task(collect(sched.submit(request([5], 30))))
+            while fakes[1].calls.count("DecodeV2") < 3:
+                await asyncio.sleep(0.01)
+            now[0] += 0.3
+            assert sched.heartbeat(ReplicaId(1))
+            await sched.check_liveness()
+            assert sched.replicas[ReplicaId(1)].state.role is Role.DECODE
+            now[0] += 0.6
+            await sched.check_liveness()
+            assert sched.replicas[ReplicaId(1)].state.role is Role.DEAD
+            assert not sched.heartbeat(ReplicaId(1))
+            events = await task
+            assert tokens_of(events) == expected_tokens([5], 30)
+        finally:
+            await sched.stop()
+            for f in fakes:
+                await f.stop()
+    run(body())
+
+
+def test_drain_finishes_work_then_idles() -> None:
+    async def body() -> None:
+        async with fake_cluster(PD, Strategy.FULL) as (sched, fakes):
+            fakes[1].step_delay = 0.01
+            task = asyncio.create_task(collect(sched.submit(request([2, 2], 20))))
+            while "DecodeV2" not in fakes[1].calls:
+                await asyncio.sleep(0.01)
+            control.drain(sched, 1)
+            assert tokens_of(await task) == expected_tokens([2, 2], 20)
+            for _ in range(100):
+                if sched.replicas[ReplicaId(1)].state.role is Role.IDLE:
+                    break
+                await asyncio.sleep(0.02)
+            assert sched.replicas[ReplicaId(1)].state.role is Role.IDLE
+            later = await collect(sched.submit(request([2, 3], 4)))
+            route = finish_of(later).route
+            assert (route.prefill_replica, route.decode_replica) == (0, 0)
+    run(body())
+
+
+def test_mutate_swaps_roles_without_transfer() -> None:
+    async def body() -> None:
+        async with fake_cluster(PD, Strategy.MUTATE) as (sched, fakes):
+            events = await collect(sched.submit(request([8, 1], 6)))
+            assert tokens_of(events) == expected_tokens([8, 1], 6)
+            route = finish_of(events).route
+            assert (route.prefill_replica, route.decode_replica, route.strategy) == (0, 0, "mutate")
+            assert sched.replicas[ReplicaId(0)].state.role is Role.DECODE
+            assert sched.replicas[ReplicaId(1)].state.role is Role.PREFILL
+            assert "Migrate" not in fakes[0].calls and "Immigrate" not in fakes[1].calls
+    run(body())
+
+
+def test_set_role_prefill_to_decode_and_refusals() -> None:
+    async def body() -> None:
+        async with fake_cluster((Role.PREFILL, Role.DECODE, Role.DECODE), Strategy.FULL) as (sched, _):
+            await control.set_role(sched, 0, Role.DECODE)
+            assert sched.replicas[ReplicaId(0)].state.role is Role.DECODE
+            await control.set_role(sched, 1, Role.PREFILL)
+            try:
+                await control.set_role(sched, 9, Role.PREFILL)
+            except KeyError:
+                pass
+            else:
+                raise AssertionError("unknown replica accepted")
+            events = await collect(sched.submit(request([1], 3)))
+            assert finish_of(events).route.prefill_replica == 1
+    run(body())
+
+
+def test_activate_inactive_replicas_by_p2p_and_chain() -> None:
+    async def body() -> None:
+        async with fake_cluster((Role.COLOCATED, Role.INACTIVE, Role.INACTIVE, Role.INACTIVE),
+                                Strategy.FULL) as (sched, fakes):
+            for f in fakes[1:]:
+                f.loaded = False
+            for rid in (1, 2, 3):
+                sched.replicas[ReplicaId(rid)].state.role = Role.INACTIVE
+            await control.activate(sched, [1], Role.DECODE, control.ActivationMethod.P2P)
+            assert sched.replicas[ReplicaId(1)].state.role is Role.DECODE
+            assert "SendParams" in fakes[0].calls and "RecvParams" in fakes[1].calls
+            await control.activate(sched, [2, 3], Role.DECODE, control.ActivationMethod.CHAIN)
+            assert all(sched.replicas[ReplicaId(i)].state.role is Role.DECODE for i in (2, 3))
+            chain = (fakes[0], *fakes[2:])
+            assert all("RdmaBroadcast" in f.calls and "WaitRdmaDone" in f.calls for f in chain)
+    run(body())
+
+
+def test_activation_failure_leaves_the_replica_inactive() -> None:
+    async def body() -> None:
+        async with fake_cluster((Role.COLOCATED, Role.INACTIVE), Strategy.FULL) as (sched, fakes):
+            fakes[1].loaded = False
+            sched.replicas[ReplicaId(1)].state.role = Role.INACTIVE
+            fakes[1].fail["WaitRdmaDone"] = grpc.StatusCode.UNAVAILABLE
+            try:
+                await control.activate(sched, [1], Role.DECODE, None)
+            except Exception as exc:
+                assert "WaitRdmaDone" in str(exc)
+            else:
+                raise AssertionError("activation should fail")
+            assert sched.replicas[ReplicaId(1)].state.role is Role.INACTIVE
+    run(body())
+
+
+def test_request_over_the_limits_is_rejected_before_queueing() -> None:
+    async def body() -> None:
+        async with fake_cluster(PD, Strategy.FULL) as (sched, _):
+            from router.types import RequestRejected
+            for prompt, new in [([1] * 600, 1), ([1] * 10, 1020), ([], 3)]:
+                try:
+                    sched.submit(request(prompt, new))
+                except RequestRejected as exc:
+                    assert exc.http_status == 400
+                else:
+                    raise AssertionError("accepted a request over the limits")
+            assert len(sched.queue) == 0 and not sched.requests
+    run(body())
+
+
+def test_error_event_is_last_and_carries_a_reason() -> None:
+    async def body() -> None:
+        async with fake_cluster((Role.COLOCATED,), Strategy.COLOCATED) as (sched, fakes):
+            fakes[0].fail["PrefillV2"] = grpc.StatusCode.INVALID_ARGUMENT
+            events = await collect(sched.submit(request([4], 3)))
+            assert isinstance(events[-1], ErrorEvent) and "INVALID_ARGUMENT" in events[-1].message
+    run(body())
