@@ -5,13 +5,18 @@
  seq0: start=0 length=5 (prefill)      layer l, page p = tensor[l, p] = K block | V block (contiguous)
  seq1: start=7 length=1 (decode)  ──►  new k/v are scattered into their slots, then each sequence's
  seq2: start=3 length=4 (resumed)      pages are gathered into a padded (seqs, ctx, kv_heads, head_dim)
-                                       and one masked scaled_dot_product_attention call runs per layer
+                                       and one masked scaled_dot_product_attention call runs per group
 ```
 
 `AttentionContext.build` precomputes, once per forward, every index and mask the layers reuse:
-slot of each new token, the padded page table, query scatter indices, the causal (and sliding
-window) masks, and the RoPE cos/sin tables. Pages of a sequence are listed in order; page `i`
-holds positions `[i*block_size, (i+1)*block_size)`, and may be any block of the cache.
+the cache row of each new token's K and V, and per *group* of sequences (all one-token decodes in
+one group, longer slices in another, so a long prefill does not pad every decode to its length) the
+flat page table, query placement and the causal (and sliding-window) masks; plus the RoPE cos/sin
+rows. Pages of a sequence are listed in order; page `i` holds positions `[i*block_size,
+(i+1)*block_size)`, and may be any block of the cache.
+
+Queries are grouped per KV head — (seqs, kv_heads, group * new, head_dim) — so grouped-query
+attention needs no repeated keys or values.
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ import torch.nn.functional as F
 
 from replica.errors import InvalidArgument
 from replica.model.config import ModelConfig
-from replica.model.rope import cos_sin, inverse_frequencies
+from replica.model.rope import rotary_rows
 
 
 class PagedKVCache:
@@ -48,6 +53,13 @@ class PagedKVCache:
         self.tensor = torch.zeros(
             (num_layers, num_blocks, 2, block_size, num_kv_heads, head_dim), dtype=dtype, device=device
         )
+        # Per-layer views made once (attention runs every layer of every step):
+        # rows: (blocks * 2 * block_size, kv_heads * head_dim), one row per token slot, K and V blocks
+        # alternating; key/value pages: (blocks, block_size * kv_heads * head_dim), one row per page.
+        width = num_kv_heads * head_dim
+        self.rows = [self.tensor[i].view(-1, width) for i in range(num_layers)]
+        self.key_pages = [self.tensor[i, :, 0].view(num_blocks, -1) for i in range(num_layers)]
+        self.value_pages = [self.tensor[i, :, 1].view(num_blocks, -1) for i in range(num_layers)]
 
     @classmethod
     def for_model(
@@ -100,6 +112,56 @@ def _validate(cache: PagedKVCache, seqs: Sequence[SeqSlice]) -> None:
             raise InvalidArgument(f"sequence {i}: page id outside the cache's {cache.num_blocks} blocks")
 
 
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class _Group:
+    """Sequences attended together: padded to the group's longest new slice and longest context."""
+
+    def __init__(self, seqs: list[tuple[int, SeqSlice]], flat_starts: list[int], block_size: int) -> None:
+        self.num_seqs = len(seqs)
+        self.max_new = max(s.length for _, s in seqs)
+        self.max_pages = max(_ceil_div(s.end, block_size) for _, s in seqs)
+        table: list[int] = []
+        tokens: list[int] = []  # flat index of each of the group's tokens, in group order
+        q_pos: list[int] = []  # (seqs, max_new) absolute query positions; padding repeats the last one
+        slots: list[int] = []  # where each token sits in the padded (seqs * max_new) query array
+        for row, (i, s) in enumerate(seqs):
+            used = _ceil_div(s.end, block_size)
+            # padding entries point at the sequence's first page; the mask hides them
+            table += [*s.pages[:used], *([s.pages[0]] * (self.max_pages - used))]
+            tokens += range(flat_starts[i], flat_starts[i] + s.length)
+            q_pos += [min(s.start + j, s.end - 1) for j in range(self.max_new)]
+            slots += range(row * self.max_new, row * self.max_new + s.length)
+        self.table = torch.tensor(table, dtype=torch.int64)
+        self.tokens = torch.tensor(tokens, dtype=torch.int64)
+        self.q_pos = torch.tensor(q_pos, dtype=torch.int64).view(self.num_seqs, self.max_new)
+        self.slots = None if self.max_new == 1 else torch.tensor(slots, dtype=torch.int64)
+        self.ctx = self.max_pages * block_size
+        self.masks: dict[int | None, torch.Tensor] = {}
+
+    def to(self, device: torch.device) -> None:
+        self.table, self.tokens, self.q_pos = (
+            self.table.to(device),
+            self.tokens.to(device),
+            self.q_pos.to(device),
+        )
+        self.slots = None if self.slots is None else self.slots.to(device)
+
+    def mask(self, window: int | None, group: int, dtype: torch.dtype) -> torch.Tensor:
+        """(seqs, 1, group * max_new, ctx) additive mask: 0 where the query sees the key, else -inf."""
+        if window not in self.masks:
+            key_pos = torch.arange(self.ctx, device=self.q_pos.device)[None, None, :]  # (1, 1, ctx)
+            q_pos = self.q_pos.repeat(1, group)[:, :, None]  # (seqs, group * max_new, 1)
+            allowed = key_pos <= q_pos
+            if window is not None:
+                allowed &= key_pos > q_pos - window
+            additive = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
+            self.masks[window] = additive.masked_fill_(~allowed, float("-inf"))[:, None]
+        return self.masks[window]
+
+
 class AttentionContext:
     """Per-forward indices over the paged cache; `attend` is called once per layer."""
 
@@ -110,33 +172,31 @@ class AttentionContext:
         self.cache, self.config, self.seqs = cache, config, tuple(seqs)
         device = cache.tensor.device
         bs = cache.block_size
-        lengths = torch.tensor([s.length for s in seqs], dtype=torch.int64)
-        starts = torch.tensor([s.start for s in seqs], dtype=torch.int64)
-        self.num_tokens = int(lengths.sum())
-        self.max_new = int(lengths.max())
-        seq_of_token = torch.repeat_interleave(torch.arange(len(seqs)), lengths)  # (n,)
-        offset_in_seq = torch.arange(self.num_tokens) - torch.repeat_interleave(
-            lengths.cumsum(0) - lengths, lengths
-        )
-        positions = starts[seq_of_token] + offset_in_seq
-        self.positions = positions.to(device)
-        self.last_token_index = (lengths.cumsum(0) - 1).to(device)
-        # padded page table: (seqs, max_pages); unused entries point at page 0 and are masked out
-        self.max_pages = max(-(-s.end // bs) for s in seqs)
-        table = torch.zeros((len(seqs), self.max_pages), dtype=torch.int64)
-        for i, s in enumerate(seqs):
-            used = -(-s.end // bs)
-            table[i, :used] = torch.tensor(s.pages[:used], dtype=torch.int64)
-        self.page_table = table.to(device)
-        # (page, offset in page) where each new token's k/v is written
-        self.slot_page = table[seq_of_token, positions // bs].to(device)
-        self.slot_offset = (positions % bs).to(device)
-        # where each flat token sits in the padded (seqs * max_new) query array
-        self.query_index = (seq_of_token * self.max_new + offset_in_seq).to(device)
-        self._q_pos = self._padded_query_positions(starts, lengths).to(device)
-        self._masks: dict[int | None, torch.Tensor] = {}
-        inv_freq, scale = inverse_frequencies(config)
-        self.cos, self.sin = cos_sin(inv_freq, scale, self.positions, cache.dtype)
+        lengths = [s.length for s in seqs]
+        flat_starts = [0]
+        for length in lengths:
+            flat_starts.append(flat_starts[-1] + length)
+        self.num_tokens = flat_starts[-1]
+        positions: list[int] = []
+        k_rows: list[int] = []  # row of each new token's K in the layer's (blocks * 2 * block_size) rows
+        for s in seqs:
+            positions += range(s.start, s.end)
+            k_rows += [s.pages[pos // bs] * 2 * bs + pos % bs for pos in range(s.start, s.end)]
+        self.positions = torch.tensor(positions, dtype=torch.int64, device=device)
+        self.last_token_index = torch.tensor(flat_starts[1:], dtype=torch.int64, device=device) - 1
+        self.k_rows = torch.tensor(k_rows, dtype=torch.int64, device=device)
+        self.v_rows = self.k_rows + bs  # the V block follows the K block inside a page
+        self.windows = [config.window(layer) for layer in range(config.num_layers)]
+        self.groups = self._groups(flat_starts)
+        for g in self.groups:
+            g.to(device)
+        self.cos, self.sin = rotary_rows(config, self.positions, cache.dtype)
+
+    def _groups(self, flat_starts: list[int]) -> list[_Group]:
+        decodes = [(i, s) for i, s in enumerate(self.seqs) if s.length == 1]
+        longer = [(i, s) for i, s in enumerate(self.seqs) if s.length > 1]
+        bs = self.cache.block_size
+        return [_Group(members, flat_starts, bs) for members in (decodes, longer) if members]
 
     @classmethod
     def build(cls, cache: PagedKVCache, seqs: Sequence[SeqSlice], config: ModelConfig) -> AttentionContext:
@@ -144,51 +204,44 @@ class AttentionContext:
         _validate(cache, seqs)
         return cls(cache, config, seqs)
 
-    def _padded_query_positions(self, starts: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
-        # (seqs, max_new): absolute position of each padded query; padding rows get the last real one
-        offsets = torch.arange(self.max_new)[None, :].expand(len(self.seqs), -1)
-        offsets = torch.minimum(offsets, (lengths - 1)[:, None])
-        return starts[:, None] + offsets
-
-    def _mask(self, window: int | None) -> torch.Tensor:
-        """(seqs, 1, max_new, ctx) boolean: may query attend to key (causal, within the window)."""
-        if window not in self._masks:
-            ctx = self.max_pages * self.cache.block_size
-            key_pos = torch.arange(ctx, device=self._q_pos.device)[None, None, :]  # (1, 1, ctx)
-            q_pos = self._q_pos[:, :, None]  # (seqs, max_new, 1)
-            allowed = key_pos <= q_pos
-            if window is not None:
-                allowed &= key_pos > q_pos - window
-            self._masks[window] = allowed[:, None]  # broadcast over heads
-        return self._masks[window]
-
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """Store `layer`'s new k/v (n, kv_heads, head_dim), attend q (n, heads, head_dim) over the context.
 
         Returns (n, heads * head_dim).
         """
-        pages = self.cache.layer(layer)  # (blocks, 2, block_size, kv_heads, head_dim)
-        kv_heads, head_dim = pages.shape[3], pages.shape[4]
-        pages[self.slot_page, 0, self.slot_offset] = k.to(pages.dtype)  # in place: index_put_ on a view
-        pages[self.slot_page, 1, self.slot_offset] = v.to(pages.dtype)
-        num_seqs = len(self.seqs)
-        gathered = pages[self.page_table]  # (seqs, max_pages, 2, block_size, kv_heads, head_dim)
-        keys = (
-            gathered[:, :, 0].reshape(num_seqs, -1, kv_heads, head_dim).transpose(1, 2)
-        )  # (seqs, kv, ctx, hd)
-        values = gathered[:, :, 1].reshape(num_seqs, -1, kv_heads, head_dim).transpose(1, 2)
+        n, rows = self.num_tokens, self.cache.rows[layer]
+        rows.index_copy_(0, self.k_rows, k.reshape(n, -1).to(rows.dtype))
+        rows.index_copy_(0, self.v_rows, v.reshape(n, -1).to(rows.dtype))
+        window = self.windows[layer]
+        if len(self.groups) == 1:
+            return self._attend_group(self.groups[0], layer, window, q)
+        out = q.new_empty((n, q.shape[1] * q.shape[2]))
+        for g in self.groups:
+            out.index_copy_(0, g.tokens, self._attend_group(g, layer, window, q.index_select(0, g.tokens)))
+        return out
+
+    def _attend_group(self, g: _Group, layer: int, window: int | None, q: torch.Tensor) -> torch.Tensor:
+        kv_heads, head_dim = self.cache.num_kv_heads, self.cache.head_dim
         heads = q.shape[1]
-        queries = q.new_zeros((num_seqs * self.max_new, heads, head_dim))
-        queries[self.query_index] = q
-        queries = queries.view(num_seqs, self.max_new, heads, head_dim).transpose(
-            1, 2
-        )  # (seqs, heads, new, hd)
-        out = F.scaled_dot_product_attention(
-            queries,
-            keys,
-            values,
-            attn_mask=self._mask(self.config.window(layer)),
-            enable_gqa=heads != kv_heads,
-        )  # (seqs, heads, new, hd)
-        out = out.transpose(1, 2).reshape(num_seqs * self.max_new, heads * head_dim)
-        return out[self.query_index]
+        group = heads // kv_heads
+        # (seqs, kv_heads, ctx, head_dim) views over one gathered copy each of K and V
+        keys = self.cache.key_pages[layer].index_select(0, g.table)
+        keys = keys.view(g.num_seqs, g.ctx, kv_heads, head_dim).transpose(1, 2)
+        values = self.cache.value_pages[layer].index_select(0, g.table)
+        values = values.view(g.num_seqs, g.ctx, kv_heads, head_dim).transpose(1, 2)
+        if g.slots is None:  # one new token per sequence: no padding needed
+            queries = q.reshape(g.num_seqs, kv_heads, group, head_dim)
+        else:
+            padded = q.new_zeros((g.num_seqs * g.max_new, heads, head_dim))
+            padded.index_copy_(0, g.slots, q)
+            queries = (
+                padded.view(g.num_seqs, g.max_new, kv_heads, group, head_dim)
+                .permute(0, 2, 3, 1, 4)  # (seqs, kv_heads, group, max_new, head_dim)
+                .reshape(g.num_seqs, kv_heads, group * g.max_new, head_dim)
+            )
+        mask = g.mask(window, group, queries.dtype)
+        out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask)  # like queries
+        if g.slots is None:
+            return out.reshape(g.num_seqs, heads * head_dim)
+        out = out.view(g.num_seqs, kv_heads, group, g.max_new, head_dim).permute(0, 3, 1, 2, 4)
+        return out.reshape(g.num_seqs * g.max_new, heads * head_dim).index_select(0, g.slots)

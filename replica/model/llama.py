@@ -65,6 +65,8 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
+        if dtype == torch.float32:  # the fused kernel gives the same numbers in float32, in fewer ops
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         x32 = x.to(torch.float32)
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x32.to(dtype)
@@ -90,19 +92,19 @@ class Projection(nn.Module):
         else:
             self.weights = nn.ParameterList(_frozen(views[n]) for n in names)
             self.biases = nn.ParameterList(_frozen(views[n]) for n in biases or [])
-
-    def _bias(self, i: int) -> torch.Tensor | None:
-        return self.biases[i] if len(self.biases) else None
+        # plain references for the hot path (ParameterList indexing costs a Python call each time)
+        self._pairs = [(w, self.biases[i] if len(self.biases) else None) for i, w in enumerate(self.weights)]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """The output of the first (or fused) matrix."""
-        return F.linear(x, self.weights[0], self._bias(0))
+        weight, bias = self._pairs[0]
+        return F.linear(x, weight, bias)
 
     def parts(self, x: torch.Tensor) -> list[torch.Tensor]:
         """One output per HF matrix, in order."""
         if self.fused:
             return list(self(x).split(self.sizes, dim=-1))
-        return [F.linear(x, w, self._bias(i)) for i, w in enumerate(self.weights)]
+        return [F.linear(x, w, b) for w, b in self._pairs]
 
 
 class Attention(nn.Module):
@@ -118,12 +120,17 @@ class Attention(nn.Module):
         self.head_dim = config.head_dim
 
     def forward(self, x: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
-        n = x.shape[0]
-        q, k, v = self.qkv.parts(x)
-        q = apply_rotary(q.view(n, self.heads, self.head_dim), ctx.cos, ctx.sin)  # (n, heads, head_dim)
-        k = apply_rotary(k.view(n, self.kv_heads, self.head_dim), ctx.cos, ctx.sin)  # (n, kv_heads, head_dim)
-        out = ctx.attend(self.layer, q, k, v.view(n, self.kv_heads, self.head_dim))  # (n, heads * head_dim)
-        return self.o_proj(out)
+        n, heads, kv_heads, head_dim = x.shape[0], self.heads, self.kv_heads, self.head_dim
+        if self.qkv.fused:
+            qkv = self.qkv(x)  # (n, (heads + 2 * kv_heads) * head_dim)
+            qk = qkv[:, : (heads + kv_heads) * head_dim].view(n, heads + kv_heads, head_dim)
+            v = qkv[:, (heads + kv_heads) * head_dim :]
+        else:
+            q, k, v = self.qkv.parts(x)
+            qk = torch.cat((q, k), dim=-1).view(n, heads + kv_heads, head_dim)
+        qk = apply_rotary(qk, ctx.cos, ctx.sin)  # q and k heads rotated together: one set of ops
+        out = ctx.attend(self.layer, qk[:, :heads], qk[:, heads:], v.view(n, kv_heads, head_dim))
+        return self.o_proj(out)  # out: (n, heads * head_dim)
 
 
 class MLP(nn.Module):

@@ -7,6 +7,7 @@ bfloat16/float16 results match it bit for bit, not merely approximately.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -97,3 +98,24 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     """Rotate `x` (n, heads, head_dim) by per-token tables cos/sin (n, head_dim)."""
     cos, sin = cos[:, None, :], sin[:, None, :]  # broadcast over heads
     return (x * cos) + (_rotate_half(x) * sin)
+
+
+@functools.lru_cache(maxsize=16)
+def _table(config: ModelConfig, dtype: torch.dtype, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    inv_freq, scale = inverse_frequencies(config)
+    return cos_sin(inv_freq, scale, torch.arange(length), dtype)
+
+
+def rotary_rows(
+    config: ModelConfig, positions: torch.Tensor, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin rows (n, head_dim) for `positions`, read from a memoised per-model table.
+
+    The table holds every position below a power of two covering the largest one asked for, so a
+    forward costs one row gather instead of recomputing the trigonometry (same values: elementwise).
+    """
+    highest = int(positions.max()) + 1 if positions.numel() else 1
+    length = max(256, 1 << (highest - 1).bit_length())
+    cos, sin = _table(config, dtype, length)
+    index = positions.to(cos.device)
+    return cos.index_select(0, index).to(positions.device), sin.index_select(0, index).to(positions.device)
