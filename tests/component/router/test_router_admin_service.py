@@ -1,0 +1,95 @@
+"""The admin gRPC service in-process over fake replicas: token, list, stats, strategy, roles,
+and self-registration with heartbeats (replica/registration.py)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import grpc.aio
+import pytest
+
+from protos import router_pb2 as pb
+from protos import router_pb2_grpc as pb_grpc
+from replica.registration import RouterRegistration
+from router.admin import start_admin_server
+from router.config import Strategy
+from router.replicas import Role
+from router.types import ReplicaId
+from tests.helpers.fake_replica import FakeFabric, FakeReplica
+from tests.helpers.router_core import collect, fake_cluster, finish_of, request, run
+
+TOKEN = (("x-admin-token", "s3cret"),)
+
+
+def test_admin_calls_token_list_stats_strategy_and_roles() -> None:
+    async def body() -> None:
+        async with fake_cluster((Role.PREFILL, Role.DECODE), Strategy.FULL) as (sched, _):
+            server, port = await start_admin_server(sched, "127.0.0.1", 0, token="s3cret")
+            try:
+                async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+                    stub = pb_grpc.RouterAdminStub(channel)
+                    await collect(sched.submit(request([1, 2], 3)))
+                    listed = await stub.ListReplicas(pb.ListReplicasRequest())
+                    roles = [r.role for r in listed.replicas]
+                    assert roles == [pb.REPLICA_ROLE_PREFILL, pb.REPLICA_ROLE_DECODE]
+                    stats = await stub.Stats(pb.StatsRequest())
+                    assert stats.requests_finished == 1 and stats.generated_tokens == 3
+                    assert stats.migrations == 1 and stats.strategy == pb.MIGRATION_STRATEGY_FULL
+                    with pytest.raises(grpc.aio.AioRpcError) as denied:
+                        await stub.SetMigrationStrategy(pb.SetMigrationStrategyRequest(
+                            strategy=pb.MIGRATION_STRATEGY_RECOMPUTE), metadata=(("x-admin-token", "nope"),))
+                    assert denied.value.code() == grpc.StatusCode.PERMISSION_DENIED
+                    prev = await stub.SetMigrationStrategy(pb.SetMigrationStrategyRequest(
+                        strategy=pb.MIGRATION_STRATEGY_RECOMPUTE), metadata=TOKEN)
+                    assert prev.previous == pb.MIGRATION_STRATEGY_FULL
+                    assert sched.strategy is Strategy.RECOMPUTE
+                    events = await collect(sched.submit(request([1, 2], 3)))
+                    assert finish_of(events).route.strategy == "recompute"
+                    with pytest.raises(grpc.aio.AioRpcError) as missing:
+                        await stub.Drain(pb.DrainRequest(replica_id=7), metadata=TOKEN)
+                    assert missing.value.code() == grpc.StatusCode.NOT_FOUND
+                    with pytest.raises(grpc.aio.AioRpcError) as bad:
+                        await stub.SetRole(pb.SetRoleRequest(replica_id=1, role=pb.REPLICA_ROLE_LOADING),
+                                           metadata=TOKEN)
+                    assert bad.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+                    drained = await stub.Drain(pb.DrainRequest(replica_id=1), metadata=TOKEN)
+                    assert drained.replica.role in (pb.REPLICA_ROLE_DRAINING, pb.REPLICA_ROLE_IDLE)
+            finally:
+                await server.stop(None)
+    run(body())
+
+
+def test_self_registration_heartbeats_and_expiry() -> None:
+    async def body() -> None:
+        async with fake_cluster((Role.PREFILL,), Strategy.RECOMPUTE) as (sched, _):
+            server, port = await start_admin_server(sched, "127.0.0.1", 0, token="s3cret")
+            extra = FakeReplica(5, FakeFabric())
+            address = await extra.start()
+            reg = RouterRegistration(f"127.0.0.1:{port}", address, role="decode", token="s3cret",
+                                     retry_seconds=0.05)
+            try:
+                reg.start()
+                await asyncio.to_thread(reg.registered.wait, 10)
+                assert reg.replica_id == 1
+                handle = sched.replicas[ReplicaId(1)]
+
+                def role() -> Role:
+                    return handle.state.role
+
+                assert handle.state.registered and role() is Role.DECODE
+                await asyncio.sleep(1.0)  # twice the heartbeat timeout: beats keep it alive
+                assert role() is Role.DECODE
+                events = await collect(sched.submit(request([6], 4)))
+                assert finish_of(events).route.decode_replica == 1
+                await asyncio.to_thread(reg.stop)
+                for _ in range(100):
+                    if role() is Role.DEAD:
+                        break
+                    await asyncio.sleep(0.05)
+                assert role() is Role.DEAD
+            finally:
+                await asyncio.to_thread(reg.stop)
+                await server.stop(None)
+                await extra.stop()
+    run(body())
