@@ -18,6 +18,9 @@ from router.types import RequestRejected
 from tests.helpers.fake_scheduler import FakeScheduler, expected_text, fake_token
 from tests.helpers.router_http import serve, write_word_tokenizer
 
+# The text-generation client calls pydantic's deprecated `.dict()`: not ours to fix.
+pytestmark = pytest.mark.filterwarnings("ignore:The `dict` method is deprecated:DeprecationWarning")
+
 MODEL = "tiny-words"
 INFO = ServingInfo(model_id=MODEL, max_input_tokens=16, max_total_tokens=40, default_max_new_tokens=8)
 ROUTE = {
