@@ -15,14 +15,15 @@ temporary tensor.
 
 from __future__ import annotations
 
-import io
+import functools
 import json
+import os
 import struct
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
-from typing import cast
 
 import torch
 
@@ -173,55 +174,75 @@ def _bytes_of(tensor: torch.Tensor) -> memoryview:
     return memoryview(tensor.numpy()).cast("B")  # type: ignore[arg-type]
 
 
+# Big tensors are read in chunks so the reader threads share the work evenly.
+CHUNK_BYTES = 16 << 20
+READ_THREADS = 2
+
+
+def _pread_into(fd: int, file: Path, target: memoryview, offset: int) -> None:
+    """Fill `target` with the file's bytes from `offset` (positional reads: threads share the fd)."""
+    done = 0
+    while done < len(target):
+        got = os.preadv(fd, [target[done:]], offset + done)
+        if not got:
+            raise CheckpointError(f"{file}: truncated while reading tensor data")
+        done += got
+
+
 class _Reader:
-    """Reads stored tensors into buffer views, keeping one open handle per file."""
+    """Reads stored tensors into buffer views; one descriptor per file, shared by the reader threads."""
 
     def __init__(self, stack: ExitStack, layout: WeightLayout, buffer: torch.Tensor) -> None:
-        self.stack, self.layout, self.buffer = stack, layout, buffer
-        self.handles: dict[Path, io.RawIOBase] = {}
+        self.layout, self.buffer = layout, buffer
+        self.fds: dict[Path, int] = {}
+        stack.callback(self._close)
 
-    def _handle(self, file: Path) -> io.RawIOBase:
-        if file not in self.handles:
-            # unbuffered: readinto() goes straight from the kernel into the weight buffer
-            raw = cast(io.RawIOBase, self.stack.enter_context(open(file, "rb", buffering=0)))  # noqa: SIM115
-            self.handles[file] = raw
-        return self.handles[file]
+    def _close(self) -> None:
+        for fd in self.fds.values():
+            os.close(fd)
 
-    def _read_into(self, stored: StoredTensor, target: memoryview) -> None:
-        handle = self._handle(stored.file)
-        handle.seek(stored.begin)
-        done = 0
-        while done < len(target):
-            got = handle.readinto(target[done:])
-            if not got:
-                raise CheckpointError(f"{stored.file}: truncated while reading tensor data")
-            done += got
+    def fd(self, file: Path) -> int:
+        if file not in self.fds:
+            self.fds[file] = os.open(file, os.O_RDONLY)
+        return self.fds[file]
 
-    def load(self, spec: TensorSpec, stored: StoredTensor) -> None:
+    def tasks(self, spec: TensorSpec, stored: StoredTensor) -> list[Callable[[], None]]:
+        """Work items that together load `spec` (several chunks when it is read without a cast)."""
         if stored.shape != _full_shape(spec, self.layout):
             raise CheckpointError(
                 f"tensor {spec.name}: shape {list(stored.shape)} in {stored.file.name}, "
                 f"config expects {list(_full_shape(spec, self.layout))}"
             )
+        fd = self.fd(stored.file)
         direct = stored.dtype == TORCH_DTYPES[spec.dtype] and self.layout.shard.world == 1
-        if direct and self.buffer.device.type == "cpu":
-            self._read_into(stored, _bytes_of(self.buffer[spec.offset : spec.end]))
-            return
+        if not (direct and self.buffer.device.type == "cpu"):
+            return [functools.partial(self._load_converted, spec, stored, fd)]
+        target = _bytes_of(self.buffer[spec.offset : spec.end])  # straight into the buffer: no copy
+        return [
+            functools.partial(_pread_into, fd, stored.file, target[i : i + CHUNK_BYTES], stored.begin + i)
+            for i in range(0, len(target), CHUNK_BYTES)
+        ]
+
+    def _load_converted(self, spec: TensorSpec, stored: StoredTensor, fd: int) -> None:
         raw = torch.empty(stored.end - stored.begin, dtype=torch.uint8)
-        self._read_into(stored, _bytes_of(raw))
+        _pread_into(fd, stored.file, _bytes_of(raw), stored.begin)
         full = raw.view(stored.dtype).view(stored.shape)
         tensor_view(self.buffer, spec).copy_(_shard_slice(full, spec, self.layout))
 
 
 def _in_file_order(specs: tuple[TensorSpec, ...], stored: dict[str, StoredTensor]) -> Iterator[TensorSpec]:
-    # Within a region, read in file order so the disk sees forward seeks only.
+    # Within a region, read in file order so the disk sees forward reads.
     return iter(sorted(specs, key=lambda s: (str(stored[s.name].file), stored[s.name].begin)))
 
 
 def load_weights(
     path: Path, layout: WeightLayout, buffer: torch.Tensor, on_region: RegionCallback | None = None
 ) -> None:
-    """Fill `buffer` from the checkpoint at `path`, calling `on_region(name)` as each region completes."""
+    """Fill `buffer` from the checkpoint at `path`, calling `on_region(name)` as each region completes.
+
+    Reads run on a few threads (page faults and copies overlap); regions are reported in layout
+    order, from the calling thread, as soon as each one and all before it are complete.
+    """
     stored, files = stored_tensors(Path(path))
     missing = [name for name in layout.tensors() if name not in stored]
     if missing:
@@ -232,8 +253,23 @@ def load_weights(
     _check_extras(layout, stored)
     with ExitStack() as stack:
         reader = _Reader(stack, layout, buffer)
-        for region in layout.regions:
-            for spec in _in_file_order(region.tensors, stored):
-                reader.load(spec, stored[spec.name])
-            if on_region is not None:
-                on_region(region.name)
+        per_region = [
+            [
+                task
+                for spec in _in_file_order(region.tensors, stored)
+                for task in reader.tasks(spec, stored[spec.name])
+            ]
+            for region in layout.regions
+        ]
+        pool = stack.enter_context(ThreadPoolExecutor(READ_THREADS, thread_name_prefix="weights"))
+        futures = [[pool.submit(task) for task in tasks] for tasks in per_region]
+        try:
+            for region, region_futures in zip(layout.regions, futures, strict=True):
+                for future in region_futures:
+                    future.result()
+                if on_region is not None:
+                    on_region(region.name)
+        finally:
+            for region_futures in futures:
+                for future in region_futures:
+                    future.cancel()
