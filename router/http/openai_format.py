@@ -101,6 +101,7 @@ class OpenAIAnswer:
     text: str = ""
     tokens: list[TokenInfo] = field(default_factory=list)
     prompt_tokens: list[TokenInfo] = field(default_factory=list)
+    prompt_has_start: bool = False
     finish: FinishEvent | None = None
 
     def __post_init__(self) -> None:
@@ -109,8 +110,9 @@ class OpenAIAnswer:
 
     # ---- folding events -------------------------------------------------------------------
     def on_prefill(self, event: PrefillEvent) -> None:
-        """Remember prompt tokens (echo with logprobs)."""
-        self.prompt_tokens = list(event.prompt_tokens)
+        """Remember prompt tokens (echo with logprobs); special ones (BOS) are not in the echoed text."""
+        self.prompt_tokens = [t for t in event.prompt_tokens if not t.special]
+        self.prompt_has_start = bool(event.prompt_tokens) and not event.prompt_tokens[0].special
 
     def on_token(self, event: TokenEvent) -> str:
         """Fold one token; return the text now safe to show."""
@@ -183,9 +185,8 @@ class OpenAIAnswer:
             return None
         if self.ctx.chat:
             return {"content": [chat_logprob(t) for t in tokens]}
-        from_prompt = (
-            bool(self.ctx.echo) and bool(self.prompt_tokens) and tokens[:1] == self.prompt_tokens[:1]
-        )
+        # The prompt's very first token has no logprob (nothing precedes it).
+        from_prompt = self.prompt_has_start and bool(self.ctx.echo) and tokens[:1] == self.prompt_tokens[:1]
         return completion_logprobs(tokens, first_offset, from_prompt)
 
     def _envelope(self, chunk: bool, choices: list[dict[str, Any]]) -> dict[str, Any]:

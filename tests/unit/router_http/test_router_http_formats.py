@@ -138,3 +138,13 @@ def test_timeline_headers() -> None:
     assert headers["x-validation-time"] == "10"
     assert headers["x-input-length"] == "3" and headers["x-output-length"] == "3"
     assert "x-first-token-time" not in Timeline(received=0.0).headers("r", 1, 0, 0)
+
+
+def test_completion_echo_logprobs_skip_special_prompt_tokens() -> None:
+    answer = OpenAIAnswer(_ctx(False, logprobs=True, echo="ab"))
+    prompt = (TokenInfo(1, "<s>", 0.0, special=True), TokenInfo(5, "a", -2.0), TokenInfo(6, "b", -1.0))
+    answer.on_prefill(PrefillEvent(prompt))
+    answer.on_finish(_finish("", n=0))
+    logprobs = answer.final_object()["choices"][0]["logprobs"]
+    assert logprobs["tokens"] == ["a", "b"] and logprobs["token_logprobs"] == [-2.0, -1.0]
+    assert logprobs["text_offset"] == [0, 1]
