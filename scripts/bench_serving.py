@@ -134,7 +134,17 @@ async def _bench(config: BenchServingConfig, url: str) -> dict[str, Any]:
         duration = time.perf_counter() - start
     summary = summarize(records, duration, parse_slos(config.slo))
     summary.update(
-        {"url": url, "model_id": served.model_id, "num": config.num, "rate": config.rate, "_records": records}
+        {
+            "url": url,
+            "model_id": served.model_id,
+            "num": config.num,
+            "rate": config.rate if math.isfinite(config.rate) else "inf",
+            "input_len": config.input_len,
+            "output_len": config.output_len,
+            "trace": str(config.trace) if config.trace else None,
+            "strategy": config.strategy or None,
+            "_records": records,
+        }
     )
     return summary
 
@@ -318,7 +328,7 @@ def _write(config: BenchServingConfig, summary: dict[str, Any], records: list[Re
     lines = config.json.with_suffix(".jsonl")
     lines.write_text("".join(json.dumps(r.to_json()) + "\n" for r in records))
     summary = {**summary, "per_request_file": str(lines)}
-    config.json.write_text(json.dumps(summary, indent=2, default=str) + "\n")
+    config.json.write_text(json.dumps(summary, indent=2, default=str, allow_nan=False) + "\n")
 
 
 def _print(summary: dict[str, Any]) -> None:
