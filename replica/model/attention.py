@@ -53,13 +53,26 @@ class PagedKVCache:
         self.tensor = torch.zeros(
             (num_layers, num_blocks, 2, block_size, num_kv_heads, head_dim), dtype=dtype, device=device
         )
-        # Per-layer views made once (attention runs every layer of every step):
-        # rows: (blocks * 2 * block_size, kv_heads * head_dim), one row per token slot, K and V blocks
-        # alternating; key/value pages: (blocks, block_size * kv_heads * head_dim), one row per page.
-        width = num_kv_heads * head_dim
-        self.rows = [self.tensor[i].view(-1, width) for i in range(num_layers)]
-        self.key_pages = [self.tensor[i, :, 0].view(num_blocks, -1) for i in range(num_layers)]
-        self.value_pages = [self.tensor[i, :, 1].view(num_blocks, -1) for i in range(num_layers)]
+
+    @property
+    def tensor(self) -> torch.Tensor:
+        """(layers, blocks, 2, block_size, kv_heads, head_dim); assign to replace (or drop) the pages."""
+        return self._tensor
+
+    @tensor.setter
+    def tensor(self, value: torch.Tensor) -> None:
+        # Per-layer views are made once here (attention runs every layer of every step) and dropped
+        # with the tensor, so assigning an empty tensor really frees the pages:
+        # rows: (blocks * 2 * block_size, kv_heads * head_dim), one row per token slot, K and V
+        # blocks alternating; key/value pages: (blocks, block_size * kv_heads * head_dim), one per page.
+        self._tensor = value
+        shape = (self.num_layers, self.num_blocks, 2, self.block_size, self.num_kv_heads, self.head_dim)
+        full = tuple(value.shape) == shape
+        layers = range(self.num_layers) if full else range(0)
+        width = self.num_kv_heads * self.head_dim
+        self.rows = [value[i].view(-1, width) for i in layers]
+        self.key_pages = [value[i, :, 0].view(self.num_blocks, -1) for i in layers]
+        self.value_pages = [value[i, :, 1].view(self.num_blocks, -1) for i in layers]
 
     @classmethod
     def for_model(
@@ -149,16 +162,23 @@ class _Group:
         )
         self.slots = None if self.slots is None else self.slots.to(device)
 
-    def mask(self, window: int | None, group: int, dtype: torch.dtype) -> torch.Tensor:
-        """(seqs, 1, group * max_new, ctx) additive mask: 0 where the query sees the key, else -inf."""
+    def mask(self, window: int | None, dtype: torch.dtype) -> torch.Tensor:
+        """(seqs, 1, max_new, ctx): may the query see the key (causal, within the window).
+
+        One-token groups get an additive float mask (0 / -inf), which is faster there; longer ones a
+        boolean mask, a quarter of the memory for long prompts.
+        """
         if window not in self.masks:
             key_pos = torch.arange(self.ctx, device=self.q_pos.device)[None, None, :]  # (1, 1, ctx)
-            q_pos = self.q_pos.repeat(1, group)[:, :, None]  # (seqs, group * max_new, 1)
+            q_pos = self.q_pos[:, :, None]  # (seqs, max_new, 1)
             allowed = key_pos <= q_pos
             if window is not None:
                 allowed &= key_pos > q_pos - window
-            additive = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
-            self.masks[window] = additive.masked_fill_(~allowed, float("-inf"))[:, None]
+            if self.max_new == 1:
+                additive = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
+                self.masks[window] = additive.masked_fill_(~allowed, float("-inf"))[:, None]
+            else:
+                self.masks[window] = allowed[:, None]
         return self.masks[window]
 
 
@@ -223,25 +243,24 @@ class AttentionContext:
     def _attend_group(self, g: _Group, layer: int, window: int | None, q: torch.Tensor) -> torch.Tensor:
         kv_heads, head_dim = self.cache.num_kv_heads, self.cache.head_dim
         heads = q.shape[1]
-        group = heads // kv_heads
         # (seqs, kv_heads, ctx, head_dim) views over one gathered copy each of K and V
         keys = self.cache.key_pages[layer].index_select(0, g.table)
         keys = keys.view(g.num_seqs, g.ctx, kv_heads, head_dim).transpose(1, 2)
         values = self.cache.value_pages[layer].index_select(0, g.table)
         values = values.view(g.num_seqs, g.ctx, kv_heads, head_dim).transpose(1, 2)
-        if g.slots is None:  # one new token per sequence: no padding needed
-            queries = q.reshape(g.num_seqs, kv_heads, group, head_dim)
-        else:
-            padded = q.new_zeros((g.num_seqs * g.max_new, heads, head_dim))
-            padded.index_copy_(0, g.slots, q)
-            queries = (
-                padded.view(g.num_seqs, g.max_new, kv_heads, group, head_dim)
-                .permute(0, 2, 3, 1, 4)  # (seqs, kv_heads, group, max_new, head_dim)
-                .reshape(g.num_seqs, kv_heads, group * g.max_new, head_dim)
-            )
-        mask = g.mask(window, group, queries.dtype)
-        out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask)  # like queries
         if g.slots is None:
+            # One new token per sequence: no padding; the query heads sharing a KV head become that
+            # head's rows, (seqs, kv_heads, group, head_dim), so K and V are never repeated.
+            queries = q.reshape(g.num_seqs, kv_heads, heads // kv_heads, head_dim)
+            mask = g.mask(window, queries.dtype)
+            out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask)
             return out.reshape(g.num_seqs, heads * head_dim)
-        out = out.view(g.num_seqs, kv_heads, group, g.max_new, head_dim).permute(0, 3, 1, 2, 4)
-        return out.reshape(g.num_seqs * g.max_new, heads * head_dim).index_select(0, g.slots)
+        padded = q.new_zeros((g.num_seqs * g.max_new, heads, head_dim))
+        padded.index_copy_(0, g.slots, q)
+        queries = padded.view(g.num_seqs, g.max_new, heads, head_dim).transpose(
+            1, 2
+        )  # (seqs, heads, new, hd)
+        out = F.scaled_dot_product_attention(
+            queries, keys, values, attn_mask=g.mask(window, queries.dtype), enable_gqa=heads != kv_heads
+        )  # (seqs, heads, new, head_dim)
+        return out.transpose(1, 2).reshape(g.num_seqs * g.max_new, heads * head_dim).index_select(0, g.slots)

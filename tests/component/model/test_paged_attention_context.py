@@ -75,3 +75,11 @@ def test_a_sequence_decodes_the_same_alone_or_in_a_batch(tiny_llama: Path) -> No
     batch = model.head(model(torch.tensor([40, 41, 42]), AttentionContext.build(cache, decode, config)))
     alone = model.head(model(torch.tensor([41]), AttentionContext.build(cache, decode[1:2], config)))
     torch.testing.assert_close(batch[1:2], alone, atol=1e-5, rtol=0)
+
+
+def test_dropping_the_tensor_drops_the_layer_views() -> None:
+    """Resizing the cache assigns an empty tensor first; no per-layer view may keep the old pages alive."""
+    cache = PagedKVCache.for_model(_config(), num_blocks=8, block_size=4, dtype=torch.float32)
+    assert len(cache.rows) == 2 and cache.rows[1].data_ptr() == cache.tensor[1].data_ptr()
+    cache.tensor = torch.empty(0)
+    assert cache.rows == [] and cache.key_pages == [] and cache.value_pages == []
