@@ -50,6 +50,9 @@ class ReplicaConfig:
     )
     model_id: str = field(default="", metadata={"help": "name reported by Info; empty = the folder's name"})
     grpc_workers: int = field(default=16, metadata={"help": "threads serving gRPC calls"})
+    torch_threads: int = field(
+        default=0, metadata={"help": "intra-op threads of torch on the CPU; 0 = torch's default"}
+    )
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -66,6 +69,8 @@ class ReplicaConfig:
                 raise ValueError(f"--{name.replace('_', '-')} must be positive, got {value}")
         if self.max_batch_prefill_tokens <= 0:
             raise ValueError(f"--max-batch-prefill-tokens must be > 0, not {self.max_batch_prefill_tokens}")
+        if self.torch_threads < 0:
+            raise ValueError(f"--torch-threads must be >= 0, got {self.torch_threads}")
         if self.grpc_workers <= 0:
             raise ValueError(f"--grpc-workers must be positive, got {self.grpc_workers}")
 

@@ -62,6 +62,10 @@ def serve(config: ReplicaConfig) -> int:
     logging.basicConfig(
         level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s %(levelname)s %(message)s"
     )
+    if config.torch_threads:
+        import torch
+
+        torch.set_num_threads(config.torch_threads)
     stop = threading.Event()
     _install_signal_handlers(stop)
     server, port = _build_server(config)
