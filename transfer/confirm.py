@@ -67,7 +67,8 @@ def _follow(
     ctl = control_stream_of(name)
     RECORD.pack_into(records, 0, tag, mine)
     try:
-        fabric.send(leader, name, [(0, RECORD.size)], ctl, deadline).wait(deadline)
+        # no wait on the send: a leader that already knows the collective failed does not read it
+        fabric.send(leader, name, [(0, RECORD.size)], ctl, deadline)
         return _receive(fabric, leader, name, records, 1, tag, deadline) is Verdict.OK
     except TransferError as exc:
         fabric.abort(leader, ctl, str(exc))
@@ -81,17 +82,18 @@ def _lead(
     ctl = control_stream_of(name)
     verdict = mine
     for slot, rank in enumerate(ranks[1:], start=1):
+        if verdict is Verdict.FAILED:
+            break  # the verdict is known: tell everyone now (unread records are skipped later by tag)
         try:
-            if _receive(fabric, rank, name, records, slot, tag, deadline) is not Verdict.OK:
-                verdict = Verdict.FAILED
+            verdict = _receive(fabric, rank, name, records, slot, tag, deadline)
         except TransferError as exc:
             verdict = Verdict.FAILED  # a dead or stalled rank: the others must hear the collective failed
             fabric.abort(rank, ctl, str(exc))
     RECORD.pack_into(records, 0, tag, verdict)
-    replies = [(rank, fabric.send(rank, name, [(0, RECORD.size)], ctl, deadline)) for rank in ranks[1:]]
-    for rank, reply in replies:
-        try:
+    replies = [fabric.send(rank, name, [(0, RECORD.size)], ctl, deadline) for rank in ranks[1:]]
+    if verdict is Verdict.OK:
+        for reply in replies:
             reply.wait(deadline)
-        except TransferError as exc:
-            fabric.abort(rank, ctl, str(exc))  # that rank is gone; it fails on its own
+    # On failure the replies go out in the background: one may be stuck connecting to a dead rank
+    # until the deadline, and nobody should wait for that.
     return verdict is Verdict.OK

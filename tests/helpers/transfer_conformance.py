@@ -187,17 +187,20 @@ def check_layout_mismatch_then_retry(maker: FabricMaker) -> None:
         a.set_layout(Stream.KV, "pages=16;heads=2")
         b.set_layout(Stream.KV, "pages=64;heads=2")
 
-        def both() -> list[BaseException | None]:
+        def both(tag: int) -> list[BaseException | None]:
             deadline = Deadline.after(10)
+            options = TransferOptions(tag=tag)
             return run_all([
-                lambda: send_regions(a, 1, "x", [(0, 10_000)], Stream.KV, deadline),
-                lambda: recv_regions(b, 0, "x", [(0, 10_000)], Stream.KV, deadline),
+                lambda: send_regions(a, 1, "x", [(0, 10_000)], Stream.KV, deadline, options=options),
+                lambda: recv_regions(b, 0, "x", [(0, 10_000)], Stream.KV, deadline, options=options),
             ])
 
-        errors = both()
+        start = time.monotonic()
+        errors = both(tag=1)
         assert all(isinstance(e, LayoutMismatch) for e in errors), errors
+        assert time.monotonic() - start < 5, "a mismatch fails at the handshake, not at the deadline"
         b.set_layout(Stream.KV, "pages=16;heads=2")
-        _ok(both())
+        _ok(both(tag=2))
         assert np.array_equal(src, dst)
 
 

@@ -128,7 +128,8 @@ def test_checker_catches_duplicates_and_gaps() -> None:
     )
     with pytest.raises(PlanError, match="twice"):
         verify_plan(twice)
-    gap = _plan({0: [Op(OpKind.SEND, Rank(1), 0, 50)], 1: [Op(OpKind.RECV, Rank(0), 0, 50)]}, {0: ((0, 100),)})
+    gap = _plan({0: [Op(OpKind.SEND, Rank(1), 0, 50)], 1: [Op(OpKind.RECV, Rank(0), 0, 50)]},
+                {0: ((0, 100),)})
     with pytest.raises(PlanError, match="50 of 100"):
         verify_plan(gap)
 

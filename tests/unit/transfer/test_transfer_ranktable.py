@@ -44,8 +44,8 @@ def test_toml_file(tmp_path: Path) -> None:
         ("[", "not valid json"),
         ('{"ranks": [{"rank": -1, "host": "h", "node": "n", "device": "d", "transfer_address": "a:1"}]}',
          "non-negative"),
-        ('{"ranks": [{"rank": 0, "host": "h", "node": "n", "device": "d", "transfer_address": "a:1", "x": 1}]}',
-         "unknown fields"),
+        ('{"ranks": [{"rank": 0, "host": "h", "node": "n", "device": "d", "transfer_address": "a:1",'
+         ' "x": 1}]}', "unknown fields"),
     ],
 )
 def test_malformed_tables_are_rejected(text: str, message: str) -> None:
