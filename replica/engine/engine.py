@@ -92,6 +92,18 @@ class Engine:
             detok=DetokState.after_prompt(len(prompt)),
         )
 
+    def adopt(self, batch: Batch) -> CachedBatchInfo:
+        """Cache an admitted batch whose prompt K/V someone else wrote into its pages (a migration).
+
+        Every prompt token counts as cached; the first generated token arrives later through
+        DecodeV2's `last_iter_tokens`, exactly as if it had been generated here.
+        """
+        self.store.check_new(batch.id, [])
+        for request in batch:
+            request.num_cached = request.prompt_len
+        self.store.put(batch)
+        return batch.info(self.block_size)
+
     def prefill(self, spec: BatchSpec) -> StepResult:
         """Full forward of a new batch, first tokens sampled, batch cached (unless all finished)."""
         start = time.perf_counter_ns()

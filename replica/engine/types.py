@@ -150,6 +150,7 @@ class WarmupSpec:
     max_input_tokens: int | None = None
     max_prefill_tokens: int | None = None
     max_total_tokens: int | None = None
+    batch: BatchSpec | None = None  # run this batch (then drop it) instead of the synthetic profile
 
 
 class HealthState(enum.Enum):

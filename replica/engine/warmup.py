@@ -92,7 +92,13 @@ def resize_from_memory(engine: Engine, fraction: float) -> None:
 
 def warmup(engine: Engine, spec: WarmupSpec, auto_size_fraction: float | None) -> int:
     """The Warmup RPC: profile run, optional cache sizing, returns the tokens the cache holds."""
-    profile_run(engine, check_limits(engine, spec))
+    tokens = check_limits(engine, spec)
+    if spec.batch is not None:
+        result = engine.prefill(spec.batch)
+        if result.batch is not None:
+            engine.clear(result.batch.id)
+    else:
+        profile_run(engine, tokens)
     if auto_size_fraction is not None:
         resize_from_memory(engine, auto_size_fraction)
     return engine.blocks.num_blocks * engine.block_size

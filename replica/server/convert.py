@@ -1,12 +1,14 @@
 """Protobuf <-> engine dataclasses. The only place (with the servicer) that touches `generate_pb2`.
 
 Proto3 scalars cannot be absent, so zeros that make no sense as values mean "unset" here:
-temperature 0 → 1.0, top_p / typical_p 0 → 1.0, repetition_penalty 0 → 1.0, truncate 0 → none.
+temperature 0 → 1.0, top_p / typical_p 0 → 1.0, repetition_penalty 0 → 1.0, truncate 0 → none, and
+seed 0 when sampling → a random seed drawn here (reported back in `GeneratedText.seed`).
 Negative or NaN values pass through so validation can refuse them with a clear message.
 """
 
 from __future__ import annotations
 
+import secrets
 from collections.abc import Sequence
 
 from protos import generate_pb2 as pb
@@ -39,7 +41,7 @@ def sampling_from_pb(msg: pb.NextTokenChooserParameters) -> SamplingParams:
         top_k=msg.top_k,
         top_p=_or_default(msg.top_p, 1.0),
         typical_p=_or_default(msg.typical_p, 1.0),
-        seed=msg.seed,
+        seed=msg.seed or (secrets.randbits(64) if msg.do_sample else 0),
         repetition_penalty=_or_default(msg.repetition_penalty, 1.0),
         frequency_penalty=msg.frequency_penalty if msg.HasField("frequency_penalty") else 0.0,
         presence_penalty=msg.presence_penalty if msg.HasField("presence_penalty") else 0.0,
@@ -124,6 +126,7 @@ def warmup_from_pb(msg: pb.WarmupRequest) -> WarmupSpec:
         max_input_tokens=msg.max_input_length if msg.HasField("max_input_length") else None,
         max_prefill_tokens=msg.max_prefill_tokens if msg.HasField("max_prefill_tokens") else None,
         max_total_tokens=msg.max_total_tokens if msg.HasField("max_total_tokens") else None,
+        batch=batch_from_pb(msg.batch) if msg.HasField("batch") else None,
     )
 
 

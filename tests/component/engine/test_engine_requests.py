@@ -83,9 +83,7 @@ def test_appended_tokens_continue_as_if_generated_here(engine: Engine, tiny_llam
     ]
     batch = engine.admit(BatchSpec(BatchId(40), tuple(_req(400 + i, p, 5) for i, p in enumerate(prompts))))
     engine.runner.forward([SeqInput(r.tokens, r.pages, 0) for r in batch])  # the "migrated" prompt K/V
-    for request in batch:
-        request.num_cached = request.prompt_len
-    engine.store.put(batch)
+    assert engine.adopt(batch).request_ids == (400, 401)
     tokens = {r.id: [r0[0]] for r, r0 in zip(batch, refs, strict=True)}
     first = tuple(t[0] for t in tokens.values())
     result = engine.decode([DecodeInput(BatchId(40), first)])
@@ -205,6 +203,9 @@ def test_every_refusal_leaves_page_accounting_unchanged(engine: Engine) -> None:
 def test_warmup_runs_the_profile_and_reports_capacity(engine: Engine) -> None:
     assert warmup(engine, WarmupSpec(max_prefill_tokens=100), None) == engine.blocks.num_blocks * 8
     assert engine.blocks.num_free == engine.blocks.num_blocks
+    given = WarmupSpec(batch=BatchSpec(BatchId(70), (_req(700, [1] * 30, 4),)))
+    assert warmup(engine, given, None) == engine.blocks.num_blocks * 8
+    assert engine.blocks.num_free == engine.blocks.num_blocks and len(engine.store) == 0
 
 
 def test_filter_to_nothing_drops_the_batch(engine: Engine) -> None:
