@@ -151,7 +151,10 @@ class _Group:
         self.tokens = torch.tensor(tokens, dtype=torch.int64)
         self.q_pos = torch.tensor(q_pos, dtype=torch.int64).view(self.num_seqs, self.max_new)
         self.slots = None if self.max_new == 1 else torch.tensor(slots, dtype=torch.int64)
-        self.ctx = self.max_pages * block_size
+        # A fresh group (prompts, nothing cached) attends over its own new K/V: no page gather.
+        self.fresh = all(s.start == 0 for _, s in seqs) and self.max_new > 1
+        self.uniform = self.fresh and all(s.length == self.max_new for _, s in seqs)
+        self.ctx = self.max_new if self.fresh else self.max_pages * block_size
         self.masks: dict[int | None, torch.Tensor] = {}
 
     def to(self, device: torch.device) -> None:
@@ -214,9 +217,10 @@ class AttentionContext:
 
     def _groups(self, flat_starts: list[int]) -> list[_Group]:
         decodes = [(i, s) for i, s in enumerate(self.seqs) if s.length == 1]
-        longer = [(i, s) for i, s in enumerate(self.seqs) if s.length > 1]
+        fresh = [(i, s) for i, s in enumerate(self.seqs) if s.length > 1 and s.start == 0]
+        resumed = [(i, s) for i, s in enumerate(self.seqs) if s.length > 1 and s.start > 0]
         bs = self.cache.block_size
-        return [_Group(members, flat_starts, bs) for members in (decodes, longer) if members]
+        return [_Group(members, flat_starts, bs) for members in (decodes, fresh, resumed) if members]
 
     @classmethod
     def build(cls, cache: PagedKVCache, seqs: Sequence[SeqSlice], config: ModelConfig) -> AttentionContext:
@@ -230,24 +234,47 @@ class AttentionContext:
         Returns (n, heads * head_dim).
         """
         n, rows = self.num_tokens, self.cache.rows[layer]
-        rows.index_copy_(0, self.k_rows, k.reshape(n, -1).to(rows.dtype))
-        rows.index_copy_(0, self.v_rows, v.reshape(n, -1).to(rows.dtype))
+        k, v = k.reshape(n, -1).to(rows.dtype), v.reshape(n, -1).to(rows.dtype)  # (n, kv_heads * head_dim)
+        rows.index_copy_(0, self.k_rows, k)
+        rows.index_copy_(0, self.v_rows, v)
         window = self.windows[layer]
         if len(self.groups) == 1:
-            return self._attend_group(self.groups[0], layer, window, q)
+            return self._attend_group(self.groups[0], layer, window, q, k, v)
         out = q.new_empty((n, q.shape[1] * q.shape[2]))
         for g in self.groups:
-            out.index_copy_(0, g.tokens, self._attend_group(g, layer, window, q.index_select(0, g.tokens)))
+            pick = g.tokens
+            part = self._attend_group(g, layer, window, q[pick], k[pick], v[pick])
+            out.index_copy_(0, pick, part)
         return out
 
-    def _attend_group(self, g: _Group, layer: int, window: int | None, q: torch.Tensor) -> torch.Tensor:
+    def _keys_values(
+        self, g: _Group, layer: int, k: torch.Tensor, v: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(seqs, kv_heads, ctx, head_dim) keys and values of the group's sequences."""
+        kv_heads, head_dim = self.cache.num_kv_heads, self.cache.head_dim
+        if g.uniform:  # equal-length prompts: the new k/v are already (seqs, new) shaped
+            keys, values = k, v
+        elif g.fresh:  # prompts of mixed lengths: pad the new k/v
+            keys = k.new_zeros((g.num_seqs * g.max_new, k.shape[1])).index_copy_(0, self._slots(g), k)
+            values = v.new_zeros((g.num_seqs * g.max_new, v.shape[1])).index_copy_(0, self._slots(g), v)
+        else:  # one gathered copy each of the K and V pages
+            keys = self.cache.key_pages[layer].index_select(0, g.table)
+            values = self.cache.value_pages[layer].index_select(0, g.table)
+        keys = keys.view(g.num_seqs, g.ctx, kv_heads, head_dim).transpose(1, 2)
+        values = values.view(g.num_seqs, g.ctx, kv_heads, head_dim).transpose(1, 2)
+        return keys, values
+
+    @staticmethod
+    def _slots(g: _Group) -> torch.Tensor:
+        assert g.slots is not None  # only one-token groups have no padding slots
+        return g.slots
+
+    def _attend_group(
+        self, g: _Group, layer: int, window: int | None, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> torch.Tensor:
         kv_heads, head_dim = self.cache.num_kv_heads, self.cache.head_dim
         heads = q.shape[1]
-        # (seqs, kv_heads, ctx, head_dim) views over one gathered copy each of K and V
-        keys = self.cache.key_pages[layer].index_select(0, g.table)
-        keys = keys.view(g.num_seqs, g.ctx, kv_heads, head_dim).transpose(1, 2)
-        values = self.cache.value_pages[layer].index_select(0, g.table)
-        values = values.view(g.num_seqs, g.ctx, kv_heads, head_dim).transpose(1, 2)
+        keys, values = self._keys_values(g, layer, k, v)
         if g.slots is None:
             # One new token per sequence: no padding; the query heads sharing a KV head become that
             # head's rows, (seqs, kv_heads, group, head_dim), so K and V are never repeated.
@@ -255,12 +282,21 @@ class AttentionContext:
             mask = g.mask(window, queries.dtype)
             out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask)
             return out.reshape(g.num_seqs, heads * head_dim)
-        padded = q.new_zeros((g.num_seqs * g.max_new, heads, head_dim))
-        padded.index_copy_(0, g.slots, q)
-        queries = padded.view(g.num_seqs, g.max_new, heads, head_dim).transpose(
-            1, 2
-        )  # (seqs, heads, new, hd)
+        if g.uniform:
+            queries = q.reshape(g.num_seqs, g.max_new, heads, head_dim).transpose(1, 2)
+        else:
+            padded = q.new_zeros((g.num_seqs * g.max_new, heads, head_dim)).index_copy_(0, g.slots, q)
+            queries = padded.view(g.num_seqs, g.max_new, heads, head_dim).transpose(
+                1, 2
+            )  # (seqs, heads, new, hd)
+        causal_only = g.uniform and (window is None or window >= g.max_new)
         out = F.scaled_dot_product_attention(
-            queries, keys, values, attn_mask=g.mask(window, queries.dtype), enable_gqa=heads != kv_heads
+            queries,
+            keys,
+            values,
+            attn_mask=None if causal_only else g.mask(window, queries.dtype),
+            is_causal=causal_only,
+            enable_gqa=heads != kv_heads,
         )  # (seqs, heads, new, head_dim)
-        return out.transpose(1, 2).reshape(g.num_seqs * g.max_new, heads * head_dim).index_select(0, g.slots)
+        out = out.transpose(1, 2).reshape(g.num_seqs * g.max_new, heads * head_dim)
+        return out if g.uniform else out.index_select(0, g.slots)

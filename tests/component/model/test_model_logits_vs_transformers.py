@@ -156,3 +156,23 @@ def test_layer_by_layer_equals_forward(tiny_llama: Path) -> None:
         hidden = model.layer_forward(index, hidden, ctx)
     assert torch.equal(model.head(hidden), whole)
     assert torch.equal(cache_a.tensor, cache_b.tensor)
+
+
+@pytest.mark.parametrize("variant", ["llama", "qwen2-bias-window"])
+def test_equal_length_prompts_match_transformers(
+    variant: str, tiny_model_factory: Callable[..., Path]
+) -> None:
+    """Equal-length prompts take the unpadded causal path (with the window mask where one applies)."""
+    path = tiny_model_factory(**VARIANTS[variant])
+    loaded = load_model(path, torch.float32)
+    g = torch.Generator().manual_seed(3)
+    prompts = torch.randint(3, loaded.config.vocab_size, (3, 11), generator=g)
+    cache = PagedKVCache.for_model(loaded.config, 12, BLOCK_SIZE, torch.float32)
+    seqs = [SeqSlice((3 * i + 2, 3 * i, 3 * i + 1), 0, 11) for i in range(3)]
+    ours = loaded.model.head(
+        loaded.model(prompts.reshape(-1), AttentionContext.build(cache, seqs, loaded.config))
+    )
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        ref = hf(prompts).logits.reshape(33, -1)
+    torch.testing.assert_close(ours, ref, atol=1e-4, rtol=0)
