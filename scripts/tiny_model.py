@@ -3,16 +3,20 @@
 The folder (config.json, generation_config.json, model.safetensors or shards + index,
 tokenizer.json, tokenizer_config.json, special_tokens_map.json) loads as-is with
 `transformers.AutoModelForCausalLM.from_pretrained` and `AutoTokenizer.from_pretrained`, so tests
-can compare our replica with transformers on it. Nothing is downloaded. Torch and tokenizers are
-imported only when a model is made, so `--help` stays fast.
+can compare our replica with transformers on it. Nothing is downloaded. Weights are made with numpy
+and written by a small safetensors writer (no torch import: the command runs in well under a
+second); tokenizers is imported only when a model is made, so `--help` stays fast.
 """
 
 from __future__ import annotations
 
 import json
+import struct
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 ARCHS = {
     "llama": ("LlamaForCausalLM", "llama"),
@@ -122,42 +126,74 @@ def hf_config(cfg: TinyModelConfig) -> dict[str, Any]:
     return config
 
 
-def _random_weights(cfg: TinyModelConfig) -> dict[str, Any]:
-    import torch
+# safetensors dtype tag of each weight dtype (bfloat16 is stored as raw uint16 words)
+_TAGS = {"float32": "F32", "bfloat16": "BF16", "float16": "F16"}
 
+
+def _encode(values: np.ndarray, dtype: str) -> np.ndarray:
+    """float32 values as little-endian words of `dtype` (bfloat16: round to nearest even, as torch does)."""
+    if dtype == "bfloat16":
+        bits = values.astype("<f4").view("<u4")
+        rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+        return rounded.astype("<u2")
+    return values.astype("<f4" if dtype == "float32" else "<f2")
+
+
+def _random_weights(cfg: TinyModelConfig) -> dict[str, np.ndarray]:
+    """Random tensors by HF name, already encoded in the checkpoint dtype (numpy only: no torch import)."""
     from replica.model.config import ModelConfig
     from replica.model.layout import WeightLayout
 
     model_config = ModelConfig.from_dict(hf_config(cfg))
     layout = WeightLayout.for_config(model_config, "float32")
-    generator = torch.Generator().manual_seed(cfg.seed)
+    rng = np.random.default_rng(cfg.seed)
     tensors = {}
     for name, spec in layout.tensors().items():
+        noise = rng.standard_normal(spec.shape, dtype=np.float32)
         if name.endswith("norm.weight"):
             # around 1 but not exactly, so a missing or misplaced norm weight changes the logits
-            tensor = 1.0 + 0.1 * torch.randn(spec.shape, generator=generator)
+            values = 1.0 + 0.1 * noise
         else:
             std = 0.1 if name.endswith(("embed_tokens.weight", "lm_head.weight", "bias")) else 0.08
-            tensor = std * torch.randn(spec.shape, generator=generator)
-        tensors[name] = tensor.to(getattr(torch, cfg.dtype)).contiguous()
+            values = std * noise
+        tensors[name] = _encode(values, cfg.dtype)
     return tensors
 
 
-def _save_weights(cfg: TinyModelConfig, tensors: dict[str, Any]) -> None:
-    from safetensors.torch import save_file
+def write_safetensors(path: Path, tensors: dict[str, np.ndarray], dtype: str) -> None:
+    """One safetensors file: u64 header length, JSON header (space-padded to 8 bytes), packed data."""
+    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for name, array in tensors.items():
+        header[name] = {
+            "dtype": _TAGS[dtype],
+            "shape": list(array.shape),
+            "data_offsets": [offset, offset + array.nbytes],
+        }
+        offset += array.nbytes
+    encoded = json.dumps(header, separators=(",", ":")).encode()
+    encoded += b" " * (-len(encoded) % 8)
+    with open(path, "wb") as out:
+        out.write(struct.pack("<Q", len(encoded)))
+        out.write(encoded)
+        for array in tensors.values():
+            out.write(np.ascontiguousarray(array).tobytes())
 
+
+def _save_weights(cfg: TinyModelConfig, tensors: dict[str, np.ndarray]) -> None:
     names = list(tensors)
     if cfg.shards == 1:
-        save_file(tensors, str(cfg.out / "model.safetensors"), metadata={"format": "pt"})
+        write_safetensors(cfg.out / "model.safetensors", tensors, cfg.dtype)
         return
-    per_shard = -(-len(names) // cfg.shards)
+    shards = min(cfg.shards, len(names))
+    per_shard = -(-len(names) // shards)
     weight_map: dict[str, str] = {}
-    for i in range(cfg.shards):
-        file = f"model-{i + 1:05d}-of-{cfg.shards:05d}.safetensors"
+    for i in range(shards):
+        file = f"model-{i + 1:05d}-of-{shards:05d}.safetensors"
         part = {n: tensors[n] for n in names[i * per_shard : (i + 1) * per_shard]}
-        save_file(part, str(cfg.out / file), metadata={"format": "pt"})
+        write_safetensors(cfg.out / file, part, cfg.dtype)
         weight_map.update(dict.fromkeys(part, file))
-    total = sum(t.numel() * t.element_size() for t in tensors.values())
+    total = sum(t.nbytes for t in tensors.values())
     index = {"metadata": {"total_size": total}, "weight_map": weight_map}
     (cfg.out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
 
