@@ -49,8 +49,12 @@ class ReplicaServicer(pb_grpc.TextGenerationServiceServicer):
         engine = self.engine
         if engine is None:
             raise FailedPrecondition("the model is still loading")
-        undo_fn = (lambda result: undo(engine, result)) if undo is not None else None
-        return self.worker.call(lambda: fn(engine), _deadline(context), undo_fn)
+        if undo is None:
+            return self.worker.call(lambda: fn(engine), _deadline(context))
+        result = self.worker.call(lambda: fn(engine), _deadline(context), lambda r: undo(engine, r))
+        if not context.is_active():  # finished just as the caller gave up: nobody will get the result
+            self.worker.submit(lambda: undo(engine, result))
+        return result
 
     @property
     def health_state(self) -> HealthState:

@@ -8,7 +8,9 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import grpc
@@ -132,6 +134,28 @@ def test_errors_map_to_precise_codes(
     with pytest.raises(grpc.RpcError) as info:
         call(stub)
     assert info.value.code() == code, info.value.details()
+    assert _free(stub) == NUM_BLOCKS
+
+
+def test_concurrent_prefills_and_a_missed_deadline(stub: pb_grpc.TextGenerationServiceStub) -> None:
+    def prefill(i: int) -> pb.PrefillResponse:
+        batch = pb.Batch(id=100 + i, requests=[_request(1000 + i, [3 + i] * (5 + i), 3)])
+        return stub.Prefill(pb.PrefillRequest(batch=batch), timeout=DEADLINE)
+
+    with ThreadPoolExecutor(8) as pool:
+        results = list(pool.map(prefill, range(8)))
+    assert sorted(r.batch.id for r in results) == list(range(100, 108))
+    assert stub.Info(pb.InfoRequest(), timeout=DEADLINE).num_cached_batches == 8
+    stub.ClearCache(pb.ClearCacheRequest(), timeout=DEADLINE)
+    late = pb.Batch(id=200, requests=[_request(2000, list(range(3, 300)), 50)])
+    with pytest.raises(grpc.RpcError) as info:
+        stub.Prefill(pb.PrefillRequest(batch=late), timeout=0.0005)
+    assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    # Whether the prefill never ran or ran after its caller left, nothing stays cached (the replica may
+    # still be finishing the abandoned call when the client gives up: poll with a deadline).
+    limit = time.monotonic() + DEADLINE
+    while stub.Info(pb.InfoRequest(), timeout=DEADLINE).num_cached_batches and time.monotonic() < limit:
+        time.sleep(0.05)
     assert _free(stub) == NUM_BLOCKS
 
 
