@@ -76,7 +76,7 @@ def test_peer_death_mid_transfer_fails_every_rank_and_retry_works() -> None:
         errors = run_all([partial(chain_broadcast, f, [0, 1, 2, 3], "w", REGIONS, 2, deadline, options=OPTS)
                           for f in fabrics])
         assert all(isinstance(e, TransferError) for e in errors), errors
-        assert isinstance(errors[0], PeerGone) and isinstance(errors[2], PeerGone)  # the dead rank's neighbours
+        assert isinstance(errors[0], PeerGone) and isinstance(errors[2], PeerGone)  # its neighbours
         assert time.monotonic() - start < 3.5  # a rank that posted late may wait out its deadline, no longer
         # the survivors' buffers stay registered: the same collective without the dead rank succeeds
         retry = dataclasses.replace(OPTS, tag=1)
