@@ -184,6 +184,9 @@ def _common_fields(raw: Mapping[str, Any]) -> dict[str, Any]:
     act = raw.get("hidden_act", "silu")
     if act != "silu":
         raise UnsupportedModel(f"config.json: hidden_act {act!r} is not supported (only 'silu')")
+    partial = raw.get("partial_rotary_factor", 1.0)
+    if partial != 1.0:
+        raise UnsupportedModel(f"config.json: partial_rotary_factor {partial} is not supported (only 1.0)")
     heads = int(_require(raw, "num_attention_heads"))
     hidden = int(_require(raw, "hidden_size"))
     dtype = raw.get("torch_dtype") or raw.get("dtype")

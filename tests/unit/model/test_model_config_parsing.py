@@ -101,6 +101,11 @@ def test_heads_not_multiple_of_kv_heads() -> None:
         ModelConfig.from_dict(_raw(num_key_value_heads=3))
 
 
+def test_partial_rotary_factor_is_refused() -> None:
+    with pytest.raises(UnsupportedModel, match="partial_rotary_factor"):
+        ModelConfig.from_dict(_raw(partial_rotary_factor=0.5))
+
+
 def test_unsupported_activation_is_named() -> None:
     with pytest.raises(UnsupportedModel, match="gelu"):
         ModelConfig.from_dict(_raw(hidden_act="gelu"))
