@@ -57,6 +57,15 @@ VARIANTS: dict[str, dict[str, object]] = {
     },
     "qwen2-yarn-tied": {"arch": "qwen2", "rope_scaling": YARN, "tie_embeddings": True, "seed": 5},
     "llama-bfloat16": {"arch": "llama", "dtype": "bfloat16", "seed": 6},
+    # q/k/v biases of 40 and 8 floats are not 64-byte multiples: the unfused projection path
+    "qwen2-odd-sizes-unfused": {
+        "arch": "qwen2",
+        "hidden": 40,
+        "heads": 5,
+        "kv_heads": 1,
+        "intermediate": 72,
+        "seed": 8,
+    },
     "mistral-float16-sharded": {"arch": "mistral", "dtype": "float16", "shards": 2, "seed": 7},
 }
 
@@ -120,6 +129,7 @@ def _run_ours(path: Path, dtype: torch.dtype, decode_steps: int) -> list[Track]:
 
 def _check(path: Path, dtype: torch.dtype, atol: float) -> None:
     tracks = _run_ours(path, dtype, decode_steps=4)
+    assert all(len(t.rows or {}) == len(t.tokens) - 1 for t in tracks)  # every position was produced
     hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
     with torch.no_grad():
         for track in tracks:

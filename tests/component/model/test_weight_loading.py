@@ -127,3 +127,13 @@ def test_no_weights_at_all(tiny_llama: Path, tmp_path: Path) -> None:
     shutil.copy(tiny_llama / "config.json", path)
     with pytest.raises(CheckpointError, match="no safetensors"):
         load_model(path, torch.float32)
+
+
+def test_unaligned_matrices_are_not_fused(tiny_model_factory: Callable[..., Path]) -> None:
+    """Fusion only over adjacent views: q/k/v biases of 40 and 8 floats leave alignment gaps."""
+    odd = load_model(
+        tiny_model_factory(arch="qwen2", hidden=40, heads=5, kv_heads=1, intermediate=72, seed=8),
+        torch.float32,
+    )
+    assert not odd.model.layers[0].attn.qkv.fused  # type: ignore[union-attr]
+    assert load_model(tiny_model_factory(arch="qwen2"), torch.float32).model.layers[0].attn.qkv.fused  # type: ignore[union-attr]
