@@ -50,6 +50,20 @@ class ReplicaConfig:
     )
     model_id: str = field(default="", metadata={"help": "name reported by Info; empty = the folder's name"})
     grpc_workers: int = field(default=16, metadata={"help": "threads serving gRPC calls"})
+    router: str = field(
+        default="",
+        metadata={"help": "router admin address HOST:PORT to register with and heartbeat; empty = none"},
+    )
+    role: str = field(
+        default="",
+        metadata={
+            "help": "role announced to the router on registration (empty = let the router decide)",
+            "choices": ["", "prefill", "decode", "colocated", "inactive"],
+        },
+    )
+    router_token: str = field(
+        default="", metadata={"help": "admin token for the router's registration calls"}
+    )
     torch_threads: int = field(
         default=0, metadata={"help": "intra-op threads of torch on the CPU; 0 = torch's default"}
     )

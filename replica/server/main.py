@@ -12,6 +12,7 @@ import signal
 import sys
 import threading
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from types import FrameType
 
 import grpc
@@ -23,6 +24,7 @@ from protos import generate_pb2_grpc as pb_grpc
 from replica.config import ReplicaConfig
 from replica.engine.factory import build_engine
 from replica.engine.worker import EngineWorker
+from replica.registration import RouterRegistration
 from replica.server.interceptor import ErrorInterceptor
 from replica.server.servicer import ReplicaServicer
 
@@ -57,6 +59,53 @@ def _install_signal_handlers(stop: threading.Event) -> None:
     signal.signal(signal.SIGINT, handle)
 
 
+def _register(config: ReplicaConfig, port: int) -> RouterRegistration | None:
+    """Register with the router (in the background, retrying) when `--router` is given."""
+    if not config.router:
+        return None
+    registration = RouterRegistration(
+        config.router, f"{config.host}:{port}", config.role, config.router_token
+    )
+    registration.start()
+    return registration
+
+
+@dataclass
+class _Services:
+    """The running gRPC server and what it serves."""
+
+    server: grpc.Server
+    port: int
+    worker: EngineWorker
+    servicer: ReplicaServicer
+    health: health.HealthServicer
+
+    def set_health(self, status: int) -> None:
+        for name in ("", SERVICE_NAME):
+            self.health.set(name, status)
+
+    def stop(self) -> None:
+        self.health.enter_graceful_shutdown()
+        self.server.stop(grace=5.0).wait(10.0)
+        self.worker.stop()
+
+
+def _start_services(config: ReplicaConfig) -> _Services:
+    """Bind, register the generate.v2, health and reflection services, start serving (not ready yet)."""
+    server, port = _build_server(config)
+    worker = EngineWorker()
+    servicer = ReplicaServicer(config, worker)
+    servicer.address = f"{config.host}:{port}"
+    health_servicer = health.HealthServicer()
+    pb_grpc.add_TextGenerationServiceServicer_to_server(servicer, server)
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+    server.start()
+    services = _Services(server, port, worker, servicer, health_servicer)
+    services.set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
+    return services
+
+
 def serve(config: ReplicaConfig) -> int:
     """Run one replica until SIGTERM/SIGINT; returns the exit code."""
     logging.basicConfig(
@@ -68,30 +117,19 @@ def serve(config: ReplicaConfig) -> int:
         torch.set_num_threads(config.torch_threads)
     stop = threading.Event()
     _install_signal_handlers(stop)
-    server, port = _build_server(config)
-    worker = EngineWorker()
-    servicer = ReplicaServicer(config, worker)
-    servicer.address = f"{config.host}:{port}"
-    health_servicer = health.HealthServicer()
-    pb_grpc.add_TextGenerationServiceServicer_to_server(servicer, server)
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
-    server.start()
-    for name in ("", SERVICE_NAME):
-        health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+    services = _start_services(config)
     try:
-        servicer.engine = worker.call(lambda: build_engine(config))
+        services.servicer.engine = services.worker.call(lambda: build_engine(config))
     except Exception:
         log.exception("cannot load the model from %s", config.model)
-        server.stop(0)
-        worker.stop()
+        services.stop()
         return 1
-    for name in ("", SERVICE_NAME):
-        health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-    print(f"{READY_PREFIX} {config.host}:{port}", flush=True)
+    services.set_health(health_pb2.HealthCheckResponse.SERVING)
+    print(f"{READY_PREFIX} {config.host}:{services.port}", flush=True)
+    registration = _register(config, services.port)
     stop.wait()
-    health_servicer.enter_graceful_shutdown()
-    server.stop(grace=5.0).wait(10.0)
-    worker.stop()
+    if registration is not None:
+        registration.stop()
+    services.stop()
     log.info("replica stopped")
     return 0
