@@ -22,7 +22,7 @@ import enum
 import logging
 from typing import TYPE_CHECKING
 
-from router.batches import Arrived, LiveBatch, Member, Reprefill, spec_for
+from router.batches import Arrived, LiveBatch, Member, Reprefill, member_blocks, spec_for
 from router.client import PrefillCase, ReplicaCallError
 from router.config import Strategy
 from router.queue import BatchId
@@ -87,7 +87,10 @@ class ReplicaWorker:
         """One iteration; True when it did work."""
         mode = effective_mode(self.h.state.role, self.hub.strategy, self.hub.has_decode())
         if mode is Mode.PREFILL:
-            return await self.prefill_for_migration()
+            # A batch left here by an earlier mode (colocated, or no decode replica then) still decodes here.
+            prefilled = await self.prefill_for_migration()
+            stepped = await self.decode_once() if self.h.running or self.h.inbox else False
+            return prefilled or stepped
         if mode is Mode.DECODE:
             return await self.decode_once()
         if mode is Mode.COLOCATED:
@@ -163,8 +166,6 @@ class ReplicaWorker:
         return await self.prune(LiveBatch.of(result.batch, members, self.h.block_size))
 
     def _pages(self, members: list[Member]) -> list[int]:
-        from router.batches import member_blocks
-
         return [member_blocks(m, self.h.block_size) for m in members]
 
     # ---- decode ------------------------------------------------------------------------------------

@@ -60,6 +60,7 @@ class RequestState:
         self.texts: list[str] = []
         self.text_before_run = ""
         self.run = 0
+        self.requeues = 0
         self.replica: ReplicaId | None = None
         self.cancelled = False
         self.done = False

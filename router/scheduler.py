@@ -21,7 +21,9 @@ from dataclasses import dataclass, field
 from router.batches import Arrived, LiveBatch, Member, Reprefill
 from router.client import ReplicaCallError, ReplicaClient, ReplicaUnavailable, StepResult
 from router.config import RouterConfig, Strategy
+from router.loops import ReplicaWorker
 from router.metrics import RouterMetrics
+from router.migration import Migrations
 from router.queue import Budgets, PlannedBatch, QueueEntry, RequestQueue, request_blocks
 from router.replicas import SERVING, Heartbeats, ReplicaState, Role
 from router.requests import RequestState, RequestStream, now
@@ -67,8 +69,6 @@ class ClusterScheduler:
 
     def __init__(self, config: RouterConfig, metrics: RouterMetrics | None = None,
                  kv_bytes_per_token: int = 0, clock: Callable[[], float] = now) -> None:
-        from router.migration import Migrations
-
         self.config = config
         self.metrics = metrics or RouterMetrics()
         self.kv_bytes_per_token = kv_bytes_per_token
@@ -189,9 +189,10 @@ class ClusterScheduler:
             state = member.state
             if not member.current or not state.alive:
                 continue
-            if state.run >= self.config.max_requeues:
-                self.fail([member], f"request failed after {state.run} re-runs: {reason}", 503)
+            if state.requeues >= self.config.max_requeues:
+                self.fail([member], f"request failed after {state.requeues} re-runs: {reason}", 503)
                 continue
+            state.requeues += 1
             state.new_run()
             self.metrics.requeued.inc()
             self.queue.push_front(QueueEntry(state.id, state.current(), _alive(state)))
@@ -257,8 +258,6 @@ class ClusterScheduler:
 
     async def add_replica(self, address: str, role: Role, registered: bool = False) -> ReplicaId:
         """Connect to a replica, read its Info and start its loop."""
-        from router.loops import ReplicaWorker
-
         client = ReplicaClient(address, self.config.rpc_timeout, self.config.transfer_timeout)
         info = await client.info()
         if role in SERVING and not info.loaded:
@@ -299,7 +298,8 @@ class ClusterScheduler:
         tasks += list(self.migrations.tasks)
         for task in tasks:
             task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        if tasks:
+            await asyncio.wait(tasks, timeout=5)
         for state in list(self.requests.values()):
             state.fail("the router is shutting down", 503)
             self._finish(state, "failed")
@@ -307,7 +307,7 @@ class ClusterScheduler:
             await handle.client.close()
 
     async def _watch(self) -> None:
-        while True:
+        while not self.stopping:
             await asyncio.sleep(self.config.heartbeat_interval)
             await self.check_liveness()
 

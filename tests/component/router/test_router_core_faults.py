@@ -223,3 +223,23 @@ def test_error_event_is_last_and_carries_a_reason() -> None:
             events = await collect(sched.submit(request([4], 3)))
             assert isinstance(events[-1], ErrorEvent) and "INVALID_ARGUMENT" in events[-1].message
     run(body())
+
+
+def test_strategy_switch_at_run_time_keeps_running_batches() -> None:
+    async def body() -> None:
+        async with fake_cluster(PD, Strategy.COLOCATED) as (sched, fakes):
+            sched.replicas[ReplicaId(1)].state.role = Role.IDLE  # the batch must run on replica 0
+            fakes[0].step_delay = 0.01
+            task = asyncio.create_task(collect(sched.submit(request([3, 3], 30))))
+            while fakes[0].calls.count("DecodeV2") < 3:
+                await asyncio.sleep(0.01)
+            await control.set_role(sched, 1, Role.DECODE)
+            sched.set_strategy(Strategy.FULL)
+            later = await collect(sched.submit(request([4, 4], 5)))
+            assert finish_of(later).route.strategy == "full"
+            events = await task
+            assert tokens_of(events) == expected_tokens([3, 3], 30)
+            assert finish_of(events).route.strategy == "colocated"
+            await settle(fakes)
+            assert [f.free for f in fakes] == [f.num_blocks for f in fakes]
+    run(body())
