@@ -21,8 +21,10 @@ attention needs no repeated keys or values.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -112,58 +114,71 @@ class SeqSlice:
         return self.start + self.length
 
 
-def _validate(cache: PagedKVCache, seqs: Sequence[SeqSlice]) -> None:
+class _Span(NamedTuple):
+    """A validated SeqSlice with its derived numbers computed once (index building is per step)."""
+
+    seq: int  # position in the batch
+    start: int
+    length: int
+    end: int
+    pages: tuple[int, ...]  # exactly the pages the context uses
+
+
+def _spans(cache: PagedKVCache, seqs: Sequence[SeqSlice]) -> list[_Span]:
+    """Validate the slices against the cache; refuse with the sequence's number and the problem."""
     if not seqs:
         raise InvalidArgument("attention context needs at least one sequence")
+    bs, blocks = cache.block_size, cache.num_blocks
+    spans = []
     for i, s in enumerate(seqs):
-        if s.length <= 0 or s.start < 0:
-            raise InvalidArgument(f"sequence {i}: start={s.start} length={s.length} is not a valid slice")
-        needed = -(-s.end // cache.block_size)
-        if len(s.pages) < needed:
-            raise InvalidArgument(f"sequence {i}: {s.end} tokens need {needed} pages, got {len(s.pages)}")
-        if any(not 0 <= p < cache.num_blocks for p in s.pages[:needed]):
-            raise InvalidArgument(f"sequence {i}: page id outside the cache's {cache.num_blocks} blocks")
-
-
-def _ceil_div(a: int, b: int) -> int:
-    return -(-a // b)
+        start, length = s.start, s.length
+        end = start + length
+        if length <= 0 or start < 0:
+            raise InvalidArgument(f"sequence {i}: start={start} length={length} is not a valid slice")
+        needed = -(-end // bs)
+        pages = tuple(s.pages[:needed])
+        if len(pages) < needed:
+            raise InvalidArgument(f"sequence {i}: {end} tokens need {needed} pages, got {len(s.pages)}")
+        if min(pages) < 0 or max(pages) >= blocks:
+            raise InvalidArgument(f"sequence {i}: page id outside the cache's {blocks} blocks")
+        spans.append(_Span(i, start, length, end, pages))
+    return spans
 
 
 class _Group:
     """Sequences attended together: padded to the group's longest new slice and longest context."""
 
-    def __init__(self, seqs: list[tuple[int, SeqSlice]], flat_starts: list[int], block_size: int) -> None:
-        self.num_seqs = len(seqs)
-        self.max_new = max(s.length for _, s in seqs)
-        self.max_pages = max(_ceil_div(s.end, block_size) for _, s in seqs)
+    def __init__(
+        self, spans: list[_Span], flat_starts: list[int], block_size: int, device: torch.device
+    ) -> None:
+        self.num_seqs = len(spans)
+        self.max_new = max(s.length for s in spans)
+        self.max_pages = max(len(s.pages) for s in spans)
         table: list[int] = []
         tokens: list[int] = []  # flat index of each of the group's tokens, in group order
         q_pos: list[int] = []  # (seqs, max_new) absolute query positions; padding repeats the last one
         slots: list[int] = []  # where each token sits in the padded (seqs * max_new) query array
-        for row, (i, s) in enumerate(seqs):
-            used = _ceil_div(s.end, block_size)
+        width = self.max_new
+        for row, s in enumerate(spans):
             # padding entries point at the sequence's first page; the mask hides them
-            table += [*s.pages[:used], *([s.pages[0]] * (self.max_pages - used))]
-            tokens += range(flat_starts[i], flat_starts[i] + s.length)
-            q_pos += [min(s.start + j, s.end - 1) for j in range(self.max_new)]
-            slots += range(row * self.max_new, row * self.max_new + s.length)
-        self.table = torch.tensor(table, dtype=torch.int64)
-        self.tokens = torch.tensor(tokens, dtype=torch.int64)
-        self.q_pos = torch.tensor(q_pos, dtype=torch.int64).view(self.num_seqs, self.max_new)
-        self.slots = None if self.max_new == 1 else torch.tensor(slots, dtype=torch.int64)
+            table += s.pages
+            table += [s.pages[0]] * (self.max_pages - len(s.pages))
+            tokens += range(flat_starts[s.seq], flat_starts[s.seq] + s.length)
+            if width == 1:
+                q_pos.append(s.start)
+            else:
+                q_pos += range(s.start, s.end)
+                q_pos += [s.end - 1] * (width - s.length)
+                slots += range(row * width, row * width + s.length)
+        self.table = torch.tensor(table, dtype=torch.int64, device=device)
+        self.tokens = torch.tensor(tokens, dtype=torch.int64, device=device)
+        self.q_pos = torch.tensor(q_pos, dtype=torch.int64, device=device).view(self.num_seqs, width)
+        self.slots = None if width == 1 else torch.tensor(slots, dtype=torch.int64, device=device)
         # A fresh group (prompts, nothing cached) attends over its own new K/V: no page gather.
-        self.fresh = all(s.start == 0 for _, s in seqs) and self.max_new > 1
-        self.uniform = self.fresh and all(s.length == self.max_new for _, s in seqs)
-        self.ctx = self.max_new if self.fresh else self.max_pages * block_size
+        self.fresh = width > 1 and all(s.start == 0 for s in spans)
+        self.uniform = self.fresh and all(s.length == width for s in spans)
+        self.ctx = width if self.fresh else self.max_pages * block_size
         self.masks: dict[int | None, torch.Tensor] = {}
-
-    def to(self, device: torch.device) -> None:
-        self.table, self.tokens, self.q_pos = (
-            self.table.to(device),
-            self.tokens.to(device),
-            self.q_pos.to(device),
-        )
-        self.slots = None if self.slots is None else self.slots.to(device)
 
     def mask(self, window: int | None, dtype: torch.dtype) -> torch.Tensor:
         """(seqs, 1, max_new, ctx): may the query see the key (causal, within the window).
@@ -185,48 +200,49 @@ class _Group:
         return self.masks[window]
 
 
+@functools.lru_cache(maxsize=16)
+def _windows(config: ModelConfig) -> tuple[int | None, ...]:
+    return tuple(config.window(layer) for layer in range(config.num_layers))
+
+
 class AttentionContext:
     """Per-forward indices over the paged cache; `attend` is called once per layer."""
 
     positions: torch.Tensor  # (n,) absolute positions of the new tokens
     last_token_index: torch.Tensor  # (num_seqs,) flat index of each sequence's last new token
 
-    def __init__(self, cache: PagedKVCache, config: ModelConfig, seqs: Sequence[SeqSlice]) -> None:
-        self.cache, self.config, self.seqs = cache, config, tuple(seqs)
+    def __init__(self, cache: PagedKVCache, config: ModelConfig, spans: list[_Span]) -> None:
+        self.cache, self.config, self.num_seqs = cache, config, len(spans)
         device = cache.tensor.device
         bs = cache.block_size
-        lengths = [s.length for s in seqs]
         flat_starts = [0]
-        for length in lengths:
-            flat_starts.append(flat_starts[-1] + length)
-        self.num_tokens = flat_starts[-1]
         positions: list[int] = []
         k_rows: list[int] = []  # row of each new token's K in the layer's (blocks * 2 * block_size) rows
-        for s in seqs:
-            positions += range(s.start, s.end)
-            k_rows += [s.pages[pos // bs] * 2 * bs + pos % bs for pos in range(s.start, s.end)]
+        for s in spans:
+            flat_starts.append(flat_starts[-1] + s.length)
+            if s.length == 1:
+                positions.append(s.start)
+                k_rows.append(s.pages[s.start // bs] * 2 * bs + s.start % bs)
+            else:
+                positions += range(s.start, s.end)
+                k_rows += [s.pages[pos // bs] * 2 * bs + pos % bs for pos in range(s.start, s.end)]
+        self.num_tokens = flat_starts[-1]
         self.positions = torch.tensor(positions, dtype=torch.int64, device=device)
         self.last_token_index = torch.tensor(flat_starts[1:], dtype=torch.int64, device=device) - 1
         self.k_rows = torch.tensor(k_rows, dtype=torch.int64, device=device)
         self.v_rows = self.k_rows + bs  # the V block follows the K block inside a page
-        self.windows = [config.window(layer) for layer in range(config.num_layers)]
-        self.groups = self._groups(flat_starts)
-        for g in self.groups:
-            g.to(device)
-        self.cos, self.sin = rotary_rows(config, self.positions, cache.dtype)
-
-    def _groups(self, flat_starts: list[int]) -> list[_Group]:
-        decodes = [(i, s) for i, s in enumerate(self.seqs) if s.length == 1]
-        fresh = [(i, s) for i, s in enumerate(self.seqs) if s.length > 1 and s.start == 0]
-        resumed = [(i, s) for i, s in enumerate(self.seqs) if s.length > 1 and s.start > 0]
-        bs = self.cache.block_size
-        return [_Group(members, flat_starts, bs) for members in (decodes, fresh, resumed) if members]
+        self.windows = _windows(config)
+        decodes = [s for s in spans if s.length == 1]
+        fresh = [s for s in spans if s.length > 1 and s.start == 0]
+        resumed = [s for s in spans if s.length > 1 and s.start > 0]
+        self.groups = [_Group(g, flat_starts, bs, device) for g in (decodes, fresh, resumed) if g]
+        highest = max(s.end for s in spans)
+        self.cos, self.sin = rotary_rows(config, self.positions, cache.dtype, highest)
 
     @classmethod
     def build(cls, cache: PagedKVCache, seqs: Sequence[SeqSlice], config: ModelConfig) -> AttentionContext:
         """Validate the slices and precompute everything the layers of one forward share."""
-        _validate(cache, seqs)
-        return cls(cache, config, seqs)
+        return cls(cache, config, _spans(cache, seqs))
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """Store `layer`'s new k/v (n, kv_heads, head_dim), attend q (n, heads, head_dim) over the context.

@@ -107,14 +107,16 @@ def _table(config: ModelConfig, dtype: torch.dtype, length: int) -> tuple[torch.
 
 
 def rotary_rows(
-    config: ModelConfig, positions: torch.Tensor, dtype: torch.dtype
+    config: ModelConfig, positions: torch.Tensor, dtype: torch.dtype, highest: int | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin rows (n, head_dim) for `positions`, read from a memoised per-model table.
 
     The table holds every position below a power of two covering the largest one asked for, so a
     forward costs one row gather instead of recomputing the trigonometry (same values: elementwise).
+    `highest` (one past the largest position), when the caller knows it, saves a device sync.
     """
-    highest = int(positions.max()) + 1 if positions.numel() else 1
+    if highest is None:
+        highest = int(positions.max()) + 1 if positions.numel() else 1
     length = max(256, 1 << (highest - 1).bit_length())
     cos, sin = _table(config, dtype, length)
     index = positions.to(cos.device)
