@@ -75,7 +75,7 @@ class RouterConfig:
 
     def roles(self) -> list[str]:
         """The role of each `--replica` (explicit or the default split)."""
-        if self.role:
+        if self.role or not self.replica:
             return list(self.role)
         if len(self.replica) == 1:
             return ["colocated"]
