@@ -302,9 +302,8 @@ class AttentionContext:
             queries = q.reshape(g.num_seqs, g.max_new, heads, head_dim).transpose(1, 2)
         else:
             padded = q.new_zeros((g.num_seqs * g.max_new, heads, head_dim)).index_copy_(0, g.slots, q)
-            queries = padded.view(g.num_seqs, g.max_new, heads, head_dim).transpose(
-                1, 2
-            )  # (seqs, heads, new, hd)
+            # (seqs, heads, new, head_dim)
+            queries = padded.view(g.num_seqs, g.max_new, heads, head_dim).transpose(1, 2)
         causal_only = g.uniform and (window is None or window >= g.max_new)
         out = F.scaled_dot_product_attention(
             queries,
