@@ -243,3 +243,20 @@ def test_strategy_switch_at_run_time_keeps_running_batches() -> None:
             await settle(fakes)
             assert [f.free for f in fakes] == [f.num_blocks for f in fakes]
     run(body())
+
+
+def test_prefill_replica_dying_an_empty_decode_replica_takes_its_role() -> None:
+    async def body() -> None:
+        async with fake_cluster((Role.PREFILL, Role.DECODE, Role.DECODE), Strategy.FULL) as (sched, fakes):
+            fakes[0].step_delay = 0.5
+            task = asyncio.create_task(collect(sched.submit(request([6, 6, 6], 10))))
+            while "PrefillV2" not in fakes[0].calls:
+                await asyncio.sleep(0.01)
+            await fakes[0].stop()
+            events = await task
+            assert tokens_of(events) == expected_tokens([6, 6, 6], 10)
+            roles = [sched.replicas[ReplicaId(i)].state.role for i in range(3)]
+            assert roles[0] is Role.DEAD and Role.PREFILL in roles[1:]
+            route = finish_of(events).route
+            assert route.prefill_replica in (1, 2) and route.decode_replica in (1, 2)
+    run(body())
