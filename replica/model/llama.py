@@ -197,9 +197,9 @@ class CausalLM(nn.Module):
     @torch.no_grad()
     def forward(self, token_ids: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
         """Embed and run every layer: (n,) token ids -> (n, hidden) final hidden states (before the norm)."""
-        hidden = self.embed(token_ids)
-        for index in range(len(self.layers)):
-            hidden = self.layer_forward(index, hidden, ctx)
+        hidden = F.embedding(token_ids, self.embed_tokens)
+        for layer in self.layers:
+            hidden = layer(hidden, ctx)
         return hidden
 
 
