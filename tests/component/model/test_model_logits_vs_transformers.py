@@ -186,3 +186,25 @@ def test_equal_length_prompts_match_transformers(
     with torch.no_grad():
         ref = hf(prompts).logits.reshape(33, -1)
     torch.testing.assert_close(ours, ref, atol=1e-4, rtol=0)
+
+
+def test_long_prompt_then_decode_match_transformers(tiny_model_factory: Callable[..., Path]) -> None:
+    """Positions past the first RoPE table size (256), 16-token pages, a resumed chunk, then decodes."""
+    path = tiny_model_factory(**VARIANTS["mistral-window"])
+    loaded = load_model(path, torch.float32)
+    model, config = loaded.model, loaded.config
+    tokens = torch.randint(3, config.vocab_size, (300,), generator=torch.Generator().manual_seed(4)).tolist()
+    cache = PagedKVCache.for_model(config, 40, 16, torch.float32)
+    pages = tuple(range(39, 0, -2))  # 20 scattered pages: room for 320 tokens
+    rows = []
+    for start, stop in ((0, 200), (200, 300)):
+        ctx = AttentionContext.build(cache, [SeqSlice(pages, start, stop - start)], config)
+        rows.append(model.head(model(torch.tensor(tokens[start:stop]), ctx)))
+    for _ in range(3):
+        tokens.append(int(rows[-1][-1].argmax()))
+        ctx = AttentionContext.build(cache, [SeqSlice(pages, len(tokens) - 1, 1)], config)
+        rows.append(model.head(model(torch.tensor(tokens[-1:]), ctx)))
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        ref = hf(torch.tensor([tokens])).logits[0]
+    torch.testing.assert_close(torch.cat(rows), ref, atol=1e-4, rtol=0)
