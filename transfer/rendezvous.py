@@ -1,0 +1,74 @@
+"""Rendezvous: how the device fabrics exchange set-up data (NCCL unique ids, RDMA queue-pair info).
+
+The caller provides it (over its control plane: the router, a shared filesystem, a key-value
+store). Two implementations ship: `DictRendezvous` (one process, tests) and `FileRendezvous` (a
+directory every rank can see, e.g. a shared filesystem under Slurm, or /tmp for a local cluster).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from pathlib import Path
+from typing import Protocol
+
+from transfer.core import Deadline
+from transfer.errors import PeerTimeout
+
+_POLL_S = 0.02
+
+
+class Rendezvous(Protocol):
+    """Publish a value under a key; look a key up, waiting until it is published or the deadline."""
+
+    def publish(self, key: str, value: bytes) -> None:
+        """Make `value` visible to every rank under `key`."""
+
+    def lookup(self, key: str, deadline: Deadline) -> bytes:
+        """The value under `key`; `PeerTimeout` if nobody published it by the deadline."""
+
+
+class DictRendezvous:
+    """In-process rendezvous (all ranks share one object)."""
+
+    def __init__(self) -> None:
+        self._values: dict[str, bytes] = {}
+        self._cond = threading.Condition()
+
+    def publish(self, key: str, value: bytes) -> None:
+        with self._cond:
+            self._values[key] = value
+            self._cond.notify_all()
+
+    def lookup(self, key: str, deadline: Deadline) -> bytes:
+        with self._cond:
+            if not self._cond.wait_for(lambda: key in self._values, timeout=deadline.remaining()):
+                raise PeerTimeout(f"rendezvous key {key!r} not published before the deadline")
+            return self._values[key]
+
+
+class FileRendezvous:
+    """Rendezvous through files in a shared directory (written atomically by rename)."""
+
+    def __init__(self, directory: str | Path) -> None:
+        self.directory = Path(directory)
+        self.directory.mkdir(parents=True, exist_ok=True)
+
+    def _path(self, key: str) -> Path:
+        return self.directory / key.replace("/", "__")
+
+    def publish(self, key: str, value: bytes) -> None:
+        path = self._path(key)
+        temporary = path.with_suffix(f".tmp{os.getpid()}.{threading.get_ident()}")
+        temporary.write_bytes(value)
+        temporary.replace(path)
+
+    def lookup(self, key: str, deadline: Deadline) -> bytes:
+        path = self._path(key)
+        while True:
+            if path.exists():
+                return path.read_bytes()
+            if deadline.expired():
+                raise PeerTimeout(f"rendezvous key {key!r} not published in {self.directory}")
+            time.sleep(_POLL_S)
