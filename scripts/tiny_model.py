@@ -88,6 +88,23 @@ class TinyModelConfig:
             raise ValueError(f"heads ({self.heads}) must be a multiple of kv_heads ({self.kv_heads})")
         if not self.head_dim and self.hidden % self.heads:
             raise ValueError(f"hidden ({self.hidden}) must be a multiple of heads ({self.heads})")
+        if self.rope_scaling:
+            self._check_rope_scaling()
+
+    def _check_rope_scaling(self) -> None:
+        from replica.errors import InvalidArgument
+        from replica.model.config import parse_rope_scaling
+
+        try:
+            scaling = json.loads(self.rope_scaling)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"rope_scaling is not valid JSON: {exc}") from exc
+        if not isinstance(scaling, dict):
+            raise ValueError("rope_scaling must be a JSON object")
+        try:
+            parse_rope_scaling(scaling)
+        except InvalidArgument as exc:
+            raise ValueError(str(exc)) from exc
 
 
 def hf_config(cfg: TinyModelConfig) -> dict[str, Any]:

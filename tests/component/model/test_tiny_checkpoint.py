@@ -104,3 +104,12 @@ def test_config_validation() -> None:
         TinyModelConfig(out=Path("x"), heads=4, kv_heads=3)
     with pytest.raises(ValueError, match="arch"):
         TinyModelConfig(out=Path("x"), arch="gpt2")
+    with pytest.raises(ValueError, match="JSON"):
+        TinyModelConfig(out=Path("x"), rope_scaling="{factor: 2")
+    with pytest.raises(ValueError, match="longrope"):
+        TinyModelConfig(out=Path("x"), rope_scaling='{"rope_type": "longrope", "factor": 2.0}')
+
+
+def test_cli_reports_invalid_arguments(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli_main(["make-tiny-model", str(tmp_path / "m"), "--rope-scaling", "[1, 2]"]) == 2
+    assert "rope_scaling must be a JSON object" in capsys.readouterr().err
