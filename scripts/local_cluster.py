@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import dataclasses
+import os
 import queue
 import signal
 import subprocess
@@ -50,6 +51,8 @@ class UpConfig:
     admin_token: str = field(default="", metadata={"help": "admin token of the router (empty = none)"})
     log_dir: Path | None = field(default=None, metadata={"help": "folder of process logs (default: temp)"})
     ready_timeout: float = field(default=180.0, metadata={"help": "seconds to wait for each ready line"})
+    torch_threads: int = field(default=0, metadata={"help": (
+        "torch threads per replica; 0 = this machine's cores shared among the replicas (at least 1)")})
 
     def __post_init__(self) -> None:
         self.model = Path(self.model)
@@ -144,9 +147,11 @@ class LocalCluster:
         c = self.config
         if c.inactive and not _replica_has_flag("inactive"):
             raise RuntimeError("this replica has no --inactive flag yet (it comes with issue 4)")
+        # Replicas on one machine would each take every core and thrash: share them out instead.
+        threads = c.torch_threads or max(1, (os.cpu_count() or 1) // len(self.roles()))
         for rank, role in enumerate(self.roles()):
             args = ["replica", "--model", str(c.model), "--host", c.host, "--port", "0", "--rank", str(rank),
-                    "--num-blocks", str(c.num_blocks)]
+                    "--num-blocks", str(c.num_blocks), "--torch-threads", str(threads)]
             if role == "inactive":
                 args.append("--inactive")
             self.replicas.append(self._spawn(f"replica-{rank}-{role}", role, args))
