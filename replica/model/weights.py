@@ -2,15 +2,16 @@
 
 ```
  model.safetensors (or model-0000i-of-0000N.safetensors + model.safetensors.index.json)
-        │ header parsed here; bytes read with readinto() straight into the buffer when dtypes match
-        ▼
+        │ headers parsed here; bytes read with positional reads (16 MiB chunks, two threads)
+        ▼ straight into the buffer when dtypes match
  buffer (uint8, layout.total_bytes): | embed | layer 0 | … | layer L-1 | head |
         ▲  on_region("embed"), on_region("layer.0"), …, on_region("head") as each region completes
 ```
 
 Reading the file's bytes directly into the buffer (no mmap, no intermediate tensor) keeps loading
 as fast as a raw read of the same files; only a dtype cast or a tensor-parallel slice goes through a
-temporary tensor.
+temporary tensor. A truncated file, a missing tensor, a wrong shape or an unknown extra tensor is a
+`CheckpointError` naming it.
 """
 
 from __future__ import annotations
