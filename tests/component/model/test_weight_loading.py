@@ -137,3 +137,11 @@ def test_unaligned_matrices_are_not_fused(tiny_model_factory: Callable[..., Path
     )
     assert not odd.model.layers[0].attn.qkv.fused  # type: ignore[union-attr]
     assert load_model(tiny_model_factory(arch="qwen2"), torch.float32).model.layers[0].attn.qkv.fused  # type: ignore[union-attr]
+
+
+def test_truncated_file_is_named(tiny_llama: Path, tmp_path: Path) -> None:
+    path = _copy(tiny_llama, tmp_path / "ckpt")
+    data = (path / "model.safetensors").read_bytes()
+    (path / "model.safetensors").write_bytes(data[: len(data) - 1000])
+    with pytest.raises(CheckpointError, match=r"model\.safetensors: truncated"):
+        load_model(path, torch.float32)
