@@ -83,3 +83,28 @@ def test_dropping_the_tensor_drops_the_layer_views() -> None:
     assert len(cache.rows) == 2 and cache.rows[1].data_ptr() == cache.tensor[1].data_ptr()
     cache.tensor = torch.empty(0)
     assert cache.rows == [] and cache.key_pages == [] and cache.value_pages == []
+
+
+def test_interleaved_kinds_equal_each_sequence_alone(tiny_llama: Path) -> None:
+    """prompt, decode, resumed chunk and prompt interleaved in one batch = each run on its own."""
+    loaded = load_model(tiny_llama, torch.float32)
+    model, config = loaded.model, loaded.config
+    shared = PagedKVCache.for_model(config, num_blocks=24, block_size=4, dtype=torch.float32)
+    history = {1: (list(range(5, 14)), (7, 3, 11)), 2: (list(range(30, 36)), (2, 19, 21))}
+    for tokens, pages in history.values():  # cache the earlier tokens of sequences 1 and 2
+        model(torch.tensor(tokens), AttentionContext.build(shared, [SeqSlice(pages, 0, len(tokens))], config))
+    private = PagedKVCache.for_model(config, num_blocks=24, block_size=4, dtype=torch.float32)
+    private.tensor.copy_(shared.tensor)
+    batch = [
+        (SeqSlice((0, 1), 0, 6), [3, 4, 5, 6, 7, 8]),  # prompt
+        (SeqSlice(history[1][1], 9, 1), [40]),  # decode
+        (SeqSlice(history[2][1], 6, 3), [41, 42, 43]),  # resumed chunk
+        (SeqSlice((5, 6, 8), 0, 10), list(range(50, 60))),  # prompt
+    ]
+    ids = torch.tensor([t for _, tokens in batch for t in tokens])
+    ctx = AttentionContext.build(shared, [s for s, _ in batch], config)
+    together = model.head(model(ids, ctx)).split([len(tokens) for _, tokens in batch])
+    for (seq, tokens), rows in zip(batch, together, strict=True):
+        alone = model.head(model(torch.tensor(tokens), AttentionContext.build(private, [seq], config)))
+        torch.testing.assert_close(rows, alone, atol=1e-5, rtol=0)
+    torch.testing.assert_close(shared.tensor, private.tensor, atol=1e-6, rtol=0)
