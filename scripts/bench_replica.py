@@ -4,7 +4,8 @@ For each batch size, B prompts of `--prompt-tokens` tokens are prefilled, then `
 decode steps run (EOS ignored so every step is full). (a) drives a `pdcluster replica` subprocess
 with Prefill + DecodeV2; (b) calls the same engine in this process; (c) runs transformers'
 `generate` on the same checkpoint (prefill = a 1-token generate; decode = the rest of a longer
-generate). Each figure is the best of `--repeats` runs after one warm-up run. Goals: (a)/(b) ≥ 0.8;
+generate). Each figure is the best of `--repeats` runs after one warm-up round; the three paths'
+runs are interleaved so that a machine shared with other work loads them alike. Goals: (a)/(b) ≥ 0.8;
 (b) decode at batch 32 ≥ (c).
 """
 
@@ -59,11 +60,8 @@ def _prompts(batch: int, length: int, vocab: int) -> list[list[int]]:
     return [[3 + (17 * b + 5 * i) % (vocab - 3) for i in range(length)] for b in range(batch)]
 
 
-def _best(runs: int, fn: Callable[[int], tuple[float, float]]) -> tuple[float, float]:
-    """Best (prefill seconds, decode seconds) of `runs` timed runs after one warm-up; fn gets a run id."""
-    fn(1)  # warm-up
-    results = [fn(2 + i) for i in range(runs)]
-    return min(r[0] for r in results), min(r[1] for r in results)
+# A path runs (prompts, decode steps, a fresh batch id) and returns (prefill seconds, decode seconds).
+Runner = Callable[[list[list[int]], int, int], tuple[float, float]]
 
 
 # ----------------------------------------------------------------------------------------- (b)
@@ -86,7 +84,7 @@ def _engine_run(engine: Any, prompts: list[list[int]], steps: int, batch_id: int
     return prefill, decode
 
 
-def bench_in_process(config: BenchReplicaConfig, model: Path) -> dict[int, Rates]:
+def in_process_path(config: BenchReplicaConfig, model: Path) -> Runner:
     """(b): the engine called directly."""
     from replica.config import ReplicaConfig
     from replica.engine.factory import build_engine
@@ -94,12 +92,7 @@ def bench_in_process(config: BenchReplicaConfig, model: Path) -> dict[int, Rates
     engine = build_engine(
         ReplicaConfig(model=model, port=0, num_blocks=_blocks(config), block_size=config.block_size)
     )
-    out = {}
-    for batch in config.batch_sizes:
-        prompts = _prompts(batch, config.prompt_tokens, engine.limits.vocab_size)
-        pre, dec = _best(config.repeats, partial(_engine_run, engine, prompts, config.decode_steps))
-        out[batch] = Rates(batch * config.prompt_tokens / pre, batch * config.decode_steps / dec)
-    return out
+    return partial(_engine_run, engine)
 
 
 def _blocks(config: BenchReplicaConfig) -> int:
@@ -156,29 +149,13 @@ def _replica(config: BenchReplicaConfig, model: Path) -> Iterator[str]:
         proc.wait(30)
 
 
-def bench_grpc(config: BenchReplicaConfig, model: Path, vocab: int) -> dict[int, Rates]:
-    """(a): a replica subprocess over gRPC."""
-    import grpc
-
-    from protos import generate_pb2_grpc as pb_grpc
-
-    out = {}
-    with _replica(config, model) as address, grpc.insecure_channel(address) as channel:
-        stub = pb_grpc.TextGenerationServiceStub(channel)
-        for batch in config.batch_sizes:
-            prompts = _prompts(batch, config.prompt_tokens, vocab)
-            pre, dec = _best(config.repeats, partial(_grpc_run, stub, prompts, config.decode_steps))
-            out[batch] = Rates(batch * config.prompt_tokens / pre, batch * config.decode_steps / dec)
-    return out
-
-
 # ----------------------------------------------------------------------------------------- (c)
-def bench_transformers(config: BenchReplicaConfig, model: Path, vocab: int) -> dict[int, Rates]:
+def transformers_path(model: Path) -> Runner:
     """(c): transformers `generate` (greedy, KV cache on) on the same checkpoint."""
     import torch
     from transformers import AutoModelForCausalLM
 
-    hf = AutoModelForCausalLM.from_pretrained(model, torch_dtype=torch.float32).eval()
+    hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
 
     def generate(ids: torch.Tensor, new: int) -> float:
         start = time.perf_counter()
@@ -193,18 +170,30 @@ def bench_transformers(config: BenchReplicaConfig, model: Path, vocab: int) -> d
             )
         return time.perf_counter() - start
 
-    out = {}
+    def run(prompts: list[list[int]], steps: int, run_id: int) -> tuple[float, float]:
+        ids = torch.tensor(prompts)
+        prefill = generate(ids, 1)
+        return prefill, max(generate(ids, steps + 1) - prefill, 1e-9)
+
+    return run
+
+
+def measure(config: BenchReplicaConfig, paths: dict[str, Runner], vocab: int) -> dict[str, dict[int, Rates]]:
+    """Best rates of every path per batch size; the paths' runs are interleaved so they share the load."""
+    out: dict[str, dict[int, Rates]] = {name: {} for name in paths}
+    run_ids = iter(range(1, 10**9))
     for batch in config.batch_sizes:
-        ids = torch.tensor(_prompts(batch, config.prompt_tokens, vocab))
-        pre, total = _best(config.repeats, partial(_hf_run, generate, ids, config.decode_steps))
-        out[batch] = Rates(
-            batch * config.prompt_tokens / pre, batch * config.decode_steps / max(total - pre, 1e-9)
-        )
+        prompts = _prompts(batch, config.prompt_tokens, vocab)
+        times: dict[str, list[tuple[float, float]]] = {name: [] for name in paths}
+        for repeat in range(config.repeats + 1):
+            for name, run in paths.items():
+                result = run(prompts, config.decode_steps, next(run_ids))
+                if repeat:  # the first round warms every path up
+                    times[name].append(result)
+        for name, results in times.items():
+            pre, dec = min(r[0] for r in results), min(r[1] for r in results)
+            out[name][batch] = Rates(batch * config.prompt_tokens / pre, batch * config.decode_steps / dec)
     return out
-
-
-def _hf_run(generate: Callable[[Any, int], float], ids: Any, steps: int, run_id: int) -> tuple[float, float]:
-    return generate(ids, 1), generate(ids, steps + 1)
 
 
 # ----------------------------------------------------------------------------------------- report
@@ -272,13 +261,20 @@ def run(config: BenchReplicaConfig) -> int:
             from scripts.tiny_model import TinyModelConfig, make_tiny_model
 
             model = make_tiny_model(TinyModelConfig(out=Path(tmp) / "tiny", arch="llama"))
+        import grpc
+
+        from protos import generate_pb2_grpc as pb_grpc
         from replica.model.config import ModelConfig
 
         vocab = ModelConfig.from_dir(model).vocab_size
-        proc_r = bench_in_process(config, model)
-        grpc_r = bench_grpc(config, model, vocab)
-        hf_r = bench_transformers(config, model, vocab)
-    report = _report(config, grpc_r, proc_r, hf_r)
+        with _replica(config, model) as address, grpc.insecure_channel(address) as channel:
+            paths: dict[str, Runner] = {
+                "grpc": partial(_grpc_run, pb_grpc.TextGenerationServiceStub(channel)),
+                "in_process": in_process_path(config, model),
+                "transformers": transformers_path(model),
+            }
+            rates = measure(config, paths, vocab)
+    report = _report(config, rates["grpc"], rates["in_process"], rates["transformers"])
     _print(report)
     if config.json is not None:
         config.json.parent.mkdir(parents=True, exist_ok=True)

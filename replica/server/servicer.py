@@ -91,13 +91,9 @@ class ReplicaServicer(pb_grpc.TextGenerationServiceServicer):
     def Prefill(self, request: pb.PrefillRequest, context: grpc.ServicerContext) -> pb.PrefillResponse:
         result = self._prefill(request.batch, context)
         response = pb.PrefillResponse(
-            generations=[convert.generation_to_pb(g) for g in result.generations],
-            forward_ns=result.forward_ns,
-            decode_ns=result.decode_ns,
-            total_ns=result.total_ns,
+            forward_ns=result.forward_ns, decode_ns=result.decode_ns, total_ns=result.total_ns
         )
-        if result.batch is not None:
-            response.batch.CopyFrom(convert.cached_batch_to_pb(result.batch))
+        convert.fill_step(response, result)
         return response
 
     def PrefillV2(self, request: pb.PrefillV2Request, context: grpc.ServicerContext) -> pb.PrefillV2Response:
@@ -105,37 +101,28 @@ class ReplicaServicer(pb_grpc.TextGenerationServiceServicer):
             raise Unimplemented(f"PrefillV2 forward_case {request.forward_case} belongs to {ISSUE_4}")
         result = self._prefill(request.batch, context)
         response = pb.PrefillV2Response(
-            generations=[convert.generation_to_pb(g) for g in result.generations],
-            forward_ns=result.forward_ns,
-            decode_ns=result.decode_ns,
-            total_ns=result.total_ns,
+            forward_ns=result.forward_ns, decode_ns=result.decode_ns, total_ns=result.total_ns
         )
-        if result.batch is not None:
-            response.batch.CopyFrom(convert.cached_batch_to_pb(result.batch))
+        convert.fill_step(response, result)
         return response
 
     def Decode(self, request: pb.DecodeRequest, context: grpc.ServicerContext) -> pb.DecodeResponse:
         inputs = convert.decode_inputs_from_pb(request.batches)
         result = self._run(context, lambda e: e.decode(inputs))
         response = pb.DecodeResponse(
-            generations=[convert.generation_to_pb(g) for g in result.generations],
             forward_ns=result.forward_ns,
             decode_ns=result.decode_ns,
             total_ns=result.total_ns,
             concat_ns=result.concat_ns,
         )
-        if result.batch is not None:
-            response.batch.CopyFrom(convert.cached_batch_to_pb(result.batch))
+        convert.fill_step(response, result)
         return response
 
     def DecodeV2(self, request: pb.DecodeV2Request, context: grpc.ServicerContext) -> pb.DecodeV2Response:
         inputs = convert.decode_inputs_from_pb(request.batches, request.last_iter_tokens)
         result = self._run(context, lambda e: e.decode(inputs))
-        response = pb.DecodeV2Response(
-            generations=[convert.generation_to_pb(g) for g in result.generations], total_ns=result.total_ns
-        )
-        if result.batch is not None:
-            response.batch.CopyFrom(convert.cached_batch_to_pb(result.batch))
+        response = pb.DecodeV2Response(total_ns=result.total_ns)
+        convert.fill_step(response, result)
         return response
 
     def FilterBatch(
