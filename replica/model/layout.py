@@ -118,6 +118,20 @@ class WeightLayout:
                 return region
         raise KeyError(f"no region {name!r}")
 
+    def segments(self) -> list[tuple[int, int]]:
+        """(offset, length) of every region in order: what the transfer layer registers and moves."""
+        return [(r.offset, r.nbytes) for r in self.regions]
+
+    def signature(self) -> dict[str, object]:
+        """A JSON-able summary two replicas compare before exchanging weights (same bytes, same places)."""
+        return {
+            "dtype": self.dtype,
+            "shard": [self.shard.rank, self.shard.world],
+            "alignment": self.alignment,
+            "total_bytes": self.total_bytes,
+            "regions": [[r.name, r.offset, r.nbytes] for r in self.regions],
+        }
+
     @property
     def lm_head(self) -> TensorSpec:
         """The output projection; with tied embeddings this is the embedding tensor itself."""

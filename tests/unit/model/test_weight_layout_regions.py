@@ -120,3 +120,13 @@ def test_tensor_parallel_degree_must_divide() -> None:
 def test_unsupported_dtype_is_named() -> None:
     with pytest.raises(UnsupportedModel, match="int8"):
         WeightLayout.for_config(_config(), "int8")
+
+
+def test_segments_and_signature() -> None:
+    layout = WeightLayout.for_config(_config(), "bfloat16")
+    assert layout.segments() == [(r.offset, r.nbytes) for r in layout.regions]
+    signature = layout.signature()
+    assert signature["total_bytes"] == layout.total_bytes and signature["dtype"] == "bfloat16"
+    assert signature == WeightLayout.for_config(_config(), "bfloat16").signature()
+    assert signature != WeightLayout.for_config(_config(), "float32").signature()
+    assert signature != WeightLayout.for_config(_config(vocab_size=1002), "bfloat16").signature()
