@@ -85,6 +85,18 @@ def test_greedy_output_equals_transformers(cluster: LocalCluster, oracle: Greedy
     assert all(i.num_blocks_free == i.num_blocks_total for i in infos)
 
 
+def test_seeded_sampling_is_the_same_whatever_the_strategy(cluster: LocalCluster) -> None:
+    tgi = TGIClient(cluster.http_url, timeout=60)
+    runs = {}
+    for strategy in (Strategy.COLOCATED, Strategy.RECOMPUTE, Strategy.MUTATE):
+        set_strategy(cluster, strategy)
+        details = tgi.generate(PROMPTS[0], max_new_tokens=16, do_sample=True, seed=42, temperature=0.9,
+                               top_k=50).details
+        assert details is not None
+        runs[strategy] = tuple(t.id for t in details.tokens)
+    assert runs[Strategy.COLOCATED] == runs[Strategy.RECOMPUTE] == runs[Strategy.MUTATE]
+
+
 def test_32_concurrent_streams_of_mixed_lengths_complete(cluster: LocalCluster, model_dir: Path) -> None:
     set_strategy(cluster, Strategy.FULL)
 

@@ -1,0 +1,59 @@
+"""A request's runs: continuations keep the token allowance, the pages and seeded sampling."""
+
+from __future__ import annotations
+
+import asyncio
+
+from replica.engine.sampling import step_seed
+from router.client import Finished, Generation
+from router.queue import request_blocks
+from router.requests import RequestState, continuation_sampling
+from router.types import (
+    FinishEvent,
+    FinishReason,
+    GenerateRequest,
+    RequestId,
+    SamplingParams,
+    StoppingParams,
+    TokenInfo,
+)
+
+
+def state(max_new: int = 10, seed: int | None = 7, do_sample: bool = True) -> RequestState:
+    req = GenerateRequest((1, 2, 3), SamplingParams(do_sample=do_sample, seed=seed), StoppingParams(max_new))
+    return RequestState(RequestId(1), req, lambda: 0.0)
+
+
+def token(i: int) -> Generation:
+    return Generation(RequestId(1), (TokenInfo(i, f"<{i}>", 0.0),))
+
+
+def test_continuation_seed_reproduces_every_later_step_of_the_replica() -> None:
+    for seed in (0, 7, 2**64 - 1):
+        for done in (1, 5, 300):
+            shifted = continuation_sampling(SamplingParams(do_sample=True, seed=seed), done).seed
+            assert shifted is not None
+            for k in range(4):
+                assert step_seed(shifted, k) == step_seed(seed, done + k)
+    greedy = SamplingParams(seed=3)
+    assert continuation_sampling(greedy, 4) == greedy
+
+
+def test_continuation_keeps_allowance_and_pages_and_reports_the_client_seed() -> None:
+    async def body() -> None:
+        st = state()
+        pages = request_blocks(st.current(), 16)
+        for i in (11, 12, 13):
+            st.deliver(token(i))
+        st.new_run()
+        cont = st.current()
+        assert cont.input_ids == (1, 2, 3, 11, 12, 13)
+        assert cont.stopping.max_new_tokens == 7
+        assert request_blocks(cont, 16) == pages
+        st.deliver(Generation(RequestId(1), (TokenInfo(14, "<14>", 0.0),),
+                              finished=Finished("<14>", 1, FinishReason.LENGTH, seed=cont.sampling.seed)))
+        events = [st.events.get_nowait() for _ in range(st.events.qsize())]
+        fin = events[-1]
+        assert isinstance(fin, FinishEvent)
+        assert fin.text == "<11><12><13><14>" and fin.generated_tokens == 4 and fin.seed == 7
+    asyncio.run(body())
