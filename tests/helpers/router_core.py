@@ -67,10 +67,11 @@ def config(strategy: Strategy = Strategy.FULL, **overrides: Any) -> RouterConfig
 
 @contextlib.asynccontextmanager
 async def fake_cluster(roles: Sequence[Role], strategy: Strategy = Strategy.FULL, kv_bytes_per_token: int = 8,
-                       **overrides: Any) -> AsyncIterator[tuple[ClusterScheduler, list[FakeReplica]]]:
+                       num_blocks: int = 256, **overrides: Any
+                       ) -> AsyncIterator[tuple[ClusterScheduler, list[FakeReplica]]]:
     """Fake replicas (ranks 0..n-1) with the given roles behind a started scheduler."""
     fabric = FakeFabric()
-    fakes = [FakeReplica(rank, fabric) for rank in range(len(roles))]
+    fakes = [FakeReplica(rank, fabric, num_blocks=num_blocks) for rank in range(len(roles))]
     sched = ClusterScheduler(config(strategy, **overrides), kv_bytes_per_token=kv_bytes_per_token)
     try:
         for fake, role in zip(fakes, roles, strict=True):

@@ -67,3 +67,16 @@ def test_progressive_unimplemented_falls_back() -> None:
             await asyncio.sleep(0.05)
             assert [f.free for f in fakes] == [f.num_blocks for f in fakes]
     run(body())
+
+
+@pytest.mark.parametrize("strategy", list(Strategy))
+def test_scarce_pages_requests_wait_and_all_complete(strategy: Strategy) -> None:
+    async def body() -> None:
+        async with fake_cluster(PD, strategy, num_blocks=6) as (sched, fakes):
+            prompts = [[20 + i] * 9 for i in range(12)]  # 9 + 12 tokens = 2 pages each: 3 at a time
+            results = await asyncio.gather(*(collect(sched.submit(request(p, 12))) for p in prompts))
+            for p, events in zip(prompts, results, strict=True):
+                assert tokens_of(events) == expected_tokens(p, 12)
+            await asyncio.sleep(0.05)
+            assert [f.free for f in fakes] == [f.num_blocks for f in fakes]
+    run(body(), timeout=30)
