@@ -227,6 +227,8 @@ class ReplicaWorker:
         elapsed = self.hub.clock() - item.sent_at
         for m in members:
             m.state.route.migration_seconds += elapsed
+        sent = sum(4 * len(m.request.input_ids) for m in members)  # token ids, 4 bytes each
+        self.hub.metrics.migration(Strategy.RECOMPUTE.value, sent, elapsed)
         return Arrived(live, {}) if live is not None else None
 
     async def _drop_batches(self, batches: list[LiveBatch]) -> None:

@@ -118,6 +118,10 @@ def test_32_concurrent_streams_of_mixed_lengths_complete(cluster: LocalCluster, 
 
     results = asyncio.run(main())
     assert len(results) == 36
+    metrics = httpx.get(f"{cluster.http_url}/metrics", timeout=30).text
+    ttft = [ln for ln in metrics.splitlines() if ln.startswith("pdcluster_time_to_first_token_seconds_count")]
+    assert ttft and float(ttft[0].split()[-1]) >= 36
+    assert 'pdcluster_replica_state{address=' in metrics and "pdcluster_queue_depth" in metrics
     assert all(count >= 1 and reason in ("length", "stop") for count, reason in results)
     infos = wait_pages_free(addresses(cluster))
     assert all(i.num_blocks_free == i.num_blocks_total for i in infos)
