@@ -4,7 +4,8 @@ A byte-level BPE token can end in the middle of a UTF-8 character, and many toke
 token prints depending on its left neighbour (leading-space markers). So a token's text is the
 difference between decoding a short window that ends with it and the same window without it; while
 the window decodes to a replacement character the text is held back and released with a later
-token. Without a tokenizer every text is empty and stop sequences cannot be honoured.
+token (or released as it is once more tokens are held than one UTF-8 character can span). Without
+a tokenizer every text is empty and stop sequences cannot be honoured.
 """
 
 from __future__ import annotations
@@ -18,6 +19,10 @@ from tokenizers import Tokenizer
 # How many already-emitted tokens the decode window keeps on the left for context.
 _CONTEXT_TOKENS = 5
 _REPLACEMENT = "\ufffd"
+# A UTF-8 character spans at most 4 bytes (every token holds at least one): text still incomplete after
+# more tokens than this is invalid for good, so it is released as it is. This keeps the decode window
+# (and the cost of a step) bounded when a model emits long runs of stray byte tokens.
+_MAX_HELD_TOKENS = 6
 
 
 @dataclass
@@ -76,11 +81,12 @@ class Detokenizer:
             return ""
         prefix = self.decode(tokens[state.prefix_offset : state.read_offset])
         full = self.decode(tokens[state.prefix_offset :])
-        if len(full) > len(prefix) and not full.endswith(_REPLACEMENT):
-            state.prefix_offset = state.read_offset
-            state.read_offset = len(tokens)
-            return full[len(prefix) :]
-        return ""
+        complete = len(full) > len(prefix) and not full.endswith(_REPLACEMENT)
+        if not complete and len(tokens) - state.read_offset <= _MAX_HELD_TOKENS:
+            return ""
+        state.prefix_offset = state.read_offset
+        state.read_offset = len(tokens)
+        return full[len(prefix) :]
 
     def texts_of(self, ids: Sequence[int]) -> list[str]:
         """Each token's own text (for prompt tokens, where no streaming context is needed)."""

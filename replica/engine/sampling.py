@@ -15,7 +15,7 @@ far), so a request samples the same tokens whatever batch it shares and whicheve
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -91,8 +91,9 @@ def step_seed(seed: int, step: int) -> int:
     return z ^ (z >> 31)
 
 
-@dataclass(frozen=True)
-class RowInput:
+# RowInput and Choice are built for every request at every step: NamedTuples are immutable like
+# frozen dataclasses but several times cheaper to construct.
+class RowInput(NamedTuple):
     """What choosing one request's next token needs besides its logits."""
 
     params: SamplingParams
@@ -106,8 +107,7 @@ class RowInput:
         return len(self.tokens) - self.prompt_len
 
 
-@dataclass(frozen=True)
-class Choice:
+class Choice(NamedTuple):
     """The chosen token of one request, its log-probability and the top alternatives."""
 
     token_id: int

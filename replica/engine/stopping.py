@@ -15,24 +15,27 @@ class StopChecker:
     params: StoppingParams
     eos_token_ids: Collection[int]
     generated: int = 0
-    output: str = field(default="")
+    output: str = field(default="")  # the tail of the generated text that stop sequences can still reach
 
     def step(self, token_id: int, text: str) -> FinishReason | None:
         """Account one generated token; the reason to stop now, or None."""
         self.generated += 1
-        self.output += text
         if not self.params.ignore_eos and token_id in self.eos_token_ids:
             return FinishReason.EOS_TOKEN
-        if text and self._hit_stop_sequence(len(text)):
+        if text and self.params.stop_sequences and self._hit_stop_sequence(text):
             return FinishReason.STOP_SEQUENCE
         if self.generated >= self.params.max_new_tokens:
             return FinishReason.LENGTH
         return None
 
-    def _hit_stop_sequence(self, new_chars: int) -> bool:
-        # Only a window touching the new text can hold a match that was not there before.
+    def _hit_stop_sequence(self, text: str) -> bool:
+        # Only a window touching the new text can hold a match that was not there before, so the
+        # output is kept only as far back as the longest stop sequence can reach.
+        self.output += text
+        hit = False
         for stop in self.params.stop_sequences:
-            start = max(len(self.output) - new_chars - len(stop) + 1, 0)
-            if stop in self.output[start:]:
-                return True
-        return False
+            start = max(len(self.output) - len(text) - len(stop) + 1, 0)
+            hit = hit or stop in self.output[start:]
+        longest = max(len(stop) for stop in self.params.stop_sequences)
+        self.output = self.output[len(self.output) - longest + 1 :] if longest > 1 else ""
+        return hit

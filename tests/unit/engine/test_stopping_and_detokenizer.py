@@ -65,3 +65,16 @@ def test_stop_sequence_spanning_tokens_and_inside_one() -> None:
 
 def test_eos_wins_over_length() -> None:
     assert _checker(max_new_tokens=1).step(2, "") is FinishReason.EOS_TOKEN
+
+
+def test_stray_bytes_are_released_and_the_window_stays_bounded(detok: Detokenizer) -> None:
+    # "🍰" is 4 UTF-8 bytes; its first byte alone, repeated, never completes a character.
+    lead = detok.encode("🍰")[0]
+    assert detok.decode([lead]).endswith("\ufffd")
+    tokens = [*detok.encode("hello "), *[lead] * 40]
+    state = DetokState.after_prompt(len(tokens) - 40)
+    texts: list[str] = []
+    for end in range(len(tokens) - 40 + 1, len(tokens) + 1):
+        texts.append(detok.next_text(tokens[:end], state))
+        assert end - state.prefix_offset <= 20  # the decode window never grows with the run
+    assert any(texts) and "".join(texts).count("\ufffd") >= 30
