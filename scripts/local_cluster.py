@@ -19,6 +19,7 @@ import dataclasses
 import os
 import queue
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -149,9 +150,10 @@ class LocalCluster:
             raise RuntimeError("this replica has no --inactive flag yet (it comes with issue 4)")
         # Replicas on one machine would each take every core and thrash: share them out instead.
         threads = c.torch_threads or max(1, (os.cpu_count() or 1) // len(self.roles()))
+        fabric = self._fabric_args()
         for rank, role in enumerate(self.roles()):
             args = ["replica", "--model", str(c.model), "--host", c.host, "--port", "0", "--rank", str(rank),
-                    "--num-blocks", str(c.num_blocks), "--torch-threads", str(threads)]
+                    "--num-blocks", str(c.num_blocks), "--torch-threads", str(threads), *fabric]
             if role == "inactive":
                 args.append("--inactive")
             self.replicas.append(self._spawn(f"replica-{rank}-{role}", role, args))
@@ -167,6 +169,17 @@ class LocalCluster:
         line = self.router.wait_line(ROUTER_READY, time.monotonic() + c.ready_timeout)
         fields = dict(part.split("=", 1) for part in line[len(ROUTER_READY):].split() if "=" in part)
         self.http_url, self.admin_address = fields["http"], fields["admin"]
+
+    def _fabric_args(self) -> list[str]:
+        """`--cluster RANKS --fabric tcp` once the replica has them (issue 4): a local rank table."""
+        if not _replica_has_flag("cluster"):
+            return []
+        from transfer.ranktable import RankTable
+
+        table = RankTable.local(_free_ports(len(self.roles()), self.config.host), self.config.host)
+        path = self.log_dir / "ranks.json"
+        path.write_text(table.to_json())
+        return ["--cluster", str(path), *(["--fabric", "tcp"] if _replica_has_flag("fabric") else [])]
 
     def ready_line(self) -> str:
         """The one line `pdcluster up` prints once everything serves."""
@@ -191,6 +204,18 @@ class LocalCluster:
         """Started processes that have exited."""
         procs = [*self.replicas, *([self.router] if self.router else [])]
         return [p for p in procs if p.popen.poll() is not None]
+
+
+def _free_ports(n: int, host: str) -> list[int]:
+    """`n` distinct ports free right now (the replicas bind them moments later)."""
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for sock in socks:
+            sock.bind((host, 0))
+        return [sock.getsockname()[1] for sock in socks]
+    finally:
+        for sock in socks:
+            sock.close()
 
 
 def _replica_has_flag(name: str) -> bool:
