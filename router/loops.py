@@ -23,7 +23,7 @@ import logging
 from typing import TYPE_CHECKING
 
 from router.batches import Arrived, LiveBatch, Member, Reprefill, member_blocks, spec_for
-from router.client import PrefillCase, ReplicaCallError
+from router.client import PrefillCase, ReplicaCallError, ReplicaUnavailable
 from router.config import Strategy
 from router.queue import BatchId
 from router.replicas import Role
@@ -181,7 +181,8 @@ class ReplicaWorker:
         try:
             result = await self.h.client.decode([b.cached for b in batches], last_tokens)
         except ReplicaCallError as exc:
-            await self._drop_batches(batches)
+            if not isinstance(exc, ReplicaUnavailable):  # a dead replica holds nothing to free
+                await self._drop_batches(batches)
             self.hub.on_error(self.h, exc, members.values())
             return True
         self.hub.deliver(result, members)
