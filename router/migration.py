@@ -130,7 +130,12 @@ class Migrations:
     async def full(self, src: ReplicaHandle, live: LiveBatch) -> None:
         """Migrate ‖ Immigrate to the chosen decode replica."""
         need = sum(live.pages().values())
-        dst = await self.reserve(src, need, live)
+        try:
+            dst = await self.reserve(src, need, live)
+        except Abandoned:
+            if src.state.alive:  # every client went away while it waited: free it on P
+                await prune(self.hub, src, live)
+            return
         if dst is None:
             self._local(src, live)
             return
@@ -152,22 +157,25 @@ class Migrations:
             return
         src.state.release(pruned.members)
         self._arrive(dst, LiveBatch.of(got, list(pruned.members.values()), pruned.block_size),
-                     Strategy.FULL, self.hub.kv_bytes(pruned), self.hub.clock() - t0)
+                     Strategy.FULL, self.hub.clock() - t0)
 
-    def _arrive(self, dst: ReplicaHandle, live: LiveBatch, strategy: Strategy, nbytes: int,
-                seconds: float) -> None:
-        """A batch's KV is on `dst`: account its pages, record the route, hand it to the loop."""
-        dst.state.hold(live.pages())
+    def _arrive(self, dst: ReplicaHandle, live: LiveBatch, strategy: Strategy, seconds: float) -> None:
+        """A batch's KV is on `dst`: account its pages, record the routes, hand it to the loop.
+
+        Each route gets its own request's KV bytes and the batch's transfer time.
+        """
+        pages = live.pages()
+        dst.state.hold(pages)
         lasts = {}
         for rid, m in live.members.items():
             m.state.replica = dst.id
             m.state.route.decode_replica = dst.id
             m.state.route.strategy = strategy.value
-            m.state.route.migration_bytes += nbytes
+            m.state.route.migration_bytes += pages[rid] * live.block_size * self.hub.kv_bytes_per_token
             m.state.route.migration_seconds += seconds
             if m.state.generated:
                 lasts[rid] = m.state.generated[-1]
-        self.hub.metrics.migration(strategy.value, nbytes, seconds)
+        self.hub.metrics.migration(strategy.value, self.hub.kv_bytes(live), seconds)
         dst.inbox.append(Arrived(live, lasts))
         self.hub.notify()
 
@@ -275,7 +283,7 @@ class Migrations:
                 await src.client.clear_cache(live.id)
         src.state.release([m.id for m in members])
         arrived = LiveBatch.of(got, members, src.block_size)
-        self._arrive(dst, arrived, Strategy.PROGRESSIVE, self.hub.kv_bytes(arrived), self.hub.clock() - t0)
+        self._arrive(dst, arrived, Strategy.PROGRESSIVE, self.hub.clock() - t0)
 
     async def _receiver_failed(self, src: ReplicaHandle, dst: ReplicaHandle, batch_id: BatchId,
                                live: LiveBatch | None, exc: ReplicaCallError) -> None:

@@ -260,3 +260,20 @@ def test_prefill_replica_dying_an_empty_decode_replica_takes_its_role() -> None:
             route = finish_of(events).route
             assert route.prefill_replica in (1, 2) and route.decode_replica in (1, 2)
     run(body())
+
+
+def test_batch_waiting_for_a_destination_is_freed_when_its_clients_leave() -> None:
+    async def body() -> None:
+        async with fake_cluster(PD, Strategy.FULL) as (sched, fakes):
+            sched.replicas[ReplicaId(1)].state.promised = 10_000  # no room on the decode replica
+            stream = sched.submit(request([9, 8, 7], 20))
+            async for event in stream:
+                if isinstance(event, TokenEvent):
+                    break
+            assert fakes[0].free < fakes[0].num_blocks
+            await stream.aclose()
+            await settle(fakes)
+            assert fakes[0].free == fakes[0].num_blocks and "ClearCache" in fakes[0].calls
+            assert "Migrate" not in fakes[0].calls
+            assert not sched.replicas[ReplicaId(0)].state.held
+    run(body())
