@@ -76,6 +76,9 @@ class FakeReplica(pb_grpc.TextGenerationServiceServicer):
         self.loaded = loaded
         self.migrate = migrate
         self.step_delay = 0.0
+        self.immigrate_delay = 0.0
+        self.immigrating = 0
+        self.max_immigrating = 0
         self.server: grpc.aio.Server | None = None
         self.address = ""
 
@@ -240,7 +243,13 @@ class FakeReplica(pb_grpc.TextGenerationServiceServicer):
                         ) -> pb.ImmigrateResponse:
         await self._enter("Immigrate", context)
         key = (request.src[0], self.rank, request.batch.id)
-        got = await asyncio.wait_for(self.fabric.slot(*key), 10)
+        self.immigrating += 1
+        self.max_immigrating = max(self.max_immigrating, self.immigrating)
+        try:
+            got = await asyncio.wait_for(self.fabric.slot(*key), 10)
+            await asyncio.sleep(self.immigrate_delay)
+        finally:
+            self.immigrating -= 1
         del self.fabric.sent[key]
         need = sum(r.pages for r in got)
         if need > self.free:

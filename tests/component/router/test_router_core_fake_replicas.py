@@ -80,3 +80,19 @@ def test_scarce_pages_requests_wait_and_all_complete(strategy: Strategy) -> None
             await asyncio.sleep(0.05)
             assert [f.free for f in fakes] == [f.num_blocks for f in fakes]
     run(body(), timeout=30)
+
+
+@pytest.mark.parametrize("bound", [1, 2])
+def test_inbound_migrations_per_decode_replica_are_bounded(bound: int) -> None:
+    async def body() -> None:
+        roles = (Role.PREFILL, Role.PREFILL, Role.PREFILL, Role.DECODE)
+        async with fake_cluster(roles, Strategy.FULL, max_inbound_migrations=bound,
+                                max_batch_size=1) as (sched, fakes):
+            fakes[3].immigrate_delay = 0.05
+            prompts = [[30 + i] * 3 for i in range(9)]
+            results = await asyncio.gather(*(collect(sched.submit(request(p, 4))) for p in prompts))
+            for p, events in zip(prompts, results, strict=True):
+                assert tokens_of(events) == expected_tokens(p, 4)
+            assert fakes[3].calls.count("Immigrate") == 9
+            assert fakes[3].max_immigrating == bound
+    run(body(), timeout=30)
