@@ -67,6 +67,31 @@ class ReplicaConfig:
     torch_threads: int = field(
         default=0, metadata={"help": "intra-op threads of torch on the CPU; 0 = torch's default"}
     )
+    # --- moving state between replicas (issue 4) ---
+    fabric: str = field(
+        default="tcp",
+        metadata={"help": "transfer fabric for KV and weights", "choices": ["tcp", "nccl", "rdma"]},
+    )
+    cluster: Path | None = field(
+        default=None,
+        metadata={"help": "rank table file (rank -> host, node, device, transfer address); unset = no peers"},
+    )
+    inactive: bool = field(
+        default=False,
+        metadata={"help": "start with the weight buffer allocated but nothing loaded (a scale-up target)"},
+    )
+    model_root: Path | None = field(
+        default=None,
+        metadata={"help": "LoadParams from disk may read only under this folder; unset = the --model's parent"},
+    )
+    allow_set_status_ready: bool = field(
+        default=False,
+        metadata={"help": "let SetStatusReady mark the weights loaded without moving them (tests, mocks)"},
+    )
+    transfer_timeout: float = field(
+        default=60.0,
+        metadata={"help": "seconds a transfer may wait on a peer before failing (every wait has a deadline)"},
+    )
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -85,6 +110,8 @@ class ReplicaConfig:
             raise ValueError(f"--max-batch-prefill-tokens must be > 0, not {self.max_batch_prefill_tokens}")
         if self.torch_threads < 0:
             raise ValueError(f"--torch-threads must be >= 0, got {self.torch_threads}")
+        if self.transfer_timeout <= 0:
+            raise ValueError(f"--transfer-timeout must be positive, got {self.transfer_timeout}")
         if self.grpc_workers <= 0:
             raise ValueError(f"--grpc-workers must be positive, got {self.grpc_workers}")
 
