@@ -30,10 +30,26 @@ from typing import Any
 
 # subcommand -> (help, "module:ConfigClass", "module:runner"); a name with a space is "group sub".
 COMMANDS: dict[str, tuple[str, str, str]] = {
-    "replica": ("run one replica server process", "replica.config:ReplicaConfig", "replica.server.main:serve"),
-    "router": ("run the router (HTTP front end + admin gRPC)", "router.config:RouterConfig", "router.main:serve"),
-    "up": ("start a whole cluster on this machine", "scripts.local_cluster:UpConfig", "scripts.local_cluster:run"),
-    "demo": ("set up a tiny model and cluster, serve a few requests", "scripts.demo:DemoConfig", "scripts.demo:run"),
+    "replica": (
+        "run one replica server process",
+        "replica.config:ReplicaConfig",
+        "replica.server.main:serve",
+    ),
+    "router": (
+        "run the router (HTTP front end + admin gRPC)",
+        "router.config:RouterConfig",
+        "router.main:serve",
+    ),
+    "up": (
+        "start a whole cluster on this machine",
+        "scripts.local_cluster:UpConfig",
+        "scripts.local_cluster:run",
+    ),
+    "demo": (
+        "set up a tiny model and cluster, serve a few requests",
+        "scripts.demo:DemoConfig",
+        "scripts.demo:run",
+    ),
     "make-tiny-model": (
         "write a random-weight Hugging Face checkpoint with a locally trained tokenizer",
         "scripts.tiny_model:TinyModelConfig",
