@@ -13,6 +13,7 @@ Workers and migration tasks sleep on `wait_change` and are woken by `notify`.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import logging
 from collections.abc import Callable, Iterable
@@ -112,6 +113,10 @@ class ClusterScheduler:
 
     def submit(self, request: GenerateRequest) -> RequestStream:
         """Validate against the replicas' limits, queue, and return the request's event stream."""
+        if request.truncate is not None:
+            # Truncate here, as the replica would: pages, limits and re-runs then see the real prompt.
+            kept = request.input_ids[-request.truncate:]
+            request = dataclasses.replace(request, input_ids=kept, truncate=None)
         self._check_limits(request)
         state = RequestState(RequestId(next(self._request_ids)), request, self.clock)
         self.requests[state.id] = state

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 
 import pytest
 
@@ -96,3 +97,14 @@ def test_inbound_migrations_per_decode_replica_are_bounded(bound: int) -> None:
             assert fakes[3].calls.count("Immigrate") == 9
             assert fakes[3].max_immigrating == bound
     run(body(), timeout=30)
+
+
+def test_truncate_keeps_the_last_prompt_tokens() -> None:
+    async def body() -> None:
+        async with fake_cluster(PD, Strategy.RECOMPUTE) as (sched, _):
+            long = [40 + i for i in range(600)]  # over the fake's 512 input limit before truncation
+            req = dataclasses.replace(request(long, 5), truncate=8)
+            events = await collect(sched.submit(req))
+            assert tokens_of(events) == expected_tokens(long[-8:], 5)
+            assert finish_of(events).prompt_tokens == 8
+    run(body())
