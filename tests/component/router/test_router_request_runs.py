@@ -1,4 +1,5 @@
-"""A request's runs: continuations keep the token allowance, the pages and seeded sampling."""
+"""A request's runs: continuations keep the token allowance, the pages and seeded sampling
+(component tier: it checks the seed shift against the replica's own sampling module, which loads torch)."""
 
 from __future__ import annotations
 
