@@ -21,6 +21,7 @@ from grpc_reflection.v1alpha import reflection
 
 from protos import generate_pb2 as pb
 from protos import generate_pb2_grpc as pb_grpc
+from replica.cluster import ReplicaCluster, build_cluster
 from replica.config import ReplicaConfig
 from replica.engine.factory import build_engine
 from replica.engine.worker import EngineWorker
@@ -79,6 +80,7 @@ class _Services:
     worker: EngineWorker
     servicer: ReplicaServicer
     health: health.HealthServicer
+    cluster: ReplicaCluster | None = None  # the fabric, once the model is loaded
 
     def set_health(self, status: int) -> None:
         for name in ("", SERVICE_NAME):
@@ -87,6 +89,8 @@ class _Services:
     def stop(self) -> None:
         self.health.enter_graceful_shutdown()
         self.server.stop(grace=5.0).wait(10.0)
+        if self.cluster is not None:
+            self.cluster.close()
         self.worker.stop()
 
 
@@ -106,6 +110,26 @@ def _start_services(config: ReplicaConfig) -> _Services:
     return services
 
 
+def load_and_connect(config: ReplicaConfig, services: _Services) -> None:
+    """Load the model on the engine thread, create the fabric (buffers registered), start serving."""
+    engine = services.worker.call(lambda: build_engine(config))
+    services.cluster = build_cluster(config, services.port, engine)
+    services.servicer.cluster = services.cluster
+    services.servicer.engine = engine
+    services.set_health(health_pb2.HealthCheckResponse.SERVING)
+
+
+def launch(config: ReplicaConfig) -> _Services:
+    """A serving replica in this process (what `serve` runs; in-process multi-replica tests use it)."""
+    services = _start_services(config)
+    try:
+        load_and_connect(config, services)
+    except BaseException:
+        services.stop()
+        raise
+    return services
+
+
 def serve(config: ReplicaConfig) -> int:
     """Run one replica until SIGTERM/SIGINT; returns the exit code."""
     logging.basicConfig(
@@ -119,12 +143,11 @@ def serve(config: ReplicaConfig) -> int:
     _install_signal_handlers(stop)
     services = _start_services(config)
     try:
-        services.servicer.engine = services.worker.call(lambda: build_engine(config))
+        load_and_connect(config, services)
     except Exception:
-        log.exception("cannot load the model from %s", config.model)
+        log.exception("cannot load the model from %s or start the fabric", config.model)
         services.stop()
         return 1
-    services.set_health(health_pb2.HealthCheckResponse.SERVING)
     print(f"{READY_PREFIX} {config.host}:{services.port}", flush=True)
     registration = _register(config, services.port)
     stop.wait()

@@ -7,7 +7,6 @@ it ran is undone (its batch dropped) on the engine thread, so nothing leaks.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -15,6 +14,7 @@ import grpc
 
 from protos import generate_pb2 as pb
 from protos import generate_pb2_grpc as pb_grpc
+from replica.cluster import ReplicaCluster
 from replica.config import ReplicaConfig
 from replica.engine.engine import Engine
 from replica.engine.types import BatchId, HealthState, RequestId, StepResult
@@ -38,6 +38,7 @@ class ReplicaServicer(pb_grpc.TextGenerationServiceServicer):
         self.worker = worker
         self.engine: Engine | None = None  # set once the model is loaded
         self.address = f"{config.host}:{config.port}"
+        self.cluster: ReplicaCluster | None = None  # the rank table and fabric, set with the engine
 
     # ------------------------------------------------------------------------------- helpers
     def _run(
@@ -74,8 +75,10 @@ class ReplicaServicer(pb_grpc.TextGenerationServiceServicer):
     def ServiceDiscovery(
         self, request: pb.ServiceDiscoveryRequest, context: grpc.ServicerContext
     ) -> pb.ServiceDiscoveryResponse:
-        table = {"ranks": [{"rank": self.config.rank, "url": self.address, "tp_rank": 0, "tp_size": 1}]}
-        return pb.ServiceDiscoveryResponse(urls=[self.address], ranks_view_in_json=json.dumps(table))
+        cluster = self.cluster
+        if cluster is None:
+            raise FailedPrecondition("the model is still loading (the fabric starts after it)")
+        return pb.ServiceDiscoveryResponse(urls=cluster.urls(), ranks_view_in_json=cluster.ranks_view_json())
 
     # ------------------------------------------------------------------------- batch life
     def Warmup(self, request: pb.WarmupRequest, context: grpc.ServicerContext) -> pb.WarmupResponse:

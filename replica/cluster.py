@@ -1,0 +1,163 @@
+"""Replica ↔ transfer wiring: the rank table, this rank's fabric and the buffers it registers.
+
+```
+ --cluster RANKS_FILE ─► RankTable ─┐                         ┌─ "kv"      = PagedKVCache.tensor (bytes)
+ (or a one-rank table of this       ├─► create_fabric(kind) ─►│  "weights" = the flat weight buffer
+  process when unset)  --rank R ────┘                         └─ layout descriptor on the KV stream
+```
+
+`ReplicaCluster` is created by `serve()` at start (after the model is loaded) and closed at stop.
+The KV stream's handshake carries `KvLayout.descriptor()`: two replicas whose block size, KV heads,
+head dim, dtype, layer count or TP degree differ cannot even connect on it, so no KV byte moves
+between incompatible caches (the fabric reports `LayoutMismatch` → FAILED_PRECONDITION on both sides).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import socket
+import threading
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from transfer.core import Rank, Stream
+from transfer.fabric import Fabric, create_fabric
+from transfer.ranktable import RankEntry, RankTable, load_rank_table
+
+log = logging.getLogger(__name__)
+
+KV_BUFFER = "kv"
+"""Name of the KV cache tensor in the fabric's buffer registry."""
+
+WEIGHT_BUFFER = "weights"
+"""Name of the flat weight buffer in the fabric's buffer registry."""
+
+
+@dataclass(frozen=True)
+class KvLayout:
+    """What must match between two KV caches for pages to move byte for byte."""
+
+    block_size: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: str
+    num_layers: int
+    tp_size: int = 1
+
+    def descriptor(self) -> str:
+        """The string compared at the KV stream's handshake (stable key order)."""
+        return "kv:" + json.dumps(asdict(self), sort_keys=True, separators=(",", ":"))
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port free right now on `host` (for a one-rank table's transfer address)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return int(sock.getsockname()[1])
+
+
+def local_table(rank: int, host: str, grpc_port: int) -> RankTable:
+    """The one-rank table of a replica started without `--cluster` (no peers; ServiceDiscovery works)."""
+    entry = RankEntry(rank=Rank(rank), host=host, node="n0", device="cpu",
+                      transfer_address=f"{host}:{free_port(host)}", grpc_port=grpc_port)
+    return RankTable((entry,))
+
+
+def load_table(cluster: Path | None, rank: int, host: str, grpc_port: int) -> RankTable:
+    """The rank table from `--cluster`, or this process alone; `rank` must be in it."""
+    table = load_rank_table(cluster) if cluster is not None else local_table(rank, host, grpc_port)
+    if rank not in table:
+        raise ValueError(f"--rank {rank} is not in the rank table {cluster}")
+    return table
+
+
+class ReplicaCluster:
+    """This replica's view of the cluster: the table, its fabric and its registered buffers."""
+
+    def __init__(self, table: RankTable, rank: int, fabric: Fabric, grpc_address: str) -> None:
+        self.table = table
+        self.rank = rank
+        self.fabric = fabric
+        self.grpc_address = grpc_address
+        self._lock = threading.Lock()
+        self._kv_tensor: object | None = None
+
+    @classmethod
+    def start(
+        cls, kind: str, table: RankTable, rank: int, grpc_address: str, **fabric_options: Any
+    ) -> ReplicaCluster:
+        """Create the fabric of `rank` (it starts listening at once)."""
+        fabric = create_fabric(kind, table, rank, **fabric_options)
+        log.info("fabric %s of rank %d on %s", kind, rank, table[rank].transfer_address)
+        return cls(table, rank, fabric, grpc_address)
+
+    # buffers ------------------------------------------------------------------------------
+    def register_kv(self, tensor: object, layout: KvLayout) -> None:
+        """Register the KV cache tensor and announce its layout on the KV stream."""
+        with self._lock:
+            self.fabric.register(KV_BUFFER, tensor)
+            self._kv_tensor = tensor
+        self.fabric.set_layout(Stream.KV, layout.descriptor())
+
+    def ensure_kv(self, tensor: object) -> None:
+        """Re-register the KV tensor if the cache was replaced (Warmup resizes it); cheap otherwise."""
+        with self._lock:
+            if tensor is not self._kv_tensor:
+                self.fabric.register(KV_BUFFER, tensor)
+                self._kv_tensor = tensor
+
+    def register_weights(self, buffer: object) -> int:
+        """Register the flat weight buffer (parameters are views into it); returns its size in bytes."""
+        return self.fabric.register(WEIGHT_BUFFER, buffer)
+
+    # discovery ----------------------------------------------------------------------------
+    def urls(self) -> list[str]:
+        """gRPC URLs of this replica's TP group (TP degree 1: this process)."""
+        return [self.grpc_address]
+
+    def ranks_view_json(self) -> str:
+        """The rank table as JSON, in the transfer layer's file format (what `--cluster` reads)."""
+        return self.table.to_json()
+
+    def close(self) -> None:
+        """Close the fabric (fails pending transfers, joins its threads)."""
+        self.fabric.close()
+
+
+def weight_buffer_of(model: Any) -> Any:
+    """The flat uint8 weight buffer the model's parameters are views into (its whole storage)."""
+    import torch  # the replica has torch loaded already; kept out of this module's import for --help paths
+
+    param: torch.Tensor = model.embed_tokens
+    storage = param.untyped_storage()
+    flat = torch.empty(0, dtype=torch.uint8, device=param.device)
+    return flat.set_(storage, 0, (storage.nbytes(),), (1,))
+
+
+def kv_layout_of(cache: Any, tp_size: int = 1) -> KvLayout:
+    """The `KvLayout` of a `PagedKVCache`."""
+    return KvLayout(
+        block_size=cache.block_size,
+        num_kv_heads=cache.num_kv_heads,
+        head_dim=cache.head_dim,
+        dtype=str(cache.dtype).removeprefix("torch."),
+        num_layers=cache.num_layers,
+        tp_size=tp_size,
+    )
+
+
+def build_cluster(config: Any, grpc_port: int, engine: Any, **fabric_options: Any) -> ReplicaCluster:
+    """What `serve()` does at start: table, fabric of `--fabric`, KV cache and weights registered."""
+    table = load_table(config.cluster, config.rank, config.host, grpc_port)
+    cluster = ReplicaCluster.start(config.fabric, table, config.rank, f"{config.host}:{grpc_port}",
+                                   **fabric_options)
+    try:
+        cache = engine.runner.cache
+        cluster.register_kv(cache.tensor, kv_layout_of(cache))
+        cluster.register_weights(weight_buffer_of(engine.runner.model))
+    except BaseException:
+        cluster.close()
+        raise
+    return cluster
