@@ -25,7 +25,7 @@ from transfer.regions import RegionMap
 class TransferOptions:
     """Chunking and pipelining knobs (both sides of a transfer must use the same `chunk_bytes`)."""
 
-    chunk_bytes: int = 1 << 20
+    chunk_bytes: int = 4 << 20
     window: int = 16
     stripe_bytes: int = 64 << 20  # Tanz stripe
     confirm: bool = True  # end with a completion confirmation through the leader

@@ -1,8 +1,11 @@
 """Emulated link bandwidth: a pacing token bucket shared by every connection using one link.
 
 A message of n bytes may leave only when the link would have finished serialising it: the sender
-sleeps until `max(now, link_free) + n / rate`, then writes it at loopback speed. So a chunk reaches
-the next rank when it would have over a real link of that rate, and chains pipeline as on a cluster.
+sleeps until `max(link_free, now - MAX_LAG) + n / rate`, then writes it at loopback speed. So a
+chunk reaches the next rank when it would have over a real link of that rate, and chains pipeline
+as on a cluster. The lag allowance absorbs the time the loopback write itself takes (otherwise every
+message would add it and the emulated link would run slow), while an idle link still cannot bank
+more than MAX_LAG of credit.
 """
 
 from __future__ import annotations
@@ -12,6 +15,8 @@ import time
 
 from transfer.core import Deadline
 from transfer.errors import PeerTimeout
+
+MAX_LAG_S = 0.02
 
 
 class LinkPacer:
@@ -28,7 +33,7 @@ class LinkPacer:
         """Block until `nbytes` have crossed the link; `PeerTimeout` if that is past the deadline."""
         with self._lock:
             now = time.monotonic()
-            done_at = max(now, self._free_at) + nbytes / self.bytes_per_s
+            done_at = max(now - MAX_LAG_S, self._free_at) + nbytes / self.bytes_per_s
             if done_at > deadline.at:
                 raise PeerTimeout(f"emulated link busy past the deadline ({nbytes} bytes)")
             self._free_at = done_at
