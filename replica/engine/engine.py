@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from replica.engine.batch import Batch, BatchStore, RequestState, merge
 from replica.engine.detokenizer import Detokenizer, DetokState
 from replica.engine.generation import appended_generation, prefill_tokens, step_generation
-from replica.engine.runner import ModelRunner, SeqInput
+from replica.engine.runner import ForwardOutput, ModelRunner, SeqInput
 from replica.engine.sampling import RowInput, choose_next
 from replica.engine.stopping import StopChecker
 from replica.engine.types import (
@@ -36,6 +36,7 @@ from replica.engine.types import (
 from replica.engine.validation import Limits, admit_batch, check_appended
 from replica.errors import FailedPrecondition, InvalidArgument
 from replica.kv.block_manager import BlockManager, PageId
+from replica.params.readiness import ParamReadiness
 
 
 @dataclass(frozen=True)
@@ -56,8 +57,17 @@ class _StepTimes:
 class Engine:
     """The replica's model state machine (see module docstring)."""
 
-    def __init__(self, runner: ModelRunner, detok: Detokenizer, limits: Limits, meta: EngineMeta) -> None:
+    def __init__(
+        self,
+        runner: ModelRunner,
+        detok: Detokenizer,
+        limits: Limits,
+        meta: EngineMeta,
+        readiness: ParamReadiness | None = None,
+    ) -> None:
         self.runner = runner
+        # which weight regions are in place; a full forward needs all of them (issue 4: live scaling)
+        self.readiness = readiness or ParamReadiness(runner.num_layers, loaded=True)
         self.detok = detok
         self.limits = limits
         self.meta = meta
@@ -107,6 +117,7 @@ class Engine:
     def prefill(self, spec: BatchSpec) -> StepResult:
         """Full forward of a new batch, first tokens sampled, batch cached (unless all finished)."""
         start = time.perf_counter_ns()
+        self.readiness.require_complete("a NORMAL prefill")
         batch = self.admit(spec)
         try:
             generations, times = self._step(batch.requests, with_prompt_logprobs=True)
@@ -123,6 +134,7 @@ class Engine:
         start = time.perf_counter_ns()
         if not inputs:
             raise InvalidArgument("decode needs at least one batch")
+        self.readiness.require_complete("decode")
         batches = self.store.get_many([i.batch_id for i in inputs])
         for batch, inp in zip(batches, inputs, strict=True):
             if inp.last_iter_tokens:
@@ -160,12 +172,21 @@ class Engine:
     ) -> tuple[list[Generation], _StepTimes]:
         """Forward the uncached tokens of `requests`, choose one token each, account it."""
         start = time.perf_counter_ns()
-        seqs = [
+        out = self.runner.forward(self.seq_inputs(requests, with_prompt_logprobs))
+        forward_ns = time.perf_counter_ns() - start
+        generations = self._choose(requests, out)
+        return generations, _StepTimes(forward_ns, time.perf_counter_ns() - start - forward_ns)
+
+    @staticmethod
+    def seq_inputs(requests: Sequence[RequestState], with_prompt_logprobs: bool) -> list[SeqInput]:
+        """What a forward feeds for `requests`: their uncached tokens, pages and cached counts."""
+        return [
             SeqInput(r.pending, r.pages, r.num_cached, with_prompt_logprobs and r.spec.prefill_logprobs)
             for r in requests
         ]
-        out = self.runner.forward(seqs)
-        forward_ns = time.perf_counter_ns() - start
+
+    def _choose(self, requests: Sequence[RequestState], out: ForwardOutput) -> list[Generation]:
+        """Choose one token per request from a forward's logits and account it."""
         rows = [RowInput(r.spec.sampling, r.tokens, r.prompt_len, r.spec.top_n_tokens) for r in requests]
         choices = choose_next(out.last_logits, rows)
         generations = []
@@ -174,7 +195,23 @@ class Engine:
             prefill = prefill_tokens(prompt, out.all_logits[i], self.detok) if i in out.all_logits else None
             request.num_cached = len(request.tokens)
             generations.append(step_generation(request, choice, self.detok, prefill))
-        return generations, _StepTimes(forward_ns, time.perf_counter_ns() - start - forward_ns)
+        return generations
+
+    def finish_prefill(self, batch: Batch, out: ForwardOutput, start_ns: int, forward_ns: int) -> StepResult:
+        """First tokens of an admitted batch whose forward ran in parts elsewhere (layer-level prefill).
+
+        Like the end of `prefill`: choose, cache the batch (or drop it if every request finished);
+        on failure its pages are freed before the error leaves.
+        """
+        sample_start = time.perf_counter_ns()
+        try:
+            generations = self._choose(batch.requests, out)
+        except BaseException:
+            self.blocks.free(batch.pages())
+            raise
+        info = self._keep_or_drop(batch, cached=False)
+        end = time.perf_counter_ns()
+        return StepResult(tuple(generations), info, forward_ns, end - sample_start, end - start_ns)
 
     def _keep_or_drop(self, batch: Batch, cached: bool) -> CachedBatchInfo | None:
         """Cache a batch that still runs; drop (and free) one whose requests all finished."""
@@ -209,6 +246,7 @@ class Engine:
     def info(self) -> EngineInfo:
         """Model and cache facts, exact at this instant."""
         config = self.runner.model.config
+        ready = self.readiness.snapshot()
         return EngineInfo(
             model_id=self.meta.model_id,
             dtype=self.meta.dtype,
@@ -217,9 +255,9 @@ class Engine:
             block_size=self.block_size,
             num_blocks_total=self.blocks.num_blocks,
             num_blocks_free=self.blocks.num_free,
-            embed_ready=True,
-            num_layers_loaded=config.num_layers,
-            lm_head_ready=True,
+            embed_ready=ready.embed,
+            num_layers_loaded=ready.layers,
+            lm_head_ready=ready.head,
             num_cached_batches=len(self.store),
             max_input_tokens=self.limits.max_input_tokens,
             max_total_tokens=self.limits.max_total_tokens,

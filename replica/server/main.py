@@ -23,7 +23,7 @@ from protos import generate_pb2 as pb
 from protos import generate_pb2_grpc as pb_grpc
 from replica.cluster import ReplicaCluster, build_cluster
 from replica.config import ReplicaConfig
-from replica.engine.factory import build_engine
+from replica.engine.factory import build_engine_and_params
 from replica.engine.worker import EngineWorker
 from replica.registration import RouterRegistration
 from replica.server.interceptor import ErrorInterceptor
@@ -112,9 +112,10 @@ def _start_services(config: ReplicaConfig) -> _Services:
 
 def load_and_connect(config: ReplicaConfig, services: _Services) -> None:
     """Load the model on the engine thread, create the fabric (buffers registered), start serving."""
-    engine = services.worker.call(lambda: build_engine(config))
+    engine, params = services.worker.call(lambda: build_engine_and_params(config))
     services.cluster = build_cluster(config, services.port, engine)
     services.servicer.cluster = services.cluster
+    services.servicer.attach_weights(engine, params)
     services.servicer.engine = engine
     services.set_health(health_pb2.HealthCheckResponse.SERVING)
 

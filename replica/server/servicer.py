@@ -22,6 +22,7 @@ from replica.engine.warmup import warmup
 from replica.engine.worker import EngineWorker
 from replica.errors import FailedPrecondition, ShuttingDown, Unimplemented
 from replica.server import convert
+from replica.server.weights_rpcs import WeightRpcs
 
 T = TypeVar("T")
 
@@ -30,7 +31,7 @@ _NO_DEADLINE = 10.0**7  # seconds; grpc's "no deadline" shows up as an enormous 
 ISSUE_4 = "issue 4 (moving state between replicas: KV migration, weight transfer, layer-level prefill)"
 
 
-class ReplicaServicer(pb_grpc.TextGenerationServiceServicer):
+class ReplicaServicer(WeightRpcs, pb_grpc.TextGenerationServiceServicer):
     """The generate.v2 service of one replica."""
 
     def __init__(self, config: ReplicaConfig, worker: EngineWorker) -> None:
@@ -59,8 +60,8 @@ class ReplicaServicer(pb_grpc.TextGenerationServiceServicer):
 
     @property
     def health_state(self) -> HealthState:
-        """serving once the model is loaded, loading before."""
-        return HealthState.SERVING if self.engine is not None else HealthState.LOADING
+        """loading until the model is built; then serving / inactive / loading by weight readiness."""
+        return HealthState.LOADING if self.engine is None else self.weights_health()
 
     # ------------------------------------------------------------------------------ facts
     def Health(self, request: pb.HealthRequest, context: grpc.ServicerContext) -> pb.HealthResponse:
@@ -100,6 +101,8 @@ class ReplicaServicer(pb_grpc.TextGenerationServiceServicer):
         return response
 
     def PrefillV2(self, request: pb.PrefillV2Request, context: grpc.ServicerContext) -> pb.PrefillV2Response:
+        if request.forward_case & pb.NAIVE_PP:
+            return self.naive_pp_prefill(request, context)
         if request.forward_case != pb.NORMAL:
             raise Unimplemented(f"PrefillV2 forward_case {request.forward_case} belongs to {ISSUE_4}")
         result = self._prefill(request.batch, context)
@@ -166,21 +169,10 @@ def _issue_4(name: str) -> Callable[..., Any]:
 
 # The RPCs of issue 4 answer UNIMPLEMENTED, naming the issue, until it lands.
 ISSUE_4_RPCS = (
-    "SendParams",
-    "RecvParams",
-    "LoadParams",
-    "ZagPrefill",
     "Migrate",
     "Immigrate",
     "MigratePartial",
     "ImmigratePartial",
-    "WaitRdmaDone",
-    "ResetStatus",
-    "SetStatusReady",
-    "Relay",
-    "NvlBroadcast",
-    "RdmaBroadcast",
-    "TanzBroadcast",
 )
 for _name in ISSUE_4_RPCS:
     setattr(ReplicaServicer, _name, _issue_4(_name))

@@ -1,0 +1,196 @@
+"""`WeightMover`: this replica's part in moving the whole weight buffer to or from peers.
+
+Every operation moves the buffer region by region (`embed | layer 0 | … | head`, each at its own
+offset) on the PARAMS stream through `transfer.collectives`, which tells us as each region is
+completely in place; a receiver then marks that region ready, so layer i becomes usable while
+layer i+1 is still on the wire. Who plays which part is derived from the rank lists and this rank.
+
+```
+ p2p     send_to(dst) ───────────────────────────────► recv_from(src)
+ chain   [head] ─► r1 ─► r2 ─► … (store-and-forward per chunk)         RdmaBroadcast / NvlBroadcast
+ Tanz    s sources, lanes of |dst|/s receivers get stripes, then rings all-gather them   TanzBroadcast
+```
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+from replica.errors import (
+    FailedPrecondition,
+    InvalidArgument,
+    PeerTimeout,
+    PeerUnavailable,
+    ReplicaError,
+)
+from replica.params.store import ParamStore
+from transfer.collectives import (
+    TransferOptions,
+    chain_broadcast,
+    recv_regions,
+    send_regions,
+    tanz_broadcast,
+)
+from transfer.core import Deadline, Stream
+from transfer.errors import FabricClosed, LayoutMismatch, PeerGone, TransferError
+from transfer.errors import PeerTimeout as TransferTimeout
+from transfer.fabric import Fabric
+
+
+def replica_error(exc: TransferError, what: str) -> ReplicaError:
+    """The replica error (and so the gRPC status) a transfer failure maps to."""
+    message = f"{what}: {exc}"
+    if isinstance(exc, TransferTimeout):
+        return PeerTimeout(message)
+    if isinstance(exc, PeerGone | FabricClosed):
+        return PeerUnavailable(message)
+    if isinstance(exc, LayoutMismatch):
+        return FailedPrecondition(message)
+    return ReplicaError(message)
+
+
+def chain_of(src: Sequence[int], dst: Sequence[int], tp_rank: int = 0) -> list[int]:
+    """The chain of one tensor-parallel rank: `[src[t]] + dst[t::tp]` (tp = |src|)."""
+    tp = len(src)
+    if tp == 0 or not dst or len(dst) % tp:
+        raise InvalidArgument(f"broadcast needs sources and a multiple of {tp or 1} destinations")
+    return [src[tp_rank], *dst[tp_rank::tp]]
+
+
+class WeightMover:
+    """Moves `store`'s buffer (registered on `fabric` as `buffer_name`) to or from peers."""
+
+    def __init__(
+        self, fabric: Fabric, store: ParamStore, buffer_name: str, options: TransferOptions | None = None
+    ) -> None:
+        self.fabric = fabric
+        self.store = store
+        self.buffer_name = buffer_name
+        self.options = options or TransferOptions()
+
+    @property
+    def rank(self) -> int:
+        """This replica's global rank."""
+        return int(self.fabric.rank)
+
+    def _check_peer(self, peer: int) -> None:
+        if peer == self.rank or peer not in self.fabric.table:
+            raise InvalidArgument(f"rank {peer} is not a peer of rank {self.rank} in the rank table")
+
+    def prepare_send(self, peer: int) -> None:
+        """Checks before a background send (so the RPC can refuse at once)."""
+        self._check_peer(peer)
+        self.store.require_complete(f"sending weights to rank {peer}")
+
+    def prepare_recv(self, peer: int) -> None:
+        """Checks and readiness reset before a background receive."""
+        self._check_peer(peer)
+        self.store.begin_fill(f"receiving weights from rank {peer}")
+
+    def send_to(self, peer: int, deadline: Deadline) -> None:
+        """p2p: send every region to `peer` (after `prepare_send`)."""
+        self._run(
+            lambda: send_regions(
+                self.fabric,
+                peer,
+                self.buffer_name,
+                self.store.regions(),
+                Stream.PARAMS,
+                deadline,
+                options=self.options,
+            ),
+            f"sending weights to rank {peer}",
+        )
+
+    def recv_from(self, peer: int, deadline: Deadline) -> None:
+        """p2p: receive every region from `peer`, marking each ready as it lands (after `prepare_recv`)."""
+        self._run(
+            lambda: recv_regions(
+                self.fabric,
+                peer,
+                self.buffer_name,
+                self.store.regions(),
+                Stream.PARAMS,
+                deadline,
+                self.store.mark_region,
+                self.options,
+            ),
+            f"receiving weights from rank {peer}",
+        )
+
+    def prepare_chain(self, chain: Sequence[int]) -> None:
+        """Checks (and, on a receiver, readiness reset) before a chain multicast."""
+        if self.rank not in chain:
+            raise InvalidArgument(f"rank {self.rank} is not in the chain {list(chain)}")
+        if len(set(chain)) != len(chain):
+            raise InvalidArgument(f"the chain {list(chain)} names a rank twice")
+        for peer in chain:
+            if peer != self.rank:
+                self._check_peer(peer)
+        if chain[0] == self.rank:
+            self.store.require_complete("heading a weight multicast")
+        else:
+            self.store.begin_fill("receiving a weight multicast")
+
+    def chain(self, chain: Sequence[int], deadline: Deadline) -> None:
+        """Chain multicast from `chain[0]`; receivers mark regions as they land."""
+        on_region = None if chain[0] == self.rank else self.store.mark_region
+        self._run(
+            lambda: chain_broadcast(
+                self.fabric,
+                chain,
+                self.buffer_name,
+                self.store.regions(),
+                Stream.PARAMS,
+                deadline,
+                on_region,
+                self.options,
+            ),
+            f"weight multicast along {list(chain)}",
+        )
+
+    def prepare_tanz(self, sources: Sequence[int], dests: Sequence[int]) -> None:
+        """Checks (and, on a receiver, readiness reset) before a Tanz broadcast."""
+        if not sources or not dests or len(dests) % len(sources):
+            raise InvalidArgument(
+                f"Tanz needs sources and a multiple of {len(sources) or 1} destinations, "
+                f"got {len(sources)} and {len(dests)}"
+            )
+        members = [*sources, *dests]
+        if len(set(members)) != len(members):
+            raise InvalidArgument(f"Tanz ranks {members} name a rank twice")
+        if self.rank not in members:
+            raise InvalidArgument(f"rank {self.rank} is not in the Tanz broadcast {members}")
+        for peer in members:
+            if peer != self.rank:
+                self._check_peer(peer)
+        if self.rank in sources:
+            self.store.require_complete("sourcing a Tanz broadcast")
+        else:
+            self.store.begin_fill("receiving a Tanz broadcast")
+
+    def tanz(self, sources: Sequence[int], dests: Sequence[int], deadline: Deadline) -> None:
+        """Tanz: sources feed stripes down lanes of receivers, which then ring-exchange them."""
+        on_region = None if self.rank in sources else self.store.mark_region
+        self._run(
+            lambda: tanz_broadcast(
+                self.fabric,
+                sources,
+                dests,
+                self.buffer_name,
+                self.store.regions(),
+                Stream.PARAMS,
+                deadline,
+                on_region,
+                self.options,
+            ),
+            f"Tanz broadcast {list(sources)} -> {list(dests)}",
+        )
+
+    def _run(self, move: Callable[[], None], what: str) -> None:
+        try:
+            move()
+        except TransferError as exc:
+            raise replica_error(exc, what) from exc
+        except ValueError as exc:  # the transfer layer's own argument checks
+            raise InvalidArgument(f"{what}: {exc}") from exc
