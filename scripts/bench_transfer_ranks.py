@@ -111,10 +111,21 @@ def run_raw(job: Job, barrier: Any, results: Any, ports: list[int]) -> None:
     inp = listener.accept()[0] if listener is not None else None
     buf = _pattern(job.size) if index == 0 else np.zeros(job.size, np.uint8)
     view = memoryview(buf.data)
-    barrier.wait()
-    start = time.monotonic()
-    for offset in range(0, job.size, job.chunk):
-        piece = view[offset : offset + job.chunk]
+    times = []
+    for _ in range(job.repeats):
+        barrier.wait()
+        start = time.monotonic()
+        _relay(view, job.chunk, inp, out)
+        times.append(time.monotonic() - start)
+    for sock in (out, inp, listener):
+        if sock is not None:
+            sock.close()
+    results.put({"kind": "raw", "rank": job.rank, "times": times, "ok": True})
+
+
+def _relay(view: memoryview, chunk: int, inp: socket.socket | None, out: socket.socket | None) -> None:
+    for offset in range(0, len(view), chunk):
+        piece = view[offset : offset + chunk]
         if inp is not None:
             got = 0
             while got < len(piece):
@@ -125,11 +136,6 @@ def run_raw(job: Job, barrier: Any, results: Any, ports: list[int]) -> None:
         inp.sendall(b"k")  # acknowledge, so the sender's time covers delivery
     if out is not None:
         out.recv(1)
-    elapsed = time.monotonic() - start
-    for sock in (out, inp, listener):
-        if sock is not None:
-            sock.close()
-    results.put({"kind": "raw", "rank": job.rank, "times": [elapsed], "ok": True})
 
 
 def run_gloo(job: Job, barrier: Any, results: Any) -> None:
