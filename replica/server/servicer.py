@@ -22,6 +22,7 @@ from replica.engine.warmup import warmup
 from replica.engine.worker import EngineWorker
 from replica.errors import FailedPrecondition, ShuttingDown, Unimplemented
 from replica.server import convert
+from replica.server.migration_rpcs import MigrationRpcs
 from replica.server.weights_rpcs import WeightRpcs
 
 T = TypeVar("T")
@@ -31,7 +32,7 @@ _NO_DEADLINE = 10.0**7  # seconds; grpc's "no deadline" shows up as an enormous 
 ISSUE_4 = "issue 4 (moving state between replicas: KV migration, weight transfer, layer-level prefill)"
 
 
-class ReplicaServicer(WeightRpcs, pb_grpc.TextGenerationServiceServicer):
+class ReplicaServicer(WeightRpcs, MigrationRpcs, pb_grpc.TextGenerationServiceServicer):
     """The generate.v2 service of one replica."""
 
     def __init__(self, config: ReplicaConfig, worker: EngineWorker) -> None:
@@ -103,6 +104,8 @@ class ReplicaServicer(WeightRpcs, pb_grpc.TextGenerationServiceServicer):
     def PrefillV2(self, request: pb.PrefillV2Request, context: grpc.ServicerContext) -> pb.PrefillV2Response:
         if request.forward_case & pb.NAIVE_PP:
             return self.naive_pp_prefill(request, context)
+        if request.forward_case & (pb.MIGRATE | pb.MIGRATE_PROGRESSIVE):
+            return self.migrate_prefill(request, context)
         if request.forward_case != pb.NORMAL:
             raise Unimplemented(f"PrefillV2 forward_case {request.forward_case} belongs to {ISSUE_4}")
         result = self._prefill(request.batch, context)
@@ -168,11 +171,6 @@ def _issue_4(name: str) -> Callable[..., Any]:
 
 
 # The RPCs of issue 4 answer UNIMPLEMENTED, naming the issue, until it lands.
-ISSUE_4_RPCS = (
-    "Migrate",
-    "Immigrate",
-    "MigratePartial",
-    "ImmigratePartial",
-)
+ISSUE_4_RPCS: tuple[str, ...] = ()
 for _name in ISSUE_4_RPCS:
     setattr(ReplicaServicer, _name, _issue_4(_name))

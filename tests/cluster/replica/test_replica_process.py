@@ -122,8 +122,15 @@ def test_text_prompt_and_clear_cache(stub: pb_grpc.TextGenerationServiceStub) ->
             grpc.StatusCode.RESOURCE_EXHAUSTED,
         ),
         (lambda s: s.Prefill(pb.PrefillRequest(batch=pb.Batch(id=3))), grpc.StatusCode.INVALID_ARGUMENT),
-        (lambda s: s.Migrate(pb.MigrateRequest()), grpc.StatusCode.UNIMPLEMENTED),
-        (lambda s: s.PrefillV2(pb.PrefillV2Request(forward_case=pb.MIGRATE)), grpc.StatusCode.UNIMPLEMENTED),
+        (lambda s: s.Migrate(pb.MigrateRequest()), grpc.StatusCode.INVALID_ARGUMENT),  # no dst
+        (  # rank 7 is not in this replica's rank table
+            lambda s: s.Migrate(pb.MigrateRequest(batch=pb.Batch(id=404), dst=[7])),
+            grpc.StatusCode.INVALID_ARGUMENT,
+        ),
+        (  # no pipe_peer
+            lambda s: s.PrefillV2(pb.PrefillV2Request(forward_case=pb.MIGRATE)),
+            grpc.StatusCode.INVALID_ARGUMENT,
+        ),
     ],
 )
 def test_errors_map_to_precise_codes(

@@ -1,0 +1,220 @@
+"""`Migrations`: the sender and receiver sides of a KV migration on one replica.
+
+```
+ Migrate(batch, dst)                                Immigrate(batch, src)
+   engine: take the batch out of the store            engine: admit (validate, allocate the same page counts)
+   gate to dst ─ send header + layers ═══════════►    turn from src ─ header ─ receive layers
+   engine: free its pages (success or failure)        engine: adopt → decode-ready CachedBatch
+                                                      (failure: free what was allocated)
+```
+Only the engine thread allocates, frees and touches the batch store (work items through
+`EngineWorker`); transfers run on the fabric's threads and this (gRPC handler) thread waits for
+them with a deadline: the smaller of `--transfer-timeout` and the call's own deadline.
+
+The sender's batch leaves the store when its migration starts (so no decode, filter or clear can
+touch pages in flight); its pages are freed only once the send completed or failed. A batch id
+being immigrated counts as present: a second Immigrate of it is ALREADY_EXISTS.
+"""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import TypeVar
+
+from replica.cluster import ReplicaCluster
+from replica.engine.batch import Batch
+from replica.engine.engine import Engine
+from replica.engine.types import BatchId, BatchSpec, CachedBatchInfo
+from replica.engine.worker import EngineWorker
+from replica.errors import AlreadyExists, FailedPrecondition, InvalidArgument
+from replica.migration import wire
+from replica.migration.gates import InboundTurns, SendGates
+from replica.migration.plan import (
+    CacheGeometry,
+    Header,
+    LayerHalf,
+    Region,
+    SeqPages,
+    layer_range,
+    layer_regions,
+    total_bytes,
+)
+from transfer.core import Deadline
+from transfer.errors import TransferError
+
+T = TypeVar("T")
+
+_CALL_SHARE = 0.95  # of the gRPC deadline given to the transfer: the answer must still reach the caller
+
+
+@dataclass(frozen=True)
+class Route:
+    """One migration's peers (global ranks) and layers, from the request's src/dst lists."""
+
+    peer: int
+    half: LayerHalf = LayerHalf.ALL
+    split: int = 0
+
+
+class Migrations:
+    """Migrate / Immigrate (full and partial) for one replica; thread-safe."""
+
+    def __init__(self, engine: Engine, worker: EngineWorker, cluster: ReplicaCluster, timeout: float) -> None:
+        self.engine = engine
+        self.worker = worker
+        self.cluster = cluster
+        self.timeout = timeout
+        self.gates = SendGates()
+        self.turns = InboundTurns(park_seconds=timeout)
+        self.incoming: set[BatchId] = set()  # batch ids being immigrated (engine thread only)
+
+    # --------------------------------------------------------------------------- plumbing
+    def deadline(self, call_remaining: float | None) -> Deadline:
+        """The transfer deadline: `--transfer-timeout`, cut to (most of) the call's deadline."""
+        seconds = self.timeout
+        if call_remaining is not None:
+            seconds = min(seconds, call_remaining * _CALL_SHARE)
+        return Deadline.after(seconds)
+
+    def on_engine(
+        self, fn: Callable[[], T], deadline: Deadline, undo: Callable[[T], None] | None = None
+    ) -> T:
+        """Run `fn` on the engine thread within the deadline (`undo` cleans up if it finished too late)."""
+        return self.worker.call(fn, max(deadline.remaining(), 0.001), undo)
+
+    def later(self, fn: Callable[[], object]) -> None:
+        """Queue `fn` on the engine thread, not waiting (cleanup that happens whatever the caller does)."""
+        self.worker.submit(fn)
+
+    def geometry(self) -> CacheGeometry:
+        """Where pages live in the (current) KV buffer; re-registers it if Warmup replaced it."""
+        cache = self.engine.runner.cache
+        self.cluster.ensure_kv(cache.tensor)
+        return CacheGeometry(cache.num_blocks, cache.block_size, cache.bytes_per_page())
+
+    def check_peer(self, peer: int) -> int:
+        """A usable peer rank: in the table and not this replica."""
+        if peer == self.cluster.rank or peer not in self.cluster.table:
+            raise InvalidArgument(f"rank {peer} is not a peer in the rank table (this: {self.cluster.rank})")
+        return peer
+
+    # ----------------------------------------------------------------------------- sender
+    def migrate(self, spec: BatchSpec, route: Route, call_remaining: float | None) -> CachedBatchInfo:
+        """Send the cached batch's KV of `route`'s layers to the peer; the batch is gone here afterwards."""
+        self.check_peer(route.peer)
+        layers = layer_range(route.half, route.split, self.engine.runner.num_layers)
+        deadline = self.deadline(call_remaining)
+        batch = self.on_engine(lambda: self._take(spec), deadline, undo=self._free)
+        info = batch.info(self.engine.block_size)
+        try:
+            self.send_batch(batch, route.peer, layers, deadline, self._all_layers(batch, layers))
+        finally:
+            self.later(lambda: self._free(batch))
+        return info
+
+    def send_batch(
+        self, batch: Batch, peer: int, layers: range, deadline: Deadline,
+        regions: Iterator[Sequence[Region]],
+    ) -> None:
+        """Serialised with other migrations to `peer`: header, the regions of each layer, confirmation."""
+        geometry = self.geometry()
+        seqs = seq_pages(batch)
+        header = Header(int(batch.id), secrets.randbits(63), layers, total_bytes(geometry, seqs, layers))
+        release = self.gates.acquire(peer, deadline.remaining())
+        try:
+            wire.send_kv(self.cluster.fabric, peer, header, regions, deadline)
+        except TransferError as exc:
+            raise wire.as_replica_error(exc) from exc
+        finally:
+            release()
+
+    def _all_layers(self, batch: Batch, layers: range) -> Iterator[Sequence[Region]]:
+        geometry, seqs = self.geometry(), seq_pages(batch)
+        return (layer_regions(geometry, seqs, layer) for layer in layers)
+
+    def _take(self, spec: BatchSpec) -> Batch:
+        """(Engine thread) the cached batch named by `spec`, out of the store, checked against `spec`."""
+        batch = self.engine.store.get(spec.id)
+        wanted = tuple(r.id for r in spec.requests)
+        if batch.request_ids != wanted:
+            raise InvalidArgument(f"batch {spec.id} holds {list(batch.request_ids)}, not {list(wanted)}")
+        advanced = [r.id for r in batch if r.num_cached > r.prompt_len]
+        if advanced:
+            raise FailedPrecondition(f"requests {advanced} were decoded here: migrate right after prefill")
+        return self.engine.store.pop(spec.id)
+
+    def _free(self, batch: Batch) -> None:
+        """(Engine thread) give the batch's pages back."""
+        self.engine.blocks.free(batch.pages())
+
+    # --------------------------------------------------------------------------- receiver
+    def immigrate(self, spec: BatchSpec, peer: int, call_remaining: float | None) -> CachedBatchInfo:
+        """Admit the batch, receive every layer of its prompt KV from `peer`, adopt it (decode-ready)."""
+        self.check_peer(peer)
+        deadline = self.deadline(call_remaining)
+        layers = range(self.engine.runner.num_layers)
+        batch = self.on_engine(lambda: self.admit(spec), deadline, undo=self.drop_incoming)
+        try:
+            self.receive(batch, peer, layers, deadline)
+        except BaseException:
+            self.later(lambda: self.drop_incoming(batch))
+            raise
+        return self.on_engine(lambda: self.adopt(batch), deadline, undo=self._clear_adopted)
+
+    def receive(self, batch: Batch, peer: int, layers: range, deadline: Deadline) -> None:
+        """Wait for this batch's turn on the stream from `peer`, check its header, receive `layers`."""
+        fabric = self.cluster.fabric
+        geometry, seqs = self.geometry(), seq_pages(batch)
+        nbytes = total_bytes(geometry, seqs, layers)
+        try:
+            header = self.turns.claim(peer, int(batch.id), lambda: wire.read_header(fabric, peer, deadline),
+                                      deadline.at)
+            try:
+                if header.layers != layers or header.nbytes != nbytes:
+                    reason = (f"batch {batch.id}: the sender moves layers {_span(header.layers)} / "
+                              f"{header.nbytes} bytes, this replica expects {_span(layers)} / {nbytes} bytes")
+                    wire.refuse(fabric, peer, header, reason, deadline)
+                    raise FailedPrecondition(reason)
+                regions = [layer_regions(geometry, seqs, layer) for layer in layers]
+                wire.recv_kv(fabric, peer, header, regions, deadline)
+            finally:
+                self.turns.release(peer)
+        except TransferError as exc:
+            raise wire.as_replica_error(exc) from exc
+
+    def admit(self, spec: BatchSpec) -> Batch:
+        """(Engine thread) validate and allocate like a prefill; the id counts as present from now on."""
+        if spec.id in self.incoming:
+            raise AlreadyExists(f"batch {spec.id} is already being immigrated")
+        batch = self.engine.admit(spec)
+        self.incoming.add(spec.id)
+        return batch
+
+    def adopt(self, batch: Batch) -> CachedBatchInfo:
+        """(Engine thread) cache the received batch; on failure its pages go back."""
+        self.incoming.discard(batch.id)
+        try:
+            return self.engine.adopt(batch)
+        except BaseException:
+            self._free(batch)
+            raise
+
+    def drop_incoming(self, batch: Batch) -> None:
+        """(Engine thread) a receive failed: forget the id, free the pages."""
+        self.incoming.discard(batch.id)
+        self._free(batch)
+
+    def _clear_adopted(self, info: CachedBatchInfo) -> None:
+        if info.id in self.engine.store:
+            self.engine.clear(info.id)
+
+
+def seq_pages(batch: Batch) -> list[SeqPages]:
+    """The batch's requests as (prompt length, pages), in batch order."""
+    return [SeqPages(r.prompt_len, tuple(r.pages)) for r in batch]
+
+
+def _span(layers: range) -> str:
+    return f"[{layers.start}, {layers.stop})"

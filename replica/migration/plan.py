@@ -1,0 +1,104 @@
+"""What a migration moves, as pure numbers (no torch, no grpc): regions of the KV buffer and the header.
+
+Both sides derive the same order from the Batch message: for each layer of the range, for each
+request in batch order, its first `ceil(prompt_len / block_size)` pages (the pages holding the
+prompt's K/V), each page one region of `page_bytes` bytes at `(layer * num_blocks + page) * page_bytes`
+of the layer-major cache `(layers, blocks, 2, block_size, kv_heads, head_dim)`. The two sides' page
+ids differ; the region lengths and their order are the same, which is all the transfer layer needs.
+"""
+
+from __future__ import annotations
+
+import enum
+import struct
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+Region = tuple[int, int]
+"""(byte offset, length) inside the registered KV buffer."""
+
+_HEADER = struct.Struct("!IQQIIQ")  # magic, batch id, nonce, first layer, stop layer, total bytes
+_MAGIC = 0x4B564D31  # "KVM1"
+HEADER_BYTES = _HEADER.size
+
+
+class LayerHalf(enum.Enum):
+    """Which layers a (partial) migration moves."""
+
+    ALL = 0
+    FIRST = 1  # [0, k)
+    SECOND = 2  # [k, L)
+
+
+def layer_range(half: LayerHalf, split: int, num_layers: int) -> range:
+    """The layers of `half` for a split after `split` layers (ignored for ALL)."""
+    if half is LayerHalf.ALL:
+        return range(num_layers)
+    if not 0 < split < num_layers:
+        raise ValueError(f"num_layer must be in [1, {num_layers - 1}] for a partial migration, got {split}")
+    return range(0, split) if half is LayerHalf.FIRST else range(split, num_layers)
+
+
+@dataclass(frozen=True)
+class CacheGeometry:
+    """The numbers that place a page of a layer inside the KV buffer."""
+
+    num_blocks: int
+    block_size: int
+    page_bytes: int  # one page of one layer: K block + V block
+
+    def offset(self, layer: int, page: int) -> int:
+        """Byte offset of page `page` of layer `layer`."""
+        return (layer * self.num_blocks + page) * self.page_bytes
+
+    def prompt_pages(self, prompt_len: int) -> int:
+        """Pages holding a prompt of `prompt_len` tokens."""
+        return -(-prompt_len // self.block_size)
+
+
+@dataclass(frozen=True)
+class SeqPages:
+    """One request of the migrated batch: its prompt length and its page ids on this side."""
+
+    prompt_len: int
+    pages: tuple[int, ...]
+
+
+def layer_regions(geometry: CacheGeometry, seqs: Sequence[SeqPages], layer: int) -> list[Region]:
+    """Regions of one layer, in the agreed order (request order, then page order)."""
+    regions: list[Region] = []
+    for seq in seqs:
+        count = geometry.prompt_pages(seq.prompt_len)
+        if count > len(seq.pages):
+            raise ValueError(f"a prompt of {seq.prompt_len} tokens needs {count} pages, has {len(seq.pages)}")
+        regions.extend((geometry.offset(layer, page), geometry.page_bytes) for page in seq.pages[:count])
+    return regions
+
+
+def total_bytes(geometry: CacheGeometry, seqs: Sequence[SeqPages], layers: range) -> int:
+    """Bytes a migration of `layers` moves."""
+    pages = sum(geometry.prompt_pages(s.prompt_len) for s in seqs)
+    return pages * geometry.page_bytes * len(layers)
+
+
+@dataclass(frozen=True)
+class Header:
+    """The first message of every migration on a pair's KV stream: which batch, which layers, how much."""
+
+    batch_id: int
+    nonce: int  # the confirmation tag of this attempt (a retry gets a new one)
+    layers: range
+    nbytes: int
+
+    def pack(self) -> bytes:
+        """Wire form."""
+        layers = self.layers
+        return _HEADER.pack(_MAGIC, self.batch_id, self.nonce, layers.start, layers.stop, self.nbytes)
+
+    @classmethod
+    def unpack(cls, data: bytes | bytearray | memoryview) -> Header:
+        """Parse; raises ValueError on a bad magic."""
+        magic, batch_id, nonce, start, stop, nbytes = _HEADER.unpack(bytes(data[:HEADER_BYTES]))
+        if magic != _MAGIC:
+            raise ValueError(f"not a migration header (magic {magic:#x})")
+        return cls(batch_id, nonce, range(start, stop), nbytes)

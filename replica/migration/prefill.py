@@ -1,0 +1,184 @@
+"""PrefillV2 with MIGRATE / MIGRATE_PROGRESSIVE: prefill here, the KV goes to `pipe_peer`.
+
+```
+ engine thread: admit ─ embed ─ layer 0 ─ layer 1 ─ … ─ layer L-1 ─ logits        (one work item)
+                  │Admitted     │0        │1              │L-1
+ handler thread:  header ─────► send 0 ── send 1 ── … ─── send L-1 ─ confirm     (PROGRESSIVE)
+                  header ───────────────────────────────────────────► send 0..L-1 ─ confirm (MIGRATE)
+ engine thread: first tokens sampled; the batch's pages freed (success) / freed (any failure)
+```
+The receiver runs Immigrate concurrently; its messages are the same in both cases (one run per
+layer), so it cannot tell the two apart. The forward goes layer by layer through the runner's own
+`run_layers`, exactly as a normal prefill does (same kernels, same per-layer readiness waits); a
+layer's KV is handed to the fabric as soon as that layer returns, while later layers compute.
+
+Outcome: the response carries the generations (first tokens) and, when a request is still running,
+the batch as it would have been cached (`id`, requests, `max_tokens`) — for the router to pair it
+with the receiver's Immigrate. The batch is NOT cached on this replica afterwards: its pages are
+freed once the send completed (ClearCache of it answers NOT_FOUND). On any failure (prefill or
+transfer) the pages are freed too and the call fails with the error's status.
+"""
+
+from __future__ import annotations
+
+import queue
+import time
+from collections.abc import Iterator, Sequence
+from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import torch
+
+from replica.engine.batch import Batch
+from replica.engine.engine import Engine
+from replica.engine.runner import ForwardOutput
+from replica.engine.types import BatchSpec, StepResult
+from replica.engine.worker import WorkItem
+from replica.errors import DeadlineExceeded, PeerTimeout
+from replica.migration.manager import Migrations, seq_pages
+from replica.migration.plan import Region, layer_regions
+from transfer.core import Deadline
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class _Failed:
+    """The forward failed (its pages are already freed)."""
+
+    error: BaseException
+
+
+@dataclass(frozen=True)
+class _Forwarded:
+    """A finished forward: the batch (pages owned by this call), the logits, its timings."""
+
+    batch: Batch
+    out: ForwardOutput
+    start_ns: int
+    forward_ns: int
+
+
+_Event = Batch | int | _Failed  # admitted batch, layer done, failure
+
+
+class MigratingPrefill:
+    """Prefill a new batch and move its KV to a peer (after or during the forward)."""
+
+    def __init__(self, migrations: Migrations) -> None:
+        self.m = migrations
+
+    def run(self, spec: BatchSpec, peer: int, progressive: bool, call_remaining: float | None) -> StepResult:
+        """The whole PrefillV2 MIGRATE / MIGRATE_PROGRESSIVE call."""
+        m = self.m
+        m.check_peer(peer)
+        deadline = m.deadline(call_remaining)
+        events: queue.SimpleQueue[_Event] = queue.SimpleQueue()
+        item = m.worker.submit(lambda: self._forward(spec, events, progressive))
+        try:
+            batch = _expect_batch(_next(events, deadline))
+            layers = range(m.engine.runner.num_layers)
+            if progressive:
+                regions = self._streamed(events, batch, deadline)
+            else:
+                regions = self._after(item, batch, deadline)
+            m.send_batch(batch, peer, layers, deadline, regions)
+            forwarded = _result(item, deadline)
+        except BaseException:
+            m.later(lambda: self._free_forwarded(item))
+            raise
+        return _result(m.worker.submit(lambda: self._finish(forwarded)), deadline)
+
+    # ----------------------------------------------------------------------- engine thread
+    def _forward(self, spec: BatchSpec, events: queue.SimpleQueue[_Event], progressive: bool) -> _Forwarded:
+        engine = self.m.engine
+        try:
+            engine.readiness.require_complete("a MIGRATE prefill")
+            start = time.perf_counter_ns()
+            batch = engine.admit(spec)
+        except BaseException as exc:
+            events.put(_Failed(exc))
+            raise
+        events.put(batch)
+        try:
+            out = self._layers(engine, batch, events if progressive else None)
+        except BaseException as exc:
+            engine.blocks.free(batch.pages())
+            events.put(_Failed(exc))
+            raise
+        return _Forwarded(batch, out, start, time.perf_counter_ns() - start)
+
+    @staticmethod
+    def _layers(engine: Engine, batch: Batch, events: queue.SimpleQueue[_Event] | None) -> ForwardOutput:
+        """The runner's forward, one `run_layers` call per layer, announcing each finished layer."""
+        runner = engine.runner
+        seqs = Engine.seq_inputs(batch.requests, with_prompt_logprobs=True)
+        with torch.inference_mode():
+            ctx = runner.context(seqs)
+            hidden = runner.embed(seqs)
+            for layer in range(runner.num_layers):
+                hidden = runner.run_layers(hidden, ctx, layer, layer + 1)
+                if events is not None:
+                    events.put(layer)
+            return runner.logits(hidden, ctx, seqs)
+
+    def _finish(self, forwarded: _Forwarded) -> StepResult:
+        """Sample the first tokens; the batch's KV has left: free its pages (never cache it here)."""
+        engine, batch = self.m.engine, forwarded.batch
+        result = engine.finish_prefill(batch, forwarded.out, forwarded.start_ns, forwarded.forward_ns)
+        if result.batch is not None:  # cached by finish_prefill (some request still runs): drop it
+            engine.store.pop(batch.id)
+            engine.blocks.free(batch.pages())
+        return result
+
+    def _free_forwarded(self, item: WorkItem[_Forwarded]) -> None:
+        """(Engine thread, queued after the forward) free the pages of a forward whose send failed.
+
+        A forward that failed freed its own pages; one that never ran allocated nothing.
+        """
+        future = item.future
+        if future.done() and not future.cancelled() and future.exception() is None:
+            self.m.engine.blocks.free(future.result().batch.pages())
+
+    # ---------------------------------------------------------------------- handler thread
+    def _streamed(
+        self, events: queue.SimpleQueue[_Event], batch: Batch, deadline: Deadline
+    ) -> Iterator[Sequence[Region]]:
+        geometry, seqs = self.m.geometry(), seq_pages(batch)
+        for layer in range(self.m.engine.runner.num_layers):
+            event = _next(events, deadline)
+            if isinstance(event, _Failed):
+                raise event.error
+            yield layer_regions(geometry, seqs, layer)
+
+    def _after(
+        self, item: WorkItem[_Forwarded], batch: Batch, deadline: Deadline
+    ) -> Iterator[Sequence[Region]]:
+        _result(item, deadline)  # every layer is in the pages once the forward returned
+        geometry, seqs = self.m.geometry(), seq_pages(batch)
+        for layer in range(self.m.engine.runner.num_layers):
+            yield layer_regions(geometry, seqs, layer)
+
+
+def _next(events: queue.SimpleQueue[_Event], deadline: Deadline) -> _Event:
+    try:
+        return events.get(timeout=max(deadline.remaining(), 0.001))
+    except queue.Empty:
+        raise PeerTimeout("the prefill did not progress before the migration deadline") from None
+
+
+def _expect_batch(event: _Event) -> Batch:
+    if isinstance(event, _Failed):
+        raise event.error
+    if not isinstance(event, Batch):
+        raise TypeError(f"expected the admitted batch first, got {event!r}")
+    return event
+
+
+def _result(item: WorkItem[Any], deadline: Deadline) -> Any:
+    """The item's result within the deadline (the item itself still runs if we stop waiting)."""
+    try:
+        return item.future.result(max(deadline.remaining(), 0.001))
+    except FutureTimeout:
+        raise DeadlineExceeded("the engine did not finish the prefill within the deadline") from None

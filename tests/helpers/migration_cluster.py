@@ -1,0 +1,164 @@
+"""In-process replicas for the KV migration tests, and the router-like moves they check.
+
+    with migration_cluster(model, tmp_path, 3, num_blocks=64) as (a, b, d):
+        first = prefill(a, batch)
+        pair(lambda: migrate(a, batch, d.rank), lambda: immigrate(d, batch, a.rank))
+
+Each replica is what `serve()` runs (`replica.server.main.launch`): gRPC on 127.0.0.1 port 0 and a tcp
+fabric on loopback, all ranks in one rank table file. Also: greedy generation by transformers for
+the reference tokens, decoding over gRPC until every request finished, page accounting.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TypeVar
+
+import grpc
+import torch
+
+from protos import generate_pb2 as pb
+from protos import generate_pb2_grpc as pb_grpc
+from replica.config import ReplicaConfig
+from replica.server.main import launch
+from tests.helpers.transfer_fabrics import free_ports
+
+CALL_TIMEOUT = 60.0
+T = TypeVar("T")
+U = TypeVar("U")
+
+
+@dataclass
+class Replica:
+    """One in-process replica: its rank, stub and services."""
+
+    rank: int
+    stub: pb_grpc.TextGenerationServiceStub
+    channel: grpc.Channel
+    services: Any
+
+    def free_blocks(self) -> int:
+        """Info.num_blocks_free."""
+        return int(self.stub.Info(pb.InfoRequest(), timeout=CALL_TIMEOUT).num_blocks_free)
+
+    def total_blocks(self) -> int:
+        """Info.num_blocks_total."""
+        return int(self.stub.Info(pb.InfoRequest(), timeout=CALL_TIMEOUT).num_blocks_total)
+
+
+def write_rank_table(path: Path, n: int, link_gbps: float = 0.0) -> Path:
+    """`n` loopback ranks; with `link_gbps` each rank is its own node behind an emulated NIC."""
+    ranks = [
+        {
+            "rank": r,
+            "host": "127.0.0.1",
+            "node": f"n{r}" if link_gbps else "n0",
+            "device": "cpu",
+            "transfer_address": f"127.0.0.1:{port}",
+            "link_gbps": link_gbps,
+        }
+        for r, port in enumerate(free_ports(n))
+    ]
+    path.write_text(json.dumps({"ranks": ranks}))
+    return path
+
+
+@contextlib.contextmanager
+def migration_cluster(
+    model: Path | list[Path], tmp_path: Path, n: int, **config: Any
+) -> Iterator[list[Replica]]:
+    """`n` replicas (of `model`, or of `model[i]` for rank i) in this process; stopped on exit."""
+    table = write_rank_table(tmp_path / "ranks.json", n)
+    models = model if isinstance(model, list) else [model] * n
+    replicas: list[Replica] = []
+    try:
+        for rank in range(n):
+            services = launch(ReplicaConfig(model=models[rank], port=0, rank=rank, cluster=table, **config))
+            channel = grpc.insecure_channel(f"127.0.0.1:{services.port}")
+            replicas.append(Replica(rank, pb_grpc.TextGenerationServiceStub(channel), channel, services))
+        yield replicas
+    finally:
+        for replica in replicas:
+            replica.channel.close()
+            replica.services.stop()
+
+
+def make_batch(batch_id: int, prompts: list[list[int]], max_new: list[int], first_id: int = 0) -> pb.Batch:
+    """A greedy batch of token prompts."""
+    requests = [
+        pb.Request(
+            id=first_id + i,
+            input_tokens=p,
+            stopping_parameters=pb.StoppingCriteriaParameters(max_new_tokens=n, ignore_eos_token=True),
+        )
+        for i, (p, n) in enumerate(zip(prompts, max_new, strict=True))
+    ]
+    return pb.Batch(id=batch_id, requests=requests, size=len(requests))
+
+
+def random_prompts(vocab: int, lengths: list[int], seed: int = 5) -> list[list[int]]:
+    """Prompts of the given lengths, ids in [3, vocab)."""
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, vocab, (n,), generator=gen).tolist() for n in lengths]
+
+
+def reference(model: Path, prompts: list[list[int]], max_new: list[int]) -> list[list[int]]:
+    """Transformers' greedy continuation of each prompt (EOS ignored, like the batches here)."""
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(model, torch_dtype=torch.float32).eval()
+    out = []
+    for prompt, n in zip(prompts, max_new, strict=True):
+        ids = hf.generate(
+            torch.tensor([prompt]),
+            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+            max_new_tokens=n,
+            min_new_tokens=n,
+            do_sample=False,
+            pad_token_id=0,
+        )
+        out.append(ids[0, len(prompt) :].tolist())
+    return out
+
+
+def pair(first: Callable[[], T], second: Callable[[], U]) -> tuple[T, U]:
+    """Run two calls concurrently (a sender and a receiver) and return both results (or raise)."""
+    with ThreadPoolExecutor(2) as pool:
+        a, b = pool.submit(first), pool.submit(second)
+        return a.result(timeout=CALL_TIMEOUT * 2), b.result(timeout=CALL_TIMEOUT * 2)
+
+
+def first_tokens(generations: Any) -> dict[int, list[int]]:
+    """Request id -> generated token ids so far."""
+    return {g.request_id: list(g.tokens.ids) for g in generations}
+
+
+def decode_to_end(
+    replica: Replica, cached: pb.CachedBatch, tokens: dict[int, list[int]], last: list[int] | None
+) -> dict[int, list[int]]:
+    """DecodeV2 (appending `last` first) until every request finished; filter finished ones out."""
+    batch: pb.CachedBatch | None = cached
+    appended = [pb.Tokens(ids=last)] if last is not None else []
+    while batch is not None:
+        resp = replica.stub.DecodeV2(
+            pb.DecodeV2Request(batches=[batch], last_iter_tokens=appended), timeout=CALL_TIMEOUT
+        )
+        appended = []
+        done = []
+        for g in resp.generations:
+            tokens.setdefault(g.request_id, []).extend(g.tokens.ids)
+            if g.HasField("generated_text"):
+                done.append(g.request_id)
+        batch = resp.batch if resp.HasField("batch") else None
+        if batch is not None and done:
+            keep = [r for r in batch.request_ids if r not in done]
+            filtered = replica.stub.FilterBatch(
+                pb.FilterBatchRequest(batch_id=batch.id, request_ids=keep), timeout=CALL_TIMEOUT
+            )
+            batch = filtered.batch if keep else None
+    return tokens
