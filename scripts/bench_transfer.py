@@ -45,6 +45,8 @@ class BenchTransferConfig:
     chunk: str = field(default="4MiB", metadata={"help": "transfer chunk size"})
     stripe: str = field(default="16MiB", metadata={"help": "Tanz stripe size"})
     region: str = field(default="16MiB", metadata={"help": "region size (one progress step per region)"})
+    scatter: bool = field(default=False, metadata={"help": "KV-migration shape: receivers lay the regions "
+                                                           "out back to front (use a small --region)"})
     repeats: int = field(default=3, metadata={"help": "timed repetitions (the median is reported)"})
     ceilings: bool = field(default=True, metadata={"help": "also measure raw sockets and gloo"})
     json_out: Path | None = field(default=None, metadata={"help": "write the results as JSON here",
@@ -93,7 +95,7 @@ def _jobs(config: BenchTransferConfig, kind: str, algo: str, n: int) -> list[Any
     chunk, stripe, region = (parse_size(v) for v in (config.chunk, config.stripe, config.region))
     return [
         Job(kind, algo, r, tuple(range(n)), config.sources, size, chunk, stripe, region, config.link_gbps,
-            config.repeats, table, gloo_port)
+            config.repeats, table, gloo_port, config.scatter)
         for r in range(n)
     ]
 

@@ -45,6 +45,7 @@ class Job:
     repeats: int
     table_json: str
     port: int  # gloo rendezvous port
+    scatter: bool = False  # receivers put the regions in reverse order (KV-migration shape)
 
 
 def _pattern(size: int) -> np.ndarray:
@@ -65,7 +66,10 @@ def run_ours(job: Job, barrier: Any, results: Any, progress: Any) -> None:
     fabric = TcpFabric(table, job.rank, inter_node_gbps=job.link_gbps)
     buf = _pattern(job.size) if _holds_initially(job) else np.zeros(job.size, np.uint8)
     fabric.register("w", buf)
-    regions = [(o, min(job.region, job.size - o)) for o in range(0, job.size, job.region)]
+    sender_regions = [(o, min(job.region, job.size - o)) for o in range(0, job.size, job.region)]
+    regions = sender_regions
+    if job.scatter and not _holds_initially(job):
+        regions = _reversed_layout(sender_regions, job.size)
     options = TransferOptions(chunk_bytes=job.chunk, stripe_bytes=job.stripe)
     times: list[float] = []
     try:
@@ -77,10 +81,22 @@ def run_ours(job: Job, barrier: Any, results: Any, progress: Any) -> None:
             times.append(time.monotonic() - start)
             barrier.wait()
         sample = slice(None, None, 4099)
-        ok = _holds_initially(job) or bool(np.array_equal(buf[sample], _pattern(job.size)[sample]))
+        expected = _pattern(job.size)
+        if job.scatter:
+            expected = np.concatenate([expected[o : o + n] for o, n in reversed(sender_regions)])
+        ok = _holds_initially(job) or bool(np.array_equal(buf[sample], expected[sample]))
     finally:
         fabric.close()
     results.put({"kind": "ours", "rank": job.rank, "times": times[1:], "ok": ok})
+
+
+def _reversed_layout(regions: list[tuple[int, int]], size: int) -> list[tuple[int, int]]:
+    """The same region lengths, laid out back to front (every region lands at another offset)."""
+    out, end = [], size
+    for _, length in regions:
+        out.append((end - length, length))
+        end -= length
+    return out
 
 
 def _collective(fabric: TcpFabric, job: Job, regions: list[tuple[int, int]], options: TransferOptions,
