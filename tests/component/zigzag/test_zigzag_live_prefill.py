@@ -1,0 +1,158 @@
+"""Layer-level live prefill: batches start on a replica still receiving weights (regions delivered one
+by one under test control), one is relayed after k layers to the old replica, which finishes it from
+the received activation; the split KV ([0, k) new, [k, L) old) decodes to exactly transformers' tokens."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from pathlib import Path
+
+import grpc
+import pytest
+import torch
+
+from protos import generate_pb2 as pb
+from tests.helpers.weights_cluster import (
+    CALL_TIMEOUT,
+    InProcReplica,
+    decode_to_end,
+    make_batch,
+    prompts_for,
+    reference,
+    weights_cluster,
+)
+
+LAYERS, SPLIT, MAX_NEW = 4, 2, 5
+
+
+@pytest.fixture(scope="module")
+def model(tiny_model_factory: Callable[..., Path]) -> Path:
+    return tiny_model_factory(arch="llama", layers=LAYERS)
+
+
+def deliver(source: InProcReplica, target: InProcReplica, regions: range) -> None:
+    """Copy weight regions (layout order: embed, layers, head) and mark them landed, as a transfer would."""
+    src, dst = source.weights.params, target.weights.params
+    for index in regions:
+        region = dst.layout.regions[index]
+        dst.buffer[region.offset : region.end].copy_(src.buffer[region.offset : region.end])
+        dst.mark_region(index)
+
+
+def zag_async(replica: InProcReplica, batch: pb.Batch, seq: int) -> Future[pb.PrefillV2Response]:
+    """ZagPrefill on a thread (it returns only when the batch finished or was relayed)."""
+    future: Future[pb.PrefillV2Response] = Future()
+    request = pb.ZagPrefillRequest(batch=batch, forward_case=pb.NAIVE_PP, zag_layers=1, zag_seq_num=seq)
+    request.pp_info.embedding_layer = 1
+
+    def run() -> None:
+        try:
+            future.set_result(replica.stub.ZagPrefill(request, timeout=CALL_TIMEOUT))
+        except BaseException as exc:
+            future.set_exception(exc)
+
+    threading.Thread(target=run, daemon=True).start()
+    return future
+
+
+def wait_layers(replica: InProcReplica, layers: list[int]) -> None:
+    """Until the queued tasks (in order) have run exactly `layers` layers each."""
+    deadline = time.monotonic() + 30
+    while [t.layer for t in list(replica.weights.zigzag.tasks)] != layers:
+        assert time.monotonic() < deadline, [t.layer for t in replica.weights.zigzag.tasks]
+        time.sleep(0.01)
+
+
+def copy_kv(source: InProcReplica, target: InProcReplica, batch_id: int, layers: range) -> None:
+    """Move a batch's KV pages of `layers` between replicas (white-box stand-in for MigratePartial)."""
+    src_engine, dst_engine = source.services.servicer.engine, target.services.servicer.engine
+    src_batch, dst_batch = src_engine.store.get(batch_id), dst_engine.store.get(batch_id)
+    for a, b in zip(src_batch.requests, dst_batch.requests, strict=True):
+        pages_a, pages_b = torch.tensor(a.pages), torch.tensor(b.pages)
+        dst_engine.runner.cache.tensor[layers.start : layers.stop, pages_b] = src_engine.runner.cache.tensor[
+            layers.start : layers.stop, pages_a
+        ]
+
+
+def test_batch_relayed_after_k_layers_finishes_on_old_replica(model: Path, tmp_path: Path) -> None:
+    prompts = prompts_for(512, count=3, seed=9)
+    want = reference(model, prompts, MAX_NEW)
+    with weights_cluster(model, tmp_path, 2, inactive=[1]) as (old, new):
+        start_free = [old.free_blocks(), new.free_blocks()]
+        second = zag_async(new, make_batch(2, prompts[2:], MAX_NEW), seq=1)  # waits for seq 0
+        first = zag_async(new, make_batch(1, prompts[:2], MAX_NEW), seq=0)
+        wait_layers(new, [])  # nothing can run: no weight yet
+        deliver(old, new, range(0, 1 + SPLIT))  # embed + layers [0, SPLIT)
+        wait_layers(new, [SPLIT, SPLIT])
+        assert new.health() == "loading"
+
+        relay = new.stub.Relay(pb.RelayRequest(rank=old.rank), timeout=CALL_TIMEOUT)
+        assert (relay.batch_id, relay.seq_num) == (1, 0)
+        relayed = first.result(CALL_TIMEOUT)
+        assert relayed.pp_info.WhichOneof("start_layer") == "tfm_layer"
+        assert (relayed.pp_info.tfm_layer, list(relayed.pp_info.num_layer_per_rank)) == (SPLIT, [SPLIT])
+        assert relayed.batch.id == 1 and not relayed.generations
+
+        finish = pb.PrefillV2Request(
+            batch=make_batch(1, prompts[:2], MAX_NEW),
+            forward_case=pb.NAIVE_PP | pb.IMMIGRATE,
+            pp_info=relayed.pp_info,
+            pipe_peer=[new.rank],
+        )
+        done = old.stub.PrefillV2(finish, timeout=CALL_TIMEOUT)
+        assert not done.HasField("pp_info")
+        tokens = {g.request_id: list(g.tokens.ids) for g in done.generations}
+        assert [tokens[100], tokens[101]] == [w[:1] for w in want[:2]]
+
+        copy_kv(new, old, 1, range(0, SPLIT))  # the KV of layers [0, k) lives on the new replica
+        new.stub.ClearCache(pb.ClearCacheRequest(id=1), timeout=CALL_TIMEOUT)
+        decode_to_end(old.stub, done.batch, tokens)
+        assert [tokens[100], tokens[101]] == want[:2]
+
+        assert not second.done()  # batch 2 waits for the rest of the weights
+        deliver(old, new, range(1 + SPLIT, LAYERS + 2))
+        finished = second.result(CALL_TIMEOUT)
+        assert not finished.HasField("pp_info")
+        assert new.health() == "serving"
+        tokens = {g.request_id: list(g.tokens.ids) for g in finished.generations}
+        decode_to_end(new.stub, finished.batch, tokens)
+        assert tokens[200] == want[2]
+        assert [old.free_blocks(), new.free_blocks()] == start_free
+
+
+def test_relay_unstarted_non_head_and_nothing(model: Path, tmp_path: Path) -> None:
+    prompts = prompts_for(512, count=2, seed=3)
+    want = reference(model, prompts, 1)
+    with weights_cluster(model, tmp_path, 2, inactive=[1]) as (old, new):
+        start_free = [old.free_blocks(), new.free_blocks()]
+        empty = new.stub.Relay(pb.RelayRequest(rank=old.rank), timeout=CALL_TIMEOUT)
+        assert not empty.HasField("batch_id") and not empty.HasField("seq_num")
+        head = zag_async(new, make_batch(1, prompts[:1], 1), seq=0)
+        tail = zag_async(new, make_batch(2, prompts[1:], 1), seq=1)
+        wait_layers(new, [-1, -1])
+
+        relax = new.stub.Relay(pb.RelayRequest(rank=old.rank, relax_not_head=True), timeout=CALL_TIMEOUT)
+        assert (relax.batch_id, relax.seq_num) == (2, 1)  # the first non-head task
+        unstarted = tail.result(CALL_TIMEOUT)
+        assert unstarted.pp_info.WhichOneof("start_layer") == "embedding_layer"
+        new.stub.ClearCache(pb.ClearCacheRequest(id=2), timeout=CALL_TIMEOUT)
+        again = pb.PrefillV2Request(
+            batch=make_batch(2, prompts[1:], 1),
+            forward_case=pb.NAIVE_PP | pb.IMMIGRATE,
+            pp_info=unstarted.pp_info,
+            pipe_peer=[new.rank],
+        )
+        done = old.stub.PrefillV2(again, timeout=CALL_TIMEOUT)  # embeds locally, runs every layer
+        assert [list(g.tokens.ids) for g in done.generations] == [want[1]]
+
+        nothing = new.stub.Relay(pb.RelayRequest(rank=old.rank, relax_not_head=True), timeout=CALL_TIMEOUT)
+        assert not nothing.HasField("batch_id")  # only the head is left, and relax never takes it
+        with pytest.raises(grpc.RpcError) as refused:
+            new.stub.PrefillV2(pb.PrefillV2Request(batch=make_batch(3, prompts[:1], 1)), timeout=CALL_TIMEOUT)
+        assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        deliver(old, new, range(0, LAYERS + 2))
+        assert [list(g.tokens.ids) for g in head.result(CALL_TIMEOUT).generations] == [want[0]]
+        assert [old.free_blocks(), new.free_blocks()] == start_free
