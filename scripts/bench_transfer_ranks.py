@@ -99,10 +99,37 @@ def _reversed_layout(regions: list[tuple[int, int]], size: int) -> list[tuple[in
     return out
 
 
+class _Progress:
+    """Counts landed regions and reports them to the parent at most every 50 ms (a queue put per
+    region would cost more than the transfer of a small region)."""
+
+    def __init__(self, queue: Any) -> None:
+        self.queue, self.count, self.last = queue, 0, time.monotonic()
+
+    def __call__(self, index: int) -> None:
+        self.count += 1
+        if time.monotonic() - self.last > 0.05:
+            self.flush()
+
+    def flush(self) -> None:
+        if self.count:
+            self.queue.put(self.count)
+        self.count, self.last = 0, time.monotonic()
+
+
 def _collective(fabric: TcpFabric, job: Job, regions: list[tuple[int, int]], options: TransferOptions,
                 progress: Any) -> None:
     deadline = Deadline.after(600)
-    on_region = (lambda i: progress.put(1)) if progress is not None else None
+    on_region = _Progress(progress) if progress is not None else None
+    try:
+        _run_algo(fabric, job, regions, options, deadline, on_region)
+    finally:
+        if on_region is not None:
+            on_region.flush()
+
+
+def _run_algo(fabric: TcpFabric, job: Job, regions: list[tuple[int, int]], options: TransferOptions,
+              deadline: Deadline, on_region: Any) -> None:
     if job.algo == "p2p":
         if job.rank == job.order[0]:
             send_regions(fabric, job.order[1], "w", regions, Stream.PARAMS, deadline, None, options)
