@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import threading
 from collections.abc import Iterable, Sequence
 
 from replica.cluster import KV_BUFFER
@@ -116,14 +117,24 @@ def refuse(fabric: Fabric, peer: int, header: Header, reason: str, deadline: Dea
 def _confirm(
     fabric: Fabric, ranks: list[Rank], tag: int, error: TransferError | None, deadline: Deadline
 ) -> None:
-    """Both sides learn whether both succeeded; raise this side's error or the peer's failure."""
-    if deadline.expired():
-        raise error or TransferTimeout(f"rank {fabric.rank}: migration deadline passed")
-    try:
-        all_ok = confirm(fabric, ranks, KV_STREAM, tag, error is None, deadline)
-    except TransferError as exc:
-        raise error or exc from None
+    """Both sides learn whether both succeeded; raise this side's error or the peer's failure.
+
+    A side that failed does not wait for the verdict: it tells the leader in the background (the
+    leader may be dead, and connecting to a dead rank retries until the deadline) and fails now.
+    """
     if error is not None:
+        if fabric.rank != ranks[0]:
+            threading.Thread(target=_report_failure, args=(fabric, ranks, tag, deadline), daemon=True).start()
+            raise error
+        with contextlib.suppress(TransferError):
+            confirm(fabric, ranks, KV_STREAM, tag, False, deadline)  # the leader does not wait on failure
         raise error
-    if not all_ok:
+    if deadline.expired():
+        raise TransferTimeout(f"rank {fabric.rank}: migration deadline passed")
+    if not confirm(fabric, ranks, KV_STREAM, tag, True, deadline):
         raise PeerGone(f"rank {fabric.rank}: the other side of the migration {list(ranks)} failed")
+
+
+def _report_failure(fabric: Fabric, ranks: list[Rank], tag: int, deadline: Deadline) -> None:
+    with contextlib.suppress(Exception):  # best effort: the peer learns of the failure by its own deadline
+        confirm(fabric, ranks, KV_STREAM, tag, False, deadline)

@@ -70,15 +70,15 @@ def write_rank_table(path: Path, n: int, link_gbps: float = 0.0) -> Path:
 
 @contextlib.contextmanager
 def migration_cluster(
-    model: Path | list[Path], tmp_path: Path, n: int, **config: Any
+    model: Path, tmp_path: Path, n: int, per_rank: dict[int, dict[str, Any]] | None = None, **config: Any
 ) -> Iterator[list[Replica]]:
-    """`n` replicas (of `model`, or of `model[i]` for rank i) in this process; stopped on exit."""
+    """`n` replicas of `model` in this process (`per_rank[r]` overrides rank r's config); stopped on exit."""
     table = write_rank_table(tmp_path / "ranks.json", n)
-    models = model if isinstance(model, list) else [model] * n
     replicas: list[Replica] = []
     try:
         for rank in range(n):
-            services = launch(ReplicaConfig(model=models[rank], port=0, rank=rank, cluster=table, **config))
+            options = {**config, **(per_rank or {}).get(rank, {})}
+            services = launch(ReplicaConfig(model=model, port=0, rank=rank, cluster=table, **options))
             channel = grpc.insecure_channel(f"127.0.0.1:{services.port}")
             replicas.append(Replica(rank, pb_grpc.TextGenerationServiceStub(channel), channel, services))
         yield replicas

@@ -1,0 +1,126 @@
+"""Refused and concurrent migrations between in-process replicas: precise codes, nothing leaked.
+
+- Immigrate of a batch id already cached → ALREADY_EXISTS; Migrate of an unknown batch → NOT_FOUND.
+- Two replicas whose KV layouts differ (block size) → FAILED_PRECONDITION on both sides, before a
+  byte of KV moves; both keep their page counts.
+- Two migrations between the same pair at once, their calls arriving in opposite orders on the two
+  sides → both succeed (serialised) and decode exactly like transformers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import grpc
+import pytest
+
+from protos import generate_pb2 as pb
+from tests.helpers.migration_cluster import (
+    CALL_TIMEOUT,
+    Replica,
+    decode_to_end,
+    first_tokens,
+    make_batch,
+    migration_cluster,
+    pair,
+    random_prompts,
+    reference,
+)
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[Replica]]:
+    # rank 2's pages hold 16 tokens, not 8: its KV layout differs from ranks 0 and 1
+    with migration_cluster(
+        tiny_llama,
+        tmp_path_factory.mktemp("migf"),
+        3,
+        per_rank={2: {"block_size": 16}},
+        num_blocks=64,
+        block_size=8,
+        transfer_timeout=20.0,
+    ) as replicas:
+        yield replicas
+
+
+@pytest.fixture(autouse=True)
+def pages_return(cluster: list[Replica]) -> Iterator[None]:
+    before = [r.free_blocks() for r in cluster]
+    assert before == [r.total_blocks() for r in cluster]
+    yield
+    assert [r.free_blocks() for r in cluster] == before
+
+
+def _code(call: Callable[[], object]) -> grpc.StatusCode:
+    with pytest.raises(grpc.RpcError) as info:
+        call()
+    return info.value.code()  # type: ignore[no-any-return]
+
+
+def _prefill(replica: Replica, batch: pb.Batch) -> pb.PrefillV2Response:
+    return replica.stub.PrefillV2(pb.PrefillV2Request(batch=batch), timeout=CALL_TIMEOUT)
+
+
+def _migrate(sender: Replica, batch: pb.Batch, receiver: Replica) -> Callable[[], pb.MigrateResponse]:
+    request = pb.MigrateRequest(batch=batch, src=[sender.rank], dst=[receiver.rank])
+    return lambda: sender.stub.Migrate(request, timeout=CALL_TIMEOUT)
+
+
+def _immigrate(receiver: Replica, batch: pb.Batch, sender: Replica) -> Callable[[], pb.ImmigrateResponse]:
+    request = pb.ImmigrateRequest(batch=batch, src=[sender.rank], dst=[receiver.rank])
+    return lambda: receiver.stub.Immigrate(request, timeout=CALL_TIMEOUT)
+
+
+def test_present_and_unknown_batch_ids(cluster: list[Replica]) -> None:
+    p, d = cluster[0], cluster[1]
+    batch = make_batch(40, random_prompts(256, [9, 3]), [4, 4])
+    _prefill(d, batch)
+    assert _code(_immigrate(d, batch, p)) == grpc.StatusCode.ALREADY_EXISTS
+    assert _code(_migrate(p, batch, d)) == grpc.StatusCode.NOT_FOUND
+    d.stub.ClearCache(pb.ClearCacheRequest(id=40), timeout=CALL_TIMEOUT)
+
+
+def test_layout_mismatch_fails_both_sides(cluster: list[Replica]) -> None:
+    p, d = cluster[0], cluster[2]
+    batch = make_batch(41, random_prompts(256, [20, 5]), [3, 3])
+    _prefill(p, batch)
+    with ThreadPoolExecutor(2) as pool:
+        sent, received = (
+            pool.submit(_code, _migrate(p, batch, d)),
+            pool.submit(_code, _immigrate(d, batch, p)),
+        )
+        assert sent.result(CALL_TIMEOUT) == grpc.StatusCode.FAILED_PRECONDITION
+        assert received.result(CALL_TIMEOUT) == grpc.StatusCode.FAILED_PRECONDITION
+    # the sender's batch is gone (its pages freed): the migration consumed it
+    assert p.stub.Info(pb.InfoRequest(), timeout=CALL_TIMEOUT).num_cached_batches == 0
+
+
+def test_concurrent_migrations_between_one_pair_are_serialised(
+    cluster: list[Replica], tiny_llama: Path
+) -> None:
+    p, d = cluster[0], cluster[1]
+    lengths, max_new = [30, 12, 50], [5, 7, 4]
+    x = make_batch(50, random_prompts(256, lengths, seed=1), max_new, first_id=500)
+    y = make_batch(51, random_prompts(256, lengths, seed=2), max_new, first_id=510)
+    firsts = {b.id: _prefill(p, b) for b in (x, y)}
+    # the sender sees x then y; the receiver's calls come in the opposite order
+    calls = [_immigrate(d, y, p), _migrate(p, x, d), _immigrate(d, x, p), _migrate(p, y, d)]
+    with ThreadPoolExecutor(4) as pool:
+        results = [pool.submit(call) for call in calls]
+        cached = {r.batch.id: r.batch for r in (f.result(CALL_TIMEOUT) for f in results[0::2])}
+    for batch, base in ((x, 500), (y, 510)):
+        tokens = first_tokens(firsts[batch.id].generations)
+        last = [tokens[r][0] for r in cached[batch.id].request_ids]
+        got = decode_to_end(d, cached[batch.id], tokens, last)
+        prompts = [list(r.input_tokens) for r in batch.requests]
+        for i, want in enumerate(reference(tiny_llama, prompts, max_new)):
+            assert got[base + i] == want, f"batch {batch.id} request {i}"
+
+
+def test_pair_helper_raises_the_first_error(cluster: list[Replica]) -> None:
+    # an Immigrate naming this replica as its own source is refused before anything is allocated
+    d = cluster[1]
+    batch = make_batch(60, random_prompts(256, [4]), [2])
+    assert _code(lambda: pair(_immigrate(d, batch, d), lambda: None)) == grpc.StatusCode.INVALID_ARGUMENT
