@@ -80,8 +80,9 @@ class Fabric(abc.ABC):
 def create_fabric(kind: FabricKind | str, table: RankTable, rank: int, **options: Any) -> Fabric:
     """Create the fabric `kind` for `rank`; the backend module is imported only when chosen.
 
-    Options are passed to the backend (see each backend's constructor), e.g. `chunk_bytes`, or
-    `network` (a `FakeNetwork`) for `fake`, `rendezvous` for `nccl` and `rdma`.
+    Options go to the backend's constructor: `inter_node_gbps` / `intra_node_gbps` for `tcp`,
+    `network` (a `FakeNetwork`) for `fake`, `rendezvous` (and `device`, `backend`) for `nccl` and
+    `rdma`. Unknown options raise `TypeError`.
     """
     kind = FabricKind(kind)
     if kind is FabricKind.TCP:

@@ -226,7 +226,7 @@ class FakeNetwork:
 class FakeFabric(Fabric):
     """One rank on a `FakeNetwork`."""
 
-    def __init__(self, table: RankTable, rank: int, network: FakeNetwork, **_ignored: object) -> None:
+    def __init__(self, table: RankTable, rank: int, network: FakeNetwork) -> None:
         super().__init__(table, rank)
         self.network = network
         self.buffers = BufferRegistry()

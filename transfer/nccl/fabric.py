@@ -165,7 +165,6 @@ class NcclFabric(Fabric):
         backend: NcclBackend | None = None,
         warmup_streams: Sequence[int] = (0, 1, 2),
         setup_timeout_s: float = 120.0,
-        **_ignored: object,
     ) -> None:
         super().__init__(table, rank)
         if backend is None:

@@ -43,7 +43,6 @@ class RdmaFabric(Fabric):
         rendezvous: Rendezvous,
         device_name: str = "",
         backend: VerbsBackend | None = None,
-        **_ignored: object,
     ) -> None:
         super().__init__(table, rank)
         if backend is None:

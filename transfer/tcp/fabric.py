@@ -39,7 +39,6 @@ class TcpFabric(Fabric):
         rank: int,
         inter_node_gbps: float = 0.0,
         intra_node_gbps: float = 0.0,
-        **_ignored: object,
     ) -> None:
         super().__init__(table, rank)
         self.buffers = BufferRegistry()
@@ -152,7 +151,7 @@ class TcpFabric(Fabric):
                 return  # listener closed
             try:
                 self._admit(sock)
-            except (OSError, ValueError, UnicodeDecodeError, Exception):
+            except Exception:  # a bad or half-open connection must never stop the listener
                 hard_close(sock)
 
     def _admit(self, sock: socket.socket) -> None:
