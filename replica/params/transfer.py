@@ -31,7 +31,7 @@ from transfer.collectives import (
     send_regions,
     tanz_broadcast,
 )
-from transfer.core import Deadline, Stream
+from transfer.core import Deadline, Stream, control_stream
 from transfer.errors import FabricClosed, LayoutMismatch, PeerGone, TransferError
 from transfer.errors import PeerTimeout as TransferTimeout
 from transfer.fabric import Fabric
@@ -100,6 +100,7 @@ class WeightMover:
                 options=self.options,
             ),
             f"sending weights to rank {peer}",
+            [peer],
         )
 
     def recv_from(self, peer: int, deadline: Deadline) -> None:
@@ -116,6 +117,7 @@ class WeightMover:
                 self.options,
             ),
             f"receiving weights from rank {peer}",
+            [peer],
         )
 
     def prepare_chain(self, chain: Sequence[int]) -> None:
@@ -147,6 +149,7 @@ class WeightMover:
                 self.options,
             ),
             f"weight multicast along {list(chain)}",
+            chain,
         )
 
     def prepare_tanz(self, sources: Sequence[int], dests: Sequence[int]) -> None:
@@ -185,12 +188,26 @@ class WeightMover:
                 self.options,
             ),
             f"Tanz broadcast {list(sources)} -> {list(dests)}",
+            [*sources, *dests],
         )
 
-    def _run(self, move: Callable[[], None], what: str) -> None:
+    def _run(self, move: Callable[[], None], what: str, members: Sequence[int]) -> None:
         try:
             move()
         except TransferError as exc:
+            self._forget_confirmations(members, what)
             raise replica_error(exc, what) from exc
         except ValueError as exc:  # the transfer layer's own argument checks
             raise InvalidArgument(f"{what}: {exc}") from exc
+
+    def _forget_confirmations(self, members: Sequence[int], what: str) -> None:
+        """After a failed collective, drop its confirmation connections (both directions).
+
+        A failed attempt can leave unread completion records (or a verdict still being sent to a
+        dead rank) on the control stream; a retry would otherwise read them as its own. Every rank
+        drops them when its attempt fails, which is before any retry starts (the caller retries
+        only after WaitRdmaDone/Broadcast returned on every member).
+        """
+        for peer in members:
+            if peer != self.rank:
+                self.fabric.abort(peer, control_stream(Stream.PARAMS), f"{what} failed")
