@@ -1,6 +1,10 @@
 """`pdcluster demo` (what `make demo` runs): a tiny model, a 1 prefill + 1 decode cluster, a few
 streaming requests through the OpenAI API with each answer's route, then a clean shutdown.
 
+The model is trained for a few hundred steps on the built-in English text (scripts/tiny_train.py,
+under a minute on 2 cores, once per workdir), so each prompt, taken from that text, is answered with
+the words that follow it there.
+
 When the replicas do not implement KV migration yet, the router falls back to recomputing on the
 decode replica (it never fails a request for it); the demo reads the strategy each request really
 took from its route and says so.
@@ -8,6 +12,9 @@ took from its route and says so.
 
 from __future__ import annotations
 
+import dataclasses
+import json
+import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -18,9 +25,11 @@ from scripts.local_cluster import LocalCluster, UpConfig
 
 PROMPTS = (
     "Once upon a time",
-    "The capital of the tiny model is",
-    "Prefill here, decode there:",
+    "The capital of France is",
+    "The prefill replica reads",
 )
+TRAIN_STEPS = 300
+TRAIN_SECONDS = 45.0  # cap: training never holds the demo up for more than this
 
 
 @dataclass
@@ -38,13 +47,28 @@ class DemoConfig:
 
 
 def ensure_model(workdir: Path) -> Path:
-    """The tiny checkpoint under `workdir/model` (built once)."""
+    """The trained tiny checkpoint under `workdir/model`, built once per workdir.
+
+    `workdir/model.json` records the settings the folder was built with, so a folder left by an
+    older demo (e.g. random weights) or one whose build was interrupted is built again.
+    """
     from scripts.tiny_model import TinyModelConfig, make_tiny_model
 
     out = workdir / "model"
-    if not (out / "config.json").exists():
-        print(f"building a tiny random-weight model in {out} ...", flush=True)
-        make_tiny_model(TinyModelConfig(out=out))
+    # a little larger than the tests' default checkpoint, so it learns the text in the time given
+    config = TinyModelConfig(out=out, layers=4, hidden=128, heads=4, kv_heads=2, intermediate=256,
+                             train_steps=TRAIN_STEPS, train_seconds=TRAIN_SECONDS)
+    settings = {k: v for k, v in dataclasses.asdict(config).items() if k != "out"}
+    stamp = workdir / "model.json"
+    if (out / "config.json").exists() and stamp.exists() and json.loads(stamp.read_text()) == settings:
+        return out
+    print(f"training a tiny model on the built-in corpus for {TRAIN_STEPS} steps "
+          f"(at most {TRAIN_SECONDS:.0f} s) in {out} ...", flush=True)
+    stamp.unlink(missing_ok=True)
+    if out.exists():
+        shutil.rmtree(out)
+    make_tiny_model(config, log=lambda line: print(line, flush=True))
+    stamp.write_text(json.dumps(settings, indent=2) + "\n")
     return out
 
 

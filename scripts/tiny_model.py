@@ -1,4 +1,4 @@
-"""`pdcluster make-tiny-model`: a random-weight Hugging Face checkpoint with a locally trained tokenizer.
+"""`pdcluster make-tiny-model`: a tiny Hugging Face checkpoint with a locally trained tokenizer.
 
 The folder (config.json, generation_config.json, model.safetensors or shards + index,
 tokenizer.json, tokenizer_config.json, special_tokens_map.json) loads as-is with
@@ -6,12 +6,18 @@ tokenizer.json, tokenizer_config.json, special_tokens_map.json) loads as-is with
 can compare our replica with transformers on it. Nothing is downloaded. Weights are made with numpy
 and written by a small safetensors writer (no torch import: the command runs in well under a
 second); tokenizers is imported only when a model is made, so `--help` stays fast.
+
+Weights are random by default. With `--train-steps N` the model is instead trained briefly on the
+built-in English text (`CORPUS` + `STORIES`, see scripts/tiny_train.py: torch and transformers,
+imported only then), so greedy continuations of prompts from that text read as English. The folder
+layout and the tokenizer (always learnt from `CORPUS` alone) are the same either way.
 """
 
 from __future__ import annotations
 
 import json
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -46,6 +52,21 @@ She opened the door, looked outside, and decided that it was a good day for a lo
 Numbers: one two three four five six seven eight nine ten eleven twelve twenty thirty hundred.
 Questions and answers, stories and poems, letters and lists: all of them are made of words.
 """
+# More plain English for `--train-steps` only (the tokenizer is learnt from CORPUS alone, so the
+# default checkpoints stay exactly as they were).
+STORIES = """
+The old lighthouse keeper lived at the end of the harbour. Every night he climbed the stairs, lit
+the great lamp, and watched the ships find their way home through the dark water. When the storm
+came in the winter, he did not sleep at all, and in the morning the whole town thanked him.
+A little girl named Mia found a lost puppy under the bridge. She carried it home in her coat, gave
+it warm milk, and called it Pepper. From that day on, Pepper followed her everywhere: to school, to
+the market, and down to the beach to look for shells.
+The prefill replica reads the whole prompt at once and fills the cache with keys and values. Then
+the cache moves to the decode replica, which writes the answer one token at a time, while the
+router sends each new request to the replica with the most free room.
+In the spring the farmers planted wheat and corn in the fields beyond the hill. The rain fell
+softly, the sun grew warm, and by the end of the summer the fields were tall and golden.
+"""
 
 
 @dataclass
@@ -75,6 +96,13 @@ class TinyModelConfig:
     sliding_window: int = field(default=0, metadata={"help": "sliding window (mistral/qwen2); 0: none"})
     attention_bias: bool = field(default=False, metadata={"help": "llama: biases on q/k/v/o"})
     mlp_bias: bool = field(default=False, metadata={"help": "llama: biases on the MLP"})
+    train_steps: int = field(
+        default=0, metadata={"help": "train on the built-in English text for N steps; 0: random weights"}
+    )
+    train_seconds: float = field(
+        default=60.0, metadata={"help": "stop training after this many seconds (0: no limit)"}
+    )
+    train_lr: float = field(default=3e-3, metadata={"help": "peak learning rate of the training"})
 
     def __post_init__(self) -> None:
         self.out = Path(self.out)
@@ -88,6 +116,8 @@ class TinyModelConfig:
             raise ValueError(f"heads ({self.heads}) must be a multiple of kv_heads ({self.kv_heads})")
         if not self.head_dim and self.hidden % self.heads:
             raise ValueError(f"hidden ({self.hidden}) must be a multiple of heads ({self.heads})")
+        if self.train_steps < 0 or self.train_seconds < 0 or self.train_lr <= 0:
+            raise ValueError("train_steps and train_seconds must be >= 0 and train_lr > 0")
         if self.rope_scaling:
             self._check_rope_scaling()
 
@@ -156,17 +186,21 @@ def _encode(values: np.ndarray, dtype: str) -> np.ndarray:
     return values.astype("<f4" if dtype == "float32" else "<f2")
 
 
-def _random_weights(cfg: TinyModelConfig) -> dict[str, np.ndarray]:
-    """Random tensors by HF name, already encoded in the checkpoint dtype (numpy only: no torch import)."""
+def _layout_shapes(cfg: TinyModelConfig) -> dict[str, tuple[int, ...]]:
+    """Shape of every tensor the checkpoint holds, by HF name, in file order."""
     from replica.model.config import ModelConfig
     from replica.model.layout import WeightLayout
 
-    model_config = ModelConfig.from_dict(hf_config(cfg))
-    layout = WeightLayout.for_config(model_config, "float32")
+    layout = WeightLayout.for_config(ModelConfig.from_dict(hf_config(cfg)), "float32")
+    return {name: spec.shape for name, spec in layout.tensors().items()}
+
+
+def _random_weights(cfg: TinyModelConfig) -> dict[str, np.ndarray]:
+    """Random tensors by HF name, already encoded in the checkpoint dtype (numpy only: no torch import)."""
     rng = np.random.default_rng(cfg.seed)
     tensors = {}
-    for name, spec in layout.tensors().items():
-        noise = rng.standard_normal(spec.shape, dtype=np.float32)
+    for name, shape in _layout_shapes(cfg).items():
+        noise = rng.standard_normal(shape, dtype=np.float32)
         if name.endswith("norm.weight"):
             # around 1 but not exactly, so a missing or misplaced norm weight changes the logits
             values = 1.0 + 0.1 * noise
@@ -174,6 +208,20 @@ def _random_weights(cfg: TinyModelConfig) -> dict[str, np.ndarray]:
             std = 0.1 if name.endswith(("embed_tokens.weight", "lm_head.weight", "bias")) else 0.08
             values = std * noise
         tensors[name] = _encode(values, cfg.dtype)
+    return tensors
+
+
+def _trained_weights(cfg: TinyModelConfig, log: Callable[[str], None] | None) -> dict[str, np.ndarray]:
+    """Tensors of a model trained on CORPUS + STORIES, by HF name, encoded in the checkpoint dtype."""
+    from scripts.tiny_train import TrainSettings, train_on_corpus
+
+    settings = TrainSettings(steps=cfg.train_steps, seconds=cfg.train_seconds, lr=cfg.train_lr, seed=cfg.seed)
+    trained, _ = train_on_corpus(hf_config(cfg), _train_tokenizer(cfg.vocab), CORPUS + STORIES, settings, log)
+    tensors = {}
+    for name, shape in _layout_shapes(cfg).items():
+        if trained[name].shape != shape:
+            raise ValueError(f"trained {name} has shape {trained[name].shape}, the layout says {shape}")
+        tensors[name] = _encode(trained[name], cfg.dtype)
     return tensors
 
 
@@ -257,19 +305,20 @@ def _write_json(path: Path, data: dict[str, Any]) -> None:
     path.write_text(json.dumps(data, indent=2) + "\n")
 
 
-def make_tiny_model(config: TinyModelConfig) -> Path:
-    """Write the checkpoint folder described by `config` and return it."""
+def make_tiny_model(config: TinyModelConfig, log: Callable[[str], None] | None = None) -> Path:
+    """Write the checkpoint folder described by `config` and return it (`log` gets training progress)."""
     config.out.mkdir(parents=True, exist_ok=True)
     _write_json(config.out / "config.json", hf_config(config))
     _write_json(
         config.out / "generation_config.json", {"bos_token_id": 1, "eos_token_id": 2, "do_sample": False}
     )
-    _save_weights(config, _random_weights(config))
+    tensors = _trained_weights(config, log) if config.train_steps else _random_weights(config)
+    _save_weights(config, tensors)
     _write_tokenizer(config)
     return config.out
 
 
 def run(config: TinyModelConfig) -> int:
-    """CLI runner: make the checkpoint and print its folder."""
-    print(make_tiny_model(config))
+    """CLI runner: make the checkpoint (training progress on stdout) and print its folder."""
+    print(make_tiny_model(config, log=lambda line: print(line, flush=True)))
     return 0
