@@ -12,8 +12,9 @@ import enum
 import itertools
 import struct
 from collections.abc import Sequence
+from dataclasses import dataclass
 
-from transfer.core import Deadline, Rank, control_stream
+from transfer.core import Deadline, Handle, Rank, control_stream
 from transfer.errors import TransferError
 from transfer.fabric import Fabric
 
@@ -35,65 +36,66 @@ def confirm(
     name = f"__confirm:{stream}:{next(_names)}"
     records = bytearray(RECORD.size * (len(ranks) + 1))
     fabric.register(name, records)
+    exchange = _Exchange(fabric, name, records, control_stream(stream, ranks[0]), tag, deadline)
     try:
         mine = Verdict.OK if ok else Verdict.FAILED
         if fabric.rank == ranks[0]:
-            return _lead(fabric, ranks, name, records, tag, mine, deadline)
-        return _follow(fabric, ranks[0], name, records, tag, mine, deadline)
+            return _lead(exchange, ranks, mine)
+        return _follow(exchange, ranks[0], mine)
     finally:
         fabric.unregister(name)
 
 
-def _receive(
-    fabric: Fabric, peer: Rank, name: str, records: bytearray, slot: int, tag: int, deadline: Deadline
-) -> Verdict:
-    """Receive `peer`'s record for `tag` into `slot`, skipping stale ones."""
-    ctl = control_stream_of(name)
-    while True:
-        fabric.recv(peer, name, [(slot * RECORD.size, RECORD.size)], ctl, deadline).wait(deadline)
-        got_tag, status = RECORD.unpack_from(records, slot * RECORD.size)
-        if got_tag == tag:
-            return Verdict(status) if status in (1, 2) else Verdict.FAILED
+@dataclass(frozen=True)
+class _Exchange:
+    """One confirmation round: where the records live and where they travel."""
+
+    fabric: Fabric
+    name: str
+    records: bytearray
+    ctl: int
+    tag: int
+    deadline: Deadline
+
+    def receive(self, peer: Rank, slot: int) -> Verdict:
+        """Receive `peer`'s record for this tag into `slot`, skipping stale ones."""
+        while True:
+            segment = [(slot * RECORD.size, RECORD.size)]
+            self.fabric.recv(peer, self.name, segment, self.ctl, self.deadline).wait(self.deadline)
+            got_tag, status = RECORD.unpack_from(self.records, slot * RECORD.size)
+            if got_tag == self.tag:
+                return Verdict(status) if status in (1, 2) else Verdict.FAILED
+
+    def send(self, peer: Rank, verdict: Verdict) -> Handle:
+        """Send `verdict` (from slot 0) to `peer`."""
+        RECORD.pack_into(self.records, 0, self.tag, verdict)
+        return self.fabric.send(peer, self.name, [(0, RECORD.size)], self.ctl, self.deadline)
 
 
-def control_stream_of(name: str) -> int:
-    """The control stream encoded in a confirmation buffer name."""
-    return control_stream(int(name.split(":")[1]))
-
-
-def _follow(
-    fabric: Fabric, leader: Rank, name: str, records: bytearray, tag: int, mine: Verdict, deadline: Deadline
-) -> bool:
-    ctl = control_stream_of(name)
-    RECORD.pack_into(records, 0, tag, mine)
+def _follow(exchange: _Exchange, leader: Rank, mine: Verdict) -> bool:
     try:
         # no wait on the send: a leader that already knows the collective failed does not read it
-        fabric.send(leader, name, [(0, RECORD.size)], ctl, deadline)
-        return _receive(fabric, leader, name, records, 1, tag, deadline) is Verdict.OK
+        exchange.send(leader, mine)
+        return exchange.receive(leader, 1) is Verdict.OK
     except TransferError as exc:
-        fabric.abort(leader, ctl, str(exc))
+        exchange.fabric.abort(leader, exchange.ctl, str(exc))
         raise
 
 
-def _lead(
-    fabric: Fabric, ranks: Sequence[Rank], name: str, records: bytearray, tag: int, mine: Verdict,
-    deadline: Deadline,
-) -> bool:
-    ctl = control_stream_of(name)
+def _lead(exchange: _Exchange, ranks: Sequence[Rank], mine: Verdict) -> bool:
     verdict = mine
     for slot, rank in enumerate(ranks[1:], start=1):
         if verdict is Verdict.FAILED:
             break  # the verdict is known: tell everyone now (unread records are skipped later by tag)
         try:
-            verdict = _receive(fabric, rank, name, records, slot, tag, deadline)
+            verdict = exchange.receive(rank, slot)
         except TransferError as exc:
             verdict = Verdict.FAILED  # a dead or stalled rank: the others must hear the collective failed
-            fabric.abort(rank, ctl, str(exc))
-    RECORD.pack_into(records, 0, tag, verdict)
-    replies = [fabric.send(rank, name, [(0, RECORD.size)], ctl, deadline) for rank in ranks[1:]]
+            exchange.fabric.abort(rank, exchange.ctl, str(exc))
+    replies = [exchange.send(rank, verdict) for rank in ranks[1:]]
     if verdict is Verdict.OK:
         for reply in replies:
-            reply.wait(deadline)
+            reply.wait(exchange.deadline)
     # On failure the replies go out in the background: one may be stuck connecting to a dead rank
     # until the deadline, and nobody should wait for that.
     return verdict is Verdict.OK

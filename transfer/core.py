@@ -22,9 +22,10 @@ Segment = tuple[int, int]
 
 Segments = Sequence[Segment]
 
-# Control streams (collective completion confirmations) live in the negative stream numbers, so they
-# never collide with data streams and never queue behind data.
-CONTROL_BASE = -1
+# Control streams (collective completion confirmations) live in the negative stream numbers, one
+# per (data stream, leader), so they never collide with data, never queue behind it, and two
+# collectives with different leaders on one stream (e.g. p2p both ways) never mix their records.
+MAX_CONTROL_RANKS = 1 << 20
 
 
 class Stream(enum.IntEnum):
@@ -35,11 +36,11 @@ class Stream(enum.IntEnum):
     PARAMS = 2
 
 
-def control_stream(stream: int) -> StreamId:
-    """The control stream that carries completion confirmations for data stream `stream`."""
-    if stream < 0:
-        raise ValueError(f"data streams are non-negative, got {stream}")
-    return StreamId(CONTROL_BASE - stream)
+def control_stream(stream: int, leader: int) -> StreamId:
+    """The control stream of the confirmations of collectives led by `leader` on data stream `stream`."""
+    if stream < 0 or not 0 <= leader < MAX_CONTROL_RANKS:
+        raise ValueError(f"no control stream for stream {stream}, leader {leader}")
+    return StreamId(-1 - (stream * MAX_CONTROL_RANKS + leader))
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,7 @@ import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from transfer.core import Deadline, Handle, Segments, control_stream, total_length
+from transfer.core import Deadline, Handle, Segments, total_length
 from transfer.errors import FabricClosed, LayoutMismatch, PeerGone, PeerTimeout, TransferError
 from transfer.fabric import Fabric
 from transfer.nccl.logic import (
@@ -188,7 +188,7 @@ class NcclFabric(Fabric):
         scratch = self.backend.scratch(2 * len(peers))
         base, _ = self.backend.pointer(scratch)
         handles = []  # `scratch` stays referenced until every handle is done
-        for stream in [*streams, *(control_stream(s) for s in streams)]:
+        for stream in streams:  # the tiny control edges are left to connect on first use
             for i, peer in enumerate(peers):
                 handles.append(self._post(peer, stream, [(base + 2 * i, 1)], True, deadline))
                 handles.append(self._post(peer, stream, [(base + 2 * i + 1, 1)], False, deadline))

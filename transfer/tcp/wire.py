@@ -2,7 +2,7 @@
 
 Connection (the sender connects to the receiver's transfer address)::
 
-    sender → receiver   HELLO  magic "PDXH" | version u16 | rank u32 | stream i32 | layout_len u16 | layout
+    sender → receiver   HELLO  magic "PDXH" | version u16 | rank u32 | stream i64 | layout_len u16 | layout
     receiver → sender   REPLY  magic "PDXR" | status u8 | layout_len u16 | receiver's layout
 
 then messages, each `magic "PDXM" | nbytes u64` followed by `nbytes` of payload.
@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from transfer.errors import LayoutMismatch, PeerGone, TransferError
 
 PROTOCOL_VERSION = 1
-HELLO = struct.Struct("!4sHIiH")
+HELLO = struct.Struct("!4sHIqH")
 REPLY = struct.Struct("!4sBH")
 HEADER = struct.Struct("!4sQ")
 HELLO_MAGIC, REPLY_MAGIC, MESSAGE_MAGIC = b"PDXH", b"PDXR", b"PDXM"
