@@ -74,7 +74,8 @@ def _start(fabric: RecordingFabric, regions: list[tuple[int, int]], landed: list
 
 
 def test_window_forwarding_and_region_readiness() -> None:
-    fabric, landed = RecordingFabric(1), []
+    fabric = RecordingFabric(1)
+    landed: list[int] = []
     regions = [(1000, 150), (0, 250)]  # region 0 = chunks 0-1 (partly), region 1 = chunks 1-3
     thread = _start(fabric, regions, landed)
     posts = fabric.wait_posts(2)
@@ -101,7 +102,8 @@ def test_window_forwarding_and_region_readiness() -> None:
 
 
 def test_failure_aborts_every_edge_of_the_plan() -> None:
-    fabric, landed = RecordingFabric(1), []
+    fabric = RecordingFabric(1)
+    landed: list[int] = []
     errors: list[BaseException] = []
     plan = plan_chain([0, 1, 2], 400, chunk=100)
     executor = Executor(fabric, plan, "w", RegionMap.build([(0, 400)]), 2, Deadline.after(10), landed.append)
