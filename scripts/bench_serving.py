@@ -101,6 +101,8 @@ class Served:
 
 def run(config: BenchServingConfig) -> int:
     """CLI runner: benchmark, print and write the summary."""
+    # SIGTERM unwinds like Ctrl-C, so a local cluster this started is stopped too.
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
     if config.url:
         summary = asyncio.run(_bench(config, config.url.rstrip("/")))
     else:
@@ -112,6 +114,10 @@ def run(config: BenchServingConfig) -> int:
     _write(config, summary, records)
     _print(summary)
     return 0 if summary["failed"] == 0 else 1
+
+
+def _exit_on_sigterm(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)
 
 
 # ------------------------------------------------------------------------------------ the client
@@ -127,11 +133,15 @@ async def _bench(config: BenchServingConfig, url: str) -> dict[str, Any]:
         prompts = [[rng.randrange(3, served.vocab_size) for _ in range(a.input_len)] for a in arrivals]
         start = time.perf_counter()
         tasks = [
-            asyncio.create_task(_one(client, served.model_id, i, a, prompts[i], start))
+            asyncio.create_task(
+                _one(client, served.model_id, i, a, prompts[i], start, config.request_timeout)
+            )
             for i, a in enumerate(arrivals)
         ]
+        reporter = asyncio.create_task(_progress(tasks))
         records = await asyncio.gather(*tasks)
         duration = time.perf_counter() - start
+        reporter.cancel()
     summary = summarize(records, duration, parse_slos(config.slo))
     summary.update(
         {
@@ -168,10 +178,19 @@ def _workload(config: BenchServingConfig, served: Served) -> list[Arrival]:
     return clip(arrivals, served.max_input_tokens, served.max_total_tokens)
 
 
+async def _progress(tasks: list[asyncio.Task[RequestRecord]], every: float = 10.0) -> None:
+    """A line on stderr every `every` seconds, so a slow or stuck run is visible."""
+    while True:
+        await asyncio.sleep(every)
+        done = [t.result() for t in tasks if t.done()]
+        failed = sum(not r.success for r in done)
+        print(f"bench serving: {len(done)}/{len(tasks)} done, {failed} failed", file=sys.stderr, flush=True)
+
+
 async def _one(
-    client: Any, model: str, index: int, arrival: Arrival, prompt: list[int], t0: float
+    client: Any, model: str, index: int, arrival: Arrival, prompt: list[int], t0: float, timeout: float
 ) -> RequestRecord:
-    """Send one streamed completion at its arrival time and time every token."""
+    """Send one streamed completion at its arrival time and time every token (within `timeout` s)."""
     await asyncio.sleep(max(0.0, t0 + arrival.at - time.perf_counter()))
     record = RequestRecord(index=index, input_len=arrival.input_len, start=time.perf_counter() - t0)
     body = {
@@ -186,14 +205,21 @@ async def _one(
     }
     sent = time.perf_counter()
     try:
-        async with client.stream("POST", "/v1/completions", json=body) as response:
-            if response.status_code != 200:
-                record.error = f"HTTP {response.status_code}: {(await response.aread()).decode()[:300]}"
-                return record
-            await _read_stream(response, record, sent)
+        await asyncio.wait_for(_send(client, body, record, sent), timeout)
+    except TimeoutError:
+        record.success = False
+        record.error = f"no answer within {timeout} s"
     except Exception as exc:  # a failed request is a data point, not the end of the run
         record.error = f"{type(exc).__name__}: {exc}"
     return record
+
+
+async def _send(client: Any, body: dict[str, Any], record: RequestRecord, sent: float) -> None:
+    async with client.stream("POST", "/v1/completions", json=body) as response:
+        if response.status_code != 200:
+            record.error = f"HTTP {response.status_code}: {(await response.aread()).decode()[:300]}"
+            return
+        await _read_stream(response, record, sent)
 
 
 async def _read_stream(response: Any, record: RequestRecord, sent: float) -> None:
@@ -283,6 +309,7 @@ class LocalCluster:
 
     def __enter__(self) -> str:
         self.proc = subprocess.Popen(self.command(), stdout=self.log, stderr=subprocess.STDOUT)
+        print(f"bench serving: local cluster starting, log {self.log.name}", file=sys.stderr, flush=True)
         url = f"http://127.0.0.1:{self.port}"
         try:
             self._wait_healthy(url)
