@@ -46,7 +46,7 @@ def run_plan(
     options = options or TransferOptions()
     leader = plan.ranks[0]
     if options.confirm and fabric.rank != leader:
-        fabric.connect(leader, control_stream(stream, leader), deadline)  # early: the leader sees our death
+        fabric.connect(leader, control_stream(stream), deadline)  # early: the leader sees our death
     executor = Executor(
         fabric, plan, buffer, RegionMap.build(regions), stream, deadline, on_region,
         ExecutorOptions(window=options.window),

@@ -36,7 +36,7 @@ def confirm(
     name = f"__confirm:{stream}:{next(_names)}"
     records = bytearray(RECORD.size * (len(ranks) + 1))
     fabric.register(name, records)
-    exchange = _Exchange(fabric, name, records, control_stream(stream, ranks[0]), tag, deadline)
+    exchange = _Exchange(fabric, name, records, control_stream(stream), tag, deadline)
     try:
         mine = Verdict.OK if ok else Verdict.FAILED
         if fabric.rank == ranks[0]:

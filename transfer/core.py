@@ -22,10 +22,9 @@ Segment = tuple[int, int]
 
 Segments = Sequence[Segment]
 
-# Control streams (collective completion confirmations) live in the negative stream numbers, one
-# per (data stream, leader), so they never collide with data, never queue behind it, and two
-# collectives with different leaders on one stream (e.g. p2p both ways) never mix their records.
-MAX_CONTROL_RANKS = 1 << 20
+# Control streams (collective completion confirmations) live in the negative stream numbers, so they
+# never collide with data streams and never queue behind data.
+CONTROL_BASE = -1
 
 
 class Stream(enum.IntEnum):
@@ -36,11 +35,16 @@ class Stream(enum.IntEnum):
     PARAMS = 2
 
 
-def control_stream(stream: int, leader: int) -> StreamId:
-    """The control stream of the confirmations of collectives led by `leader` on data stream `stream`."""
-    if stream < 0 or not 0 <= leader < MAX_CONTROL_RANKS:
-        raise ValueError(f"no control stream for stream {stream}, leader {leader}")
-    return StreamId(-1 - (stream * MAX_CONTROL_RANKS + leader))
+def control_stream(stream: int) -> StreamId:
+    """The control stream that carries completion confirmations for data stream `stream`.
+
+    Confirmation records of one (pair of ranks, stream) are matched in order, so two collectives
+    between the same ranks must not overlap on one stream, in either direction: give concurrent
+    transfers (say, p2p both ways) different streams.
+    """
+    if stream < 0:
+        raise ValueError(f"data streams are non-negative, got {stream}")
+    return StreamId(CONTROL_BASE - stream)
 
 
 @dataclass(frozen=True)

@@ -123,8 +123,10 @@ def check_many_streams(maker: FabricMaker) -> None:
             region = [(s * size, size)]
             for r in range(2):
                 me, peer = fabrics[r], 1 - r
-                jobs.append(partial(send_regions, me, peer, "in", region, 10 + s, deadline, options=SMALL))
-                jobs.append(partial(recv_regions, me, peer, "out", region, 10 + s, deadline, options=SMALL))
+                stream = 10 + 2 * s + r  # one direction per stream (confirmations of a pair would cross)
+                jobs.append(partial(send_regions, me, peer, "in", region, stream, deadline, options=SMALL))
+                jobs.append(partial(recv_regions, me, peer, "out", region, stream + 1 - 2 * r, deadline,
+                                    options=SMALL))
         _ok(run_all(jobs))
         assert np.array_equal(outs[0], bufs[1]) and np.array_equal(outs[1], bufs[0])
 
