@@ -52,7 +52,7 @@ def new_request_id(prefix: str) -> str:
 
 
 async def start(request: Request, req: GenerateRequest, flavor: Flavor) -> tuple[EventFeed, Event]:
-    """Submit and wait for the first event, so a rejection still gets a proper HTTP status.
+    """Submit and wait for the first event, so a rejection or an early failure gets a proper HTTP status.
 
     Raises `ClientGone` when the client leaves while the request waits (the feed is closed).
     """
@@ -61,6 +61,10 @@ async def start(request: Request, req: GenerateRequest, flavor: Flavor) -> tuple
     if first is None:
         await feed.close()
         raise APIError("the scheduler ended the request without an answer", 500, flavor)
+    if isinstance(first, ErrorEvent):
+        # Nothing sent yet: even a streamed request can still get a proper 5xx status.
+        await feed.close()
+        raise APIError(f"generation failed: {first.message}", max(first.http_status, 500), flavor)
     return feed, first
 
 

@@ -81,6 +81,9 @@ class FakeScheduler:
         return self.healthy
 
     def _events(self, request: GenerateRequest) -> Iterator[Event]:
+        if self.fail_after == 0:  # the prefill itself failed: no PrefillEvent
+            yield ErrorEvent(message="replica 0 failed the prefill: boom", http_status=500)
+            return
         prompt = tuple(
             TokenInfo(id=t, text=f"p{t}", logprob=-1.0) for t in request.input_ids if request.prefill_logprobs
         )

@@ -305,6 +305,10 @@ def test_replica_error_mid_stream_and_not(oai: openai.OpenAI, url: str, sched: F
         list(stream)
     whole = httpx.post(f"{url}/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}]})
     assert whole.status_code == 500 and "boom" in whole.json()["error"]["message"]
+    sched.fail_after = 0  # fails before any token: the stream has not started, so a plain 5xx
+    early = httpx.post(f"{url}/v1/completions", json={"prompt": "hello", "stream": True})
+    assert early.status_code == 500 and "boom" in early.json()["error"]["message"]
+    sched.fail_after = 2
     tgi = httpx.post(f"{url}/generate_stream", json={"inputs": "hello", "parameters": {"max_new_tokens": 5}})
     last = [line for line in tgi.text.splitlines() if line.startswith("data:")][-1]
     assert json.loads(last[5:]) == {
