@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import os
 import random
 import signal
 import socket
@@ -58,6 +59,10 @@ class BenchServingConfig:
     )
     prefill: int = field(default=1, metadata={"help": "prefill replicas of the local cluster"})
     decode: int = field(default=1, metadata={"help": "decode replicas of the local cluster"})
+    torch_threads: int = field(
+        default=0,
+        metadata={"help": "torch threads per replica and for the in-process run; 0: cores ÷ replicas"},
+    )
     num_blocks: int = field(
         default=0, metadata={"help": "KV pages per replica of the local cluster (0: its default)"}
     )
@@ -269,11 +274,15 @@ def _compare_in_process(config: BenchServingConfig, records: list[RequestRecord]
         batch = max(1, round(mean_concurrency(records, duration)))
     input_len = round(sum(r.input_len for r in done) / len(done))
     output_len = max(2, round(sum(r.output_len for r in done) / len(done)))
-    baseline = run_engine_baseline(config.model, batch, input_len, output_len, seed=config.seed)
+    threads = threads_per_replica(config)
+    baseline = run_engine_baseline(
+        config.model, batch, input_len, output_len, seed=config.seed, threads=threads
+    )
     cluster = cluster_decode_rate(records)
     ratio = cluster / baseline.decode_tokens_per_s if baseline.decode_tokens_per_s else 0.0
     return {
         "in_process_batch_size": batch,
+        "in_process_torch_threads": threads,
         "in_process_decode_tokens_per_s": baseline.decode_tokens_per_s,
         "in_process_prefill_tokens_per_s": baseline.prefill_tokens_per_s,
         "cluster_decode_tokens_per_s": cluster,
@@ -284,6 +293,12 @@ def _compare_in_process(config: BenchServingConfig, records: list[RequestRecord]
 
 
 # --------------------------------------------------------------------------------- local cluster
+def threads_per_replica(config: BenchServingConfig) -> int:
+    """Torch threads of one replica: as given, else this machine's cores shared by the replicas."""
+    cores = os.cpu_count() or 1
+    return config.torch_threads or max(1, cores // max(1, config.prefill + config.decode))
+
+
 def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -304,7 +319,9 @@ class LocalCluster:
         c = self.config
         cmd = [sys.executable, "-m", "scripts.cli", "up", "--model", str(c.model)]
         cmd += ["--prefill", str(c.prefill), "--decode", str(c.decode), "--http-port", str(self.port)]
-        cmd += ["--admin-port", "0"] + (["--num-blocks", str(c.num_blocks)] if c.num_blocks else [])
+        cmd += ["--admin-port", "0", "--torch-threads", str(threads_per_replica(c))] + (
+            ["--num-blocks", str(c.num_blocks)] if c.num_blocks else []
+        )
         return cmd + (["--strategy", c.strategy] if c.strategy else [])
 
     def __enter__(self) -> str:

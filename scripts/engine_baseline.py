@@ -46,10 +46,16 @@ def run_engine_baseline(
     block_size: int = 16,
     seed: int = 0,
     repeats: int = 3,
+    threads: int = 0,
 ) -> BaselineResult:
     """Prefill one batch and decode it to the end on an in-process engine; the best of `repeats` runs."""
+    import torch
+
     from replica.config import ReplicaConfig
     from replica.engine.factory import build_engine
+
+    if threads:
+        torch.set_num_threads(threads)  # as many as one replica of the cluster gets
     from replica.engine.types import BatchId, RequestId, RequestSpec, StoppingParams
 
     pages_per_request = -(-(input_len + output_len) // block_size)
