@@ -226,7 +226,7 @@ async def _stream(answer: OpenAIAnswer, first: Event, feed: EventFeed) -> AsyncI
                 yield sse("[DONE]")
                 return
             if isinstance(event, TokenEvent) and (piece or ctx.logprobs):
-                yield sse(dumps(answer.chunk(piece, [event.token])))
+                yield sse(answer.token_chunk_json(piece, event.token))
             event = await feed.next()
         yield sse(dumps(error_body("the scheduler ended the stream without finishing it", 500, OPENAI)))
     except APIError as exc:

@@ -7,6 +7,7 @@ request in the non-standard `pdcluster_route` field of the final object.
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, field
 from typing import Any
@@ -15,6 +16,10 @@ from router.http.stops import StopTrimmer
 from router.types import FinishEvent, FinishReason, PrefillEvent, Route, TokenEvent, TokenInfo
 
 LOGPROB_FLOOR = -9999.0  # JSON has no -inf; OpenAI clients expect a finite float
+
+
+def _json(obj: Any) -> str:
+    return json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
 
 
 def openai_finish_reason(reason: FinishReason) -> str:
@@ -107,6 +112,7 @@ class OpenAIAnswer:
     def __post_init__(self) -> None:
         self.trimmer = StopTrimmer(self.ctx.stops)
         self.text = self.ctx.echo or ""
+        self._token_chunk_parts = self._prebuilt_chunk_parts()
 
     # ---- folding events -------------------------------------------------------------------
     def on_prefill(self, event: PrefillEvent) -> None:
@@ -143,6 +149,22 @@ class OpenAIAnswer:
         if self.ctx.include_usage:
             body["usage"] = None
         return body
+
+    def token_chunk_json(self, text: str, token: TokenInfo) -> str:
+        """`chunk(text, [token])` as JSON text, built from prebuilt pieces: this runs once per
+        streamed token, and the router's event loop is shared with the decode loops."""
+        head, text_key, tail = self._token_chunk_parts
+        logprobs = _json(self._logprobs([token], len(self.text) - len(text))) if self.ctx.logprobs else "null"
+        return f"{head}{logprobs}{text_key}{_json(text)}{tail}"
+
+    def _prebuilt_chunk_parts(self) -> tuple[str, str, str]:
+        envelope = self._envelope(chunk=True, choices=[])
+        fields = ",".join(f"{_json(k)}:{_json(v)}" for k, v in envelope.items() if k != "choices")
+        head = "{" + fields + ',"choices":[{"index":0,"logprobs":'
+        text_key = ',"delta":{"content":' if self.ctx.chat else ',"text":'
+        tail = ("}" if self.ctx.chat else "") + ',"finish_reason":null}]'
+        tail += ',"usage":null}' if self.ctx.include_usage else "}"
+        return head, text_key, tail
 
     def final_chunk(self, text: str) -> dict[str, Any]:
         """The chunk with the finish reason and the route."""

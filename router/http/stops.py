@@ -26,6 +26,9 @@ class StopTrimmer:
     def push(self, piece: str) -> str:
         """Add generated text; return the newly releasable text (possibly empty)."""
         self._text += piece
+        if not self._stops:  # the common case, on every streamed token: nothing to hold back
+            self._released = len(self._text)
+            return piece
         if self._cut is None:
             self._cut = self._find_stop()
         end = self._cut if self._cut is not None else len(self._text) - self._pending_prefix()

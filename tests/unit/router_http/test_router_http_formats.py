@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import math
 
+import pytest
+
 from router.http.errors import Flavor, error_body
 from router.http.events import failed_event, sse
 from router.http.openai_format import OpenAIAnswer, OpenAIContext
@@ -148,3 +150,13 @@ def test_completion_echo_logprobs_skip_special_prompt_tokens() -> None:
     logprobs = answer.final_object()["choices"][0]["logprobs"]
     assert logprobs["tokens"] == ["a", "b"] and logprobs["token_logprobs"] == [-2.0, -1.0]
     assert logprobs["text_offset"] == [0, 1]
+
+
+@pytest.mark.parametrize("chat", [True, False])
+@pytest.mark.parametrize("logprobs", [True, False])
+@pytest.mark.parametrize("include_usage", [True, False])
+def test_prebuilt_token_chunk_equals_the_plain_chunk(chat: bool, logprobs: bool, include_usage: bool) -> None:
+    answer = OpenAIAnswer(_ctx(chat, logprobs=logprobs, include_usage=include_usage, echo=None))
+    token = _tok(5, ' "quoted" ünï')
+    piece = answer.on_token(TokenEvent(token, 0))
+    assert json.loads(answer.token_chunk_json(piece, token)) == answer.chunk(piece, [token])
