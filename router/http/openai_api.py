@@ -220,10 +220,9 @@ async def _stream(answer: OpenAIAnswer, first: Event, feed: EventFeed) -> AsyncI
                 return
             piece = _fold(answer, event)
             if isinstance(event, FinishEvent):
-                yield sse(dumps(answer.final_chunk(piece)))
-                if ctx.include_usage:
-                    yield sse(dumps(answer.usage_chunk()))
-                yield sse("[DONE]")
+                # One write for the finish, the usage and [DONE]: they are ready together.
+                usage = sse(dumps(answer.usage_chunk())) if ctx.include_usage else ""
+                yield sse(dumps(answer.final_chunk(piece))) + usage + sse("[DONE]")
                 return
             if isinstance(event, TokenEvent) and (piece or ctx.logprobs):
                 yield sse(answer.token_chunk_json(piece, event.token))
