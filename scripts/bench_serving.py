@@ -289,6 +289,8 @@ def _compare_in_process(config: BenchServingConfig, records: list[RequestRecord]
         "decode_ratio": ratio,
         "decode_ratio_goal": DECODE_GOAL,
         "decode_ratio_goal_met": ratio >= DECODE_GOAL,
+        # With paced arrivals the cluster decodes what is offered, not what it could: compare at rate inf.
+        "decode_ratio_is_capacity": math.isinf(config.rate) and config.trace is None,
     }
 
 
