@@ -357,3 +357,13 @@ def test_defaults_fill_max_tokens(url: str, sched: FakeScheduler) -> None:
     httpx.post(f"{url}/generate", json={"inputs": "hello"})
     chat, completion, tgi = (r.stopping.max_new_tokens for r in sched.submitted)
     assert (chat, completion, tgi) == (INFO.default_max_new_tokens, 16, INFO.default_max_new_tokens)
+
+
+def test_tgi_truncate_keeps_the_last_tokens(url: str, sched: FakeScheduler, tokenizer: Tokenizer) -> None:
+    long_input = " ".join(["w1"] * 30)  # 31 tokens with <s>: over the 16-token limit unless truncated
+    response = httpx.post(
+        f"{url}/generate", json={"inputs": long_input + " cat", "parameters": {"truncate": 4}}
+    )
+    assert response.status_code == 200
+    (req,) = sched.submitted
+    assert req.input_ids == tuple(tokenizer.encode(long_input + " cat")[-4:]) and req.truncate == 4
