@@ -56,6 +56,8 @@ class RdmaFabric(Fabric):
         self._by_index: dict[int, Channel] = {}
         self._generations: dict[tuple[int, int], int] = {}
         self._pending: dict[tuple[int, int], list[tuple[Handle, Callable[[Channel], None]]]] = {}
+        self._connecting: set[tuple[int, int]] = set()  # one connector thread per (peer, stream)
+        self._refused: dict[tuple[int, int], TransferError] = {}
         self._connectors: list[threading.Thread] = []
         self._indices = itertools.count(1)
         # (peer, stream) and the action for the progress thread; an action's protocol error drops its channel
@@ -86,6 +88,8 @@ class RdmaFabric(Fabric):
     def set_layout(self, stream: int, descriptor: str) -> None:
         with self._lock:
             self._layouts[stream] = descriptor
+            for key in [k for k in self._refused if k[1] == stream]:
+                del self._refused[key]  # a new layout deserves a new handshake
 
     def _memory(self, name: str, segments: Segments) -> tuple[object, int, int, int]:
         with self._lock:
@@ -106,13 +110,18 @@ class RdmaFabric(Fabric):
             qp, generation = self._open_qp(peer, stream, deadline)
         except TransferError as exc:
             with self._lock:
+                self._connecting.discard(key)
                 waiting = self._pending.pop(key, [])
-                if isinstance(exc, LayoutMismatch):  # both sides saw it: both move to a fresh generation
+                if isinstance(exc, LayoutMismatch):
+                    # both sides saw it: both move to a fresh generation, and refuse further work on
+                    # this (peer, stream) until an abort or a new layout, as a refused TCP handshake does
                     self._generations[key] = self._generations.get(key, 0) + 1
+                    self._refused[key] = exc
             for handle, _ in waiting:
                 handle._fail(exc)
             return
         with self._lock:  # install and flush under one lock: later posts queue behind these
+            self._connecting.discard(key)
             channel = self._install(peer, stream, qp, generation)
             for _, action in self._pending.pop(key, []):
                 self._commands.put((key, partial(action, channel)))
@@ -169,16 +178,21 @@ class RdmaFabric(Fabric):
                 handle._fail(FabricClosed(f"rank {self.rank}: fabric closed"))
                 return handle
             channel = self._channels.get(key)
+            refused = self._refused.get(key)
             if channel is not None:
                 self._commands.put((key, partial(action, channel)))
                 return handle
-            first = key not in self._pending
-            self._pending.setdefault(key, []).append((handle, action))
+            if refused is None:
+                self._pending.setdefault(key, []).append((handle, action))
+            first = refused is None and key not in self._connecting
             if first:
+                self._connecting.add(key)
                 connector = threading.Thread(target=self._establish, args=(peer, stream, deadline),
                                              name=f"rdma-connect-{peer}-{stream}", daemon=True)
                 self._connectors = [t for t in self._connectors if t.is_alive()] + [connector]
                 connector.start()
+        if refused is not None:
+            handle._fail(refused)
         return handle
 
     def send(self, peer: int, name: str, segments: Segments, stream: int, deadline: Deadline) -> Handle:
@@ -207,6 +221,7 @@ class RdmaFabric(Fabric):
         with self._lock:
             channel = self._channels.pop((peer, stream), None)
             waiting = self._pending.pop((peer, stream), []) if channel is None else []
+            self._refused.pop((peer, stream), None)
         for handle, _ in waiting:  # not connected yet: fail what waits for the connection
             handle._fail(error)
         with self._lock:
