@@ -38,7 +38,7 @@ from replica.migration.plan import (
     Region,
     SeqPages,
     layer_range,
-    layer_regions,
+    runs,
     total_bytes,
 )
 from transfer.core import Deadline
@@ -109,19 +109,28 @@ class Migrations:
         batch = self.on_engine(lambda: self._take(spec), deadline, undo=self._free)
         info = batch.info(self.engine.block_size)
         try:
-            self.send_batch(batch, route.peer, layers, deadline, self._all_layers(batch, layers))
+            self.send_batch(batch, route.peer, layers, deadline, self._all_layers(batch, layers), False)
         finally:
             self.later(lambda: self._free(batch))
         return info
 
     def send_batch(
-        self, batch: Batch, peer: int, layers: range, deadline: Deadline,
+        self,
+        batch: Batch,
+        peer: int,
+        layers: range,
+        deadline: Deadline,
         regions: Iterator[Sequence[Region]],
+        streamed: bool,
     ) -> None:
-        """Serialised with other migrations to `peer`: header, the regions of each layer, confirmation."""
+        """Serialised with other migrations to `peer`: header, the runs of regions, confirmation.
+
+        `regions` yields one run per layer when `streamed`, else a single run over all layers.
+        """
         geometry = self.geometry()
         seqs = seq_pages(batch)
-        header = Header(int(batch.id), secrets.randbits(63), layers, total_bytes(geometry, seqs, layers))
+        nbytes = total_bytes(geometry, seqs, layers)
+        header = Header(int(batch.id), secrets.randbits(63), layers, nbytes, streamed)
         release = self.gates.acquire(peer, deadline.remaining())
         try:
             wire.send_kv(self.cluster.fabric, peer, header, regions, deadline)
@@ -131,8 +140,7 @@ class Migrations:
             release()
 
     def _all_layers(self, batch: Batch, layers: range) -> Iterator[Sequence[Region]]:
-        geometry, seqs = self.geometry(), seq_pages(batch)
-        return (layer_regions(geometry, seqs, layer) for layer in layers)
+        return iter(runs(self.geometry(), seq_pages(batch), layers, streamed=False))
 
     def _take(self, spec: BatchSpec) -> Batch:
         """(Engine thread) the cached batch named by `spec`, out of the store, checked against `spec`."""
@@ -169,16 +177,18 @@ class Migrations:
         geometry, seqs = self.geometry(), seq_pages(batch)
         nbytes = total_bytes(geometry, seqs, layers)
         try:
-            header = self.turns.claim(peer, int(batch.id), lambda: wire.read_header(fabric, peer, deadline),
-                                      deadline.at)
+            header = self.turns.claim(
+                peer, int(batch.id), lambda: wire.read_header(fabric, peer, deadline), deadline.at
+            )
             try:
                 if header.layers != layers or header.nbytes != nbytes:
-                    reason = (f"batch {batch.id}: the sender moves layers {_span(header.layers)} / "
-                              f"{header.nbytes} bytes, this replica expects {_span(layers)} / {nbytes} bytes")
+                    reason = (
+                        f"batch {batch.id}: the sender moves layers {_span(header.layers)} / "
+                        f"{header.nbytes} bytes, this replica expects {_span(layers)} / {nbytes} bytes"
+                    )
                     wire.refuse(fabric, peer, header, reason, deadline)
                     raise FailedPrecondition(reason)
-                regions = [layer_regions(geometry, seqs, layer) for layer in layers]
-                wire.recv_kv(fabric, peer, header, regions, deadline)
+                wire.recv_kv(fabric, peer, header, runs(geometry, seqs, layers, header.streamed), deadline)
             finally:
                 self.turns.release(peer)
         except TransferError as exc:

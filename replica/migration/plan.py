@@ -17,7 +17,7 @@ from dataclasses import dataclass
 Region = tuple[int, int]
 """(byte offset, length) inside the registered KV buffer."""
 
-_HEADER = struct.Struct("!IQQIIQ")  # magic, batch id, nonce, first layer, stop layer, total bytes
+_HEADER = struct.Struct("!IQQIIQB")  # magic, batch id, nonce, first layer, stop layer, bytes, streamed
 _MAGIC = 0x4B564D31  # "KVM1"
 HEADER_BYTES = _HEADER.size
 
@@ -75,6 +75,14 @@ def layer_regions(geometry: CacheGeometry, seqs: Sequence[SeqPages], layer: int)
     return regions
 
 
+def runs(
+    geometry: CacheGeometry, seqs: Sequence[SeqPages], layers: range, streamed: bool
+) -> list[list[Region]]:
+    """The p2p runs of a migration: one per layer when streamed, else one over every layer's regions."""
+    per_layer = [layer_regions(geometry, seqs, layer) for layer in layers]
+    return per_layer if streamed else [[r for regions in per_layer for r in regions]]
+
+
 def total_bytes(geometry: CacheGeometry, seqs: Sequence[SeqPages], layers: range) -> int:
     """Bytes a migration of `layers` moves."""
     pages = sum(geometry.prompt_pages(s.prompt_len) for s in seqs)
@@ -89,16 +97,20 @@ class Header:
     nonce: int  # the confirmation tag of this attempt (a retry gets a new one)
     layers: range
     nbytes: int
+    streamed: bool = False  # one p2p run per layer (produced during a prefill), else one run for all
 
     def pack(self) -> bytes:
         """Wire form."""
         layers = self.layers
-        return _HEADER.pack(_MAGIC, self.batch_id, self.nonce, layers.start, layers.stop, self.nbytes)
+        streamed = int(self.streamed)
+        return _HEADER.pack(
+            _MAGIC, self.batch_id, self.nonce, layers.start, layers.stop, self.nbytes, streamed
+        )
 
     @classmethod
     def unpack(cls, data: bytes | bytearray | memoryview) -> Header:
         """Parse; raises ValueError on a bad magic."""
-        magic, batch_id, nonce, start, stop, nbytes = _HEADER.unpack(bytes(data[:HEADER_BYTES]))
+        magic, batch_id, nonce, start, stop, nbytes, streamed = _HEADER.unpack(bytes(data[:HEADER_BYTES]))
         if magic != _MAGIC:
             raise ValueError(f"not a migration header (magic {magic:#x})")
-        return cls(batch_id, nonce, range(start, stop), nbytes)
+        return cls(batch_id, nonce, range(start, stop), nbytes, bool(streamed))

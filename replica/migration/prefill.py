@@ -37,7 +37,7 @@ from replica.engine.types import BatchSpec, StepResult
 from replica.engine.worker import WorkItem
 from replica.errors import DeadlineExceeded, PeerTimeout
 from replica.migration.manager import Migrations, seq_pages
-from replica.migration.plan import Region, layer_regions
+from replica.migration.plan import Region, layer_regions, runs
 from transfer.core import Deadline
 
 T = TypeVar("T")
@@ -83,7 +83,7 @@ class MigratingPrefill:
                 regions = self._streamed(events, batch, deadline)
             else:
                 regions = self._after(item, batch, deadline)
-            m.send_batch(batch, peer, layers, deadline, regions)
+            m.send_batch(batch, peer, layers, deadline, regions, streamed=progressive)
             forwarded = _result(item, deadline)
         except BaseException:
             m.later(lambda: self._free_forwarded(item))
@@ -156,9 +156,8 @@ class MigratingPrefill:
         self, item: WorkItem[_Forwarded], batch: Batch, deadline: Deadline
     ) -> Iterator[Sequence[Region]]:
         _result(item, deadline)  # every layer is in the pages once the forward returned
-        geometry, seqs = self.m.geometry(), seq_pages(batch)
-        for layer in range(self.m.engine.runner.num_layers):
-            yield layer_regions(geometry, seqs, layer)
+        layers = range(self.m.engine.runner.num_layers)
+        yield from runs(self.m.geometry(), seq_pages(batch), layers, streamed=False)
 
 
 def _next(events: queue.SimpleQueue[_Event], deadline: Deadline) -> _Event:

@@ -6,10 +6,11 @@
  for layer in range:  send_regions(layer) ═════►  for layer in range: recv_regions(layer)
  confirm(leader = sender) ◄──────────────────────► confirm: both learn whether both sides succeeded
 ```
-Each layer is one p2p run of the transfer layer over that layer's page regions (gather on the
-sender, scatter on the receiver: many small regions, few messages). Both sides run the same
-layers with the same region lengths, so their messages match whether the sender had every layer
-at once (Migrate) or produced them one by one during a prefill (MIGRATE_PROGRESSIVE).
+The regions go in p2p runs of the transfer layer (gather on the sender, scatter on the receiver:
+many small regions, few messages): one run over every layer when the sender has them all
+(Migrate, MIGRATE), one run per layer when it produces them during a prefill (MIGRATE_PROGRESSIVE,
+`header.streamed`). The receiver reads the header first and runs the same runs with the same
+region lengths, so their messages match.
 """
 
 from __future__ import annotations
@@ -46,12 +47,12 @@ def as_replica_error(exc: TransferError) -> ReplicaError:
 
 
 def send_kv(
-    fabric: Fabric, peer: int, header: Header, layers: Iterable[Sequence[Region]], deadline: Deadline
+    fabric: Fabric, peer: int, header: Header, runs: Iterable[Sequence[Region]], deadline: Deadline
 ) -> None:
-    """Send the header, then each layer's regions as `layers` yields them, then confirm.
+    """Send the header, then each run's regions as `runs` yields them, then confirm.
 
     Raises a `TransferError` (this side's, or `PeerGone` when the receiver reported a failure).
-    Any other exception from `layers` (the prefill producing them failed) aborts the stream first,
+    Any other exception from `runs` (the prefill producing them failed) aborts the stream first,
     so the receiver fails at once instead of at its deadline.
     """
     name = f"__kv-header:{next(_names)}"
@@ -59,7 +60,7 @@ def send_kv(
     error: TransferError | None = None
     try:
         sent = fabric.send(peer, name, [(0, HEADER_BYTES)], KV_STREAM, deadline)
-        for regions in layers:
+        for regions in runs:
             if regions:
                 send_regions(fabric, peer, KV_BUFFER, regions, KV_STREAM, deadline, options=_OPTIONS)
         sent.wait(deadline)
@@ -93,12 +94,12 @@ def read_header(fabric: Fabric, peer: int, deadline: Deadline) -> Header:
 
 
 def recv_kv(
-    fabric: Fabric, peer: int, header: Header, layers: Sequence[Sequence[Region]], deadline: Deadline
+    fabric: Fabric, peer: int, header: Header, runs: Sequence[Sequence[Region]], deadline: Deadline
 ) -> None:
-    """Receive each layer's regions (the header was read already), then confirm."""
+    """Receive each run's regions (the header was read already), then confirm."""
     error: TransferError | None = None
     try:
-        for regions in layers:
+        for regions in runs:
             if regions:
                 recv_regions(fabric, peer, KV_BUFFER, regions, KV_STREAM, deadline, options=_OPTIONS)
     except TransferError as exc:

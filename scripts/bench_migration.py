@@ -1,0 +1,361 @@
+"""`pdcluster bench migration`: KV bytes/s of Migrate ‖ Immigrate against the fabric's p2p, same run.
+
+```
+ bench ──gRPC──► replica P (rank 0) ══ tcp: header, a gather/scatter run per layer ══► replica D (rank 1)
+   │   PrefillV2 (untimed) · Migrate ‖ Immigrate (timed, client side) · ClearCache on D
+   └──queues──► p2p worker (rank 2) ══ send_regions of ONE region of the same bytes ══► p2p worker (rank 3)
+```
+For each batch shape (requests × prompt tokens) the two replica processes move the batch's KV
+(every layer's prompt pages, one page of one layer per region) and, right after, two bare fabric
+processes move the same number of bytes as one contiguous region with the transfer layer's p2p
+(with its end-of-transfer confirmation, like the migration). Both times are medians over
+`--repeats`; the report gives GB/s and the ratio migration/p2p (goal ≥ 0.80).
+
+The model is a random-weight checkpoint made for the run (`--layers`, `--hidden`, `--kv-heads`),
+with more KV heads and layers than the tests' tiny one so that the byte counts mean something.
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+READY_PREFIX = "pdcluster replica serving on"
+_REPO = Path(__file__).resolve().parents[1]
+_CALL_S = 300.0
+
+
+@dataclass
+class BenchMigrationConfig:
+    """Options of `pdcluster bench migration`."""
+
+    requests: list[int] = field(default_factory=lambda: [1, 8, 64], metadata={"help": "requests per batch"})
+    tokens: list[int] = field(default_factory=lambda: [128, 512, 2048], metadata={"help": "prompt tokens"})
+    max_batch_tokens: int = field(
+        default=131072, metadata={"help": "skip shapes with more prompt tokens than this in one batch"}
+    )
+    layers: int = field(default=8, metadata={"help": "decoder layers of the benchmark model"})
+    hidden: int = field(default=128, metadata={"help": "hidden size of the benchmark model"})
+    kv_heads: int = field(default=8, metadata={"help": "KV heads (= attention heads) of the benchmark model"})
+    block_size: int = field(default=16, metadata={"help": "tokens per KV page"})
+    repeats: int = field(default=3, metadata={"help": "timed repetitions per shape (the median is reported)"})
+    link_gbps: float = field(default=0.0, metadata={"help": "emulated NIC per rank, Gbit/s (0: none)"})
+    torch_threads: int = field(default=1, metadata={"help": "torch threads of each replica"})
+    json_out: Path | None = field(
+        default=None, metadata={"help": "write the results as JSON here", "flag": "--json"}
+    )
+
+    def __post_init__(self) -> None:
+        if not self.requests or not self.tokens or min(self.requests + self.tokens) <= 0:
+            raise ValueError("--requests and --tokens need positive values")
+        if self.repeats <= 0 or self.layers <= 0 or self.kv_heads <= 0 or self.hidden % self.kv_heads:
+            raise ValueError("--repeats/--layers/--kv-heads must be positive and divide --hidden")
+
+    def shapes(self) -> list[tuple[int, int]]:
+        """(requests, tokens) pairs within the token budget, smallest first."""
+        pairs = [(r, t) for r in self.requests for t in self.tokens if r * t <= self.max_batch_tokens]
+        return sorted(pairs, key=lambda p: (p[0] * p[1], p))
+
+    def page_bytes(self) -> int:
+        """One page of one layer: K and V of `block_size` tokens, float32."""
+        return 2 * self.block_size * self.hidden * 4  # kv_heads * head_dim == hidden (no GQA here)
+
+    def kv_bytes(self, requests: int, tokens: int) -> int:
+        """Bytes a migration of that shape moves."""
+        return requests * -(-tokens // self.block_size) * self.page_bytes() * self.layers
+
+
+# ---------------------------------------------------------------------------------- setup
+def _make_model(config: BenchMigrationConfig, out: Path) -> Path:
+    from scripts.tiny_model import TinyModelConfig, make_tiny_model
+
+    longest = max(config.tokens) + 8
+    make_tiny_model(
+        TinyModelConfig(
+            out=out,
+            layers=config.layers,
+            hidden=config.hidden,
+            heads=config.kv_heads,
+            kv_heads=config.kv_heads,
+            intermediate=2 * config.hidden,
+            max_positions=max(512, longest),
+        )
+    )
+    return out
+
+
+def _write_table(path: Path, ports: list[int], link_gbps: float) -> Path:
+    ranks = [
+        {
+            "rank": r,
+            "host": "127.0.0.1",
+            "node": f"n{r}",
+            "device": "cpu",
+            "transfer_address": f"127.0.0.1:{port}",
+            "link_gbps": link_gbps,
+        }
+        for r, port in enumerate(ports)
+    ]
+    path.write_text(json.dumps({"ranks": ranks}))
+    return path
+
+
+def _free_ports(n: int) -> list[int]:
+    import socket
+
+    socks = [socket.socket() for _ in range(n)]
+    for sock in socks:
+        sock.bind(("127.0.0.1", 0))
+    ports = [int(sock.getsockname()[1]) for sock in socks]
+    for sock in socks:
+        sock.close()
+    return ports
+
+
+@dataclass
+class _Replica:
+    process: subprocess.Popen[str]
+    address: str
+
+
+def _start_replica(config: BenchMigrationConfig, model: Path, table: Path, rank: int) -> _Replica:
+    pages = max(r * (-(-t // config.block_size) + 1) for r, t in config.shapes()) + 16
+    cmd = [
+        sys.executable,
+        "-m",
+        "scripts.cli",
+        "replica",
+        "--model",
+        str(model),
+        "--port",
+        "0",
+        "--rank",
+        str(rank),
+        "--cluster",
+        str(table),
+        "--num-blocks",
+        str(pages),
+        "--block-size",
+        str(config.block_size),
+        "--torch-threads",
+        str(config.torch_threads),
+        "--max-batch-prefill-tokens",
+        str(config.max_batch_tokens),
+        "--transfer-timeout",
+        str(_CALL_S),
+    ]
+    proc = subprocess.Popen(cmd, cwd=_REPO, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    assert proc.stdout is not None
+    line = proc.stdout.readline()
+    if not line.startswith(READY_PREFIX):
+        proc.kill()
+        raise RuntimeError(f"replica rank {rank} did not start: {line!r}")
+    return _Replica(proc, line.split()[-1])
+
+
+# ------------------------------------------------------------------------------ p2p workers
+def _p2p_worker(
+    rank: int, table_json: str, max_bytes: int, commands: Any, results: Any, barrier: Any
+) -> None:
+    """One side of the fabric p2p baseline (spawned process): move `nbytes` as one region, repeatedly."""
+    from transfer.collectives import TransferOptions, recv_regions, send_regions
+    from transfer.core import Deadline, Stream
+    from transfer.fabric import create_fabric
+    from transfer.ranktable import parse_rank_table
+
+    table = parse_rank_table(table_json)
+    fabric = create_fabric("tcp", table, table.ranks[rank])
+    fabric.register("buf", bytearray(max_bytes))
+    peer = table.ranks[1 - rank]
+    tag = 0
+    while (command := commands.get()) is not None:
+        nbytes, repeats = command
+        times = []
+        for _ in range(repeats):
+            tag += 1
+            barrier.wait(_CALL_S)
+            start = time.perf_counter()
+            move = send_regions if rank == 0 else recv_regions
+            move(
+                fabric,
+                peer,
+                "buf",
+                [(0, nbytes)],
+                Stream.KV,
+                Deadline.after(_CALL_S),
+                options=TransferOptions(tag=tag),
+            )
+            times.append(time.perf_counter() - start)
+        results.put((rank, times))
+    fabric.close()
+
+
+class _P2p:
+    """Two persistent fabric processes measuring p2p of a given size on demand."""
+
+    def __init__(self, config: BenchMigrationConfig, table: Path, max_bytes: int) -> None:
+        ctx = mp.get_context("spawn")
+        records = json.loads(table.read_text())["ranks"][2:4]
+        sub = json.dumps({"ranks": records})
+        self.commands = [ctx.Queue(), ctx.Queue()]
+        self.results = ctx.Queue()
+        self.barrier = ctx.Barrier(2)  # kept referenced: the children attach to it as they start
+        self.procs = [
+            ctx.Process(
+                target=_p2p_worker,
+                daemon=True,
+                args=(r, sub, max_bytes, self.commands[r], self.results, self.barrier),
+            )
+            for r in range(2)
+        ]
+        for proc in self.procs:
+            proc.start()
+
+    def measure(self, nbytes: int, repeats: int) -> float:
+        for queue in self.commands:
+            queue.put((nbytes, repeats))
+        got = dict(self._result(time.monotonic() + _CALL_S * repeats) for _ in range(2))
+        return statistics.median(max(a, b) for a, b in zip(got[0], got[1], strict=True))
+
+    def _result(self, until: float) -> tuple[int, list[float]]:
+        import queue
+
+        while time.monotonic() < until:
+            try:
+                return self.results.get(timeout=0.5)  # type: ignore[no-any-return]
+            except queue.Empty:
+                if any(p.exitcode not in (None, 0) for p in self.procs):
+                    raise RuntimeError("a p2p benchmark process failed (see its traceback above)") from None
+        raise TimeoutError("the p2p benchmark processes did not answer in time")
+
+    def close(self) -> None:
+        for queue in self.commands:
+            queue.put(None)
+        for proc in self.procs:
+            proc.join(timeout=30)
+
+
+# ------------------------------------------------------------------------------ migrations
+class _Migrator:
+    """The bench's gRPC client of the two replicas."""
+
+    def __init__(self, p: _Replica, d: _Replica) -> None:
+        import grpc
+
+        from protos import generate_pb2_grpc as pb_grpc
+
+        self.channels = [grpc.insecure_channel(r.address) for r in (p, d)]
+        self.p, self.d = (pb_grpc.TextGenerationServiceStub(c) for c in self.channels)
+        self.pool = ThreadPoolExecutor(2)
+        self.next_id = 1
+
+    def _batch(self, requests: int, tokens: int) -> Any:
+        from protos import generate_pb2 as pb
+
+        stop = pb.StoppingCriteriaParameters(max_new_tokens=2, ignore_eos_token=True)
+        prompt = [3 + (i % 250) for i in range(tokens)]
+        base = self.next_id * 1000
+        self.next_id += 1
+        reqs = [
+            pb.Request(id=base + i, input_tokens=prompt, stopping_parameters=stop) for i in range(requests)
+        ]
+        return pb.Batch(id=self.next_id, requests=reqs, size=requests)
+
+    def once(self, requests: int, tokens: int) -> float:
+        """Prefill on P (untimed), then the timed Migrate ‖ Immigrate; the batch is cleared on D."""
+        from protos import generate_pb2 as pb
+
+        batch = self._batch(requests, tokens)
+        self.p.PrefillV2(pb.PrefillV2Request(batch=batch), timeout=_CALL_S)
+        start = time.perf_counter()
+        sent = self.pool.submit(
+            self.p.Migrate, pb.MigrateRequest(batch=batch, src=[0], dst=[1]), timeout=_CALL_S
+        )
+        got = self.pool.submit(
+            self.d.Immigrate, pb.ImmigrateRequest(batch=batch, src=[0], dst=[1]), timeout=_CALL_S
+        )
+        sent.result()
+        got.result()
+        seconds = time.perf_counter() - start
+        self.d.ClearCache(pb.ClearCacheRequest(id=batch.id), timeout=_CALL_S)
+        return seconds
+
+    def close(self) -> None:
+        self.pool.shutdown()
+        for channel in self.channels:
+            channel.close()
+
+
+# ------------------------------------------------------------------------------------ run
+def _rows(config: BenchMigrationConfig, migrator: _Migrator, p2p: _P2p) -> list[dict[str, Any]]:
+    from tqdm import tqdm
+
+    first = config.shapes()[0]
+    migrator.once(*first)  # warm-up (connections, first-call costs): not measured
+    p2p.measure(config.kv_bytes(*first), 1)
+    rows = []
+    for requests, tokens in tqdm(config.shapes(), desc="batch shapes", leave=False):
+        nbytes = config.kv_bytes(requests, tokens)
+        migrate = statistics.median(migrator.once(requests, tokens) for _ in range(config.repeats))
+        baseline = p2p.measure(nbytes, config.repeats)
+        rows.append(
+            {
+                "requests": requests,
+                "tokens": tokens,
+                "bytes": nbytes,
+                "regions": nbytes // config.page_bytes(),
+                "migrate_s": migrate,
+                "p2p_s": baseline,
+                "migrate_gbps": nbytes / 1e9 / migrate,
+                "p2p_gbps": nbytes / 1e9 / baseline,
+                "ratio": baseline / migrate,
+            }
+        )
+        row = rows[-1]
+        print(
+            f"{requests:3d} x {tokens:5d}tok {nbytes / 2**20:7.1f}MiB migrate {row['migrate_gbps']:6.2f} GB/s"
+            f"  p2p {row['p2p_gbps']:6.2f} GB/s  ratio {row['ratio']:.2f}",
+            flush=True,
+        )
+    return rows
+
+
+def run(config: BenchMigrationConfig) -> int:
+    """Start the replicas and the p2p pair, measure every shape, print and write the report."""
+    with tempfile.TemporaryDirectory(prefix="pdcluster-bench-migration-") as tmp:
+        model = _make_model(config, Path(tmp) / "model")
+        table = _write_table(Path(tmp) / "ranks.json", _free_ports(4), config.link_gbps)
+        replicas: list[_Replica] = []
+        p2p = migrator = None
+        try:
+            replicas = [_start_replica(config, model, table, rank) for rank in (0, 1)]
+            p2p = _P2p(config, table, max(config.kv_bytes(r, t) for r, t in config.shapes()))
+            migrator = _Migrator(*replicas)
+            rows = _rows(config, migrator, p2p)
+        finally:
+            if migrator is not None:
+                migrator.close()
+            if p2p is not None:
+                p2p.close()
+            for replica in replicas:
+                replica.process.terminate()
+                replica.process.wait(30)
+    ratios = [r["ratio"] for r in rows]
+    summary = {"min_ratio": min(ratios), "median_ratio": statistics.median(ratios), "goal": 0.80}
+    print(
+        f"migration/p2p: min {summary['min_ratio']:.2f}, median {summary['median_ratio']:.2f} (goal >= 0.80)"
+    )
+    if config.json_out is not None:
+        config.json_out.parent.mkdir(parents=True, exist_ok=True)
+        report = {"config": {k: str(v) for k, v in asdict(config).items()}, "rows": rows, "summary": summary}
+        config.json_out.write_text(json.dumps(report, indent=1))
+    return 0

@@ -1,0 +1,111 @@
+"""The migration's pure parts: region order and sizes, the header, and per-pair serialisation."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from replica.errors import PeerTimeout
+from replica.migration.gates import InboundTurns, SendGates
+from replica.migration.plan import (
+    CacheGeometry,
+    Header,
+    LayerHalf,
+    SeqPages,
+    layer_range,
+    layer_regions,
+    total_bytes,
+)
+
+GEOMETRY = CacheGeometry(num_blocks=10, block_size=4, page_bytes=100)
+
+
+def test_regions_cover_the_prompt_pages_of_each_request_in_order() -> None:
+    seqs = [SeqPages(prompt_len=5, pages=(7, 2, 9)), SeqPages(prompt_len=4, pages=(0, 1))]
+    # request 0: 5 tokens -> pages 7, 2 (page 9 holds generated tokens only); request 1: page 0
+    assert layer_regions(GEOMETRY, seqs, 0) == [(700, 100), (200, 100), (0, 100)]
+    assert layer_regions(GEOMETRY, seqs, 3) == [(3700, 100), (3200, 100), (3000, 100)]
+    assert total_bytes(GEOMETRY, seqs, range(0, 4)) == 3 * 100 * 4
+
+
+def test_both_sides_agree_on_lengths_with_different_page_ids() -> None:
+    sender = [SeqPages(9, (1, 2, 3)), SeqPages(1, (4,))]
+    receiver = [SeqPages(9, (8, 0, 5)), SeqPages(1, (6,))]
+    lengths = [[n for _, n in layer_regions(GEOMETRY, s, 1)] for s in (sender, receiver)]
+    assert lengths[0] == lengths[1] == [100] * 4
+
+
+def test_too_few_pages_is_refused() -> None:
+    with pytest.raises(ValueError, match="needs 2 pages"):
+        layer_regions(GEOMETRY, [SeqPages(5, (1,))], 0)
+
+
+def test_layer_halves() -> None:
+    assert layer_range(LayerHalf.ALL, 0, 4) == range(4)
+    assert layer_range(LayerHalf.FIRST, 1, 4) == range(0, 1)
+    assert layer_range(LayerHalf.SECOND, 1, 4) == range(1, 4)
+    for split in (0, 4):
+        with pytest.raises(ValueError):
+            layer_range(LayerHalf.FIRST, split, 4)
+
+
+def test_header_round_trip_and_bad_magic() -> None:
+    header = Header(batch_id=2**40 + 3, nonce=12345, layers=range(2, 7), nbytes=999)
+    assert Header.unpack(header.pack()) == header
+    with pytest.raises(ValueError, match="not a migration header"):
+        Header.unpack(bytes(len(header.pack())))
+
+
+def test_send_gate_serialises_and_times_out() -> None:
+    gates = SendGates()
+    release = gates.acquire(3, 1.0)
+    with pytest.raises(PeerTimeout):
+        gates.acquire(3, 0.05)
+    gates.acquire(4, 0.05)()  # another peer is independent
+    release()
+    gates.acquire(3, 0.05)()
+
+
+def _header(batch_id: int) -> Header:
+    return Header(batch_id, 0, range(2), 10)
+
+
+def test_turns_route_headers_to_their_immigrate_whatever_the_arrival_order() -> None:
+    # the sender sends batch 1 then batch 2; the receiver's Immigrate(2) asks first
+    stream = iter([_header(1), _header(2)])
+    turns, got, order = InboundTurns(park_seconds=5.0), {}, []
+
+    def immigrate(batch_id: int) -> None:
+        header = turns.claim(9, batch_id, lambda: next(stream), time.monotonic() + 5.0)
+        order.append(batch_id)  # "receives its data" while owning the stream
+        got[batch_id] = header
+        turns.release(9)
+
+    second = threading.Thread(target=immigrate, args=(2,))
+    second.start()
+    time.sleep(0.05)
+    immigrate(1)
+    second.join(5)
+    assert order == [1, 2] and got[1].batch_id == 1 and got[2].batch_id == 2
+
+
+def test_turn_wait_has_a_deadline_and_a_parked_header_expires() -> None:
+    turns = InboundTurns(park_seconds=0.1)
+    with pytest.raises(PeerTimeout):  # batch 1's header came, batch 1's Immigrate never does
+        turns.claim(9, 2, lambda: _header(1), time.monotonic() + 0.05)
+    time.sleep(0.15)  # the parked header expired: the stream is free again
+    assert turns.claim(9, 3, lambda: _header(3), time.monotonic() + 1.0).batch_id == 3
+    turns.release(9)
+
+
+def test_a_failed_header_read_frees_the_stream() -> None:
+    turns = InboundTurns(park_seconds=1.0)
+
+    def fail() -> Header:
+        raise OSError("peer gone")
+
+    with pytest.raises(OSError):
+        turns.claim(9, 1, fail, time.monotonic() + 1.0)
+    assert turns.claim(9, 1, lambda: _header(1), time.monotonic() + 1.0).batch_id == 1
