@@ -9,10 +9,11 @@
 The model's parameters are views into `buffer` (`build_model` over it), so bytes landing here ARE
 the model: nothing is copied into the model afterwards.
 
-Host-memory copy (what LOAD_FROM_HOST_MEM reads): taken when a LOAD_FROM_DISK completes, and when
-ResetStatus unloads a complete buffer (like a GPU replica that keeps evicted weights in host DRAM).
-A replica started loaded or that received its weights by transfer has none until one of those
-happens; LOAD_FROM_HOST_MEM without one is FAILED_PRECONDITION. It lives as long as the process.
+Host-memory copy (what LOAD_FROM_HOST_MEM reads): taken when ResetStatus unloads a complete buffer
+(like a GPU replica that keeps evicted weights in host DRAM, ServerlessLLM-style), kept for the
+process's life (refreshed by the next unload of a complete buffer). Before any such unload there is
+none and LOAD_FROM_HOST_MEM is FAILED_PRECONDITION. Loading never copies, so it stays as fast as a
+raw read of the checkpoint.
 """
 
 from __future__ import annotations
@@ -88,7 +89,7 @@ class ParamStore:
         return target
 
     def load_from_disk(self, path: Path) -> None:
-        """Fill the buffer from the checkpoint at `path` (already resolved), then keep a host copy."""
+        """Fill the buffer from the checkpoint at `path` (already resolved)."""
         self._check_layout(path)
         self.begin_fill("LoadParams from disk")
         start = time.perf_counter()
@@ -101,14 +102,13 @@ class ParamStore:
 
             load_weights(path, self.layout, self.buffer, landed)
         _log_speed("loaded from disk", self.layout.total_bytes, start)
-        self.host_copy = self.buffer.clone()
 
     def load_from_host(self) -> None:
         """Fill the buffer from the host-memory copy, region by region."""
         copy = self.host_copy
         if copy is None:
             raise FailedPrecondition(
-                "no host-memory copy of the weights (one exists after LOAD_FROM_DISK or ResetStatus)"
+                "no host-memory copy of the weights (ResetStatus of a loaded replica keeps one)"
             )
         self.begin_fill("LoadParams from host memory")
         start = time.perf_counter()
@@ -123,8 +123,10 @@ class ParamStore:
 
     def unload(self) -> None:
         """ResetStatus: keep the bytes as the host copy when complete, then mark nothing loaded."""
-        if self.readiness.complete and self.host_copy is None:
-            self.host_copy = self.buffer.clone()
+        if self.readiness.complete:
+            if self.host_copy is None:
+                self.host_copy = torch.empty_like(self.buffer)
+            self.host_copy.copy_(self.buffer)
         self.readiness.reset()
 
     def _check_layout(self, path: Path) -> None:
