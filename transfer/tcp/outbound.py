@@ -148,6 +148,9 @@ class OutboundChannel:
             except (ConnectionRefusedError, ConnectionResetError, TimeoutError) as exc:
                 if deadline.remaining() <= _RETRY_S:
                     raise PeerTimeout(f"rank {self.peer.rank} at {address} not reachable: {exc}") from exc
+                if self._closed or generation != self._generation:  # closed or aborted meanwhile
+                    where = f"rank {self.me}: channel to {self.peer.rank}"
+                    raise PeerGone(f"{where} aborted while connecting") from exc
                 time.sleep(_RETRY_S)  # the peer may not be listening yet
         try:
             return self._handshake(sock, deadline, generation)
