@@ -50,6 +50,9 @@ class BenchMigrationConfig:
     repeats: int = field(default=3, metadata={"help": "timed repetitions per shape (the median is reported)"})
     link_gbps: float = field(default=0.0, metadata={"help": "emulated NIC per rank, Gbit/s (0: none)"})
     torch_threads: int = field(default=1, metadata={"help": "torch threads of each replica"})
+    log_dir: Path | None = field(
+        default=None, metadata={"help": "write each replica's log (one line per migration) here"}
+    )
     json_out: Path | None = field(
         default=None, metadata={"help": "write the results as JSON here", "flag": "--json"}
     )
@@ -153,7 +156,11 @@ def _start_replica(config: BenchMigrationConfig, model: Path, table: Path, rank:
         "--transfer-timeout",
         str(_CALL_S),
     ]
-    proc = subprocess.Popen(cmd, cwd=_REPO, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    log: Any = subprocess.DEVNULL
+    if config.log_dir is not None:
+        config.log_dir.mkdir(parents=True, exist_ok=True)
+        log = (config.log_dir / f"replica-{rank}.log").open("w")
+    proc = subprocess.Popen(cmd, cwd=_REPO, stdout=subprocess.PIPE, stderr=log, text=True)
     assert proc.stdout is not None
     line = proc.stdout.readline()
     if not line.startswith(READY_PREFIX):
@@ -231,7 +238,7 @@ class _P2p:
 
         while time.monotonic() < until:
             try:
-                return self.results.get(timeout=0.5)  # type: ignore[no-any-return]
+                return self.results.get(timeout=0.5)
             except queue.Empty:
                 if any(p.exitcode not in (None, 0) for p in self.procs):
                     raise RuntimeError("a p2p benchmark process failed (see its traceback above)") from None
@@ -305,8 +312,10 @@ def _rows(config: BenchMigrationConfig, migrator: _Migrator, p2p: _P2p) -> list[
     rows = []
     for requests, tokens in tqdm(config.shapes(), desc="batch shapes", leave=False):
         nbytes = config.kv_bytes(requests, tokens)
-        migrate = statistics.median(migrator.once(requests, tokens) for _ in range(config.repeats))
-        baseline = p2p.measure(nbytes, config.repeats)
+        # interleaved, so that both see the same background load of a shared machine
+        pairs = [(migrator.once(requests, tokens), p2p.measure(nbytes, 1)) for _ in range(config.repeats)]
+        migrate = statistics.median(m for m, _ in pairs)
+        baseline = statistics.median(b for _, b in pairs)
         rows.append(
             {
                 "requests": requests,

@@ -18,7 +18,9 @@ being immigrated counts as present: a second Immigrate of it is ALREADY_EXISTS.
 
 from __future__ import annotations
 
+import logging
 import secrets
+import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
@@ -45,6 +47,7 @@ from transfer.core import Deadline
 from transfer.errors import TransferError
 
 T = TypeVar("T")
+log = logging.getLogger(__name__)
 
 _CALL_SHARE = 0.95  # of the gRPC deadline given to the transfer: the answer must still reach the caller
 
@@ -106,12 +109,15 @@ class Migrations:
         self.check_peer(route.peer)
         layers = layer_range(route.half, route.split, self.engine.runner.num_layers)
         deadline = self.deadline(call_remaining)
+        start = time.perf_counter()
         batch = self.on_engine(lambda: self._take(spec), deadline, undo=self._free)
         info = batch.info(self.engine.block_size)
+        taken = time.perf_counter()
         try:
             self.send_batch(batch, route.peer, layers, deadline, self._all_layers(batch, layers), False)
         finally:
             self.later(lambda: self._free(batch))
+        _log_rate("sent", batch, self.geometry(), layers, start, taken)
         return info
 
     def send_batch(
@@ -163,13 +169,17 @@ class Migrations:
         self.check_peer(peer)
         deadline = self.deadline(call_remaining)
         layers = range(self.engine.runner.num_layers)
+        start = time.perf_counter()
         batch = self.on_engine(lambda: self.admit(spec), deadline, undo=self.drop_incoming)
+        admitted = time.perf_counter()
         try:
             self.receive(batch, peer, layers, deadline)
         except BaseException:
             self.later(lambda: self.drop_incoming(batch))
             raise
-        return self.on_engine(lambda: self.adopt(batch), deadline, undo=self._clear_adopted)
+        info = self.on_engine(lambda: self.adopt(batch), deadline, undo=self._clear_adopted)
+        _log_rate("received", batch, self.geometry(), layers, start, admitted)
+        return info
 
     def receive(self, batch: Batch, peer: int, layers: range, deadline: Deadline) -> None:
         """Wait for this batch's turn on the stream from `peer`, check its header, receive `layers`."""
@@ -224,6 +234,24 @@ class Migrations:
 def seq_pages(batch: Batch) -> list[SeqPages]:
     """The batch's requests as (prompt length, pages), in batch order."""
     return [SeqPages(r.prompt_len, tuple(r.pages)) for r in batch]
+
+
+def _log_rate(
+    verb: str, batch: Batch, geometry: CacheGeometry, layers: range, start: float, ready: float
+) -> None:
+    """One line per migration: bytes, time (engine part and total) and rate, like the reference's log."""
+    nbytes = total_bytes(geometry, seq_pages(batch), layers)
+    total = time.perf_counter() - start
+    log.info(
+        "batch %d: %s %.1f MiB of KV (layers %s) in %.1f ms (engine %.1f ms): %.2f GB/s",
+        batch.id,
+        verb,
+        nbytes / 2**20,
+        _span(layers),
+        total * 1e3,
+        (ready - start) * 1e3,
+        nbytes / 1e9 / max(total, 1e-9),
+    )
 
 
 def _span(layers: range) -> str:
