@@ -47,7 +47,9 @@ class BenchTransferConfig:
     region: str = field(default="16MiB", metadata={"help": "region size (one progress step per region)"})
     scatter: bool = field(default=False, metadata={"help": "KV-migration shape: receivers lay the regions "
                                                            "out back to front (use a small --region)"})
-    repeats: int = field(default=3, metadata={"help": "timed repetitions (the median is reported)"})
+    repeats: int = field(default=3, metadata={"help": "timed repetitions per round (median)"})
+    rounds: int = field(default=3, metadata={"help": "rounds of (ours, raw, gloo), interleaved so that "
+                                                     "load from other processes hits all alike (median)"})
     ceilings: bool = field(default=True, metadata={"help": "also measure raw sockets and gloo"})
     json_out: Path | None = field(default=None, metadata={"help": "write the results as JSON here",
                                                           "flag": "--json"})
@@ -57,6 +59,8 @@ class BenchTransferConfig:
             parse_size(getattr(self, name))
         if self.ranks < 2:
             raise ValueError("--ranks must be at least 2")
+        if self.rounds < 1 or self.repeats < 1:
+            raise ValueError("--rounds and --repeats must be at least 1")
         if self.algo == "p2p" and self.ranks != 2:
             raise ValueError("p2p takes exactly 2 ranks")
         if self.algo == "tanz" and (self.sources < 1 or (self.ranks - self.sources) % self.sources):
@@ -179,9 +183,13 @@ def _ideal_seconds(config: BenchTransferConfig) -> float | None:
 def run(config: BenchTransferConfig) -> int:
     """Measure, print, and write the JSON report."""
     size = parse_size(config.size)
-    seconds = {"ours": _measure(config, "ours", config.algo, config.ranks, show=True)}
-    if config.ceilings:
-        seconds.update(_ceilings(config))
+    samples: dict[str, list[float]] = {}
+    for round_index in range(config.rounds):
+        samples.setdefault("ours", []).append(
+            _measure(config, "ours", config.algo, config.ranks, show=round_index == 0))
+        for name, value in (_ceilings(config) if config.ceilings else {}).items():
+            samples.setdefault(name, []).append(value)
+    seconds = {name: statistics.median(values) for name, values in samples.items()}
     report = _report(config, size, seconds)
     for name, value in report["gbps"].items():
         print(f"{name:16s} {value:7.2f} GB/s   ({seconds[name]:.3f} s)")

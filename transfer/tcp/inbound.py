@@ -156,10 +156,12 @@ class InboundChannel:
         views = list(op.views)
         index = 0
         while index < len(views):
+            # MSG_WAITALL: the kernel fills the buffers completely in one call (barring a signal,
+            # an error or the connection ending), instead of a Python loop over partial reads
             if index + 1 == len(views):
-                got = conn.sock.recv_into(views[index])
+                got = conn.sock.recv_into(views[index], 0, socket.MSG_WAITALL)
             else:
-                got = conn.sock.recvmsg_into(views[index : index + IOV_BATCH])[0]
+                got = conn.sock.recvmsg_into(views[index : index + IOV_BATCH], 0, socket.MSG_WAITALL)[0]
             if got == 0:
                 raise PeerGone(f"rank {self.peer} closed stream {self.stream} mid-message")
             while got and got >= len(views[index]):

@@ -164,6 +164,10 @@ class OutboundChannel:
         hello = Hello(PROTOCOL_VERSION, self.me, self.stream, self.layout)
         sock.sendall(hello.encode())
         read_reply(sock, hello, self.peer.rank)
+        # Blocking from here on: one sendmsg moves a whole message inside the kernel (a timeout would
+        # turn it into poll + partial sends). Deadlines are enforced by aborting the channel, which
+        # shuts the socket down under a blocked sendmsg.
+        sock.settimeout(None)
         with self._cond:
             if generation != self._generation:
                 raise PeerGone(f"rank {self.me}: channel to {self.peer.rank} aborted while connecting")
@@ -175,7 +179,6 @@ class OutboundChannel:
         if self.pacer is not None:
             self.pacer.take(op.nbytes, op.deadline)
         HEADER.pack_into(self._header, 0, MESSAGE_MAGIC, op.nbytes)
-        sock.settimeout(max(0.001, op.deadline.remaining()))
         pending: list[memoryview] = [memoryview(self._header), *op.views]
         index = 0
         while index < len(pending):
