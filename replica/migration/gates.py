@@ -17,7 +17,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from replica.errors import PeerTimeout
+from replica.errors import PeerTimeout, PeerUnavailable
 from replica.migration.plan import Header
 
 
@@ -64,16 +64,23 @@ class InboundTurns:
         with self._guard:
             return self._turns.setdefault(peer, _Turn())
 
-    def claim(self, peer: int, batch_id: int, read_header: Callable[[], Header], deadline: float) -> Header:
+    def claim(
+        self,
+        peer: int,
+        batch_id: int,
+        read_header: Callable[[], Header],
+        deadline: float,
+        cancelled: threading.Event | None = None,
+    ) -> Header:
         """Own the stream from `peer` for `batch_id`; returns its header. Call `release` afterwards.
 
         `read_header` reads the next header from the stream (called with the stream owned, outside
-        the lock). `deadline` is a `time.monotonic()` value.
+        the lock). `deadline` is a `time.monotonic()` value; `cancelled` (the caller gave up) ends the wait.
         """
         turn = self._turn(peer)
         while True:
             with turn.cond:
-                parked = self._wait_turn(turn, peer, batch_id, deadline)
+                parked = self._wait_turn(turn, peer, batch_id, deadline, cancelled)
             if parked is not None:
                 return parked  # the stream was kept owned for us
             try:
@@ -87,7 +94,9 @@ class InboundTurns:
                 turn.parked = _Parked(header, time.monotonic() + self._park_seconds)
                 turn.cond.notify_all()
 
-    def _wait_turn(self, turn: _Turn, peer: int, batch_id: int, deadline: float) -> Header | None:
+    def _wait_turn(
+        self, turn: _Turn, peer: int, batch_id: int, deadline: float, cancelled: threading.Event | None
+    ) -> Header | None:
         """(Holding the lock) our parked header, or None once we own the stream to read the next one."""
         while True:
             self._expire(turn)
@@ -101,7 +110,9 @@ class InboundTurns:
             left = deadline - time.monotonic()
             if left <= 0:
                 raise PeerTimeout(f"no migration of batch {batch_id} from rank {peer} before the deadline")
-            turn.cond.wait(min(left, 0.5))
+            if cancelled is not None and cancelled.is_set():
+                raise PeerUnavailable(f"batch {batch_id}: the caller cancelled while waiting for rank {peer}")
+            turn.cond.wait(min(left, 0.2))
 
     def release(self, peer: int) -> None:
         """The owner is done with the stream (data received, or failed)."""

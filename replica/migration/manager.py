@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import secrets
+import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -164,7 +165,13 @@ class Migrations:
         self.engine.blocks.free(batch.pages())
 
     # --------------------------------------------------------------------------- receiver
-    def immigrate(self, spec: BatchSpec, peer: int, call_remaining: float | None) -> CachedBatchInfo:
+    def immigrate(
+        self,
+        spec: BatchSpec,
+        peer: int,
+        call_remaining: float | None,
+        cancelled: threading.Event | None = None,
+    ) -> CachedBatchInfo:
         """Admit the batch, receive every layer of its prompt KV from `peer`, adopt it (decode-ready)."""
         self.check_peer(peer)
         deadline = self.deadline(call_remaining)
@@ -173,7 +180,7 @@ class Migrations:
         batch = self.on_engine(lambda: self.admit(spec), deadline, undo=self.drop_incoming)
         admitted = time.perf_counter()
         try:
-            self.receive(batch, peer, layers, deadline)
+            self.receive(batch, peer, layers, deadline, cancelled)
         except BaseException:
             self.later(lambda: self.drop_incoming(batch))
             raise
@@ -181,14 +188,25 @@ class Migrations:
         _log_rate("received", batch, self.geometry(), layers, start, admitted)
         return info
 
-    def receive(self, batch: Batch, peer: int, layers: range, deadline: Deadline) -> None:
+    def receive(
+        self,
+        batch: Batch,
+        peer: int,
+        layers: range,
+        deadline: Deadline,
+        cancelled: threading.Event | None = None,
+    ) -> None:
         """Wait for this batch's turn on the stream from `peer`, check its header, receive `layers`."""
         fabric = self.cluster.fabric
         geometry, seqs = self.geometry(), seq_pages(batch)
         nbytes = total_bytes(geometry, seqs, layers)
         try:
             header = self.turns.claim(
-                peer, int(batch.id), lambda: wire.read_header(fabric, peer, deadline), deadline.at
+                peer,
+                int(batch.id),
+                lambda: wire.read_header(fabric, peer, deadline, cancelled),
+                deadline.at,
+                cancelled,
             )
             try:
                 if header.layers != layers or header.nbytes != nbytes:

@@ -51,7 +51,14 @@ class PartialImmigrations:
         return True
 
     # ------------------------------------------------------------------------------ FIRST
-    def first(self, spec: BatchSpec, peer: int, split: int, call_remaining: float | None) -> CachedBatchInfo:
+    def first(
+        self,
+        spec: BatchSpec,
+        peer: int,
+        split: int,
+        call_remaining: float | None,
+        cancelled: threading.Event | None = None,
+    ) -> CachedBatchInfo:
         """Create the batch, receive layers [0, split) from `peer`, hand the batch to SECOND."""
         m = self.m
         m.check_peer(peer)
@@ -64,7 +71,7 @@ class PartialImmigrations:
             self._cond.notify_all()
         error: Exception | None = None
         try:
-            m.receive(batch, peer, layers, deadline)
+            m.receive(batch, peer, layers, deadline, cancelled)
         except Exception as exc:
             error = exc
         with self._cond:
@@ -84,16 +91,23 @@ class PartialImmigrations:
         return batch.info(m.engine.block_size)
 
     # ----------------------------------------------------------------------------- SECOND
-    def second(self, spec: BatchSpec, peer: int, split: int, call_remaining: float | None) -> CachedBatchInfo:
+    def second(
+        self,
+        spec: BatchSpec,
+        peer: int,
+        split: int,
+        call_remaining: float | None,
+        cancelled: threading.Event | None = None,
+    ) -> CachedBatchInfo:
         """Wait for FIRST's batch, receive layers [split, L) into it from `peer`, adopt it."""
         m = self.m
         m.check_peer(peer)
         layers = layer_range(LayerHalf.SECOND, split, m.engine.runner.num_layers)
         deadline = m.deadline(call_remaining)
-        slot = self._claim(spec, deadline)
+        slot = self._claim(spec, deadline, cancelled)
         error: Exception | None = None
         try:
-            m.receive(slot.batch, peer, layers, deadline)
+            m.receive(slot.batch, peer, layers, deadline, cancelled)
         except Exception as exc:
             error = exc
         with self._cond:
@@ -108,9 +122,11 @@ class PartialImmigrations:
             raise error or PeerUnavailable(f"batch {spec.id}: the FIRST half (layers [0, {split})) failed")
         return m.on_engine(lambda: m.adopt(slot.batch), deadline, undo=m._clear_adopted)
 
-    def _claim(self, spec: BatchSpec, deadline: Deadline) -> _Slot:
+    def _claim(self, spec: BatchSpec, deadline: Deadline, cancelled: threading.Event | None) -> _Slot:
         with self._cond:
             while (slot := self._slots.get(spec.id)) is None or slot.claimed:
+                if cancelled is not None and cancelled.is_set():
+                    raise PeerUnavailable(f"batch {spec.id}: the caller cancelled while waiting for FIRST")
                 if not self._wait(deadline):
                     raise PeerTimeout(f"batch {spec.id}: no FIRST half to complete before the deadline")
             wanted = tuple(r.id for r in spec.requests)

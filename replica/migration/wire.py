@@ -25,7 +25,7 @@ from replica.errors import FailedPrecondition, PeerTimeout, PeerUnavailable, Rep
 from replica.migration.plan import HEADER_BYTES, Header, Region
 from transfer.collectives import TransferOptions, recv_regions, send_regions
 from transfer.confirm import confirm
-from transfer.core import Deadline, Rank, Stream, control_stream
+from transfer.core import Deadline, Handle, Rank, Stream, control_stream
 from transfer.errors import LayoutMismatch, PeerGone, TransferError
 from transfer.errors import PeerTimeout as TransferTimeout
 from transfer.fabric import Fabric
@@ -75,15 +75,24 @@ def send_kv(
     _confirm(fabric, [fabric.rank, Rank(peer)], header.nonce, error, deadline)
 
 
-def read_header(fabric: Fabric, peer: int, deadline: Deadline) -> Header:
-    """Receive the next migration header from `peer` (the caller owns the stream)."""
+def read_header(
+    fabric: Fabric, peer: int, deadline: Deadline, cancelled: threading.Event | None = None
+) -> Header:
+    """Receive the next migration header from `peer` (the caller owns the stream).
+
+    `cancelled` (the caller gave up) ends the wait: the stream is aborted, since nobody will read
+    a header that arrives later.
+    """
     name = f"__kv-header:{next(_names)}"
     buffer = bytearray(HEADER_BYTES)
     fabric.register(name, buffer)
     try:
         # connect the confirmation stream early: the sender then sees our death while it sends
         fabric.connect(peer, control_stream(KV_STREAM), deadline)
-        fabric.recv(peer, name, [(0, HEADER_BYTES)], KV_STREAM, deadline).wait(deadline)
+        handle = fabric.recv(peer, name, [(0, HEADER_BYTES)], KV_STREAM, deadline)
+        if cancelled is not None:
+            _wait_or_cancel(fabric, peer, handle, deadline, cancelled)
+        handle.wait(deadline)
     finally:
         fabric.unregister(name)
     try:
@@ -91,6 +100,17 @@ def read_header(fabric: Fabric, peer: int, deadline: Deadline) -> Header:
     except ValueError as exc:
         fabric.abort(peer, KV_STREAM, str(exc))
         raise PeerGone(f"rank {peer} sent a malformed migration header: {exc}") from exc
+
+
+def _wait_or_cancel(
+    fabric: Fabric, peer: int, handle: Handle, deadline: Deadline, cancelled: threading.Event
+) -> None:
+    done = threading.Event()
+    handle.add_done_callback(lambda _: done.set())
+    while not done.wait(min(deadline.remaining(), 0.2)) and not deadline.expired():
+        if cancelled.is_set():
+            fabric.abort(peer, KV_STREAM, "the receiver's caller cancelled")
+            return  # the handle has failed: its wait raises
 
 
 def recv_kv(

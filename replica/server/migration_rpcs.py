@@ -87,7 +87,7 @@ class MigrationRpcs:
         parts = self._parts()
         self._me(request.dst, "dst")
         spec = convert.batch_from_pb(request.batch)
-        info = parts.full.immigrate(spec, _one(request.src, "src"), _remaining(context))
+        info = parts.full.immigrate(spec, _one(request.src, "src"), _remaining(context), _cancelled(context))
         return pb.ImmigrateResponse(batch=convert.cached_batch_to_pb(info))
 
     def MigratePartial(
@@ -110,7 +110,7 @@ class MigrationRpcs:
         route = _checked(Route(_one(request.src, "src"), _half(request.fst_or_snd), request.num_layer), parts)
         spec = convert.batch_from_pb(request.batch)
         receive = parts.partial.first if route.half is LayerHalf.FIRST else parts.partial.second
-        info = receive(spec, route.peer, route.split, _remaining(context))
+        info = receive(spec, route.peer, route.split, _remaining(context), _cancelled(context))
         return pb.ImmigrateResponse(batch=convert.cached_batch_to_pb(info))
 
     def migrate_prefill(
@@ -147,6 +147,14 @@ def _checked(route: Route, parts: _Parts) -> Route:
     if not 0 < route.split < layers:
         raise InvalidArgument(f"num_layer must be in [1, {layers - 1}] (partial), not {route.split}")
     return route
+
+
+def _cancelled(context: grpc.ServicerContext) -> threading.Event:
+    """Set when the call ends for any reason: a receiver still waiting then stops (its caller is gone)."""
+    event = threading.Event()
+    if not context.add_callback(event.set):
+        event.set()  # the call already ended
+    return event
 
 
 def _remaining(context: grpc.ServicerContext) -> float | None:

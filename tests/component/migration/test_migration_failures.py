@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -124,3 +125,27 @@ def test_pair_helper_raises_the_first_error(cluster: list[Replica]) -> None:
     d = cluster[1]
     batch = make_batch(60, random_prompts(256, [4]), [2])
     assert _code(lambda: pair(_immigrate(d, batch, d), lambda: None)) == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_an_immigrate_nobody_sends_to_ends_at_its_deadline_or_when_cancelled(cluster: list[Replica]) -> None:
+    p, d = cluster[0], cluster[1]
+    total = d.total_blocks()
+    batch = make_batch(70, random_prompts(256, [30]), [4])
+    request = pb.ImmigrateRequest(batch=batch, src=[p.rank], dst=[d.rank])
+    start = time.monotonic()
+    with pytest.raises(grpc.RpcError) as info:
+        d.stub.Immigrate(request, timeout=1.0)
+    assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED and time.monotonic() - start < 5.0
+    _wait_for(lambda: d.free_blocks() == total)
+
+    call = d.stub.Immigrate.future(request, timeout=CALL_TIMEOUT)
+    _wait_for(lambda: d.free_blocks() < total)  # admitted: its pages are allocated, it waits for a header
+    call.cancel()
+    _wait_for(lambda: d.free_blocks() == total, timeout=5.0)  # far sooner than --transfer-timeout
+
+
+def _wait_for(condition: Callable[[], bool], timeout: float = 10.0) -> None:
+    end = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < end, "condition not reached in time"
+        time.sleep(0.02)
