@@ -35,7 +35,7 @@ from replica.engine.engine import Engine
 from replica.engine.runner import ForwardOutput
 from replica.engine.types import BatchSpec, StepResult
 from replica.engine.worker import WorkItem
-from replica.errors import DeadlineExceeded, PeerTimeout
+from replica.errors import AlreadyExists, DeadlineExceeded, PeerTimeout
 from replica.migration.manager import Migrations, seq_pages
 from replica.migration.plan import Region, layer_regions, runs
 from transfer.core import Deadline
@@ -126,7 +126,11 @@ class MigratingPrefill:
     def _finish(self, forwarded: _Forwarded) -> StepResult:
         """Sample the first tokens; the batch's KV has left: free its pages (never cache it here)."""
         engine, batch = self.m.engine, forwarded.batch
-        result = engine.finish_prefill(batch, forwarded.out, forwarded.start_ns, forwarded.forward_ns)
+        try:
+            result = engine.finish_prefill(batch, forwarded.out, forwarded.start_ns, forwarded.forward_ns)
+        except AlreadyExists:  # another call cached this id meanwhile: ours was not cached, free it
+            engine.blocks.free(batch.pages())
+            raise
         if result.batch is not None:  # cached by finish_prefill (some request still runs): drop it
             engine.store.pop(batch.id)
             engine.blocks.free(batch.pages())

@@ -118,13 +118,13 @@ def test_partial_halves_from_two_senders(
     first = _prefill(a, batch)
     assert first_tokens(_prefill(b, batch).generations) == first_tokens(first.generations)
 
-    def half(sender: Replica, case: int) -> Callable[[], pb.MigrateResponse]:
+    def half(sender: Replica, case: pb.PartialCase) -> Callable[[], pb.MigrateResponse]:
         request = pb.MigratePartialRequest(
             batch=batch, fst_or_snd=case, num_layer=1, src=[sender.rank], dst=[d.rank]
         )
         return lambda: sender.stub.MigratePartial(request, timeout=CALL_TIMEOUT)
 
-    def receive(sender: Replica, case: int) -> Callable[[], pb.ImmigrateResponse]:
+    def receive(sender: Replica, case: pb.PartialCase) -> Callable[[], pb.ImmigrateResponse]:
         request = pb.ImmigratePartialRequest(
             batch=batch, fst_or_snd=case, num_layer=1, src=[sender.rank], dst=[d.rank]
         )
