@@ -1,18 +1,19 @@
 """Layer-level live prefill: batches start on a replica still receiving weights (regions delivered one
 by one under test control), one is relayed after k layers to the old replica, which finishes it from
-the received activation; the split KV ([0, k) new, [k, L) old) decodes to exactly transformers' tokens."""
+the received activation; the split KV ([0, k) new, [k, L) old) is migrated in two halves to a third
+replica, which decodes exactly transformers' tokens. Page accounting is exact on every replica."""
 
 from __future__ import annotations
 
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
-import torch
 
 from protos import generate_pb2 as pb
 from tests.helpers.weights_cluster import (
@@ -66,22 +67,32 @@ def wait_layers(replica: InProcReplica, layers: list[int]) -> None:
         time.sleep(0.01)
 
 
-def copy_kv(source: InProcReplica, target: InProcReplica, batch_id: int, layers: range) -> None:
-    """Move a batch's KV pages of `layers` between replicas (white-box stand-in for MigratePartial)."""
-    src_engine, dst_engine = source.services.servicer.engine, target.services.servicer.engine
-    src_batch, dst_batch = src_engine.store.get(batch_id), dst_engine.store.get(batch_id)
-    for a, b in zip(src_batch.requests, dst_batch.requests, strict=True):
-        pages_a, pages_b = torch.tensor(a.pages), torch.tensor(b.pages)
-        dst_engine.runner.cache.tensor[layers.start : layers.stop, pages_b] = src_engine.runner.cache.tensor[
-            layers.start : layers.stop, pages_a
-        ]
+def migrate_halves(
+    batch: pb.Batch, new: InProcReplica, old: InProcReplica, dst: InProcReplica
+) -> pb.CachedBatch:
+    """Layers [0, k) from the new replica and [k, L) from the old one into `dst` (four calls at once)."""
+    calls: list[tuple[Callable[..., Any], Any]] = []
+    for half, src in ((pb.PARTIAL_CASE_FIRST, new), (pb.PARTIAL_CASE_SECOND, old)):
+        fields: dict[str, Any] = {
+            "batch": batch,
+            "fst_or_snd": half,
+            "num_layer": SPLIT,
+            "src": [src.rank],
+            "dst": [dst.rank],
+        }
+        calls.append((src.stub.MigratePartial, pb.MigratePartialRequest(**fields)))
+        calls.append((dst.stub.ImmigratePartial, pb.ImmigratePartialRequest(**fields)))
+    with ThreadPoolExecutor(len(calls)) as pool:
+        futures = [pool.submit(method, request, timeout=CALL_TIMEOUT) for method, request in calls]
+        responses = [f.result() for f in futures]
+    return responses[3].batch  # SECOND's receiver answer: the decode-ready batch
 
 
 def test_batch_relayed_after_k_layers_finishes_on_old_replica(model: Path, tmp_path: Path) -> None:
     prompts = prompts_for(512, count=3, seed=9)
     want = reference(model, prompts, MAX_NEW)
-    with weights_cluster(model, tmp_path, 2, inactive=[1]) as (old, new):
-        start_free = [old.free_blocks(), new.free_blocks()]
+    with weights_cluster(model, tmp_path, 3, inactive=[1]) as (old, new, third):
+        start_free = [r.free_blocks() for r in (old, new, third)]
         second = zag_async(new, make_batch(2, prompts[2:], MAX_NEW), seq=1)  # waits for seq 0
         first = zag_async(new, make_batch(1, prompts[:2], MAX_NEW), seq=0)
         wait_layers(new, [])  # nothing can run: no weight yet
@@ -107,9 +118,10 @@ def test_batch_relayed_after_k_layers_finishes_on_old_replica(model: Path, tmp_p
         tokens = {g.request_id: list(g.tokens.ids) for g in done.generations}
         assert [tokens[100], tokens[101]] == [w[:1] for w in want[:2]]
 
-        copy_kv(new, old, 1, range(0, SPLIT))  # the KV of layers [0, k) lives on the new replica
-        new.stub.ClearCache(pb.ClearCacheRequest(id=1), timeout=CALL_TIMEOUT)
-        decode_to_end(old.stub, done.batch, tokens)
+        # the KV is split: [0, k) on the new replica, [k, L) on the old one; a third one decodes
+        merged = migrate_halves(make_batch(1, prompts[:2], MAX_NEW), new, old, third)
+        first_tokens = pb.Tokens(ids=[tokens[100][0], tokens[101][0]])
+        decode_to_end(third.stub, merged, tokens, first_tokens)
         assert [tokens[100], tokens[101]] == want[:2]
 
         assert not second.done()  # batch 2 waits for the rest of the weights
@@ -120,7 +132,7 @@ def test_batch_relayed_after_k_layers_finishes_on_old_replica(model: Path, tmp_p
         tokens = {g.request_id: list(g.tokens.ids) for g in finished.generations}
         decode_to_end(new.stub, finished.batch, tokens)
         assert tokens[200] == want[2]
-        assert [old.free_blocks(), new.free_blocks()] == start_free
+        assert [r.free_blocks() for r in (old, new, third)] == start_free
 
 
 def test_relay_unstarted_non_head_and_nothing(model: Path, tmp_path: Path) -> None:
