@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import statistics
+import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -194,6 +195,15 @@ class _Replicas:
         for proc in self.procs:
             proc.stop()
 
+    def warnings(self) -> list[str]:
+        """The replicas' warning and error log lines (shown when a measurement fails)."""
+        return [
+            f"rank {r}: {line}"
+            for r, p in enumerate(self.procs)
+            for line in p.stderr_lines
+            if " WARNING " in line or " ERROR " in line
+        ]
+
 
 def _timed_until_ready(replicas: _Replicas, ranks: list[int], start_calls: list[Any]) -> float:
     from concurrent.futures import ThreadPoolExecutor
@@ -243,6 +253,9 @@ def bench_multicast(
             out["chain_s"][k] = statistics.median(times)
         out["chain_over_p2p"] = {k: t / out["p2p_1_s"] for k, t in out["chain_s"].items()}
         return out
+    except Exception:
+        print("\n".join(replicas.warnings()), file=sys.stderr)
+        raise
     finally:
         replicas.close()
 
