@@ -14,6 +14,8 @@ layer i+1 is still on the wire. Who plays which part is derived from the rank li
 
 from __future__ import annotations
 
+import logging
+import time
 from collections.abc import Callable, Sequence
 
 from replica.errors import (
@@ -35,6 +37,8 @@ from transfer.core import Deadline, Stream, control_stream
 from transfer.errors import FabricClosed, LayoutMismatch, PeerGone, TransferError
 from transfer.errors import PeerTimeout as TransferTimeout
 from transfer.fabric import Fabric
+
+log = logging.getLogger(__name__)
 
 
 def replica_error(exc: TransferError, what: str) -> ReplicaError:
@@ -192,6 +196,7 @@ class WeightMover:
         )
 
     def _run(self, move: Callable[[], None], what: str, members: Sequence[int]) -> None:
+        start = time.perf_counter()
         try:
             move()
         except TransferError as exc:
@@ -199,6 +204,16 @@ class WeightMover:
             raise replica_error(exc, what) from exc
         except ValueError as exc:  # the transfer layer's own argument checks
             raise InvalidArgument(f"{what}: {exc}") from exc
+        seconds = max(time.perf_counter() - start, 1e-9)
+        nbytes = self.store.layout.total_bytes
+        log.info(
+            "rank %d, %s: %.1f MB in %.3f s (%.2f GB/s)",
+            self.rank,
+            what,
+            nbytes / 1e6,
+            seconds,
+            nbytes / seconds / 1e9,
+        )
 
     def _forget_confirmations(self, members: Sequence[int], what: str) -> None:
         """After a failed collective, drop its confirmation connections (both directions).
