@@ -7,9 +7,9 @@
                   header ───────────────────────────────────────────► send 0..L-1 ─ confirm (MIGRATE)
  engine thread: first tokens sampled; the batch's pages freed (success) / freed (any failure)
 ```
-The receiver runs Immigrate concurrently; its messages are the same in both cases (one run per
-layer), so it cannot tell the two apart. The forward goes layer by layer through the runner's own
-`run_layers`, exactly as a normal prefill does (same kernels, same per-layer readiness waits); a
+The receiver runs Immigrate concurrently, the same call in both cases: the header tells it whether
+the KV comes as one run per layer (PROGRESSIVE) or one run for all layers (MIGRATE). The forward goes layer by layer through the runner's own
+`run_layers`, the same layer code a normal prefill runs (on a fully loaded replica only); a
 layer's KV is handed to the fabric as soon as that layer returns, while later layers compute.
 
 Outcome: the response carries the generations (first tokens) and, when a request is still running,
