@@ -168,3 +168,22 @@ def test_relay_unstarted_non_head_and_nothing(model: Path, tmp_path: Path) -> No
         deliver(old, new, range(0, LAYERS + 2))
         assert [list(g.tokens.ids) for g in head.result(CALL_TIMEOUT).generations] == [want[0]]
         assert [old.free_blocks(), new.free_blocks()] == start_free
+
+
+def test_zag_batch_advances_as_a_real_transfer_lands(model: Path, tmp_path: Path) -> None:
+    prompts = prompts_for(512, count=2, seed=21)
+    want = reference(model, prompts, MAX_NEW)
+    with weights_cluster(model, tmp_path, 2, inactive=[1], link_gbps=0.02) as (old, new):  # ~0.35 s
+        start_free = new.free_blocks()
+        pending = zag_async(new, make_batch(1, prompts, MAX_NEW), seq=0)
+        wait_layers(new, [-1])
+        new.stub.RecvParams(pb.RecvParamsRequest(src=old.rank), timeout=CALL_TIMEOUT)
+        old.stub.SendParams(pb.SendParamsRequest(dst=new.rank), timeout=CALL_TIMEOUT)
+        finished = pending.result(CALL_TIMEOUT)  # stepped layer by layer from the transfer's region callbacks
+        for replica in (old, new):
+            replica.stub.WaitRdmaDone(pb.WaitRdmaDoneRequest(), timeout=CALL_TIMEOUT)
+        assert not finished.HasField("pp_info")
+        tokens = {g.request_id: list(g.tokens.ids) for g in finished.generations}
+        decode_to_end(new.stub, finished.batch, tokens)
+        assert [tokens[100], tokens[101]] == want
+        assert new.free_blocks() == start_free
