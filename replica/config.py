@@ -82,7 +82,9 @@ class ReplicaConfig:
     )
     model_root: Path | None = field(
         default=None,
-        metadata={"help": "LoadParams from disk may read only under this folder; unset = the --model's parent"},
+        metadata={
+            "help": "LoadParams from disk may read only under this folder; unset = the --model's parent"
+        },
     )
     allow_set_status_ready: bool = field(
         default=False,
