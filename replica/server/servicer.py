@@ -102,7 +102,7 @@ class ReplicaServicer(WeightRpcs, MigrationRpcs, pb_grpc.TextGenerationServiceSe
         return response
 
     def PrefillV2(self, request: pb.PrefillV2Request, context: grpc.ServicerContext) -> pb.PrefillV2Response:
-        if request.forward_case & pb.NAIVE_PP:
+        if request.forward_case & (pb.NAIVE_PP | pb.IMMIGRATE):  # only NAIVE_PP|IMMIGRATE is valid
             return self.naive_pp_prefill(request, context)
         if request.forward_case & (pb.MIGRATE | pb.MIGRATE_PROGRESSIVE):
             return self.migrate_prefill(request, context)

@@ -226,7 +226,9 @@ class WeightRpcs:
     ) -> pb.PrefillV2Response:
         """PrefillV2 NAIVE_PP|IMMIGRATE: finish a relayed batch from layer k (`replica.zigzag.naive_pp`)."""
         if request.forward_case != pb.NAIVE_PP | pb.IMMIGRATE:
-            raise InvalidArgument(f"PrefillV2 forward_case {request.forward_case}: NAIVE_PP needs IMMIGRATE")
+            raise InvalidArgument(
+                f"PrefillV2 forward_case {request.forward_case}: NAIVE_PP and IMMIGRATE go together (12)"
+            )
         engine = self.engine
         if engine is None:
             raise FailedPrecondition("the model is still loading")

@@ -157,6 +157,11 @@ def test_relay_unstarted_non_head_and_nothing(model: Path, tmp_path: Path) -> No
             pp_info=unstarted.pp_info,
             pipe_peer=[new.rank],
         )
+        for case in (pb.NAIVE_PP, pb.IMMIGRATE, pb.NAIVE_PP | pb.IMMIGRATE | pb.MIGRATE):
+            malformed = pb.PrefillV2Request(batch=again.batch, forward_case=case, pipe_peer=[new.rank])
+            with pytest.raises(grpc.RpcError) as bad:
+                old.stub.PrefillV2(malformed, timeout=CALL_TIMEOUT)
+            assert bad.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         done = old.stub.PrefillV2(again, timeout=CALL_TIMEOUT)  # embeds locally, runs every layer
         assert [list(g.tokens.ids) for g in done.generations] == [want[1]]
 
