@@ -192,3 +192,31 @@ def test_zag_batch_advances_as_a_real_transfer_lands(model: Path, tmp_path: Path
         decode_to_end(new.stub, finished.batch, tokens)
         assert [tokens[100], tokens[101]] == want
         assert new.free_blocks() == start_free
+
+
+def test_zag_caller_gives_up_and_order_violations(model: Path, tmp_path: Path) -> None:
+    prompts = prompts_for(512, count=1, seed=4)
+    with weights_cluster(model, tmp_path, 1, inactive=[0]) as (new,):
+        start_free = new.free_blocks()
+        request = pb.ZagPrefillRequest(
+            batch=make_batch(1, prompts, 3), forward_case=pb.NAIVE_PP, zag_seq_num=0
+        )
+        with pytest.raises(grpc.RpcError) as gave_up:  # no weight ever arrives
+            new.stub.ZagPrefill(request, timeout=1.0)
+        assert gave_up.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        wait_layers(new, [])  # the task is dropped on the engine thread ...
+        assert new.free_blocks() == start_free  # ... with its pages
+        stale = pb.ZagPrefillRequest(batch=make_batch(2, prompts, 3), forward_case=pb.NAIVE_PP, zag_seq_num=0)
+        pending = zag_async(new, make_batch(3, prompts, 3), seq=0)  # an empty queue: a new episode
+        wait_layers(new, [-1])
+        with pytest.raises(grpc.RpcError) as again:
+            new.stub.ZagPrefill(stale, timeout=CALL_TIMEOUT)  # seq 0 was admitted already
+        assert again.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        not_naive = pb.ZagPrefillRequest(batch=make_batch(4, prompts, 3), zag_seq_num=1)
+        with pytest.raises(grpc.RpcError) as wrong:
+            new.stub.ZagPrefill(not_naive, timeout=CALL_TIMEOUT)
+        assert wrong.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        new.stub.Relay(pb.RelayRequest(rank=new.rank), timeout=CALL_TIMEOUT)  # unstarted: no activation
+        assert pending.result(CALL_TIMEOUT).pp_info.embedding_layer == 1
+        new.stub.ClearCache(pb.ClearCacheRequest(id=3), timeout=CALL_TIMEOUT)
+        assert new.free_blocks() == start_free
