@@ -192,7 +192,9 @@ def _p2p_worker(
 
     table = parse_rank_table(table_json)
     fabric = create_fabric("tcp", table, table.ranks[rank])
-    fabric.register("buf", bytearray(max_bytes))
+    buffer = bytearray(max_bytes)
+    _touch(buffer)
+    fabric.register("buf", buffer)
     peer = table.ranks[1 - rank]
     scratch, pattern = bytearray(evict), bytes(range(256)) * (evict // 256)
     tag = 0
@@ -217,6 +219,16 @@ def _p2p_worker(
             times.append(time.perf_counter() - start)
         results.put((rank, times))
     fabric.close()
+
+
+def _touch(buffer: bytearray, step: int = 64 << 20) -> None:
+    """Write every page: a fresh buffer maps the kernel's shared zero page, which a sender would read
+    from the CPU cache (an unrealistically fast source); a KV cache's pages hold real data."""
+    block = bytes(range(256)) * (step // 256)
+    view = memoryview(buffer)
+    for offset in range(0, len(buffer), step):
+        part = view[offset : offset + step]
+        part[:] = block[: len(part)]
 
 
 class _P2p:
