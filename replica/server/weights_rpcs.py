@@ -18,6 +18,7 @@ ones the smaller of that and the call's deadline.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 
 import grpc
@@ -264,9 +265,9 @@ class WeightRpcs:
         tokens = sum(len(p) for p in admit_batch(spec, engine.limits, tokenize))  # the activation's rows
         hidden_size = engine.runner.model.config.hidden_size
         dtype = engine.runner.cache.tensor.dtype
-        return start, link.receive(
-            request.pipe_peer[0], (tokens, hidden_size), dtype, _timeout(context) or 1e9
-        )
+        call = _timeout(context)
+        timeout = math.inf if call is None else call  # the link caps it at --transfer-timeout
+        return start, link.receive(request.pipe_peer[0], (tokens, hidden_size), dtype, timeout)
 
 
 def _zag_response(outcome: ZagOutcome) -> pb.PrefillV2Response:
