@@ -8,9 +8,10 @@
  engine thread: first tokens sampled; the batch's pages freed (success) / freed (any failure)
 ```
 The receiver runs Immigrate concurrently, the same call in both cases: the header tells it whether
-the KV comes as one run per layer (PROGRESSIVE) or one run for all layers (MIGRATE). The forward goes layer by layer through the runner's own
-`run_layers`, the same layer code a normal prefill runs (on a fully loaded replica only); a
-layer's KV is handed to the fabric as soon as that layer returns, while later layers compute.
+the KV comes as one run per layer (PROGRESSIVE) or one run for all layers (MIGRATE). The forward
+goes layer by layer through the runner's own `run_layers`, the same layer code a normal prefill
+runs (on a fully loaded replica only); a layer's KV is handed to the fabric as soon as that layer
+returns, while later layers compute.
 
 Outcome: the response carries the generations (first tokens) and, when a request is still running,
 the batch as it would have been cached (`id`, requests, `max_tokens`) — for the router to pair it
