@@ -8,7 +8,7 @@ status into a typed `ReplicaCallError` subclass so the loops can decide: a dead 
 from __future__ import annotations
 
 import enum
-from collections.abc import Sequence
+from collections.abc import Coroutine, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -315,11 +315,27 @@ class ReplicaClient:
     async def decode(self, batches: Sequence[CachedBatch], last_tokens: Sequence[Sequence[int]]
                      ) -> StepResult:
         """DecodeV2: append `last_tokens` (one list per batch), merge the batches (id = first), one step."""
+        return await self.start_decode(batches, last_tokens)
+
+    def start_decode(self, batches: Sequence[CachedBatch], last_tokens: Sequence[Sequence[int]]
+                     ) -> Coroutine[Any, Any, StepResult]:
+        """`decode`, with the call started now: it goes out at the caller's next yield to the loop.
+
+        The router's decode loop issues the next step this way before it streams the previous
+        step's tokens, so the replica computes while the router works.
+        """
         req = pb.DecodeV2Request(
             batches=[_cached_pb(b) for b in batches],
             last_iter_tokens=[pb.Tokens(ids=list(ids)) for ids in last_tokens],
         )
-        resp = await self._call("DecodeV2", req)
+        call = self.stub.DecodeV2(req, timeout=self.timeout)  # grpc.aio schedules the send at once
+        return self._decoded(call)
+
+    async def _decoded(self, call: Any) -> StepResult:
+        try:
+            resp = await call
+        except grpc.aio.AioRpcError as exc:
+            raise _error(self.address, "DecodeV2", exc) from None
         return _step(resp.generations, resp.batch if resp.HasField("batch") else None)
 
     async def filter_batch(self, batch_id: BatchId, keep: Sequence[RequestId]) -> CachedBatch:

@@ -20,10 +20,12 @@ import asyncio
 import contextlib
 import enum
 import logging
-from typing import TYPE_CHECKING
+from collections.abc import Coroutine
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 from router.batches import Arrived, LiveBatch, Member, Reprefill, member_blocks, spec_for
-from router.client import PrefillCase, ReplicaCallError, ReplicaUnavailable
+from router.client import PrefillCase, ReplicaCallError, ReplicaUnavailable, StepResult
 from router.config import Strategy
 from router.queue import BatchId
 from router.replicas import Role
@@ -65,9 +67,16 @@ class ReplicaWorker:
     def __init__(self, hub: ClusterScheduler, handle: ReplicaHandle) -> None:
         self.hub = hub
         self.h = handle
+        self._in_flight: _InFlight | None = None  # a decode step sent ahead (pipelining)
 
     async def run(self) -> None:
         """Step until the replica dies; unexpected errors are logged, never fatal to the router."""
+        try:
+            await self._steps()
+        finally:
+            self.cancel_in_flight()
+
+    async def _steps(self) -> None:
         while self.h.state.alive and not self.hub.stopping:
             token = self.hub.change_token()
             try:
@@ -85,6 +94,8 @@ class ReplicaWorker:
 
     async def step(self) -> bool:
         """One iteration; True when it did work."""
+        if self._in_flight is not None:  # a step sent ahead is collected first, whatever the mode
+            return await self.decode_once()
         mode = effective_mode(self.h.state.role, self.hub.strategy, self.hub.has_decode())
         if mode is Mode.PREFILL:
             # A batch left here by an earlier mode (colocated, or no decode replica then) still decodes here.
@@ -171,29 +182,56 @@ class ReplicaWorker:
     # ---- decode ------------------------------------------------------------------------------------
 
     async def decode_once(self) -> bool:
-        """Merge what arrived into the running batch and run one decode step."""
-        batches, lasts = await self._gather_batches()
-        if not batches:
-            self._maybe_become_prefill()
-            return False
-        members = {rid: m for b in batches for rid, m in b.members.items()}
-        last_tokens = [_last_tokens(b, last) for b, last in zip(batches, lasts, strict=True)]
+        """Merge what arrived into the running batch and run one decode step.
+
+        Pipelined: when the step's batch goes on unchanged (nothing arrived, every request still
+        wanted), the next DecodeV2 is sent before this step's tokens are streamed, so the replica
+        computes while the router works. The replica keeps the sampled tokens and skips finished
+        requests; anything that needs a FilterBatch or a merge waits for a sequential step.
+        """
+        flight, self._in_flight = self._in_flight, None
+        if flight is None:
+            batches, lasts = await self._gather_batches()
+            if not batches:
+                self._maybe_become_prefill()
+                return False
+            members = {rid: m for b in batches for rid, m in b.members.items()}
+            last_tokens = [_last_tokens(b, last) for b, last in zip(batches, lasts, strict=True)]
+            flight = _InFlight(batches, members, self.h.client.start_decode([b.cached for b in batches],
+                                                                           last_tokens))
         try:
-            result = await self.h.client.decode([b.cached for b in batches], last_tokens)
+            result = await flight.result
         except ReplicaCallError as exc:
             if not isinstance(exc, ReplicaUnavailable):  # a dead replica holds nothing to free
-                await self._drop_batches(batches)
-            self.hub.on_error(self.h, exc, members.values())
+                await self._drop_batches(flight.batches)
+            self.hub.on_error(self.h, exc, flight.members.values())
             return True
-        self.hub.deliver(result, members)
-        if result.batch is None:
-            self.h.state.release(members)
-            self.h.running = None
-        else:
-            self.h.running = await self.prune(LiveBatch.of(result.batch, list(members.values()),
-                                                           self.h.block_size))
+        await self._after_step(result, flight.members)
         self.hub.notify()
         return True
+
+    async def _after_step(self, result: StepResult, members: dict[RequestId, Member]) -> None:
+        """Start the next step when it can go now, stream this step's tokens, then prune."""
+        if result.batch is None:
+            self.hub.deliver(result, members)
+            self.h.state.release(members)
+            self.h.running = None
+            return
+        live = LiveBatch.of(result.batch, list(members.values()), self.h.block_size)
+        self.h.running = live
+        if not self.h.inbox and len(live.wanted_ids()) == len(live.members):
+            call = self.h.client.start_decode([live.cached], [[]])
+            self._in_flight = _InFlight([live], live.members, call)
+            await asyncio.sleep(0)  # the call's send runs before the streams woken by deliver
+        self.hub.deliver(result, members)
+        if self._in_flight is None:
+            self.h.running = await self.prune(live)
+
+    def cancel_in_flight(self) -> None:
+        """Drop a pipelined step nobody will wait for (the loop ends)."""
+        flight, self._in_flight = self._in_flight, None
+        if flight is not None:
+            flight.result.close()
 
     async def _gather_batches(self) -> tuple[list[LiveBatch], list[dict[RequestId, int]]]:
         batches: list[LiveBatch] = []
@@ -258,6 +296,15 @@ class ReplicaWorker:
             log.info("replica %s drained", self.h.id)
             self.hub.notify()
         return did
+
+
+@dataclass
+class _InFlight:
+    """A decode step on the wire: its batches, their members, and the call's result."""
+
+    batches: list[LiveBatch]
+    members: dict[RequestId, Member]
+    result: Coroutine[Any, Any, StepResult]
 
 
 def _last_tokens(batch: LiveBatch, last: dict[RequestId, int]) -> list[int]:
