@@ -21,7 +21,6 @@ class Status(enum.Enum):
     DEADLINE_EXCEEDED = "DEADLINE_EXCEEDED"
     UNAVAILABLE = "UNAVAILABLE"
     PERMISSION_DENIED = "PERMISSION_DENIED"
-    UNIMPLEMENTED = "UNIMPLEMENTED"
     INTERNAL = "INTERNAL"
 
 
@@ -77,12 +76,6 @@ class PermissionDenied(ReplicaError):
     """Admin call without the token, or a load path outside the model root."""
 
     status = Status.PERMISSION_DENIED
-
-
-class Unimplemented(ReplicaError):
-    """The operation belongs to work not yet landed (the message names it)."""
-
-    status = Status.UNIMPLEMENTED
 
 
 class DeadlineExceeded(ReplicaError):

@@ -5,9 +5,8 @@ The model is trained for a few hundred steps on the built-in English text (scrip
 under a minute on 2 cores, once per workdir), so each prompt, taken from that text, is answered with
 the words that follow it there.
 
-When the replicas do not implement KV migration yet, the router falls back to recomputing on the
-decode replica (it never fails a request for it); the demo reads the strategy each request really
-took from its route and says so.
+If a KV migration fails, the router falls back to recomputing on the decode replica (it never fails
+a request for it); the demo reads the strategy each request really took from its route and says so.
 """
 
 from __future__ import annotations
@@ -116,7 +115,7 @@ def run(config: DemoConfig) -> int:
                   flush=True)
         if taken != {config.strategy.value}:
             print(f"\nnote: asked for '{config.strategy.value}' but the requests went by {sorted(taken)}: "
-                  "the replicas do not implement that migration yet (issue 4), so the router fell back.",
+                  f"a migration failed and the router fell back (replica logs: {config.workdir / 'logs'}).",
                   flush=True)
         print("\nstopping the cluster ...", flush=True)
     print("demo done: every process stopped.", flush=True)

@@ -146,8 +146,6 @@ class LocalCluster:
     def start(self) -> None:
         """Start every replica, wait for their ready lines, then the router and its ready line."""
         c = self.config
-        if c.inactive and not _replica_has_flag("inactive"):
-            raise RuntimeError("this replica has no --inactive flag yet (it comes with issue 4)")
         # Replicas on one machine would each take every core and thrash: share them out instead.
         threads = c.torch_threads or max(1, (os.cpu_count() or 1) // len(self.roles()))
         fabric = self._fabric_args()
@@ -171,15 +169,13 @@ class LocalCluster:
         self.http_url, self.admin_address = fields["http"], fields["admin"]
 
     def _fabric_args(self) -> list[str]:
-        """`--cluster RANKS --fabric tcp` once the replica has them (issue 4): a local rank table."""
-        if not _replica_has_flag("cluster"):
-            return []
+        """`--cluster RANKS --fabric tcp`: a rank table of this machine, one free port per replica."""
         from transfer.ranktable import RankTable
 
         table = RankTable.local(_free_ports(len(self.roles()), self.config.host), self.config.host)
         path = self.log_dir / "ranks.json"
         path.write_text(table.to_json())
-        return ["--cluster", str(path), *(["--fabric", "tcp"] if _replica_has_flag("fabric") else [])]
+        return ["--cluster", str(path), "--fabric", "tcp"]
 
     def ready_line(self) -> str:
         """The one line `pdcluster up` prints once everything serves."""
@@ -216,12 +212,6 @@ def _free_ports(n: int, host: str) -> list[int]:
     finally:
         for sock in socks:
             sock.close()
-
-
-def _replica_has_flag(name: str) -> bool:
-    from replica.config import ReplicaConfig
-
-    return name in {f.name for f in dataclasses.fields(ReplicaConfig)}
 
 
 def run(config: UpConfig) -> int:

@@ -8,7 +8,7 @@ it ran is undone (its batch dropped) on the engine thread, so nothing leaks.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import TypeVar
 
 import grpc
 
@@ -20,16 +20,15 @@ from replica.engine.engine import Engine
 from replica.engine.types import BatchId, HealthState, RequestId, StepResult
 from replica.engine.warmup import warmup
 from replica.engine.worker import EngineWorker
-from replica.errors import FailedPrecondition, ShuttingDown, Unimplemented
+from replica.errors import FailedPrecondition, InvalidArgument, ShuttingDown
 from replica.server import convert
 from replica.server.migration_rpcs import MigrationRpcs
+from replica.server.ordering import CallOrder
 from replica.server.weights_rpcs import WeightRpcs
 
 T = TypeVar("T")
 
 _NO_DEADLINE = 10.0**7  # seconds; grpc's "no deadline" shows up as an enormous time_remaining
-
-ISSUE_4 = "issue 4 (moving state between replicas: KV migration, weight transfer, layer-level prefill)"
 
 
 class ReplicaServicer(WeightRpcs, MigrationRpcs, pb_grpc.TextGenerationServiceServicer):
@@ -41,6 +40,7 @@ class ReplicaServicer(WeightRpcs, MigrationRpcs, pb_grpc.TextGenerationServiceSe
         self.engine: Engine | None = None  # set once the model is loaded
         self.address = f"{config.host}:{config.port}"
         self.cluster: ReplicaCluster | None = None  # the rank table and fabric, set with the engine
+        self.order = CallOrder()  # pipelined DecodeV2 calls reach the engine in the caller's order
 
     # ------------------------------------------------------------------------------- helpers
     def _run(
@@ -107,7 +107,7 @@ class ReplicaServicer(WeightRpcs, MigrationRpcs, pb_grpc.TextGenerationServiceSe
         if request.forward_case & (pb.MIGRATE | pb.MIGRATE_PROGRESSIVE):
             return self.migrate_prefill(request, context)
         if request.forward_case != pb.NORMAL:
-            raise Unimplemented(f"PrefillV2 forward_case {request.forward_case} belongs to {ISSUE_4}")
+            raise InvalidArgument(f"PrefillV2 forward_case {request.forward_case}: not a valid PrefillCase")
         result = self._prefill(request.batch, context)
         response = pb.PrefillV2Response(
             forward_ns=result.forward_ns, decode_ns=result.decode_ns, total_ns=result.total_ns
@@ -128,8 +128,15 @@ class ReplicaServicer(WeightRpcs, MigrationRpcs, pb_grpc.TextGenerationServiceSe
         return response
 
     def DecodeV2(self, request: pb.DecodeV2Request, context: grpc.ServicerContext) -> pb.DecodeV2Response:
-        inputs = convert.decode_inputs_from_pb(request.batches, request.last_iter_tokens)
-        result = self._run(context, lambda e: e.decode(inputs))
+        deadline = _deadline(context)
+        # A pipelined call (the router keeps two on the wire) is queued after the one it follows.
+        with self.order.ordered(context.invocation_metadata(), deadline):
+            inputs = convert.decode_inputs_from_pb(request.batches, request.last_iter_tokens)
+            engine = self.engine
+            if engine is None:
+                raise FailedPrecondition("the model is still loading")
+            item = self.worker.submit(lambda: engine.decode(inputs))
+        result = self.worker.wait(item, deadline)
         response = pb.DecodeV2Response(total_ns=result.total_ns)
         convert.fill_step(response, result)
         return response
@@ -159,18 +166,3 @@ def _drop_prefilled(engine: Engine, result: StepResult) -> None:
     """Undo of a prefill whose caller is gone: drop the batch it cached."""
     if result.batch is not None and result.batch.id in engine.store:
         engine.clear(result.batch.id)
-
-
-def _issue_4(name: str) -> Callable[..., Any]:
-    def handler(self: ReplicaServicer, request: Any, context: grpc.ServicerContext) -> Any:
-        raise Unimplemented(f"{name} belongs to {ISSUE_4}")
-
-    handler.__name__ = name
-    handler.__doc__ = f"{name}: answers UNIMPLEMENTED until {ISSUE_4} lands."
-    return handler
-
-
-# The RPCs of issue 4 answer UNIMPLEMENTED, naming the issue, until it lands.
-ISSUE_4_RPCS: tuple[str, ...] = ()
-for _name in ISSUE_4_RPCS:
-    setattr(ReplicaServicer, _name, _issue_4(_name))

@@ -11,8 +11,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from router.client import BatchSpec, ReplicaClient, ReplicaInfo, ReplicaUnimplemented
-from router.queue import BatchId
+from router.client import ReplicaClient, ReplicaInfo
 from router.tokenizer import Tokenizer
 
 GRPCURL = str(Path(sys.executable).parent / "grpcurl")
@@ -63,22 +62,6 @@ def wait_pages_free(addresses: list[str], timeout: float = 30.0) -> list[Replica
         if all(i.num_blocks_free == i.num_blocks_total for i in infos) or time.monotonic() > end:
             return infos
         time.sleep(0.2)
-
-
-def migration_implemented(address: str) -> bool:
-    """False while the replica answers UNIMPLEMENTED for Migrate (issue 4 not landed yet)."""
-    async def probe() -> bool:
-        client = ReplicaClient(address, timeout=10)
-        try:
-            await client.migrate(BatchSpec(BatchId(999_999), (), 0), [0], [0])
-        except ReplicaUnimplemented:
-            return False
-        except Exception:
-            return True
-        finally:
-            await client.close()
-        return True
-    return asyncio.run(probe())
 
 
 def grpcurl(admin: str, method: str, data: dict[str, Any] | None = None, token: str = "") -> dict[str, Any]:
