@@ -45,6 +45,11 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
         "scripts.local_cluster:UpConfig",
         "scripts.local_cluster:run",
     ),
+    "launch": (
+        "start replicas across nodes over ssh or Slurm srun, then the router",
+        "scripts.launch:LaunchConfig",
+        "scripts.launch:run",
+    ),
     "demo": (
         "set up a tiny model and cluster, serve a few requests",
         "scripts.demo:DemoConfig",

@@ -128,15 +128,7 @@ class LocalCluster:
         self.stop()
 
     def _spawn(self, name: str, role: str, args: list[str]) -> Proc:
-        log = self.log_dir / f"{name}.log"
-        popen = subprocess.Popen(
-            [sys.executable, "-m", "scripts.cli", *args], stdout=subprocess.PIPE,
-            stderr=log.open("w"), text=True, preexec_fn=_die_with_parent,
-            cwd=Path(__file__).resolve().parent.parent,
-        )
-        proc = Proc(name, role, popen, log)
-        threading.Thread(target=proc.pump, daemon=True, name=f"pump-{name}").start()
-        return proc
+        return spawn(name, role, [sys.executable, "-m", "scripts.cli", *args], self.log_dir / f"{name}.log")
 
     def roles(self) -> list[str]:
         """The role of each replica, by rank."""
@@ -165,8 +157,7 @@ class LocalCluster:
             args += ["--admin-token", c.admin_token]
         self.router = self._spawn("router", "router", args)
         line = self.router.wait_line(ROUTER_READY, time.monotonic() + c.ready_timeout)
-        fields = dict(part.split("=", 1) for part in line[len(ROUTER_READY):].split() if "=" in part)
-        self.http_url, self.admin_address = fields["http"], fields["admin"]
+        self.http_url, self.admin_address = parse_router_ready(line)
 
     def _fabric_args(self) -> list[str]:
         """`--cluster RANKS --fabric tcp`: a rank table of this machine, one free port per replica."""
@@ -185,21 +176,43 @@ class LocalCluster:
 
     def stop(self, timeout: float = 10.0) -> None:
         """SIGTERM the router, then the replicas; SIGKILL whatever is still alive after `timeout`."""
-        for group in ([self.router] if self.router else [], self.replicas):
-            for proc in group:
-                if proc.popen.poll() is None:
-                    proc.popen.terminate()
-            for proc in group:
-                try:
-                    proc.popen.wait(timeout)
-                except subprocess.TimeoutExpired:
-                    proc.popen.kill()
-                    proc.popen.wait(timeout)
+        stop_procs([self.router] if self.router else [], self.replicas, timeout=timeout)
 
     def crashed(self) -> list[Proc]:
         """Started processes that have exited."""
         procs = [*self.replicas, *([self.router] if self.router else [])]
         return [p for p in procs if p.popen.poll() is not None]
+
+
+def spawn(name: str, role: str, argv: list[str], log: Path) -> Proc:
+    """Start `argv` (stdout piped and pumped into `Proc.lines`, stderr to `log`), dying with us."""
+    popen = subprocess.Popen(
+        argv, stdout=subprocess.PIPE, stderr=log.open("w"), text=True, preexec_fn=_die_with_parent,
+        cwd=Path(__file__).resolve().parent.parent,
+    )
+    proc = Proc(name, role, popen, log)
+    threading.Thread(target=proc.pump, daemon=True, name=f"pump-{name}").start()
+    return proc
+
+
+def stop_procs(*groups: list[Proc], timeout: float = 10.0) -> None:
+    """SIGTERM each group in turn (waiting for it before the next); SIGKILL what outlives `timeout`."""
+    for group in groups:
+        for proc in group:
+            if proc.popen.poll() is None:
+                proc.popen.terminate()
+        for proc in group:
+            try:
+                proc.popen.wait(timeout)
+            except subprocess.TimeoutExpired:
+                proc.popen.kill()
+                proc.popen.wait(timeout)
+
+
+def parse_router_ready(line: str) -> tuple[str, str]:
+    """(http URL, admin address) from the router's ready line."""
+    fields = dict(part.split("=", 1) for part in line[len(ROUTER_READY):].split() if "=" in part)
+    return fields["http"], fields["admin"]
 
 
 def _free_ports(n: int, host: str) -> list[int]:
