@@ -1,0 +1,99 @@
+"""`pdcluster launch --transport local`: replicas started through the remote-command path, the router
+serves a greedy completion, and SIGTERM leaves no process behind."""
+
+from __future__ import annotations
+
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parents[3]
+
+
+def free_base_port(count: int) -> int:
+    """A port p with p .. p+count-1 all free right now."""
+    for _ in range(50):
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            base = probe.getsockname()[1]
+        if base + count > 65535:
+            continue
+        socks = [socket.socket() for _ in range(count)]
+        try:
+            for i, sock in enumerate(socks):
+                sock.bind(("127.0.0.1", base + i))
+            return base
+        except OSError:
+            continue
+        finally:
+            for sock in socks:
+                sock.close()
+    raise RuntimeError("no free port range")
+
+
+def descendants(pid: int) -> list[int]:
+    """Live (non-zombie) descendants of `pid`, from /proc."""
+    parents: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if fields[0] != "Z":
+                parents.setdefault(int(fields[1]), []).append(int(entry.name))
+    found, todo = [], [pid]
+    while todo:
+        kids = parents.get(todo.pop(), [])
+        found += kids
+        todo += kids
+    return found
+
+
+def alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def test_launch_local_transport_serves_and_sigterm_leaves_no_children(
+        tiny_model_factory: Callable[..., Path], tmp_path: Path) -> None:
+    model = tiny_model_factory()
+    hosts = tmp_path / "hosts"
+    hosts.write_text("# one node, both replicas\n127.0.0.1 slots=2\n")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "scripts.cli", "launch", "--hosts", str(hosts), "--transport", "local",
+         "--model", str(model), "--prefill", "1", "--decode", "1", "--strategy", "recompute",
+         "--base-port", str(free_base_port(2)), "--transfer-base-port", str(free_base_port(2)),
+         "--http-port", "0", "--admin-port", "0", "--num-blocks", "128", "--torch-threads", "1",
+         "--log-dir", str(tmp_path / "logs"), "--ready-timeout", "120"],
+        cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None
+        line = proc.stdout.readline()
+        assert line.startswith("pdcluster launch ready: "), (line, list((tmp_path / "logs").glob("*.log")))
+        assert "prefill@127.0.0.1:" in line and "decode@127.0.0.1:" in line
+        url = dict(p.split("=", 1) for p in line.split() if "=" in p)["http"]
+        children = descendants(proc.pid)
+        assert len(children) == 3  # two replicas (bash exec'd into them) and the router
+        body = {"model": model.name, "prompt": "hello", "max_tokens": 5, "temperature": 0}
+        answer = httpx.post(f"{url}/v1/completions", json=body, timeout=60).json()
+        assert answer["usage"]["completion_tokens"] >= 1
+        assert answer["pdcluster_route"]["strategy"] == "recompute"
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 0
+        end = time.monotonic() + 10
+        while any(alive(c) for c in children):
+            assert time.monotonic() < end, [c for c in children if alive(c)]
+            time.sleep(0.1)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
