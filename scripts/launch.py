@@ -131,6 +131,10 @@ class Launch:
         # One file per rank: ranks sharing a node must not rewrite each other's file while it is read.
         return Path("/tmp") / self.run_id / f"ranks-r{rank}.json"
 
+    def node_log(self, rank: int) -> Path:
+        """Where replica `rank` writes its stderr, on its node."""
+        return Path("/tmp") / self.run_id / f"replica-{rank}.log"
+
     def replica_argv(self, p: Placement) -> list[str]:
         """The local argv that starts replica `p` on its node."""
         c = self.config
@@ -139,7 +143,8 @@ class Launch:
         path = self._ranks_path(p.rank)
         args = replica_args(p, c.model, path, extra)
         inline = None if c.shared_dir is not None else self.table_json
-        script = remote_script(pdcluster_command(c.python), args, c.workdir, path, inline)
+        script = remote_script(pdcluster_command(c.python), args, c.workdir, path, inline,
+                               self.node_log(p.rank))
         return wrap(c.transport, p.node.host, script, p.rank)
 
     def dry_run(self) -> str:
@@ -160,7 +165,10 @@ class Launch:
             self._ranks_path(0).write_text(self.table_json)
         for p in self.placements:
             name = f"replica-{p.rank}-{p.role}"
-            self.replicas.append(spawn(name, p.role, self.replica_argv(p), self.log_dir / f"{name}.log"))
+            log = self.log_dir / f"{name}.log"  # the ssh/srun side; the replica's own log is on its node
+            proc = spawn(f"{name} on {p.node.host} (node log {self.node_log(p.rank)})", p.role,
+                         self.replica_argv(p), log)
+            self.replicas.append(proc)
         deadline = time.monotonic() + c.ready_timeout
         for proc in self.replicas:
             proc.address = proc.wait_line(REPLICA_READY, deadline)[len(REPLICA_READY):].strip()
@@ -216,7 +224,13 @@ def run(config: LaunchConfig) -> int:
     try:
         launch.start()
         print(launch.ready_line(), flush=True)
+        reported: set[str] = set()
         while not stop.wait(0.5):
+            for proc in launch.replicas:
+                if proc.popen.poll() is not None and proc.name not in reported:
+                    reported.add(proc.name)
+                    print(f"pdcluster launch: {proc.name} exited with {proc.popen.returncode} "
+                          f"(log: {proc.log})", file=sys.stderr, flush=True)
             if launch.router_exited():
                 return 1
     except RuntimeError as exc:

@@ -114,16 +114,19 @@ def replica_args(p: Placement, model: Path, ranks_path: Path, extra: list[str]) 
 
 
 def remote_script(pdcluster: list[str], args: list[str], workdir: Path, ranks_path: Path,
-                  table_json: str | None) -> str:
+                  table_json: str | None, log_path: Path) -> str:
     """The shell script run on the node: write the rank table (unless shared), then exec the replica.
 
     `exec` makes the replica the session's own process, so a hangup or signal reaches it directly.
+    Its stderr goes to `log_path` on the node: under `ssh -tt` it would otherwise share the streamed
+    stdout and pile up here after the ready line.
     """
-    lines = [f"cd {shlex.quote(str(workdir))} || exit 1"]
+    lines = [f"cd {shlex.quote(str(workdir))} || exit 1",
+             f"mkdir -p {shlex.quote(str(log_path.parent))} || exit 1"]
     if table_json is not None:
         lines += [f"mkdir -p {shlex.quote(str(ranks_path.parent))} || exit 1",
                   f"cat > {shlex.quote(str(ranks_path))} <<'PDCLUSTER_RANKS'", table_json, "PDCLUSTER_RANKS"]
-    lines.append("exec " + shlex.join([*pdcluster, *args]))
+    lines.append("exec " + shlex.join([*pdcluster, *args]) + " 2>>" + shlex.quote(str(log_path)))
     return "\n".join(lines)
 
 

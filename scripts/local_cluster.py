@@ -185,9 +185,13 @@ class LocalCluster:
 
 
 def spawn(name: str, role: str, argv: list[str], log: Path) -> Proc:
-    """Start `argv` (stdout piped and pumped into `Proc.lines`, stderr to `log`), dying with us."""
+    """Start `argv` (stdout piped and pumped into `Proc.lines`, stderr to `log`), dying with us.
+
+    stdin is /dev/null: a child (e.g. `ssh -tt`) must never take over this process's terminal.
+    """
     popen = subprocess.Popen(
-        argv, stdout=subprocess.PIPE, stderr=log.open("w"), text=True, preexec_fn=_die_with_parent,
+        argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=log.open("w"), text=True,
+        preexec_fn=_die_with_parent,
         cwd=Path(__file__).resolve().parent.parent,
     )
     proc = Proc(name, role, popen, log)

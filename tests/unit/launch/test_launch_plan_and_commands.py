@@ -54,11 +54,14 @@ def test_rank_table_uses_transfer_host_and_round_trips() -> None:
 def test_remote_script_writes_the_table_then_execs_the_replica(tmp_path: Path) -> None:
     table = '{"ranks": []}'
     ranks = tmp_path / "run" / "ranks-r0.json"
-    script = remote_script(["echo"], ["replica", "--rank", "0"], tmp_path, ranks, table)
+    log = tmp_path / "logs" / "replica-0.log"
+    script = remote_script(["sh", "-c", 'echo "$0 $1"; echo oops >&2'], ["replica", "0"], tmp_path, ranks,
+                           table, log)
     out = subprocess.run(wrap(Transport.LOCAL, "ignored", script, 0), capture_output=True, text=True,
                          timeout=10)
-    assert out.stdout == "replica --rank 0\n"
+    assert (out.stdout, out.stderr) == ("replica 0\n", "")
     assert ranks.read_text() == table + "\n"
+    assert log.read_text() == "oops\n"
 
 
 def test_ssh_and_srun_wrappers() -> None:
@@ -85,6 +88,7 @@ def test_replica_command_carries_rank_cluster_fabric_host_port(tmp_path: Path) -
     script = argv[-1]
     assert argv[:1] == ["srun"] and "--nodelist=node-b" in argv
     command = shlex.split(script.splitlines()[-1])
+    assert command.pop().startswith("2>>/tmp/")
     assert command[:3] == ["exec", "/venv/bin/pdcluster", "replica"]
     for flag, value in [("--rank", "3"), ("--fabric", "tcp"), ("--host", "node-b"), ("--port", "50052"),
                         ("--model", "/models/m")]:
