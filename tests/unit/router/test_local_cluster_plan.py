@@ -6,7 +6,6 @@ from pathlib import Path
 
 import pytest
 
-import scripts.local_cluster as local_cluster
 from scripts.local_cluster import LocalCluster, UpConfig
 from transfer.ranktable import load_rank_table
 
@@ -18,14 +17,10 @@ def test_roles_by_rank_and_validation(tmp_path: Path) -> None:
         UpConfig(model=tmp_path, prefill=0, decode=0)
 
 
-def test_rank_table_written_when_the_replica_takes_cluster(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-                                                          ) -> None:
-    monkeypatch.setattr(local_cluster, "_replica_has_flag", lambda name: True)
+def test_rank_table_written_for_every_replica(tmp_path: Path) -> None:
     cluster = LocalCluster(UpConfig(model=tmp_path, prefill=1, decode=2, log_dir=tmp_path))
     args = cluster._fabric_args()
     assert args[0] == "--cluster" and args[2:] == ["--fabric", "tcp"]
     table = load_rank_table(args[1])
     assert [e.rank for e in table] == [0, 1, 2]
     assert len({e.transfer_address for e in table}) == 3
-    monkeypatch.setattr(local_cluster, "_replica_has_flag", lambda name: False)
-    assert cluster._fabric_args() == []
