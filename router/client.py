@@ -20,6 +20,10 @@ from protos import generate_pb2_grpc as pb_grpc
 from router.queue import BatchId
 from router.types import FinishReason, GenerateRequest, RequestId, TokenInfo, TopToken
 
+# gRPC metadata of pipelined DecodeV2 calls (replica/server/ordering.py reads them).
+CALL_KEY = "x-pdcluster-call"
+AFTER_KEY = "x-pdcluster-after"
+
 
 class PrefillCase(enum.IntFlag):
     """`PrefillV2Request.forward_case` flags."""
@@ -317,18 +321,22 @@ class ReplicaClient:
         """DecodeV2: append `last_tokens` (one list per batch), merge the batches (id = first), one step."""
         return await self.start_decode(batches, last_tokens)
 
-    def start_decode(self, batches: Sequence[CachedBatch], last_tokens: Sequence[Sequence[int]]
-                     ) -> Coroutine[Any, Any, StepResult]:
+    def start_decode(self, batches: Sequence[CachedBatch], last_tokens: Sequence[Sequence[int]],
+                     call_id: str = "", after: str = "") -> Coroutine[Any, Any, StepResult]:
         """`decode`, with the call started now: it goes out at the caller's next yield to the loop.
 
-        The router's decode loop issues the next step this way before it streams the previous
-        step's tokens, so the replica computes while the router works.
+        The router's decode loop issues the next steps this way before it streams the previous
+        step's tokens, so the replica computes while the router works. `call_id` / `after` (gRPC
+        metadata) make the replica queue this call after the call `after` still on the wire.
         """
         req = pb.DecodeV2Request(
             batches=[_cached_pb(b) for b in batches],
             last_iter_tokens=[pb.Tokens(ids=list(ids)) for ids in last_tokens],
         )
-        call = self.stub.DecodeV2(req, timeout=self.timeout)  # grpc.aio schedules the send at once
+        metadata: tuple[tuple[str, str], ...] = ((CALL_KEY, call_id),) if call_id else ()
+        metadata += ((AFTER_KEY, after),) if after else ()
+        # grpc.aio schedules the send at once
+        call = self.stub.DecodeV2(req, timeout=self.timeout, metadata=metadata or None)
         return self._decoded(call)
 
     async def _decoded(self, call: Any) -> StepResult:

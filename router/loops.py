@@ -17,9 +17,11 @@ declared dead and its requests re-run elsewhere.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import enum
 import logging
+import secrets
 from collections.abc import Coroutine
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -35,6 +37,11 @@ if TYPE_CHECKING:
     from router.scheduler import ClusterScheduler, ReplicaHandle
 
 log = logging.getLogger("pdcluster.router")
+
+# DecodeV2 calls a decode loop keeps on the wire while its batch goes on unchanged: with 2, the
+# replica has the next step queued when one ends, so neither the round trip (~0.7 ms of gRPC on
+# the 2-core dev box) nor the router's streaming of the previous step sits between two steps.
+PIPELINE_DEPTH = 2
 
 
 class Mode(enum.Enum):
@@ -67,7 +74,9 @@ class ReplicaWorker:
     def __init__(self, hub: ClusterScheduler, handle: ReplicaHandle) -> None:
         self.hub = hub
         self.h = handle
-        self._in_flight: _InFlight | None = None  # a decode step sent ahead (pipelining)
+        self._flights: collections.deque[_InFlight] = collections.deque()  # decode steps on the wire
+        self._call_prefix = secrets.token_hex(6)  # names this loop's pipelined calls (unique per run)
+        self._calls = 0
 
     async def run(self) -> None:
         """Step until the replica dies; unexpected errors are logged, never fatal to the router."""
@@ -94,7 +103,7 @@ class ReplicaWorker:
 
     async def step(self) -> bool:
         """One iteration; True when it did work."""
-        if self._in_flight is not None:  # a step sent ahead is collected first, whatever the mode
+        if self._flights:  # steps sent ahead are collected first, whatever the mode
             return await self.decode_once()
         mode = effective_mode(self.h.state.role, self.hub.strategy, self.hub.has_decode())
         if mode is Mode.PREFILL:
@@ -184,24 +193,26 @@ class ReplicaWorker:
     async def decode_once(self) -> bool:
         """Merge what arrived into the running batch and run one decode step.
 
-        Pipelined: when the step's batch goes on unchanged (nothing arrived, every request still
-        wanted), the next DecodeV2 is sent before this step's tokens are streamed, so the replica
-        computes while the router works. The replica keeps the sampled tokens and skips finished
-        requests; anything that needs a FilterBatch or a merge waits for a sequential step.
+        Pipelined: while the batch goes on unchanged (nothing arrived, every request still wanted),
+        up to `PIPELINE_DEPTH` DecodeV2 calls are on the wire, the next ones sent before this
+        step's tokens are streamed, so the replica's engine never waits for the round trip or for
+        the router's work. The replica keeps the sampled tokens and skips finished requests; a step
+        that needs a FilterBatch or a merge waits until the steps sent ahead are collected.
         """
-        flight, self._in_flight = self._in_flight, None
-        if flight is None:
+        if not self._flights:
             batches, lasts = await self._gather_batches()
             if not batches:
                 self._maybe_become_prefill()
                 return False
             members = {rid: m for b in batches for rid, m in b.members.items()}
             last_tokens = [_last_tokens(b, last) for b, last in zip(batches, lasts, strict=True)]
-            flight = _InFlight(batches, members, self.h.client.start_decode([b.cached for b in batches],
-                                                                           last_tokens))
+            call = self.h.client.start_decode([b.cached for b in batches], last_tokens)
+            self._flights.append(_InFlight(batches, members, call))
+        flight = self._flights.popleft()
         try:
             result = await flight.result
         except ReplicaCallError as exc:
+            await self._settle_flights()
             if not isinstance(exc, ReplicaUnavailable):  # a dead replica holds nothing to free
                 await self._drop_batches(flight.batches)
             self.hub.on_error(self.h, exc, flight.members.values())
@@ -211,8 +222,9 @@ class ReplicaWorker:
         return True
 
     async def _after_step(self, result: StepResult, members: dict[RequestId, Member]) -> None:
-        """Start the next step when it can go now, stream this step's tokens, then prune."""
+        """Send the next steps when they can go now, stream this step's tokens, then prune."""
         if result.batch is None:
+            await self._settle_flights()  # steps sent ahead find the batch gone: nothing was run
             self.hub.deliver(result, members)
             self.h.state.release(members)
             self.h.running = None
@@ -220,18 +232,34 @@ class ReplicaWorker:
         live = LiveBatch.of(result.batch, list(members.values()), self.h.block_size)
         self.h.running = live
         if not self.h.inbox and len(live.wanted_ids()) == len(live.members):
-            call = self.h.client.start_decode([live.cached], [[]])
-            self._in_flight = _InFlight([live], live.members, call)
-            await asyncio.sleep(0)  # the call's send runs before the streams woken by deliver
+            while len(self._flights) < PIPELINE_DEPTH:
+                self._send_ahead(live)
+            await asyncio.sleep(0)  # the calls' sends run before the streams woken by deliver
+            self.hub.deliver(result, members)
+            return
         self.hub.deliver(result, members)
-        if self._in_flight is None:
+        if not self._flights:  # else the steps sent ahead are collected first, then this runs again
             self.h.running = await self.prune(live)
 
+    def _send_ahead(self, live: LiveBatch) -> None:
+        """Put one more step of `live` on the wire, queued on the replica after the one before it."""
+        self._calls += 1
+        call_id = f"{self._call_prefix}-{self._calls}"
+        after = self._flights[-1].call_id if self._flights else ""
+        call = self.h.client.start_decode([live.cached], [[]], call_id, after)
+        self._flights.append(_InFlight([live], live.members, call, call_id))
+
+    async def _settle_flights(self) -> None:
+        """Wait for the steps sent ahead and drop their outcome (the batch ended or failed)."""
+        while self._flights:
+            flight = self._flights.popleft()
+            with contextlib.suppress(ReplicaCallError):
+                await flight.result
+
     def cancel_in_flight(self) -> None:
-        """Drop a pipelined step nobody will wait for (the loop ends)."""
-        flight, self._in_flight = self._in_flight, None
-        if flight is not None:
-            flight.result.close()
+        """Drop the steps sent ahead that nobody will wait for (the loop ends)."""
+        while self._flights:
+            self._flights.popleft().result.close()
 
     async def _gather_batches(self) -> tuple[list[LiveBatch], list[dict[RequestId, int]]]:
         batches: list[LiveBatch] = []
@@ -243,32 +271,35 @@ class ReplicaWorker:
                 lasts.append({})
         inbox, self.h.inbox = self.h.inbox, []
         for item in inbox:
-            arrived = await self._accept(item)
-            if arrived is None:
-                continue
-            live = await self.prune(arrived.batch)
-            if live is not None:
-                for m in live.members.values():
-                    m.state.route.decode_replica = self.h.id
-                batches.append(live)
-                lasts.append(dict(arrived.last_tokens))
+            for arrived in await self._accept(item):
+                live = await self.prune(arrived.batch)
+                if live is not None:
+                    for m in live.members.values():
+                        m.state.route.decode_replica = self.h.id
+                    batches.append(live)
+                    lasts.append(dict(arrived.last_tokens))
         return batches, lasts
 
-    async def _accept(self, item: Arrived | Reprefill) -> Arrived | None:
+    async def _accept(self, item: Arrived | Reprefill) -> list[Arrived]:
         if isinstance(item, Arrived):
-            return item
+            return [item]
         self.h.state.promised -= item.promised
         self.h.state.inbound -= 1 if item.promised else 0
         members = [m for m in item.members if m.wanted]
         if not members:
-            return None
-        live = await self.run_prefill(members, self.hub.queue.batch_ids.next(), from_queue=False)
+            return []
+        arrived = []
+        # prompt + the tokens generated so far can exceed the prefill budget the batch was cut to
+        for group in _prefill_groups(members, self.hub.config.max_batch_prefill_tokens):
+            live = await self.run_prefill(group, self.hub.queue.batch_ids.next(), from_queue=False)
+            if live is not None:
+                arrived.append(Arrived(live, {}))
         elapsed = self.hub.clock() - item.sent_at
         for m in members:
             m.state.route.migration_seconds += elapsed
         sent = sum(4 * len(m.request.input_ids) for m in members)  # token ids, 4 bytes each
         self.hub.metrics.migration(Strategy.RECOMPUTE.value, sent, elapsed)
-        return Arrived(live, {}) if live is not None else None
+        return arrived
 
     async def _drop_batches(self, batches: list[LiveBatch]) -> None:
         """After a failed step, free what the replica may still hold for these batches."""
@@ -305,6 +336,21 @@ class _InFlight:
     batches: list[LiveBatch]
     members: dict[RequestId, Member]
     result: Coroutine[Any, Any, StepResult]
+    call_id: str = ""  # set on steps sent ahead (their order on the replica)
+
+
+def _prefill_groups(members: list[Member], max_tokens: int) -> list[list[Member]]:
+    """Consecutive groups of members whose prompts fit `max_tokens` (a larger one goes alone)."""
+    groups: list[list[Member]] = []
+    used = max_tokens
+    for m in members:
+        size = len(m.request.input_ids)
+        if used + size > max_tokens:
+            groups.append([])
+            used = 0
+        groups[-1].append(m)
+        used += size
+    return groups
 
 
 def _last_tokens(batch: LiveBatch, last: dict[RequestId, int]) -> list[int]:

@@ -56,7 +56,10 @@ class EngineWorker:
         self, fn: Callable[[], T], timeout: float | None = None, undo: Callable[[T], None] | None = None
     ) -> T:
         """Run `fn` on the engine thread and return its result (or raise its error) within `timeout`."""
-        item = self.submit(fn, undo)
+        return self.wait(self.submit(fn, undo), timeout)
+
+    def wait(self, item: WorkItem[T], timeout: float | None = None) -> T:
+        """The result of a submitted item within `timeout` (after it, the item is abandoned)."""
         try:
             return item.future.result(timeout)
         except FutureTimeout:

@@ -81,6 +81,8 @@ class FakeReplica(pb_grpc.TextGenerationServiceServicer):
         self.max_immigrating = 0
         self.server: grpc.aio.Server | None = None
         self.address = ""
+        self._engine = asyncio.Lock()  # one step at a time, like the replica's engine thread
+        self._order: dict[str, asyncio.Event] = {}  # pipelined DecodeV2 calls seen (by call id)
 
     async def start(self) -> str:
         """Serve on 127.0.0.1 (free port); returns the address."""
@@ -184,6 +186,20 @@ class FakeReplica(pb_grpc.TextGenerationServiceServicer):
     async def DecodeV2(self, request: pb.DecodeV2Request, context: grpc.aio.ServicerContext
                        ) -> pb.DecodeV2Response:
         await self._enter("DecodeV2", context)
+        # Like the replica: steps run one at a time, a pipelined call after the one it names.
+        meta = dict(context.invocation_metadata() or ())
+        if "x-pdcluster-after" in meta:
+            await asyncio.wait_for(self._submitted(str(meta["x-pdcluster-after"])).wait(), 5.0)
+        async with self._engine:
+            if "x-pdcluster-call" in meta:
+                self._submitted(str(meta["x-pdcluster-call"])).set()
+            return await self._decode(request, context)
+
+    def _submitted(self, call: str) -> asyncio.Event:
+        return self._order.setdefault(call, asyncio.Event())
+
+    async def _decode(self, request: pb.DecodeV2Request, context: grpc.aio.ServicerContext
+                      ) -> pb.DecodeV2Response:
         ids = [b.id for b in request.batches]
         if any(i not in self.batches for i in ids):
             await context.abort(grpc.StatusCode.NOT_FOUND, f"unknown batch in {ids}")
