@@ -2,11 +2,12 @@
 
 For each batch size, B prompts of `--prompt-tokens` tokens are prefilled, then `--decode-steps`
 decode steps run (EOS ignored so every step is full). (a) drives a `pdcluster replica` subprocess
-with Prefill + DecodeV2; (b) calls the same engine in this process; (c) runs transformers'
-`generate` on the same checkpoint (prefill = a 1-token generate; decode = the rest of a longer
-generate). Each figure is the best of `--repeats` runs after one warm-up round; the three paths'
-runs are interleaved so that a machine shared with other work loads them alike. Goals: (a)/(b) ≥ 0.8;
-(b) decode at batch 32 ≥ (c).
+with Prefill + DecodeV2, twice: one DecodeV2 at a time (`grpc`), and with two on the wire ordered
+by metadata as the router's decode loop does (`grpc_pipelined`, the goal's figure); (b) calls the
+same engine in this process; (c) runs transformers' `generate` on the same checkpoint (prefill = a
+1-token generate; decode = the rest of a longer generate). Each figure is the best of `--repeats`
+runs after one warm-up round; the paths' runs are interleaved so that a machine shared with other
+work loads them alike. Goals: (a)/(b) ≥ 0.8; (b) decode at batch 32 ≥ (c).
 """
 
 from __future__ import annotations
@@ -101,8 +102,14 @@ def _blocks(config: BenchReplicaConfig) -> int:
 
 
 # ----------------------------------------------------------------------------------------- (a)
-def _grpc_run(stub: Any, prompts: list[list[int]], steps: int, batch_id: int) -> tuple[float, float]:
+def _grpc_run(
+    stub: Any, prompts: list[list[int]], steps: int, batch_id: int, depth: int = 1
+) -> tuple[float, float]:
+    """Prefill, then `steps` DecodeV2 calls with up to `depth` on the wire (2 = what the router does)."""
+    from collections import deque
+
     from protos import generate_pb2 as pb
+    from replica.server.ordering import AFTER_KEY, CALL_KEY
 
     stopping = pb.StoppingCriteriaParameters(max_new_tokens=steps + 1, ignore_eos_token=True)
     requests = [pb.Request(id=i, input_tokens=p, stopping_parameters=stopping) for i, p in enumerate(prompts)]
@@ -110,10 +117,21 @@ def _grpc_run(stub: Any, prompts: list[list[int]], steps: int, batch_id: int) ->
     start = time.perf_counter()
     cached = stub.PrefillV2(pb.PrefillV2Request(batch=batch), timeout=600).batch
     prefill = time.perf_counter() - start
+    request = pb.DecodeV2Request(batches=[cached])  # the replica keeps the tokens: same batch each step
+    pending: deque[Any] = deque()
+
+    def send(n: int) -> None:  # call n follows call n - 1 on the replica (replica/server/ordering.py)
+        meta = [(CALL_KEY, f"bench-{batch_id}-{n}")]
+        meta += [(AFTER_KEY, f"bench-{batch_id}-{n - 1}")] if n else []
+        pending.append(stub.DecodeV2.future(request, timeout=600, metadata=meta))
+
     start = time.perf_counter()
-    for _ in range(steps):
-        response = stub.DecodeV2(pb.DecodeV2Request(batches=[cached]), timeout=600)
-        cached = response.batch
+    for n in range(min(depth, steps)):
+        send(n)
+    for n in range(steps):
+        response = pending.popleft().result()
+        if n + depth < steps:
+            send(n + depth)
     decode = time.perf_counter() - start
     assert not response.HasField("batch")
     return prefill, decode
@@ -197,26 +215,31 @@ def measure(config: BenchReplicaConfig, paths: dict[str, Runner], vocab: int) ->
 
 
 # ----------------------------------------------------------------------------------------- report
-def _row(batch: int, a: Rates, p: Rates, c: Rates) -> dict[str, Any]:
-    return {
-        "batch": batch,
-        "grpc": {"prefill_tok_s": a.prefill, "decode_tok_s": a.decode},
-        "in_process": {"prefill_tok_s": p.prefill, "decode_tok_s": p.decode},
-        "transformers": {"prefill_tok_s": c.prefill, "decode_tok_s": c.decode},
-        "grpc_over_in_process": {"prefill": a.prefill / p.prefill, "decode": a.decode / p.decode},
-        "in_process_over_transformers": {"prefill": p.prefill / c.prefill, "decode": p.decode / c.decode},
-    }
+PATHS = ("grpc", "grpc_pipelined", "in_process", "transformers")
 
 
-def _report(
-    config: BenchReplicaConfig, grpc_r: dict[int, Rates], proc_r: dict[int, Rates], hf_r: dict[int, Rates]
-) -> dict[str, Any]:
-    rows = [_row(b, grpc_r[b], proc_r[b], hf_r[b]) for b in config.batch_sizes]
-    largest = max(config.batch_sizes)
-    grpc_ratio = min(
-        min(grpc_r[b].prefill / proc_r[b].prefill, grpc_r[b].decode / proc_r[b].decode)
+def _row(batch: int, rates: dict[str, dict[int, Rates]]) -> dict[str, Any]:
+    r = {path: rates[path][batch] for path in PATHS}
+    row: dict[str, Any] = {"batch": batch}
+    row.update({path: {"prefill_tok_s": v.prefill, "decode_tok_s": v.decode} for path, v in r.items()})
+    p, c = r["in_process"], r["transformers"]
+    for path in ("grpc", "grpc_pipelined"):
+        a = r[path]
+        row[f"{path}_over_in_process"] = {"prefill": a.prefill / p.prefill, "decode": a.decode / p.decode}
+    row["in_process_over_transformers"] = {"prefill": p.prefill / c.prefill, "decode": p.decode / c.decode}
+    return row
+
+
+def _min_ratio(config: BenchReplicaConfig, rates: dict[str, dict[int, Rates]], path: str) -> float:
+    proc = rates["in_process"]
+    return min(
+        min(rates[path][b].prefill / proc[b].prefill, rates[path][b].decode / proc[b].decode)
         for b in config.batch_sizes
     )
+
+
+def _report(config: BenchReplicaConfig, rates: dict[str, dict[int, Rates]]) -> dict[str, Any]:
+    largest = max(config.batch_sizes)
     return {
         "config": {
             "prompt_tokens": config.prompt_tokens,
@@ -224,28 +247,34 @@ def _report(
             "repeats": config.repeats,
             "block_size": config.block_size,
             "torch_threads": config.torch_threads,
+            "grpc": "one DecodeV2 at a time",
+            "grpc_pipelined": "two DecodeV2 on the wire, ordered by metadata (as the router drives it)",
         },
-        "results": rows,
+        "results": [_row(b, rates) for b in config.batch_sizes],
         "goals": {
-            "grpc_over_in_process_min": grpc_ratio,
+            # (a) is the replica over gRPC as the router drives it (pipelined); sequential for reference
+            "grpc_over_in_process_min": _min_ratio(config, rates, "grpc_pipelined"),
+            "grpc_sequential_over_in_process_min": _min_ratio(config, rates, "grpc"),
             "grpc_over_in_process_goal": 0.8,
-            "in_process_over_transformers_decode_at_largest_batch": proc_r[largest].decode
-            / hf_r[largest].decode,
+            "in_process_over_transformers_decode_at_largest_batch": rates["in_process"][largest].decode
+            / rates["transformers"][largest].decode,
             "in_process_over_transformers_goal": 1.0,
         },
     }
 
 
 def _print(report: dict[str, Any]) -> None:
-    print(f"{'batch':>5} {'path':<13} {'prefill tok/s':>14} {'decode tok/s':>13}")
+    print(f"{'batch':>5} {'path':<15} {'prefill tok/s':>14} {'decode tok/s':>13}")
     for row in report["results"]:
-        for path in ("grpc", "in_process", "transformers"):
+        for path in PATHS:
             r = row[path]
-            print(f"{row['batch']:>5} {path:<13} {r['prefill_tok_s']:>14.0f} {r['decode_tok_s']:>13.0f}")
-        a, b = row["grpc_over_in_process"], row["in_process_over_transformers"]
+            print(f"{row['batch']:>5} {path:<15} {r['prefill_tok_s']:>14.0f} {r['decode_tok_s']:>13.0f}")
+        a, q, b = row["grpc_over_in_process"], row["grpc_pipelined_over_in_process"], row[
+            "in_process_over_transformers"
+        ]
         print(
-            f"      (a)/(b) prefill {a['prefill']:.2f} decode {a['decode']:.2f}; "
-            f"(b)/(c) prefill {b['prefill']:.2f} decode {b['decode']:.2f}"
+            f"      (a)/(b) prefill {a['prefill']:.2f} decode {a['decode']:.2f}, pipelined decode "
+            f"{q['decode']:.2f}; (b)/(c) prefill {b['prefill']:.2f} decode {b['decode']:.2f}"
         )
 
 
@@ -268,13 +297,15 @@ def run(config: BenchReplicaConfig) -> int:
 
         vocab = ModelConfig.from_dir(model).vocab_size
         with _replica(config, model) as address, grpc.insecure_channel(address) as channel:
+            stub = pb_grpc.TextGenerationServiceStub(channel)
             paths: dict[str, Runner] = {
-                "grpc": partial(_grpc_run, pb_grpc.TextGenerationServiceStub(channel)),
+                "grpc": partial(_grpc_run, stub),
+                "grpc_pipelined": partial(_grpc_run, stub, depth=2),
                 "in_process": in_process_path(config, model),
                 "transformers": transformers_path(model),
             }
             rates = measure(config, paths, vocab)
-    report = _report(config, rates["grpc"], rates["in_process"], rates["transformers"])
+    report = _report(config, rates)
     _print(report)
     if config.json is not None:
         config.json.parent.mkdir(parents=True, exist_ok=True)
