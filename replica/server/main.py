@@ -114,9 +114,7 @@ def load_and_connect(config: ReplicaConfig, services: _Services) -> None:
     """Load the model on the engine thread, create the fabric (buffers registered), start serving."""
     engine, params = services.worker.call(lambda: build_engine_and_params(config))
     services.cluster = build_cluster(config, services.port, engine)
-    services.servicer.cluster = services.cluster
-    services.servicer.attach_weights(engine, params)
-    services.servicer.engine = engine
+    services.servicer.attach(engine, params, services.cluster)
     services.set_health(health_pb2.HealthCheckResponse.SERVING)
 
 

@@ -1,4 +1,4 @@
-"""The KV migration RPCs of a replica (a part of `ReplicaServicer`).
+"""The KV migration RPCs of a replica (a collaborator `ReplicaServicer` delegates to).
 
 ```
  Migrate / MigratePartial ──────► Migrations.migrate (sender: take batch, send, free)
@@ -20,16 +20,14 @@ from dataclasses import dataclass
 import grpc
 
 from protos import generate_pb2 as pb
-from replica.cluster import ReplicaCluster
-from replica.config import ReplicaConfig
 from replica.engine.engine import Engine
-from replica.engine.worker import EngineWorker
 from replica.errors import FailedPrecondition, InvalidArgument
 from replica.migration.manager import Migrations, Route
 from replica.migration.partial import PartialImmigrations
 from replica.migration.plan import LayerHalf
 from replica.migration.prefill import MigratingPrefill
 from replica.server import convert
+from replica.server.shared import ServerState
 
 _NO_DEADLINE = 10.0**7  # grpc's "no deadline" shows up as an enormous time_remaining
 _HALVES: dict[int, LayerHalf] = {
@@ -49,28 +47,27 @@ class _Parts:
 class MigrationRpcs:
     """Migrate, Immigrate, MigratePartial, ImmigratePartial and PrefillV2's MIGRATE cases."""
 
-    config: ReplicaConfig
-    worker: EngineWorker
-    engine: Engine | None
-    cluster: ReplicaCluster | None
-    _migration_parts: _Parts | None = None
-    _migration_lock = threading.Lock()
+    def __init__(self, shared: ServerState) -> None:
+        self.shared = shared
+        self._parts_built: _Parts | None = None  # built on first use, rebuilt if the engine changes
+        self._lock = threading.Lock()
 
     def _parts(self) -> _Parts:
-        engine, cluster = self.engine, self.cluster
+        engine, cluster = self.shared.engine, self.shared.cluster
         if engine is None or cluster is None:
             raise FailedPrecondition("the model is still loading (migrations start with the fabric)")
-        with self._migration_lock:
-            parts = self._migration_parts
+        with self._lock:
+            parts = self._parts_built
             if parts is None or parts.engine is not engine:
-                full = Migrations(engine, self.worker, cluster, self.config.transfer_timeout)
+                full = Migrations(engine, self.shared.worker, cluster, self.shared.config.transfer_timeout)
                 parts = _Parts(engine, full, PartialImmigrations(full), MigratingPrefill(full))
-                self._migration_parts = parts
+                self._parts_built = parts
             return parts
 
     def _me(self, ranks: Sequence[int], field: str) -> None:
         """`field` (this side's list) is empty or names this replica."""
-        mine = self.cluster.rank if self.cluster is not None else self.config.rank
+        cluster = self.shared.cluster
+        mine = cluster.rank if cluster is not None else self.shared.config.rank
         if ranks and list(ranks) != [mine]:
             raise InvalidArgument(f"{field} {list(ranks)} should name this replica, rank {mine}")
 

@@ -1,5 +1,9 @@
 """`ReplicaServicer`: thin gRPC handlers — convert, submit to the engine thread, convert back.
 
+The weight / layer-level prefill RPCs and the KV migration RPCs live in two collaborators
+(`self.weights: WeightRpcs`, `self.migration: MigrationRpcs`) that share `self.shared: ServerState`;
+the servicer's methods for them delegate in one line each.
+
 Handlers never touch engine state themselves: every call runs as one work item on the engine
 thread and the handler waits for it with the call's deadline. A Prefill whose caller gave up while
 it ran is undone (its batch dropped) on the engine thread, so nothing leaks.
@@ -21,9 +25,11 @@ from replica.engine.types import BatchId, HealthState, RequestId, StepResult
 from replica.engine.warmup import warmup
 from replica.engine.worker import EngineWorker
 from replica.errors import FailedPrecondition, InvalidArgument, ShuttingDown
+from replica.params.store import ParamStore
 from replica.server import convert
 from replica.server.migration_rpcs import MigrationRpcs
 from replica.server.ordering import CallOrder
+from replica.server.shared import ServerState
 from replica.server.weights_rpcs import WeightRpcs
 
 T = TypeVar("T")
@@ -31,16 +37,33 @@ T = TypeVar("T")
 _NO_DEADLINE = 10.0**7  # seconds; grpc's "no deadline" shows up as an enormous time_remaining
 
 
-class ReplicaServicer(WeightRpcs, MigrationRpcs, pb_grpc.TextGenerationServiceServicer):
+class ReplicaServicer(pb_grpc.TextGenerationServiceServicer):
     """The generate.v2 service of one replica."""
 
     def __init__(self, config: ReplicaConfig, worker: EngineWorker) -> None:
         self.config = config
         self.worker = worker
-        self.engine: Engine | None = None  # set once the model is loaded
+        self.shared = ServerState(config, worker)
+        self.weights = WeightRpcs(self.shared)
+        self.migration = MigrationRpcs(self.shared)
         self.address = f"{config.host}:{config.port}"
-        self.cluster: ReplicaCluster | None = None  # the rank table and fabric, set with the engine
         self.order = CallOrder()  # pipelined DecodeV2 calls reach the engine in the caller's order
+
+    def attach(self, engine: Engine, params: ParamStore, cluster: ReplicaCluster | None) -> None:
+        """Model loaded, fabric up: wire the weight RPCs, then let the engine RPCs through."""
+        self.shared.cluster = cluster
+        self.weights.attach(engine, params)
+        self.shared.engine = engine  # last: engine RPCs answer "still loading" until everything is wired
+
+    @property
+    def engine(self) -> Engine | None:
+        """The engine once the model is loaded (None before)."""
+        return self.shared.engine
+
+    @property
+    def cluster(self) -> ReplicaCluster | None:
+        """The rank table and fabric, set with the engine."""
+        return self.shared.cluster
 
     # ------------------------------------------------------------------------------- helpers
     def _run(
@@ -62,7 +85,7 @@ class ReplicaServicer(WeightRpcs, MigrationRpcs, pb_grpc.TextGenerationServiceSe
     @property
     def health_state(self) -> HealthState:
         """loading until the model is built; then serving / inactive / loading by weight readiness."""
-        return HealthState.LOADING if self.engine is None else self.weights_health()
+        return HealthState.LOADING if self.engine is None else self.weights.health()
 
     # ------------------------------------------------------------------------------ facts
     def Health(self, request: pb.HealthRequest, context: grpc.ServicerContext) -> pb.HealthResponse:
@@ -103,9 +126,9 @@ class ReplicaServicer(WeightRpcs, MigrationRpcs, pb_grpc.TextGenerationServiceSe
 
     def PrefillV2(self, request: pb.PrefillV2Request, context: grpc.ServicerContext) -> pb.PrefillV2Response:
         if request.forward_case & (pb.NAIVE_PP | pb.IMMIGRATE):  # only NAIVE_PP|IMMIGRATE is valid
-            return self.naive_pp_prefill(request, context)
+            return self.weights.naive_pp_prefill(request, context)
         if request.forward_case & (pb.MIGRATE | pb.MIGRATE_PROGRESSIVE):
-            return self.migrate_prefill(request, context)
+            return self.migration.migrate_prefill(request, context)
         if request.forward_case != pb.NORMAL:
             raise InvalidArgument(f"PrefillV2 forward_case {request.forward_case}: not a valid PrefillCase")
         result = self._prefill(request.batch, context)
@@ -154,6 +177,77 @@ class ReplicaServicer(WeightRpcs, MigrationRpcs, pb_grpc.TextGenerationServiceSe
         batch_id = BatchId(request.id) if request.HasField("id") else None
         self._run(context, lambda e: e.clear(batch_id))
         return pb.ClearCacheResponse()
+
+    # ----------------------------- weights and layer-level prefill (WeightRpcs)
+    def LoadParams(
+        self, request: pb.LoadParamsRequest, context: grpc.ServicerContext
+    ) -> pb.LoadParamsResponse:
+        return self.weights.LoadParams(request, context)
+
+    def SendParams(
+        self, request: pb.SendParamsRequest, context: grpc.ServicerContext
+    ) -> pb.SendParamsResponse:
+        return self.weights.SendParams(request, context)
+
+    def RecvParams(
+        self, request: pb.RecvParamsRequest, context: grpc.ServicerContext
+    ) -> pb.RecvParamsResponse:
+        return self.weights.RecvParams(request, context)
+
+    def RdmaBroadcast(
+        self, request: pb.BroadcastRequest, context: grpc.ServicerContext
+    ) -> pb.BroadcastResponse:
+        return self.weights.RdmaBroadcast(request, context)
+
+    def NvlBroadcast(
+        self, request: pb.BroadcastRequest, context: grpc.ServicerContext
+    ) -> pb.BroadcastResponse:
+        return self.weights.NvlBroadcast(request, context)
+
+    def TanzBroadcast(
+        self, request: pb.BroadcastRequest, context: grpc.ServicerContext
+    ) -> pb.BroadcastResponse:
+        return self.weights.TanzBroadcast(request, context)
+
+    def WaitRdmaDone(
+        self, request: pb.WaitRdmaDoneRequest, context: grpc.ServicerContext
+    ) -> pb.WaitRdmaDoneResponse:
+        return self.weights.WaitRdmaDone(request, context)
+
+    def ResetStatus(
+        self, request: pb.ResetStatusRequest, context: grpc.ServicerContext
+    ) -> pb.ResetStatusResponse:
+        return self.weights.ResetStatus(request, context)
+
+    def SetStatusReady(
+        self, request: pb.SetStatusReadyRequest, context: grpc.ServicerContext
+    ) -> pb.SetStatusReadyResponse:
+        return self.weights.SetStatusReady(request, context)
+
+    def ZagPrefill(
+        self, request: pb.ZagPrefillRequest, context: grpc.ServicerContext
+    ) -> pb.PrefillV2Response:
+        return self.weights.ZagPrefill(request, context)
+
+    def Relay(self, request: pb.RelayRequest, context: grpc.ServicerContext) -> pb.RelayResponse:
+        return self.weights.Relay(request, context)
+
+    # --------------------------------------------- KV migration (MigrationRpcs)
+    def Migrate(self, request: pb.MigrateRequest, context: grpc.ServicerContext) -> pb.MigrateResponse:
+        return self.migration.Migrate(request, context)
+
+    def Immigrate(self, request: pb.ImmigrateRequest, context: grpc.ServicerContext) -> pb.ImmigrateResponse:
+        return self.migration.Immigrate(request, context)
+
+    def MigratePartial(
+        self, request: pb.MigratePartialRequest, context: grpc.ServicerContext
+    ) -> pb.MigrateResponse:
+        return self.migration.MigratePartial(request, context)
+
+    def ImmigratePartial(
+        self, request: pb.ImmigratePartialRequest, context: grpc.ServicerContext
+    ) -> pb.ImmigrateResponse:
+        return self.migration.ImmigratePartial(request, context)
 
 
 def _deadline(context: grpc.ServicerContext) -> float | None:

@@ -1,4 +1,4 @@
-"""The weight and layer-level prefill RPCs of a replica (a part of `ReplicaServicer`).
+"""The weight and layer-level prefill RPCs of a replica (a collaborator `ReplicaServicer` delegates to).
 
 ```
  LoadParams ─────────────► ParamOps.run_blocking ─► ParamStore.load_from_disk / load_from_host
@@ -25,17 +25,16 @@ import grpc
 import torch
 
 from protos import generate_pb2 as pb
-from replica.cluster import WEIGHT_BUFFER, ReplicaCluster
-from replica.config import ReplicaConfig
+from replica.cluster import WEIGHT_BUFFER
 from replica.engine.engine import Engine
 from replica.engine.types import BatchSpec, HealthState
 from replica.engine.validation import admit_batch
-from replica.engine.worker import EngineWorker
 from replica.errors import FailedPrecondition, InvalidArgument, PermissionDenied
 from replica.params.operations import ParamOps
 from replica.params.store import ParamStore
 from replica.params.transfer import WeightMover, chain_of
 from replica.server import convert
+from replica.server.shared import ServerState
 from replica.zigzag.activation import ActivationLink
 from replica.zigzag.manager import ZigzagManager
 from replica.zigzag.naive_pp import naive_pp_prefill
@@ -64,27 +63,25 @@ def _timeout(context: grpc.ServicerContext) -> float | None:
 class WeightRpcs:
     """LoadParams, Send/RecvParams, WaitRdmaDone, *Broadcast, Reset/SetStatus*, ZagPrefill, Relay."""
 
-    config: ReplicaConfig
-    worker: EngineWorker
-    engine: Engine | None
-    cluster: ReplicaCluster | None
-    weights: WeightState | None = None
+    def __init__(self, shared: ServerState) -> None:
+        self.shared = shared
+        self.state: WeightState | None = None  # set by `attach` once the engine and fabric exist
 
-    def attach_weights(self, engine: Engine, params: ParamStore) -> None:
+    def attach(self, engine: Engine, params: ParamStore) -> None:
         """Wire the parameter store, the guard, the movers and the zigzag queue (after the fabric)."""
-        cluster = self.cluster
+        cluster, config = self.shared.cluster, self.shared.config
         mover = link = None
         if cluster is not None:
             cluster.fabric.set_layout(Stream.PARAMS, "weights:" + json.dumps(params.layout.signature()))
             mover = WeightMover(cluster.fabric, params, WEIGHT_BUFFER)
-            link = ActivationLink(cluster.fabric, self.config.transfer_timeout)
-        zigzag = ZigzagManager(engine, self.worker, link)
-        self.weights = WeightState(params, ParamOps(), zigzag, mover, link)
+            link = ActivationLink(cluster.fabric, config.transfer_timeout)
+        zigzag = ZigzagManager(engine, self.shared.worker, link)
+        self.state = WeightState(params, ParamOps(), zigzag, mover, link)
 
     def _state(self) -> WeightState:
-        if self.weights is None:
+        if self.state is None:
             raise FailedPrecondition("the replica is still starting")
-        return self.weights
+        return self.state
 
     def _mover(self) -> WeightMover:
         mover = self._state().mover
@@ -93,15 +90,15 @@ class WeightRpcs:
         return mover
 
     def _transfer_deadline(self, context: grpc.ServicerContext | None = None) -> Deadline:
-        seconds = self.config.transfer_timeout
+        seconds = self.shared.config.transfer_timeout
         call = _timeout(context) if context is not None else None
         return Deadline.after(seconds if call is None else min(seconds, call))
 
-    def weights_health(self) -> HealthState:
+    def health(self) -> HealthState:
         """serving (all loaded), inactive (nothing loaded) or loading (in between)."""
-        if self.weights is None:
+        if self.state is None:
             return HealthState.LOADING
-        ready = self.weights.params.readiness.snapshot()
+        ready = self.state.params.readiness.snapshot()
         if ready.complete:
             return HealthState.SERVING
         return HealthState.INACTIVE if ready.empty else HealthState.LOADING
@@ -197,7 +194,7 @@ class WeightRpcs:
     def SetStatusReady(
         self, request: pb.SetStatusReadyRequest, context: grpc.ServicerContext
     ) -> pb.SetStatusReadyResponse:
-        if not self.config.allow_set_status_ready:
+        if not self.shared.config.allow_set_status_ready:
             raise PermissionDenied(
                 "SetStatusReady is disabled (start the replica with --allow-set-status-ready)"
             )
@@ -230,13 +227,15 @@ class WeightRpcs:
             raise InvalidArgument(
                 f"PrefillV2 forward_case {request.forward_case}: NAIVE_PP and IMMIGRATE go together (12)"
             )
-        engine = self.engine
+        engine = self.shared.engine
         if engine is None:
             raise FailedPrecondition("the model is still loading")
         spec = convert.batch_from_pb(request.batch)
         start, hidden = self._incoming_activation(engine, spec, request, context)
         timeout = _timeout(context)
-        result = self.worker.call(lambda: naive_pp_prefill(engine, spec, start, hidden, timeout), timeout)
+        result = self.shared.worker.call(
+            lambda: naive_pp_prefill(engine, spec, start, hidden, timeout), timeout
+        )
         response = pb.PrefillV2Response(
             forward_ns=result.forward_ns, decode_ns=result.decode_ns, total_ns=result.total_ns
         )

@@ -42,7 +42,7 @@ class InProcReplica:
     @property
     def weights(self) -> WeightState:
         """The replica's parameter store, guard and zigzag queue (white-box checks)."""
-        state = self.services.servicer.weights
+        state = self.services.servicer.weights.state
         assert state is not None
         return state
 
