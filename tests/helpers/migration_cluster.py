@@ -4,68 +4,31 @@
         first = prefill(a, batch)
         pair(lambda: migrate(a, batch, d.rank), lambda: immigrate(d, batch, a.rank))
 
-Each replica is what `serve()` runs (`replica.server.main.launch`): gRPC on 127.0.0.1 port 0 and a tcp
-fabric on loopback, all ranks in one rank table file. Also: greedy generation by transformers for
-the reference tokens, decoding over gRPC until every request finished, page accounting.
+The replicas come from `tests.helpers.inproc_cluster` (what `serve()` runs, in this process, all
+ranks in one rank table file). Also: greedy generation by transformers for the reference tokens,
+decoding over gRPC until every request finished, page accounting.
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
-import grpc
 import torch
 
 from protos import generate_pb2 as pb
-from protos import generate_pb2_grpc as pb_grpc
-from replica.config import ReplicaConfig
-from replica.server.main import launch
-from tests.helpers.transfer_fabrics import free_ports
+from tests.helpers.inproc_cluster import CALL_TIMEOUT as CALL_TIMEOUT
+from tests.helpers.inproc_cluster import InProcReplica as InProcReplica
+from tests.helpers.inproc_cluster import inproc_cluster
+from tests.helpers.inproc_cluster import write_rank_table as write_rank_table
 
-CALL_TIMEOUT = 60.0
 T = TypeVar("T")
 U = TypeVar("U")
 
-
-@dataclass
-class Replica:
-    """One in-process replica: its rank, stub and services."""
-
-    rank: int
-    stub: pb_grpc.TextGenerationServiceStub
-    channel: grpc.Channel
-    services: Any
-
-    def free_blocks(self) -> int:
-        """Info.num_blocks_free."""
-        return int(self.stub.Info(pb.InfoRequest(), timeout=CALL_TIMEOUT).num_blocks_free)
-
-    def total_blocks(self) -> int:
-        """Info.num_blocks_total."""
-        return int(self.stub.Info(pb.InfoRequest(), timeout=CALL_TIMEOUT).num_blocks_total)
-
-
-def write_rank_table(path: Path, n: int, link_gbps: float = 0.0) -> Path:
-    """`n` loopback ranks; with `link_gbps` each rank is its own node behind an emulated NIC."""
-    ranks = [
-        {
-            "rank": r,
-            "host": "127.0.0.1",
-            "node": f"n{r}" if link_gbps else "n0",
-            "device": "cpu",
-            "transfer_address": f"127.0.0.1:{port}",
-            "link_gbps": link_gbps,
-        }
-        for r, port in enumerate(free_ports(n))
-    ]
-    path.write_text(json.dumps({"ranks": ranks}))
-    return path
+Replica = InProcReplica  # one in-process replica: rank, stub, channel, services
 
 
 @contextlib.contextmanager
@@ -73,19 +36,12 @@ def migration_cluster(
     model: Path, tmp_path: Path, n: int, per_rank: dict[int, dict[str, Any]] | None = None, **config: Any
 ) -> Iterator[list[Replica]]:
     """`n` replicas of `model` in this process (`per_rank[r]` overrides rank r's config); stopped on exit."""
-    table = write_rank_table(tmp_path / "ranks.json", n)
-    replicas: list[Replica] = []
-    try:
-        for rank in range(n):
-            options = {**config, **(per_rank or {}).get(rank, {})}
-            services = launch(ReplicaConfig(model=model, port=0, rank=rank, cluster=table, **options))
-            channel = grpc.insecure_channel(f"127.0.0.1:{services.port}")
-            replicas.append(Replica(rank, pb_grpc.TextGenerationServiceStub(channel), channel, services))
+
+    def config_for(rank: int) -> dict[str, Any]:
+        return {**config, **(per_rank or {}).get(rank, {})}
+
+    with inproc_cluster(model, tmp_path, n, config_for) as replicas:
         yield replicas
-    finally:
-        for replica in replicas:
-            replica.channel.close()
-            replica.services.stop()
 
 
 def make_batch(batch_id: int, prompts: list[list[int]], max_new: list[int], first_id: int = 0) -> pb.Batch:

@@ -3,74 +3,25 @@
     with weights_cluster(model, tmp_path, inactive=[1, 2]) as replicas:
         replicas[1].stub.RecvParams(...)
 
-Each replica is what `serve()` runs (`replica.server.main.launch`): gRPC on 127.0.0.1 port 0, a
-tcp fabric on loopback. `link_gbps` puts every rank on its own node with an emulated NIC of that
-speed (paced transfers). Also: greedy generation over gRPC, transformers' reference, page checks.
+The replicas come from `tests.helpers.inproc_cluster` (what `serve()` runs, in this process;
+`link_gbps` emulates a NIC per rank). Also: greedy generation over gRPC, transformers' reference.
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import grpc
 import torch
 
 from protos import generate_pb2 as pb
 from protos import generate_pb2_grpc as pb_grpc
-from replica.config import ReplicaConfig
-from replica.server.main import launch
-from replica.server.weights_rpcs import WeightState
-from tests.helpers.transfer_fabrics import free_ports
-
-CALL_TIMEOUT = 60.0
-
-
-@dataclass
-class InProcReplica:
-    """One replica of the group: its rank, stub and in-process services."""
-
-    rank: int
-    stub: pb_grpc.TextGenerationServiceStub
-    channel: grpc.Channel
-    services: Any
-
-    @property
-    def weights(self) -> WeightState:
-        """The replica's parameter store, guard and zigzag queue (white-box checks)."""
-        state = self.services.servicer.weights.state
-        assert state is not None
-        return state
-
-    def free_blocks(self) -> int:
-        """Info.num_blocks_free."""
-        return int(self.stub.Info(pb.InfoRequest(), timeout=CALL_TIMEOUT).num_blocks_free)
-
-    def health(self) -> str:
-        """Health.state."""
-        return str(self.stub.Health(pb.HealthRequest(), timeout=CALL_TIMEOUT).state)
-
-
-def write_rank_table(path: Path, n: int, link_gbps: float = 0.0) -> Path:
-    """A rank table of `n` loopback ranks (each on its own node when links are emulated)."""
-    ports = free_ports(n)
-    ranks = [
-        {
-            "rank": r,
-            "host": "127.0.0.1",
-            "node": f"n{r}" if link_gbps else "n0",
-            "device": "cpu",
-            "transfer_address": f"127.0.0.1:{port}",
-            "link_gbps": link_gbps,
-        }
-        for r, port in enumerate(ports)
-    ]
-    path.write_text(json.dumps({"ranks": ranks}))
-    return path
+from tests.helpers.inproc_cluster import CALL_TIMEOUT as CALL_TIMEOUT
+from tests.helpers.inproc_cluster import InProcReplica as InProcReplica
+from tests.helpers.inproc_cluster import inproc_cluster
+from tests.helpers.inproc_cluster import write_rank_table as write_rank_table
 
 
 @contextlib.contextmanager
@@ -78,23 +29,13 @@ def weights_cluster(
     model: Path, tmp_path: Path, n: int, inactive: Sequence[int] = (), link_gbps: float = 0.0, **config: Any
 ) -> Iterator[list[InProcReplica]]:
     """`n` replicas of `model` in this process; ranks in `inactive` start with nothing loaded."""
-    table = write_rank_table(tmp_path / "ranks.json", n, link_gbps)
-    replicas: list[InProcReplica] = []
-    try:
-        for rank in range(n):
-            settings = {"num_blocks": 64, "block_size": 8, "transfer_timeout": 30.0, **config}
-            cfg = ReplicaConfig(
-                model=model, port=0, rank=rank, cluster=table, inactive=rank in inactive, **settings
-            )
-            services = launch(cfg)
-            channel = grpc.insecure_channel(f"127.0.0.1:{services.port}")
-            stub = pb_grpc.TextGenerationServiceStub(channel)
-            replicas.append(InProcReplica(rank, stub, channel, services))
+    settings = {"num_blocks": 64, "block_size": 8, "transfer_timeout": 30.0, **config}
+
+    def config_for(rank: int) -> dict[str, Any]:
+        return {**settings, "inactive": rank in inactive}
+
+    with inproc_cluster(model, tmp_path, n, config_for, link_gbps) as replicas:
         yield replicas
-    finally:
-        for replica in replicas:
-            replica.channel.close()
-            replica.services.stop()
 
 
 # ----------------------------------------------------------------------------- generation
