@@ -2,9 +2,10 @@
 
 Both sides derive the same order from the Batch message: for each layer of the range, for each
 request in batch order, its first `ceil(prompt_len / block_size)` pages (the pages holding the
-prompt's K/V), each page one region of `page_bytes` bytes at `(layer * num_blocks + page) * page_bytes`
-of the layer-major cache `(layers, blocks, 2, block_size, kv_heads, head_dim)`. The two sides' page
-ids differ; the region lengths and their order are the same, which is all the transfer layer needs.
+prompt's K/V), each page `page_bytes` bytes at `(layer * num_blocks + page) * page_bytes` of the
+layer-major cache `(layers, blocks, 2, block_size, kv_heads, head_dim)`; pages adjacent in the buffer
+form one region. The two sides' page ids (and so their regions) differ; the logical byte order and the
+total are the same, which is all the transfer layer needs.
 """
 
 from __future__ import annotations
@@ -65,22 +66,58 @@ class SeqPages:
 
 
 def layer_regions(geometry: CacheGeometry, seqs: Sequence[SeqPages], layer: int) -> list[Region]:
-    """Regions of one layer, in the agreed order (request order, then page order)."""
+    """Regions of one layer, in the agreed order (request order, then page order).
+
+    Pages that follow each other in the buffer are merged into one region (a fresh batch's pages
+    usually are consecutive ids): the transfer layer's bookkeeping is per region, in Python, and a
+    1 GiB batch of 16 KiB pages would otherwise be 65536 of them. The byte order is unchanged, so
+    the two sides still agree on every logical byte even where their merges differ.
+    """
+    return _regions(geometry, _page_runs(geometry, seqs), layer)
+
+
+def _regions(geometry: CacheGeometry, page_runs: Sequence[tuple[int, int]], layer: int) -> list[Region]:
     regions: list[Region] = []
+    for first, count in page_runs:
+        offset, length = geometry.offset(layer, first), count * geometry.page_bytes
+        if regions and regions[-1][0] + regions[-1][1] == offset:
+            regions[-1] = (regions[-1][0], regions[-1][1] + length)
+        else:
+            regions.append((offset, length))
+    return regions
+
+
+def _page_runs(geometry: CacheGeometry, seqs: Sequence[SeqPages]) -> list[tuple[int, int]]:
+    """The prompt pages of every request as (first page id, count) runs of consecutive ids."""
+    out: list[tuple[int, int]] = []
     for seq in seqs:
         count = geometry.prompt_pages(seq.prompt_len)
         if count > len(seq.pages):
             raise ValueError(f"a prompt of {seq.prompt_len} tokens needs {count} pages, has {len(seq.pages)}")
-        regions.extend((geometry.offset(layer, page), geometry.page_bytes) for page in seq.pages[:count])
-    return regions
+        for page in seq.pages[:count]:
+            if out and out[-1][0] + out[-1][1] == page:
+                out[-1] = (out[-1][0], out[-1][1] + 1)
+            else:
+                out.append((page, 1))
+    return out
 
 
 def runs(
     geometry: CacheGeometry, seqs: Sequence[SeqPages], layers: range, streamed: bool
 ) -> list[list[Region]]:
     """The p2p runs of a migration: one per layer when streamed, else one over every layer's regions."""
-    per_layer = [layer_regions(geometry, seqs, layer) for layer in layers]
-    return per_layer if streamed else [[r for regions in per_layer for r in regions]]
+    page_runs = _page_runs(geometry, seqs)
+    per_layer = [_regions(geometry, page_runs, layer) for layer in layers]
+    if streamed:
+        return per_layer
+    merged: list[Region] = []
+    for regions in per_layer:  # the last page of a layer may sit right before the next layer's first
+        for offset, length in regions:
+            if merged and merged[-1][0] + merged[-1][1] == offset:
+                merged[-1] = (merged[-1][0], merged[-1][1] + length)
+            else:
+                merged.append((offset, length))
+    return [merged]
 
 
 def total_bytes(geometry: CacheGeometry, seqs: Sequence[SeqPages], layers: range) -> int:

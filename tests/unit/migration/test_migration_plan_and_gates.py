@@ -16,6 +16,7 @@ from replica.migration.plan import (
     SeqPages,
     layer_range,
     layer_regions,
+    runs,
     total_bytes,
 )
 
@@ -30,11 +31,24 @@ def test_regions_cover_the_prompt_pages_of_each_request_in_order() -> None:
     assert total_bytes(GEOMETRY, seqs, range(0, 4)) == 3 * 100 * 4
 
 
-def test_both_sides_agree_on_lengths_with_different_page_ids() -> None:
+def test_adjacent_pages_merge_and_both_sides_move_the_same_logical_bytes() -> None:
     sender = [SeqPages(9, (1, 2, 3)), SeqPages(1, (4,))]
     receiver = [SeqPages(9, (8, 0, 5)), SeqPages(1, (6,))]
-    lengths = [[n for _, n in layer_regions(GEOMETRY, s, 1)] for s in (sender, receiver)]
-    assert lengths[0] == lengths[1] == [100] * 4
+    assert layer_regions(GEOMETRY, sender, 1) == [(1100, 400)]  # pages 1-4 of layer 1: one region
+    assert layer_regions(GEOMETRY, receiver, 1) == [(1800, 100), (1000, 100), (1500, 200)]
+
+    def pages(seqs: list[SeqPages]) -> list[int]:  # the page each logical 100-byte slot lands in
+        return [off // 100 + k for off, n in runs(GEOMETRY, seqs, range(4), streamed=False)[0] for k in range(n // 100)]
+
+    assert len(pages(sender)) == len(pages(receiver)) == 4 * 4
+    assert pages(sender)[:4] == [1, 2, 3, 4] and pages(receiver)[:4] == [8, 0, 5, 6]
+    assert pages(receiver)[4:8] == [18, 10, 15, 16]  # layer 1: same order, shifted by num_blocks
+
+
+def test_a_layers_last_page_merges_with_the_next_layers_first() -> None:
+    seqs = [SeqPages(8, (0, 9))]  # layer 0's page 9 ends where layer 1's page 0 starts
+    assert runs(GEOMETRY, seqs, range(2), streamed=False) == [[(0, 100), (900, 200), (1900, 100)]]
+    assert runs(GEOMETRY, seqs, range(2), streamed=True) == [[(0, 100), (900, 100)], [(1000, 100), (1900, 100)]]
 
 
 def test_too_few_pages_is_refused() -> None:
