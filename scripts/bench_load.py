@@ -21,6 +21,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from scripts.replica_process import ReplicaProcess, free_ports, write_loopback_ranks
+
 
 @dataclass
 class BenchLoadConfig:
@@ -139,30 +141,6 @@ def bench_load(model: Path, repeats: int) -> dict[str, Any]:
 
 
 # -------------------------------------------------------------------------------- multicast
-def _rank_table(path: Path, n: int, link_gbps: float) -> Path:
-    import socket
-
-    socks = [socket.socket() for _ in range(n)]
-    for sock in socks:
-        sock.bind(("127.0.0.1", 0))
-    ports = [sock.getsockname()[1] for sock in socks]
-    for sock in socks:
-        sock.close()
-    ranks = [
-        {
-            "rank": r,
-            "host": "127.0.0.1",
-            "node": f"node{r}",
-            "device": "cpu",
-            "transfer_address": f"127.0.0.1:{p}",
-            "link_gbps": link_gbps,
-        }
-        for r, p in enumerate(ports)
-    ]
-    path.write_text(json.dumps({"ranks": ranks}))
-    return path
-
-
 class _Replicas:
     """One loaded replica (rank 0) and `n - 1` inactive ones, as subprocesses."""
 
@@ -172,7 +150,6 @@ class _Replicas:
         import grpc
 
         from protos import generate_pb2_grpc as pb_grpc
-        from tests.helpers.replica_process import ReplicaProcess
 
         def start(rank: int) -> ReplicaProcess:
             args = [
@@ -230,7 +207,7 @@ def bench_multicast(
     from protos import generate_pb2 as pb
 
     n = max(counts) + 1
-    replicas = _Replicas(model, _rank_table(folder / "ranks.json", n, link_gbps), n)
+    replicas = _Replicas(model, write_loopback_ranks(folder / "ranks.json", free_ports(n), link_gbps), n)
     try:
         stubs = replicas.stubs
         p2p = [

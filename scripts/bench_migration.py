@@ -25,8 +25,6 @@ from __future__ import annotations
 import json
 import multiprocessing as mp
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -34,8 +32,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-READY_PREFIX = "pdcluster replica serving on"
-_REPO = Path(__file__).resolve().parents[1]
+from scripts.replica_process import ReplicaProcess, free_ports, write_loopback_ranks
+
 _CALL_S = 300.0
 
 
@@ -104,77 +102,20 @@ def _make_model(config: BenchMigrationConfig, out: Path) -> Path:
     return out
 
 
-def _write_table(path: Path, ports: list[int], link_gbps: float) -> Path:
-    ranks = [
-        {
-            "rank": r,
-            "host": "127.0.0.1",
-            "node": f"n{r}",
-            "device": "cpu",
-            "transfer_address": f"127.0.0.1:{port}",
-            "link_gbps": link_gbps,
-        }
-        for r, port in enumerate(ports)
-    ]
-    path.write_text(json.dumps({"ranks": ranks}))
-    return path
-
-
-def _free_ports(n: int) -> list[int]:
-    import socket
-
-    socks = [socket.socket() for _ in range(n)]
-    for sock in socks:
-        sock.bind(("127.0.0.1", 0))
-    ports = [int(sock.getsockname()[1]) for sock in socks]
-    for sock in socks:
-        sock.close()
-    return ports
-
-
-@dataclass
-class _Replica:
-    process: subprocess.Popen[str]
-    address: str
-
-
-def _start_replica(config: BenchMigrationConfig, model: Path, table: Path, rank: int) -> _Replica:
+def _start_replica(config: BenchMigrationConfig, model: Path, table: Path, rank: int) -> ReplicaProcess:
     pages = max(r * (-(-t // config.block_size) + 1) for r, t in config.shapes()) + 16
-    cmd = [
-        sys.executable,
-        "-m",
-        "scripts.cli",
-        "replica",
-        "--model",
-        str(model),
-        "--port",
-        "0",
-        "--rank",
-        str(rank),
-        "--cluster",
-        str(table),
-        "--num-blocks",
-        str(pages),
-        "--block-size",
-        str(config.block_size),
-        "--torch-threads",
-        str(config.torch_threads),
-        "--max-batch-prefill-tokens",
-        str(config.max_batch_tokens),
-        "--transfer-timeout",
-        str(_CALL_S),
-    ]
-    log: Any = subprocess.DEVNULL
-    if config.log_dir is not None:
-        config.log_dir.mkdir(parents=True, exist_ok=True)
-        log = (config.log_dir / f"replica-{rank}.log").open("w")
-    proc = subprocess.Popen(cmd, cwd=_REPO, stdout=subprocess.PIPE, stderr=log, text=True)
-    assert proc.stdout is not None
-    line = proc.stdout.readline()
-    if not line.startswith(READY_PREFIX):
-        proc.kill()
-        raise RuntimeError(f"replica rank {rank} did not start: {line!r}")
-    return _Replica(proc, line.split()[-1])
+    args = {
+        "--rank": rank,
+        "--cluster": table,
+        "--num-blocks": pages,
+        "--block-size": config.block_size,
+        "--torch-threads": config.torch_threads,
+        "--max-batch-prefill-tokens": config.max_batch_tokens,
+        "--transfer-timeout": _CALL_S,
+    }
+    log = None if config.log_dir is None else config.log_dir / f"replica-{rank}.log"
+    flat = [str(part) for pair in args.items() for part in pair]
+    return ReplicaProcess.start(model, *flat, timeout=_CALL_S, log=log)
 
 
 # ------------------------------------------------------------------------------ p2p workers
@@ -283,7 +224,7 @@ class _P2p:
 class _Migrator:
     """The bench's gRPC client of the two replicas."""
 
-    def __init__(self, p: _Replica, d: _Replica) -> None:
+    def __init__(self, p: ReplicaProcess, d: ReplicaProcess) -> None:
         import grpc
 
         from protos import generate_pb2_grpc as pb_grpc
@@ -382,8 +323,8 @@ def run(config: BenchMigrationConfig) -> int:
     """Start the replicas and the p2p pair, measure every shape, print and write the report."""
     with tempfile.TemporaryDirectory(prefix="pdcluster-bench-migration-") as tmp:
         model = _make_model(config, Path(tmp) / "model")
-        table = _write_table(Path(tmp) / "ranks.json", _free_ports(4), config.link_gbps)
-        replicas: list[_Replica] = []
+        table = write_loopback_ranks(Path(tmp) / "ranks.json", free_ports(4), config.link_gbps)
+        replicas: list[ReplicaProcess] = []
         p2p = migrator = None
         try:
             replicas = [_start_replica(config, model, table, rank) for rank in (0, 1)]
@@ -396,8 +337,7 @@ def run(config: BenchMigrationConfig) -> int:
             if p2p is not None:
                 p2p.close()
             for replica in replicas:
-                replica.process.terminate()
-                replica.process.wait(30)
+                replica.stop()
     summary = _summary(rows)
     print(
         f"migration/p2p: min {summary['min_ratio']:.2f}, median {summary['median_ratio']:.2f}, "

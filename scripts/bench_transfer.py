@@ -20,6 +20,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from scripts.replica_process import free_ports
+
 _UNITS = {"": 1, "b": 1, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30,
           "kb": 10**3, "mb": 10**6, "gb": 10**9}
 
@@ -67,18 +69,6 @@ class BenchTransferConfig:
             raise ValueError("Tanz needs the destinations (ranks - sources) to split evenly into lanes")
 
 
-def _free_ports(n: int) -> list[int]:
-    import socket
-
-    socks = [socket.socket() for _ in range(n)]
-    for sock in socks:
-        sock.bind(("127.0.0.1", 0))
-    ports = [sock.getsockname()[1] for sock in socks]
-    for sock in socks:
-        sock.close()
-    return ports
-
-
 def _table_json(config: BenchTransferConfig, ports: list[int]) -> str:
     from transfer.core import Rank
     from transfer.ranktable import RankEntry, RankTable
@@ -94,7 +84,7 @@ def _table_json(config: BenchTransferConfig, ports: list[int]) -> str:
 def _jobs(config: BenchTransferConfig, kind: str, algo: str, n: int) -> list[Any]:
     from scripts.bench_transfer_ranks import Job
 
-    size, gloo_port, ports = parse_size(config.size), _free_ports(1)[0], _free_ports(n)
+    size, gloo_port, ports = parse_size(config.size), free_ports(1)[0], free_ports(n)
     table = _table_json(config, ports)
     chunk, stripe, region = (parse_size(v) for v in (config.chunk, config.stripe, config.region))
     return [
@@ -111,7 +101,7 @@ def _measure(config: BenchTransferConfig, kind: str, algo: str, n: int, show: bo
     ctx = mp.get_context("spawn")
     barrier, results, progress = ctx.Barrier(n), ctx.Queue(), ctx.Queue()
     jobs = _jobs(config, kind, algo, n)
-    raw_ports = _free_ports(n)
+    raw_ports = free_ports(n)
     procs = []
     for job in jobs:
         if kind == "ours":

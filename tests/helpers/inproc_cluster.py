@@ -12,7 +12,6 @@ build their clusters with it and add their own moves and checks.
 from __future__ import annotations
 
 import contextlib
-import json
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,7 +24,7 @@ from protos import generate_pb2_grpc as pb_grpc
 from replica.config import ReplicaConfig
 from replica.server.main import launch
 from replica.server.weights_rpcs import WeightState
-from tests.helpers.transfer_fabrics import free_ports
+from scripts.replica_process import free_ports, write_loopback_ranks
 
 CALL_TIMEOUT = 60.0
 
@@ -61,19 +60,7 @@ class InProcReplica:
 
 def write_rank_table(path: Path, n: int, link_gbps: float = 0.0) -> Path:
     """`n` loopback ranks; with `link_gbps` each rank is its own node behind an emulated NIC."""
-    ranks = [
-        {
-            "rank": r,
-            "host": "127.0.0.1",
-            "node": f"n{r}" if link_gbps else "n0",
-            "device": "cpu",
-            "transfer_address": f"127.0.0.1:{port}",
-            "link_gbps": link_gbps,
-        }
-        for r, port in enumerate(free_ports(n))
-    ]
-    path.write_text(json.dumps({"ranks": ranks}))
-    return path
+    return write_loopback_ranks(path, free_ports(n), link_gbps, one_node=not link_gbps)
 
 
 @contextlib.contextmanager

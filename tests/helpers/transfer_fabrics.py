@@ -4,30 +4,17 @@ from __future__ import annotations
 
 import contextlib
 import os
-import socket
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
+from scripts.replica_process import free_ports
 from transfer.fabric import Fabric
 from transfer.fake import FakeFabric, FakeFaults, FakeNetwork
 from transfer.ranktable import RankTable
 from transfer.tcp.fabric import TcpFabric
 
 FabricMaker = Callable[[int], list[Fabric]]
-
-
-def free_ports(n: int) -> list[int]:
-    """`n` currently free loopback ports."""
-    socks = []
-    for _ in range(n):
-        sock = socket.socket()
-        sock.bind(("127.0.0.1", 0))
-        socks.append(sock)
-    ports = [s.getsockname()[1] for s in socks]
-    for sock in socks:
-        sock.close()
-    return ports
 
 
 def local_table(n: int) -> RankTable:

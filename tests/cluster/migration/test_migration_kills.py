@@ -18,8 +18,8 @@ import pytest
 
 from protos import generate_pb2 as pb
 from protos import generate_pb2_grpc as pb_grpc
+from scripts.replica_process import ReplicaProcess
 from tests.helpers.migration_cluster import make_batch, random_prompts, write_rank_table
-from tests.helpers.replica_process import ReplicaProcess
 
 NUM_BLOCKS = 256
 TRANSFER_TIMEOUT = 20.0

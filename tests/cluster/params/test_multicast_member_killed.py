@@ -13,7 +13,7 @@ import pytest
 
 from protos import generate_pb2 as pb
 from protos import generate_pb2_grpc as pb_grpc
-from tests.helpers.replica_process import ReplicaProcess
+from scripts.replica_process import ReplicaProcess
 from tests.helpers.weights_cluster import generate, prompts_for, reference, write_rank_table
 
 TRANSFER_TIMEOUT = 15.0

@@ -19,7 +19,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from protos import generate_pb2 as pb
 from protos import generate_pb2_grpc as pb_grpc
-from tests.helpers.replica_process import ReplicaProcess
+from scripts.replica_process import ReplicaProcess
 
 NUM_BLOCKS = 96
 DEADLINE = 30.0
