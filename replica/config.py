@@ -50,6 +50,12 @@ class ReplicaConfig:
     )
     model_id: str = field(default="", metadata={"help": "name reported by Info; empty = the folder's name"})
     grpc_workers: int = field(default=16, metadata={"help": "threads serving gRPC calls"})
+    grpc_frontend: bool = field(
+        default=True,
+        metadata={
+            "help": "serve gRPC from a helper process so its Python work does not hold the engine's GIL"
+        },
+    )
     router: str = field(
         default="",
         metadata={"help": "router admin address HOST:PORT to register with and heartbeat; empty = none"},

@@ -43,6 +43,10 @@ class BenchReplicaConfig:
     torch_threads: int = field(
         default=1, metadata={"help": "torch intra-op threads of every path (0 = torch's default)"}
     )
+    grpc_frontend: bool = field(
+        default=True,
+        metadata={"help": "(a)'s replica serves gRPC from its front process (the default of a replica)"},
+    )
 
     def __post_init__(self) -> None:
         if min([self.prompt_tokens, self.decode_steps, self.repeats, *self.batch_sizes], default=1) <= 0:
@@ -154,6 +158,7 @@ def _replica(config: BenchReplicaConfig, model: Path) -> Iterator[str]:
         str(config.block_size),
         "--torch-threads",
         str(config.torch_threads),
+        "--grpc-frontend" if config.grpc_frontend else "--no-grpc-frontend",
     ]
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     try:
@@ -247,6 +252,7 @@ def _report(config: BenchReplicaConfig, rates: dict[str, dict[int, Rates]]) -> d
             "repeats": config.repeats,
             "block_size": config.block_size,
             "torch_threads": config.torch_threads,
+            "grpc_frontend": config.grpc_frontend,
             "grpc": "one DecodeV2 at a time",
             "grpc_pipelined": "two DecodeV2 on the wire, ordered by metadata (as the router drives it)",
         },

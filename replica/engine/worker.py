@@ -63,14 +63,24 @@ class EngineWorker:
         try:
             return item.future.result(timeout)
         except FutureTimeout:
-            with item.lock:
-                if item.future.done():
-                    return item.future.result()
-                item.abandoned = True
-                item.future.cancel()
+            if not self.abandon(item):
+                return item.future.result()
             raise DeadlineExceeded(
                 f"the engine did not finish within the call's deadline ({timeout} s)"
             ) from None
+
+    @staticmethod
+    def abandon(item: WorkItem[Any]) -> bool:
+        """Nobody wants the item's result any more: skip it, or undo it once it ends if it is running.
+
+        False if it had already finished (its result stands; the caller takes it).
+        """
+        with item.lock:
+            if item.future.done():
+                return False
+            item.abandoned = True
+            item.future.cancel()
+            return True
 
     @property
     def alive(self) -> bool:

@@ -26,6 +26,7 @@ from replica.config import ReplicaConfig
 from replica.engine.factory import build_engine_and_params
 from replica.engine.worker import EngineWorker
 from replica.registration import RouterRegistration
+from replica.server.front_process import FrontProcess
 from replica.server.interceptor import ErrorInterceptor
 from replica.server.servicer import ReplicaServicer
 
@@ -36,7 +37,7 @@ READY_PREFIX = "pdcluster replica serving on"
 _MESSAGE_BYTES = 64 * 1024 * 1024
 
 
-def _build_server(config: ReplicaConfig) -> tuple[grpc.Server, int]:
+def _build_server(config: ReplicaConfig, address: str) -> tuple[grpc.Server, int]:
     server = grpc.server(
         ThreadPoolExecutor(max_workers=config.grpc_workers, thread_name_prefix="grpc"),
         interceptors=[ErrorInterceptor()],
@@ -45,9 +46,9 @@ def _build_server(config: ReplicaConfig) -> tuple[grpc.Server, int]:
             ("grpc.max_receive_message_length", _MESSAGE_BYTES),
         ],
     )
-    port = server.add_insecure_port(f"{config.host}:{config.port}")
+    port = server.add_insecure_port(address)
     if port == 0:
-        raise OSError(f"cannot listen on {config.host}:{config.port}")
+        raise OSError(f"cannot listen on {address}")
     return server, port
 
 
@@ -94,9 +95,12 @@ class _Services:
         self.worker.stop()
 
 
-def _start_services(config: ReplicaConfig) -> _Services:
-    """Bind, register the generate.v2, health and reflection services, start serving (not ready yet)."""
-    server, port = _build_server(config)
+def _start_services(config: ReplicaConfig, internal: bool = False) -> _Services:
+    """Bind, register the generate.v2, health and reflection services, start serving (not ready yet).
+
+    `internal`: on 127.0.0.1:0, for the front process only (`serve` with `--grpc-frontend`).
+    """
+    server, port = _build_server(config, "127.0.0.1:0" if internal else f"{config.host}:{config.port}")
     worker = EngineWorker()
     servicer = ReplicaServicer(config, worker)
     servicer.address = f"{config.host}:{port}"
@@ -138,20 +142,49 @@ def serve(config: ReplicaConfig) -> int:
         import torch
 
         torch.set_num_threads(config.torch_threads)
-    stop = threading.Event()
+    stop, lost = threading.Event(), threading.Event()
     _install_signal_handlers(stop)
-    services = _start_services(config)
+    services = _start_services(config, internal=config.grpc_frontend)
+    front = _start_front(config, services, stop, lost) if config.grpc_frontend else None
     try:
         load_and_connect(config, services)
     except Exception:
         log.exception("cannot load the model from %s or start the fabric", config.model)
-        services.stop()
+        _stop(services, front)
         return 1
     print(f"{READY_PREFIX} {config.host}:{services.port}", flush=True)
     registration = _register(config, services.port)
     stop.wait()
     if registration is not None:
         registration.stop()
-    services.stop()
+    _stop(services, front)
     log.info("replica stopped")
-    return 0
+    return 1 if lost.is_set() else 0
+
+
+def _start_front(
+    config: ReplicaConfig, services: _Services, stop: threading.Event, lost: threading.Event
+) -> FrontProcess:
+    """The gRPC front process on the public port; `services.port` becomes its port."""
+
+    def on_lost() -> None:  # the front died: this replica can no longer be reached
+        lost.set()
+        stop.set()
+
+    servicer = services.servicer
+    try:
+        front = FrontProcess.start(
+            config, f"127.0.0.1:{services.port}", services.worker, lambda: servicer.engine, on_lost
+        )
+    except BaseException:
+        services.stop()
+        raise
+    services.port = front.port
+    servicer.address = f"{config.host}:{front.port}"
+    return front
+
+
+def _stop(services: _Services, front: FrontProcess | None) -> None:
+    if front is not None:
+        front.stop()  # first: no new calls reach the engine
+    services.stop()

@@ -82,7 +82,7 @@ def test_launch_local_transport_serves_and_sigterm_leaves_no_children(
         assert "prefill@127.0.0.1:" in line and "decode@127.0.0.1:" in line
         url = dict(p.split("=", 1) for p in line.split() if "=" in p)["http"]
         children = descendants(proc.pid)
-        assert len(children) == 3  # two replicas (bash exec'd into them) and the router
+        assert len(children) == 5  # two replicas (bash exec'd into them), their gRPC fronts, the router
         body = {"model": model.name, "prompt": "hello", "max_tokens": 5, "temperature": 0}
         answer = httpx.post(f"{url}/v1/completions", json=body, timeout=60).json()
         assert answer["usage"]["completion_tokens"] >= 1

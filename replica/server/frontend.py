@@ -1,0 +1,352 @@
+"""The replica's gRPC front process: serves the public port so gRPC's Python work runs outside the
+process whose engine thread needs the GIL for every torch op.
+
+Why: the tiny model's forward is Python-dispatch bound, so the engine thread wants the GIL nearly
+all the time; in one process every gRPC thread wake-up (new call, message received, the result
+handed over, status sent: ~7 per unary call, ~0.4 ms of CPU in the sync server) stalls the step
+it overlaps. Measured at batch 1 that was +0.4 ms of engine CPU, +0.65 ms of GIL waits and ~0.6 ms
+of idle engine per 1.5 ms decode step (replica/server/README.md, "Performance").
+
+```
+ client ══gRPC══► front process (this module)                 replica process (main.py)
+                   DecodeV2, PrefillV2 NORMAL, Prefill,  ─frames─► hotpath.py ─► engine thread
+                   FilterBatch, ClearCache (converted here)  ◄──── reply from the engine thread
+                   every other call, health: forwarded ══gRPC══► internal server on 127.0.0.1
+                   reflection: served here
+```
+
+Started by `main.py` as `python -m replica.server.frontend --fd N ...` (not a `pdcluster`
+command: only the replica starts it). It reports its bound port as its first frame and exits
+when the replica closes the socket; it ignores SIGINT (the replica handles Ctrl-C for both).
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import logging
+import signal
+import socket
+import sys
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health
+from grpc_reflection.v1alpha import reflection
+
+from protos import generate_pb2 as pb
+from replica.engine.types import StepResult
+from replica.errors import DeadlineExceeded, ReplicaError, Status
+from replica.server import convert
+from replica.server.interceptor import CODES
+from replica.server.ordering import CallOrder
+from replica.server.wire import FrameSocket, decode_batch, decode_step
+
+log = logging.getLogger("replica.frontend")
+
+SERVICE = pb.DESCRIPTOR.services_by_name["TextGenerationService"].full_name
+_MESSAGE_BYTES = 64 * 1024 * 1024
+_NO_DEADLINE = 10.0**7
+
+
+class RemoteError(Exception):
+    """A ReplicaError raised in the replica process (its status and message)."""
+
+    def __init__(self, status: Status, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+class ForwardedError(Exception):
+    """A forwarded call failed in the replica with this status."""
+
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        super().__init__(details)
+        self.code = code
+
+
+class _Slot:
+    """One call waiting for its reply."""
+
+    __slots__ = ("event", "gone", "op", "reply")
+
+    def __init__(self, op: str) -> None:
+        self.op = op
+        self.event = threading.Event()
+        self.reply: tuple[bool, Any] | None = None
+        self.gone = False  # the caller gave up: a late reply is for nobody
+
+
+class Backend:
+    """The front's end of the socket pair: send calls, match replies, cancel abandoned calls.
+
+    The replica answers every call exactly once, so a slot lives until its reply arrives.
+    """
+
+    def __init__(self, wire: FrameSocket) -> None:
+        self.wire = wire
+        self._ids = itertools.count(1)
+        self._slots: dict[int, _Slot] = {}
+        self._lock = threading.Lock()
+
+    def send(self, op: str, args: Any) -> tuple[int, _Slot]:
+        """Send one call; returns its id and slot for `wait`."""
+        call_id, slot = next(self._ids), _Slot(op)
+        self._slots[call_id] = slot
+        self.wire.send((op, call_id, args))
+        return call_id, slot
+
+    def wait(
+        self, sent: tuple[int, _Slot], context: grpc.ServicerContext, timeout: float | None
+    ) -> Any:
+        """The call's result within `timeout`; a caller that gives up cancels it in the replica."""
+        call_id, slot = sent
+        context.add_callback(lambda: self._give_up(call_id, slot))  # runs when the RPC ends, however
+        if not slot.event.wait(timeout):
+            self._give_up(call_id, slot)
+        if slot.reply is None:
+            raise DeadlineExceeded(f"the engine did not finish within the call's deadline ({timeout} s)")
+        ok, payload = slot.reply
+        if not ok:
+            raise RemoteError(Status(payload[0]), payload[1])
+        return payload
+
+    def _give_up(self, call_id: int, slot: _Slot) -> None:
+        with self._lock:
+            if slot.reply is not None or slot.gone:
+                return  # answered already: the result stands
+            slot.gone = True
+            slot.event.set()
+        self.wire.send(("cancel", call_id))
+
+    def read_replies(self) -> None:
+        """Deliver replies until the replica closes the socket."""
+        while (message := self.wire.recv()) is not None:
+            call_id, ok, payload = message
+            with self._lock:
+                slot = self._slots.pop(call_id, None)
+                if slot is None:
+                    continue  # a call sent by this class itself (an orphan's clear)
+                gone = slot.gone
+                if not gone:
+                    slot.reply = (ok, payload)
+                    slot.event.set()
+            if gone and ok and slot.op == "prefill" and payload[1] is not None:
+                # finished just as its caller gave up: nobody will decode the batch; free it
+                self.wire.send(("clear", next(self._ids), payload[1][0]))
+
+
+def _deadline(context: grpc.ServicerContext) -> float | None:
+    remaining = context.time_remaining()
+    return None if remaining is None or remaining > _NO_DEADLINE else max(remaining, 0.0)
+
+
+class FrontServicer:
+    """The hot calls, converted here and run by the replica's engine thread."""
+
+    def __init__(self, backend: Backend) -> None:
+        self.backend = backend
+        self.order = CallOrder()  # pipelined DecodeV2 calls reach the engine in the caller's order
+
+    def _call(self, context: grpc.ServicerContext, op: str, args: Any) -> Any:
+        deadline = _deadline(context)
+        return self.backend.wait(self.backend.send(op, args), context, deadline)
+
+    def _prefill(self, batch: pb.Batch, context: grpc.ServicerContext) -> StepResult:
+        return decode_step(self._call(context, "prefill", convert.batch_from_pb(batch)))
+
+    def Prefill(self, request: pb.PrefillRequest, context: grpc.ServicerContext) -> pb.PrefillResponse:
+        result = self._prefill(request.batch, context)
+        response = pb.PrefillResponse(
+            forward_ns=result.forward_ns, decode_ns=result.decode_ns, total_ns=result.total_ns
+        )
+        convert.fill_step(response, result)
+        return response
+
+    def PrefillV2(self, request: pb.PrefillV2Request, context: grpc.ServicerContext) -> pb.PrefillV2Response:
+        result = self._prefill(request.batch, context)
+        response = pb.PrefillV2Response(
+            forward_ns=result.forward_ns, decode_ns=result.decode_ns, total_ns=result.total_ns
+        )
+        convert.fill_step(response, result)
+        return response
+
+    def DecodeV2(self, request: pb.DecodeV2Request, context: grpc.ServicerContext) -> pb.DecodeV2Response:
+        deadline = _deadline(context)
+        # A pipelined call (the router keeps two on the wire) is sent after the one it follows;
+        # the socket and the replica's reader keep that order up to the engine thread.
+        with self.order.ordered(context.invocation_metadata(), deadline):
+            inputs = convert.decode_inputs_from_pb(request.batches, request.last_iter_tokens)
+            sent = self.backend.send("decode", inputs)
+        result = decode_step(self.backend.wait(sent, context, deadline))
+        response = pb.DecodeV2Response(total_ns=result.total_ns)
+        convert.fill_step(response, result)
+        return response
+
+    def FilterBatch(
+        self, request: pb.FilterBatchRequest, context: grpc.ServicerContext
+    ) -> pb.FilterBatchResponse:
+        info = decode_batch(self._call(context, "filter", (request.batch_id, tuple(request.request_ids))))
+        assert info is not None
+        return pb.FilterBatchResponse(batch=convert.cached_batch_to_pb(info))
+
+    def ClearCache(
+        self, request: pb.ClearCacheRequest, context: grpc.ServicerContext
+    ) -> pb.ClearCacheResponse:
+        self._call(context, "clear", request.id if request.HasField("id") else None)
+        return pb.ClearCacheResponse()
+
+
+def _guarded(inner: Callable[[Any, grpc.ServicerContext], Any]) -> Callable[[Any, grpc.ServicerContext], Any]:
+    """Errors to statuses, as `interceptor.py` does in the replica."""
+
+    def handler(request: Any, context: grpc.ServicerContext) -> Any:
+        try:
+            return inner(request, context)
+        except RemoteError as exc:
+            context.abort(CODES[exc.status], str(exc))
+        except ForwardedError as exc:
+            context.abort(exc.code, str(exc))
+        except ReplicaError as exc:
+            context.abort(CODES[exc.status], str(exc) or type(exc).__name__)
+        except Exception as exc:
+            log.exception("unexpected error in a front-process handler")
+            context.abort(grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}")
+
+    return handler
+
+
+_FORWARDED_PREFIXES = (f"/{SERVICE}/", f"/{health.SERVICE_NAME}/")
+_STREAMING = {f"/{health.SERVICE_NAME}/Watch"}
+_HOP_BY_HOP = ("grpc-", ":")
+_NOT_FORWARDED = {"user-agent", "content-type", "te", "host", "accept-encoding"}
+
+
+def _metadata(context: grpc.ServicerContext) -> list[tuple[str, Any]]:
+    return [
+        (key, value)
+        for key, value in context.invocation_metadata() or ()
+        if key not in _NOT_FORWARDED and not key.startswith(_HOP_BY_HOP)
+    ]
+
+
+class Router(grpc.GenericRpcHandler):
+    """Hot calls to `FrontServicer`, everything else of the service and health to the replica."""
+
+    def __init__(self, front: FrontServicer, channel: grpc.Channel) -> None:
+        self.channel = channel
+        hot: dict[str, tuple[Callable[..., Any], Any, Any]] = {
+            "Prefill": (front.Prefill, pb.PrefillRequest, pb.PrefillResponse),
+            "DecodeV2": (front.DecodeV2, pb.DecodeV2Request, pb.DecodeV2Response),
+            "FilterBatch": (front.FilterBatch, pb.FilterBatchRequest, pb.FilterBatchResponse),
+            "ClearCache": (front.ClearCache, pb.ClearCacheRequest, pb.ClearCacheResponse),
+        }
+        self.hot = {
+            f"/{SERVICE}/{name}": grpc.unary_unary_rpc_method_handler(
+                _guarded(fn), request_deserializer=req.FromString, response_serializer=resp.SerializeToString
+            )
+            for name, (fn, req, resp) in hot.items()
+        }
+        self.hot[f"/{SERVICE}/PrefillV2"] = grpc.unary_unary_rpc_method_handler(
+            _guarded(self._prefill_v2(front))
+        )
+
+    def _prefill_v2(self, front: FrontServicer) -> Callable[[bytes, grpc.ServicerContext], bytes]:
+        forward = self._forward_unary(f"/{SERVICE}/PrefillV2")
+
+        def handler(data: bytes, context: grpc.ServicerContext) -> bytes:
+            request = pb.PrefillV2Request.FromString(data)
+            if request.forward_case != pb.NORMAL:  # weights / migration cases: the full servicer
+                return forward(data, context)
+            return front.PrefillV2(request, context).SerializeToString()
+
+        return handler
+
+    def service(self, handler_call_details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler | None:
+        method = handler_call_details.method
+        if method in self.hot:
+            return self.hot[method]
+        if not method.startswith(_FORWARDED_PREFIXES):
+            return None
+        if method in _STREAMING:
+            return grpc.unary_stream_rpc_method_handler(self._forward_stream(method))
+        return grpc.unary_unary_rpc_method_handler(_guarded(self._forward_unary(method)))
+
+    def _forward_unary(self, method: str) -> Callable[[bytes, grpc.ServicerContext], bytes]:
+        call = self.channel.unary_unary(method)
+
+        def handler(data: bytes, context: grpc.ServicerContext) -> bytes:
+            future = call.future(data, timeout=_deadline(context), metadata=_metadata(context))
+            context.add_callback(future.cancel)
+            try:
+                return future.result()
+            except grpc.RpcError as exc:
+                raise ForwardedError(exc.code(), exc.details() or "") from None
+
+        return handler
+
+    def _forward_stream(self, method: str) -> Callable[[bytes, grpc.ServicerContext], Iterator[bytes]]:
+        call = self.channel.unary_stream(method)
+
+        def handler(data: bytes, context: grpc.ServicerContext) -> Iterator[bytes]:
+            responses = call(data, timeout=_deadline(context), metadata=_metadata(context))
+            context.add_callback(responses.cancel)
+            try:
+                yield from responses
+            except grpc.RpcError as exc:
+                if exc.code() != grpc.StatusCode.CANCELLED:
+                    context.abort(exc.code(), exc.details() or "")
+
+        return handler
+
+
+def _parse(argv: Sequence[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m replica.server.frontend")
+    parser.add_argument("--fd", type=int, required=True, help="the replica's end of the socket pair")
+    parser.add_argument("--host", required=True)
+    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--backend", required=True, help="the replica's internal gRPC address")
+    parser.add_argument("--workers", type=int, default=16)
+    return parser.parse_args(argv)
+
+
+def serve(args: argparse.Namespace) -> int:
+    """Bind, report the port, serve until the replica closes the socket."""
+    wire = FrameSocket(socket.socket(fileno=args.fd))
+    backend = Backend(wire)
+    options = [
+        ("grpc.max_send_message_length", _MESSAGE_BYTES),
+        ("grpc.max_receive_message_length", _MESSAGE_BYTES),
+    ]
+    channel = grpc.insecure_channel(args.backend, options=options)
+    pool = ThreadPoolExecutor(max_workers=args.workers, thread_name_prefix="grpc")
+    server = grpc.server(pool, options=options)
+    reflection.enable_server_reflection(
+        (SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), server
+    )
+    server.add_generic_rpc_handlers((Router(FrontServicer(backend), channel),))
+    port = server.add_insecure_port(f"{args.host}:{args.port}")
+    wire.send(("port", port))
+    if port == 0:
+        return 1
+    server.start()
+    backend.read_replies()  # until the replica closes its end
+    server.stop(grace=5.0).wait(10.0)
+    channel.close()
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the front process."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the replica, which stops us
+    logging.basicConfig(
+        level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s %(levelname)s %(message)s"
+    )
+    return serve(_parse(sys.argv[1:] if argv is None else argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

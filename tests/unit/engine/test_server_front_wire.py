@@ -1,0 +1,119 @@
+"""The front process's wire: step results survive the trip; HotPath + Backend over a socket pair
+deliver results and typed errors, and a prefill whose caller gave up leaves no batch behind."""
+
+from __future__ import annotations
+
+import socket
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+
+from replica.engine.types import (
+    BatchId,
+    CachedBatchInfo,
+    DecodeInput,
+    FinishReason,
+    GeneratedText,
+    Generation,
+    RequestId,
+    StepResult,
+    TokenList,
+)
+from replica.engine.worker import EngineWorker
+from replica.errors import DeadlineExceeded, NotFound, Status
+from replica.server.frontend import Backend, RemoteError
+from replica.server.hotpath import HotPath
+from replica.server.wire import FrameSocket, decode_step, encode_step
+
+
+def _step(batch: CachedBatchInfo | None = None) -> StepResult:
+    tokens = TokenList(ids=(5,), logprobs=(-0.5,), texts=(" a",), is_special=(False,))
+    done = GeneratedText("x a", 3, FinishReason.STOP_SEQUENCE, 7)
+    full = Generation(RequestId(1), tokens, prefill_tokens=tokens, generated_text=done, top_tokens=(tokens,))
+    return StepResult((full, Generation(RequestId(2), tokens)), batch, 1, 2, 3, 4)
+
+
+def test_step_round_trip_and_frames() -> None:
+    result = _step(CachedBatchInfo(BatchId(3), (RequestId(1), RequestId(2)), 64))
+    assert decode_step(encode_step(result)) == result
+    a, b = socket.socketpair()
+    left, right = FrameSocket(a), FrameSocket(b)
+    left.send(("decode", 1, [DecodeInput(BatchId(3), (4, 5))]))
+    assert right.recv() == ("decode", 1, [DecodeInput(BatchId(3), (4, 5))])
+    left.close()
+    assert right.recv() is None
+    right.close()
+
+
+class _Context:
+    """The part of grpc.ServicerContext that Backend.wait uses."""
+
+    def __init__(self) -> None:
+        self.callbacks: list[Callable[[], None]] = []
+
+    def add_callback(self, callback: Callable[[], None]) -> bool:
+        self.callbacks.append(callback)
+        return True
+
+
+class _Store(set[BatchId]):
+    pass
+
+
+class _FakeEngine:
+    """Records calls; prefill blocks until released (to test a caller giving up mid-run)."""
+
+    def __init__(self) -> None:
+        self.store = _Store()
+        self.release = threading.Event()
+        self.release.set()
+
+    def decode(self, inputs: list[DecodeInput]) -> StepResult:
+        if inputs[0].batch_id == 404:
+            raise NotFound("no batch 404")
+        return _step(CachedBatchInfo(inputs[0].batch_id, (RequestId(1),), 8))
+
+    def prefill(self, spec: Any) -> StepResult:
+        self.release.wait(5)
+        self.store.add(BatchId(spec))
+        return _step(CachedBatchInfo(BatchId(spec), (RequestId(1),), 8))
+
+    def clear(self, batch_id: BatchId | None) -> None:
+        self.store.discard(batch_id)
+
+
+@pytest.fixture
+def wired() -> Iterator[tuple[Backend, _FakeEngine]]:
+    worker, engine = EngineWorker("test-engine"), _FakeEngine()
+    a, b = socket.socketpair()
+    hot = HotPath(FrameSocket(a), worker, lambda: engine)  # type: ignore[arg-type, return-value]
+    hot.start()
+    backend = Backend(FrameSocket(b))
+    reader = threading.Thread(target=backend.read_replies, daemon=True)
+    reader.start()
+    yield backend, engine
+    hot.close()
+    reader.join(5)
+    worker.stop()
+
+
+def test_results_and_typed_errors(wired: tuple[Backend, _FakeEngine]) -> None:
+    backend, _ = wired
+    payload = backend.wait(backend.send("decode", [DecodeInput(BatchId(9))]), _Context(), 5)
+    assert decode_step(payload).batch == CachedBatchInfo(BatchId(9), (RequestId(1),), 8)
+    with pytest.raises(RemoteError) as info:
+        backend.wait(backend.send("decode", [DecodeInput(BatchId(404))]), _Context(), 5)
+    assert info.value.status == Status.NOT_FOUND
+
+
+def test_prefill_whose_caller_gave_up_is_dropped(wired: tuple[Backend, _FakeEngine]) -> None:
+    backend, engine = wired
+    engine.release.clear()
+    with pytest.raises(DeadlineExceeded):
+        backend.wait(backend.send("prefill", 7), _Context(), 0.05)
+    engine.release.set()
+    # the batch was cached after the caller left: undone on the engine thread; a later call sees none
+    backend.wait(backend.send("decode", [DecodeInput(BatchId(1))]), _Context(), 5)
+    assert engine.store == set()
