@@ -1,8 +1,8 @@
 """`pdcluster bench serving`: end-to-end serving benchmark through the OpenAI API, vLLM's metric names.
 
 ```
- workload (Poisson at --rate, or --trace) ──► async aiohttp, streamed /v1/completions ──► router (--url,
-        │                                     one task per request, token-id prompts    or `pdcluster up`)
+ workload (Poisson at --rate, or --trace) ──► serving_client (uvloop + httptools)  ──► router (--url,
+        │                                     streamed /v1/completions, token-id prompts or `pdcluster up`)
         ▼
  OUT.jsonl (one line per request) + OUT (summary: throughput, TTFT/TPOT/ITL/E2EL, goodput)
         + the replica engine in-process at the same batch size: cluster decode tokens/s ÷ in-process
@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from scripts.serving_client import get_json, stream_completion
 from scripts.serving_stats import (
     RequestRecord,
     cluster_decode_rate,
@@ -109,10 +110,10 @@ def run(config: BenchServingConfig) -> int:
     # SIGTERM unwinds like Ctrl-C, so a local cluster this started is stopped too.
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
     if config.url:
-        summary = asyncio.run(_bench(config, config.url.rstrip("/")))
+        summary = _run_client(config, config.url.rstrip("/"))
     else:
         with LocalCluster(config) as url:
-            summary = asyncio.run(_bench(config, url))
+            summary = _run_client(config, url)
     records = summary.pop("_records")
     if config.in_process and config.model is not None:
         summary.update(_compare_in_process(config, records, summary["duration"]))
@@ -126,29 +127,28 @@ def _exit_on_sigterm(signum: int, frame: object) -> None:
 
 
 # ------------------------------------------------------------------------------------ the client
-async def _bench(config: BenchServingConfig, url: str) -> dict[str, Any]:
-    import aiohttp
+def _run_client(config: BenchServingConfig, url: str) -> dict[str, Any]:
+    """The load generator on uvloop: its event loop costs less CPU per token, CPU the cluster needs."""
+    import uvloop
 
-    # aiohttp (as vLLM's `bench serve`): its C HTTP parser keeps the client's per-token CPU small, and
-    # on a shared 2-core machine every cycle the load generator burns is taken from the cluster.
-    connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300)
-    timeout = aiohttp.ClientTimeout(total=None, sock_connect=30.0)
-    async with aiohttp.ClientSession(base_url=url, connector=connector, timeout=timeout) as client:
-        served = await _served(client)
-        arrivals = _workload(config, served)
-        rng = random.Random(config.seed)
-        prompts = [[rng.randrange(3, served.vocab_size) for _ in range(a.input_len)] for a in arrivals]
-        start = time.perf_counter()
-        tasks = [
-            asyncio.create_task(
-                _one(client, served.model_id, i, a, prompts[i], start, config.request_timeout)
-            )
-            for i, a in enumerate(arrivals)
-        ]
-        reporter = asyncio.create_task(_progress(tasks))
-        records = await asyncio.gather(*tasks)
-        duration = time.perf_counter() - start
-        reporter.cancel()
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        return runner.run(_bench(config, url))
+
+
+async def _bench(config: BenchServingConfig, url: str) -> dict[str, Any]:
+    served = _served(url)
+    arrivals = _workload(config, served)
+    rng = random.Random(config.seed)
+    prompts = [[rng.randrange(3, served.vocab_size) for _ in range(a.input_len)] for a in arrivals]
+    start = time.perf_counter()
+    tasks = [
+        asyncio.create_task(_one(url, served.model_id, i, a, prompts[i], start, config.request_timeout))
+        for i, a in enumerate(arrivals)
+    ]
+    reporter = asyncio.create_task(_progress(tasks))
+    records = await asyncio.gather(*tasks)
+    duration = time.perf_counter() - start
+    reporter.cancel()
     summary = summarize(records, duration, parse_slos(config.slo))
     summary.update(
         {
@@ -166,15 +166,9 @@ async def _bench(config: BenchServingConfig, url: str) -> dict[str, Any]:
     return summary
 
 
-async def _get_json(client: Any, path: str) -> Any:
-    async with client.get(path) as response:
-        response.raise_for_status()
-        return await response.json()
-
-
-async def _served(client: Any) -> Served:
-    models = (await _get_json(client, "/v1/models"))["data"]
-    info = await _get_json(client, "/info")
+def _served(url: str) -> Served:
+    models = get_json(f"{url}/v1/models")["data"]
+    info = get_json(f"{url}/info")
     return Served(
         model_id=models[0]["id"],
         max_input_tokens=int(info["max_input_tokens"]),
@@ -201,7 +195,7 @@ async def _progress(tasks: list[asyncio.Task[RequestRecord]], every: float = 10.
 
 
 async def _one(
-    client: Any, model: str, index: int, arrival: Arrival, prompt: list[int], t0: float, timeout: float
+    url: str, model: str, index: int, arrival: Arrival, prompt: list[int], t0: float, timeout: float
 ) -> RequestRecord:
     """Send one streamed completion at its arrival time and time every token (within `timeout` s)."""
     await asyncio.sleep(max(0.0, t0 + arrival.at - time.perf_counter()))
@@ -216,56 +210,14 @@ async def _one(
         "stream": True,
         "stream_options": {"include_usage": True},
     }
-    sent = time.perf_counter()
     try:
-        await asyncio.wait_for(_send(client, body, record, sent), timeout)
+        await asyncio.wait_for(stream_completion(url, body, record), timeout)
     except TimeoutError:
         record.success = False
         record.error = f"no answer within {timeout} s"
     except Exception as exc:  # a failed request is a data point, not the end of the run
         record.error = f"{type(exc).__name__}: {exc}"
     return record
-
-
-async def _send(client: Any, body: dict[str, Any], record: RequestRecord, sent: float) -> None:
-    async with client.post("/v1/completions", json=body) as response:
-        if response.status != 200:
-            record.error = f"HTTP {response.status}: {(await response.text())[:300]}"
-            return
-        await _read_stream(response.content, record, sent)
-
-
-async def _read_stream(content: Any, record: RequestRecord, sent: float) -> None:
-    """Time each SSE `data:` line of the body (an aiohttp StreamReader)."""
-    last = sent
-    tokens = 0
-    async for raw in content:  # one line at a time
-        if not raw.startswith(b"data:"):
-            continue
-        data = raw[5:].strip()
-        if data == b"[DONE]":
-            break
-        chunk = json.loads(data)
-        if "error" in chunk:
-            record.error = str(chunk["error"])
-            return
-        now = time.perf_counter()
-        if chunk.get("choices"):
-            if chunk["choices"][0].get("finish_reason") is None:
-                tokens += 1
-                if tokens == 1:
-                    record.ttft = now - sent
-                else:
-                    record.itl.append(now - last)
-                last = now
-            record.route = chunk.get("pdcluster_route", record.route)
-        if chunk.get("usage"):
-            record.output_len = int(chunk["usage"]["completion_tokens"])
-    record.latency = time.perf_counter() - sent
-    record.output_len = record.output_len or tokens
-    record.success = tokens > 0
-    if not record.success:
-        record.error = "the stream carried no token"
 
 
 # ------------------------------------------------------------------------- in-process comparison
