@@ -29,6 +29,7 @@ import signal
 import socket
 import sys
 import threading
+import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -81,7 +82,7 @@ class _Slot:
 
 
 class Backend:
-    """The front's end of the socket pair: send calls, match replies, cancel abandoned calls.
+    """The front's end of the socket pair: send calls, match replies, free orphaned prefills.
 
     The replica answers every call exactly once, so a slot lives until its reply arrives.
     """
@@ -92,21 +93,22 @@ class Backend:
         self._slots: dict[int, _Slot] = {}
         self._lock = threading.Lock()
 
-    def send(self, op: str, args: Any) -> tuple[int, _Slot]:
-        """Send one call; returns its id and slot for `wait`."""
+    def send(self, op: str, args: Any, timeout: float | None) -> tuple[int, _Slot]:
+        """Send one call (not started by the replica after `timeout` s); its id and slot for `wait`."""
         call_id, slot = next(self._ids), _Slot(op)
         self._slots[call_id] = slot
-        self.wire.send((op, call_id, args))
+        deadline = None if timeout is None else time.monotonic() + timeout
+        self.wire.send((op, call_id, args, deadline))
         return call_id, slot
 
     def wait(
         self, sent: tuple[int, _Slot], context: grpc.ServicerContext, timeout: float | None
     ) -> Any:
-        """The call's result within `timeout`; a caller that gives up cancels it in the replica."""
-        call_id, slot = sent
-        context.add_callback(lambda: self._give_up(call_id, slot))  # runs when the RPC ends, however
+        """The call's result within `timeout` (DeadlineExceeded after)."""
+        slot = sent[1]
+        context.add_callback(lambda: self._give_up(slot))  # runs when the RPC ends, however it ends
         if not slot.event.wait(timeout):
-            self._give_up(call_id, slot)
+            self._give_up(slot)
         if slot.reply is None:
             raise DeadlineExceeded(f"the engine did not finish within the call's deadline ({timeout} s)")
         ok, payload = slot.reply
@@ -114,13 +116,12 @@ class Backend:
             raise RemoteError(Status(payload[0]), payload[1])
         return payload
 
-    def _give_up(self, call_id: int, slot: _Slot) -> None:
+    def _give_up(self, slot: _Slot) -> None:
         with self._lock:
             if slot.reply is not None or slot.gone:
                 return  # answered already: the result stands
             slot.gone = True
             slot.event.set()
-        self.wire.send(("cancel", call_id))
 
     def read_replies(self) -> None:
         """Deliver replies until the replica closes the socket."""
@@ -135,8 +136,8 @@ class Backend:
                     slot.reply = (ok, payload)
                     slot.event.set()
             if gone and ok and slot.op == "prefill" and payload[1] is not None:
-                # finished just as its caller gave up: nobody will decode the batch; free it
-                self.wire.send(("clear", next(self._ids), payload[1][0]))
+                # finished after its caller gave up: nobody will decode the batch; free it
+                self.wire.send(("clear", next(self._ids), payload[1][0], None))
 
 
 def _deadline(context: grpc.ServicerContext) -> float | None:
@@ -153,7 +154,7 @@ class FrontServicer:
 
     def _call(self, context: grpc.ServicerContext, op: str, args: Any) -> Any:
         deadline = _deadline(context)
-        return self.backend.wait(self.backend.send(op, args), context, deadline)
+        return self.backend.wait(self.backend.send(op, args, deadline), context, deadline)
 
     def _prefill(self, batch: pb.Batch, context: grpc.ServicerContext) -> StepResult:
         return decode_step(self._call(context, "prefill", convert.batch_from_pb(batch)))
@@ -180,7 +181,7 @@ class FrontServicer:
         # the socket and the replica's reader keep that order up to the engine thread.
         with self.order.ordered(context.invocation_metadata(), deadline):
             inputs = convert.decode_inputs_from_pb(request.batches, request.last_iter_tokens)
-            sent = self.backend.send("decode", inputs)
+            sent = self.backend.send("decode", inputs, deadline)
         result = decode_step(self.backend.wait(sent, context, deadline))
         response = pb.DecodeV2Response(total_ns=result.total_ns)
         convert.fill_step(response, result)

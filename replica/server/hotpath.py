@@ -1,15 +1,17 @@
 """`HotPath`: the replica's end of the socket pair to its gRPC front process (`frontend.py`).
 
 The calls a decode loop makes every step (DecodeV2, PrefillV2 NORMAL / Prefill, FilterBatch,
-ClearCache) arrive here as already-converted engine arguments. One reader thread submits them to
-the engine thread in the order they arrive; the engine thread itself sends each reply the moment
-the work item ends (a future callback), so no gRPC thread of this process wakes up per step and
-nothing here competes with the forward for the GIL beyond one unpickle and one pickle per call.
+ClearCache) arrive here as already-converted engine arguments. The engine thread reads them itself
+whenever its queue is empty (`EngineWorker.attach`), in the order sent, and sends each reply the
+moment the item ends (a future callback): no other thread of this process wakes up per call, and
+nothing competes with the forward for the GIL beyond one unpickle and one pickle per call.
 
 ```
- front ──frame──► reader thread ── worker.submit(fn, undo) ──► engine thread ── reply frame ──► front
-       ◄─cancel── (the caller gave up: the item is skipped, or undone once it ends if it was running)
+ front ──(op, id, args, deadline)──► engine thread: read, run, reply ──(id, ok, payload)──► front
 ```
+A call whose deadline (CLOCK_MONOTONIC, shared by both processes) passed before it was read is
+answered DEADLINE_EXCEEDED without running; a call whose caller gave up later still runs, and the
+front frees a prefilled batch nobody will take (frontend.py).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from functools import partial
@@ -54,7 +57,7 @@ def _work(engine: Engine, op: str, args: Any) -> _Work:
 
 
 class HotPath:
-    """Serves the front process's engine calls until the socket closes."""
+    """Serves the front process's engine calls, read by the engine thread itself, until EOF."""
 
     def __init__(
         self,
@@ -66,59 +69,55 @@ class HotPath:
         self.wire = wire
         self.worker = worker
         self._engine = engine  # None while the model loads (calls answer FAILED_PRECONDITION)
-        self._items: dict[int, WorkItem[Any]] = {}  # calls until they end (a cancel finds them here)
         self._closing = False
         self._on_lost = on_lost  # called when the front process went away unexpectedly
-        self._thread = threading.Thread(target=self._loop, name="hotpath", daemon=True)
+        self._detached = threading.Event()
 
     def start(self) -> None:
-        """Start reading calls."""
-        self._thread.start()
+        """Let the engine thread serve the socket."""
+        self.worker.attach(self.wire.sock, self._read)
 
     def close(self) -> None:
-        """Close the socket (the front process then stops) and end the reader."""
+        """Shut the socket (the front process then stops); closed once the engine thread let go."""
         self._closing = True
+        self.wire.shutdown()
+        self._detached.wait(10.0)  # the engine thread sees EOF after the item it is running
         self.wire.close()
-        self._thread.join(5.0)
 
-    def _loop(self) -> None:
-        while (message := self.wire.recv()) is not None:
-            try:
-                self._handle(message)
-            except OSError:
-                break  # the front is gone: its callers get UNAVAILABLE from gRPC
-            except Exception:
-                log.exception("front-process call %r failed before reaching the engine", message[:2])
-        if not self._closing:
-            log.error("the gRPC front process closed its socket")
-            self._on_lost()
-
-    def _handle(self, message: tuple[Any, ...]) -> None:
-        op, call_id = message[0], message[1]
-        if op == "cancel":
-            item = self._items.pop(call_id, None)
-            if item is not None:
-                self.worker.abandon(item)
-            return
+    def _read(self) -> WorkItem[Any] | None:
+        """On the engine thread: one call from the socket, as an item to run now."""
+        message = self.wire.recv()
+        if message is None:
+            self.worker.detach()
+            self._detached.set()
+            if not self._closing:
+                log.error("the gRPC front process closed its socket")
+                self._on_lost()
+            return None
+        op, call_id, args, deadline = message
         try:
+            if deadline is not None and time.monotonic() > deadline:
+                raise DeadlineExceeded("the call's deadline passed before the engine started it")
             engine = self._engine()
             if engine is None:
                 raise FailedPrecondition("the model is still loading")
-            fn, undo, encode = _work(engine, op, message[2])
-            item = self.worker.submit(fn, undo)
+            fn, undo, encode = _work(engine, op, args)
         except ReplicaError as exc:
-            self.wire.send((call_id, False, (exc.status.value, str(exc) or type(exc).__name__)))
-            return
-        self._items[call_id] = item
+            self._send((call_id, False, (exc.status.value, str(exc) or type(exc).__name__)))
+            return None
+        item = WorkItem(fn, undo)
         item.future.add_done_callback(partial(self._reply, call_id, item, encode))
+        return item
 
     def _reply(
         self, call_id: int, item: WorkItem[Any], encode: Callable[[Any], Any], future: Future[Any]
     ) -> None:
-        """Runs on the engine thread as the item ends (or on the reader if it was skipped)."""
-        self._items.pop(call_id, None)
-        with contextlib.suppress(OSError):  # the front is gone; the reader notices
-            self.wire.send((call_id, *_outcome(item, future, encode)))
+        """Runs on the engine thread as the item ends."""
+        self._send((call_id, *_outcome(item, future, encode)))
+
+    def _send(self, message: tuple[Any, ...]) -> None:
+        with contextlib.suppress(OSError):  # the front is gone; the next read sees EOF
+            self.wire.send(message)
 
 
 def _outcome(item: WorkItem[Any], future: Future[Any], encode: Callable[[Any], Any]) -> tuple[bool, Any]:

@@ -7,8 +7,8 @@ dataclasses themselves costs the engine thread ~3x more at batch 32.
 
 ```
  front → replica   ("port", port)                  once, after the front bound its port
-                   (op, call_id, args)             op: decode | prefill | filter | clear
-                   ("cancel", call_id)             the caller gave up (deadline or cancelled)
+                   (op, call_id, args, deadline)   op: decode | prefill | filter | clear;
+                                                   deadline: time.monotonic() value or None
  replica → front   (call_id, True, payload)        the result (encode_step / CachedBatchInfo / None)
                    (call_id, False, (status, msg)) a ReplicaError's Status value and message
 ```
@@ -71,6 +71,11 @@ class FrameSocket:
                 return None
             got += count
         return buffer
+
+    def shutdown(self) -> None:
+        """End both directions (the peer and our own reader see EOF); the descriptor stays open."""
+        with contextlib.suppress(OSError):  # already closed by the peer
+            self.sock.shutdown(socket.SHUT_RDWR)
 
     def close(self) -> None:
         """Close both directions (the peer's `recv` returns None)."""

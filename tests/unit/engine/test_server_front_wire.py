@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import socket
 import threading
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -40,8 +41,8 @@ def test_step_round_trip_and_frames() -> None:
     assert decode_step(encode_step(result)) == result
     a, b = socket.socketpair()
     left, right = FrameSocket(a), FrameSocket(b)
-    left.send(("decode", 1, [DecodeInput(BatchId(3), (4, 5))]))
-    assert right.recv() == ("decode", 1, [DecodeInput(BatchId(3), (4, 5))])
+    left.send(("decode", 1, [DecodeInput(BatchId(3), (4, 5))], None))
+    assert right.recv() == ("decode", 1, [DecodeInput(BatchId(3), (4, 5))], None)
     left.close()
     assert right.recv() is None
     right.close()
@@ -99,12 +100,20 @@ def wired() -> Iterator[tuple[Backend, _FakeEngine]]:
     worker.stop()
 
 
+def test_expired_call_does_not_run(wired: tuple[Backend, _FakeEngine]) -> None:
+    backend, engine = wired
+    with pytest.raises(RemoteError) as info:
+        backend.wait(backend.send("prefill", 8, -1.0), _Context(), 5)
+    assert info.value.status == Status.DEADLINE_EXCEEDED
+    assert engine.store == set()
+
+
 def test_results_and_typed_errors(wired: tuple[Backend, _FakeEngine]) -> None:
     backend, _ = wired
-    payload = backend.wait(backend.send("decode", [DecodeInput(BatchId(9))]), _Context(), 5)
+    payload = backend.wait(backend.send("decode", [DecodeInput(BatchId(9))], 5), _Context(), 5)
     assert decode_step(payload).batch == CachedBatchInfo(BatchId(9), (RequestId(1),), 8)
     with pytest.raises(RemoteError) as info:
-        backend.wait(backend.send("decode", [DecodeInput(BatchId(404))]), _Context(), 5)
+        backend.wait(backend.send("decode", [DecodeInput(BatchId(404))], 5), _Context(), 5)
     assert info.value.status == Status.NOT_FOUND
 
 
@@ -112,8 +121,10 @@ def test_prefill_whose_caller_gave_up_is_dropped(wired: tuple[Backend, _FakeEngi
     backend, engine = wired
     engine.release.clear()
     with pytest.raises(DeadlineExceeded):
-        backend.wait(backend.send("prefill", 7), _Context(), 0.05)
+        backend.wait(backend.send("prefill", 7, 5), _Context(), 0.05)
     engine.release.set()
-    # the batch was cached after the caller left: undone on the engine thread; a later call sees none
-    backend.wait(backend.send("decode", [DecodeInput(BatchId(1))]), _Context(), 5)
+    # the batch was cached after the caller left: the front clears it (a call behind it on the wire)
+    limit = time.monotonic() + 5
+    while engine.store != set() and time.monotonic() < limit:
+        time.sleep(0.01)
     assert engine.store == set()
