@@ -141,6 +141,39 @@ def fill_step(response: Any, result: StepResult) -> None:
         fill_cached_batch(response.batch, result.batch)
 
 
+def _fill_token_tuple(msg: pb.Tokens, t: tuple[Any, ...]) -> None:
+    msg.ids.extend(t[0])
+    msg.logprobs.extend(t[1])
+    msg.texts.extend(t[2])
+    msg.is_special.extend(t[3])
+
+
+def fill_encoded_step(response: Any, step: tuple[Any, ...]) -> None:
+    """`fill_step` from `wire.encode_step`'s tuples, without rebuilding the dataclasses (the front
+    process does this per decode step: ~4x cheaper than decode_step + fill_step at batch 32)."""
+    add = response.generations.add
+    for rid, tokens, prefill, text, tops in step[0]:
+        msg = add(request_id=rid)
+        _fill_token_tuple(msg.tokens, tokens)
+        if prefill is not None:
+            _fill_token_tuple(msg.prefill_tokens, prefill)
+        if text is not None:
+            out = msg.generated_text
+            out.text, out.generated_tokens = text[0], text[1]
+            out.finish_reason = pb.FinishReason.ValueType(text[2])
+            if text[3] is not None:
+                out.seed = text[3]
+        for top in tops:
+            _fill_token_tuple(msg.top_tokens.add(), top)
+    batch = step[1]
+    if batch is not None:
+        out_batch = response.batch
+        out_batch.id = batch[0]
+        out_batch.request_ids.extend(batch[1])
+        out_batch.size = len(batch[1])
+        out_batch.max_tokens = batch[2]
+
+
 def fill_cached_batch(msg: pb.CachedBatch, info: CachedBatchInfo) -> None:
     """Write the caller's view of a cached batch into `msg`."""
     msg.id = info.id

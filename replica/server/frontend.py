@@ -32,19 +32,18 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, TypeVar
 
 import grpc
 from grpc_health.v1 import health
 from grpc_reflection.v1alpha import reflection
 
 from protos import generate_pb2 as pb
-from replica.engine.types import StepResult
 from replica.errors import DeadlineExceeded, ReplicaError, Status
 from replica.server import convert
 from replica.server.interceptor import CODES
 from replica.server.ordering import CallOrder
-from replica.server.wire import FrameSocket, decode_batch, decode_step
+from replica.server.wire import FrameSocket, decode_batch
 
 log = logging.getLogger("replica.frontend")
 
@@ -106,7 +105,8 @@ class Backend:
     ) -> Any:
         """The call's result within `timeout` (DeadlineExceeded after)."""
         slot = sent[1]
-        context.add_callback(lambda: self._give_up(slot))  # runs when the RPC ends, however it ends
+        if slot.op == "prefill":  # a caller who cancels leaves a batch behind: see read_replies
+            context.add_callback(lambda: self._give_up(slot))  # runs when the RPC ends, however
         if not slot.event.wait(timeout):
             self._give_up(slot)
         if slot.reply is None:
@@ -140,6 +140,9 @@ class Backend:
                 self.wire.send(("clear", next(self._ids), payload[1][0], None))
 
 
+_Prefilled = TypeVar("_Prefilled", pb.PrefillResponse, pb.PrefillV2Response)
+
+
 def _deadline(context: grpc.ServicerContext) -> float | None:
     remaining = context.time_remaining()
     return None if remaining is None or remaining > _NO_DEADLINE else max(remaining, 0.0)
@@ -156,24 +159,18 @@ class FrontServicer:
         deadline = _deadline(context)
         return self.backend.wait(self.backend.send(op, args, deadline), context, deadline)
 
-    def _prefill(self, batch: pb.Batch, context: grpc.ServicerContext) -> StepResult:
-        return decode_step(self._call(context, "prefill", convert.batch_from_pb(batch)))
+    def _prefill(self, batch: pb.Batch, context: grpc.ServicerContext, response: _Prefilled) -> _Prefilled:
+        # the step as wire.encode_step's tuples: (generations, batch, forward_ns, decode_ns, total_ns, _)
+        step = self._call(context, "prefill", convert.batch_from_pb(batch))
+        response.forward_ns, response.decode_ns, response.total_ns = step[2], step[3], step[4]
+        convert.fill_encoded_step(response, step)
+        return response
 
     def Prefill(self, request: pb.PrefillRequest, context: grpc.ServicerContext) -> pb.PrefillResponse:
-        result = self._prefill(request.batch, context)
-        response = pb.PrefillResponse(
-            forward_ns=result.forward_ns, decode_ns=result.decode_ns, total_ns=result.total_ns
-        )
-        convert.fill_step(response, result)
-        return response
+        return self._prefill(request.batch, context, pb.PrefillResponse())
 
     def PrefillV2(self, request: pb.PrefillV2Request, context: grpc.ServicerContext) -> pb.PrefillV2Response:
-        result = self._prefill(request.batch, context)
-        response = pb.PrefillV2Response(
-            forward_ns=result.forward_ns, decode_ns=result.decode_ns, total_ns=result.total_ns
-        )
-        convert.fill_step(response, result)
-        return response
+        return self._prefill(request.batch, context, pb.PrefillV2Response())
 
     def DecodeV2(self, request: pb.DecodeV2Request, context: grpc.ServicerContext) -> pb.DecodeV2Response:
         deadline = _deadline(context)
@@ -182,9 +179,9 @@ class FrontServicer:
         with self.order.ordered(context.invocation_metadata(), deadline):
             inputs = convert.decode_inputs_from_pb(request.batches, request.last_iter_tokens)
             sent = self.backend.send("decode", inputs, deadline)
-        result = decode_step(self.backend.wait(sent, context, deadline))
-        response = pb.DecodeV2Response(total_ns=result.total_ns)
-        convert.fill_step(response, result)
+        step = self.backend.wait(sent, context, deadline)
+        response = pb.DecodeV2Response(total_ns=step[4])
+        convert.fill_encoded_step(response, step)
         return response
 
     def FilterBatch(

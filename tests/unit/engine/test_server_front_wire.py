@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 
+from protos import generate_pb2 as pb
 from replica.engine.types import (
     BatchId,
     CachedBatchInfo,
@@ -24,6 +25,7 @@ from replica.engine.types import (
 )
 from replica.engine.worker import EngineWorker
 from replica.errors import DeadlineExceeded, NotFound, Status
+from replica.server import convert
 from replica.server.frontend import Backend, RemoteError
 from replica.server.hotpath import HotPath
 from replica.server.wire import FrameSocket, decode_step, encode_step
@@ -39,6 +41,12 @@ def _step(batch: CachedBatchInfo | None = None) -> StepResult:
 def test_step_round_trip_and_frames() -> None:
     result = _step(CachedBatchInfo(BatchId(3), (RequestId(1), RequestId(2)), 64))
     assert decode_step(encode_step(result)) == result
+    for batch in (result.batch, None):
+        step = StepResult(result.generations, batch)
+        direct, from_wire = pb.DecodeV2Response(), pb.DecodeV2Response()
+        convert.fill_step(direct, step)
+        convert.fill_encoded_step(from_wire, encode_step(step))
+        assert from_wire == direct
     a, b = socket.socketpair()
     left, right = FrameSocket(a), FrameSocket(b)
     left.send(("decode", 1, [DecodeInput(BatchId(3), (4, 5))], None))
