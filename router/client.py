@@ -215,6 +215,9 @@ def _cached(msg: pb.CachedBatch) -> CachedBatch:
 
 
 def _tokens(msg: pb.Tokens, tops: Sequence[pb.Tokens] = ()) -> tuple[TokenInfo, ...]:
+    ids, texts, logprobs, special = msg.ids, msg.texts, msg.logprobs, msg.is_special
+    if not tops and len(ids) == len(texts) == len(logprobs) == len(special):
+        return tuple(map(TokenInfo, ids, texts, logprobs, special))  # the common case, per decode step
     out = []
     for i, tid in enumerate(msg.ids):
         top: tuple[TopToken, ...] = ()

@@ -180,13 +180,15 @@ class ClusterScheduler:
 
     def deliver(self, result: StepResult, members: dict[RequestId, Member]) -> None:
         """Stream one step's generations to their requests (stale runs are ignored)."""
+        tokens = 0
         for gen in result.generations:
             member = members.get(gen.request_id)
             if member is None or not member.current or not member.state.alive:
                 continue
-            self.metrics.generated_tokens.inc(len(gen.tokens))
+            tokens += len(gen.tokens)
             if member.state.deliver(gen):
                 self._finish(member.state, "finished")
+        self.metrics.generated_tokens.inc(tokens)  # once per step: a prometheus update takes a lock
 
     def requeue(self, members: Iterable[Member], reason: str) -> None:
         """Re-run these requests from their generated tokens on another replica (front of the queue)."""

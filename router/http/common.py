@@ -36,9 +36,12 @@ def backend_of(request: Request) -> Backend:
     return backend
 
 
+_ENCODER = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"))  # built once, not per call
+
+
 def dumps(obj: Any) -> str:
     """Compact JSON text (non-ASCII kept as is)."""
-    return json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
+    return _ENCODER.encode(obj)
 
 
 def json_response(obj: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:

@@ -18,8 +18,9 @@ from router.types import FinishEvent, FinishReason, PrefillEvent, Route, TokenEv
 LOGPROB_FLOOR = -9999.0  # JSON has no -inf; OpenAI clients expect a finite float
 
 
-def _json(obj: Any) -> str:
-    return json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
+# One encoder for every call: `json.dumps` with non-default options builds a new encoder each time,
+# and this runs for every streamed token.
+_json = json.JSONEncoder(ensure_ascii=False, separators=(",", ":")).encode
 
 
 def openai_finish_reason(reason: FinishReason) -> str:
@@ -154,8 +155,18 @@ class OpenAIAnswer:
         """`chunk(text, [token])` as JSON text, built from prebuilt pieces: this runs once per
         streamed token, and the router's event loop is shared with the decode loops."""
         head, text_key, tail = self._token_chunk_parts
-        logprobs = _json(self._logprobs([token], len(self.text) - len(text))) if self.ctx.logprobs else "null"
+        offset = len(self.text) - len(text)
+        logprobs = self._token_logprobs_json(token, offset) if self.ctx.logprobs else "null"
         return f"{head}{logprobs}{text_key}{_json(text)}{tail}"
+
+    def _token_logprobs_json(self, token: TokenInfo, offset: int) -> str:
+        """`_json(self._logprobs([token], offset))`, written directly in the common case: a completion
+        (not chat, no echo) token without alternatives (`logprobs: 0`)."""
+        if self.ctx.chat or self.ctx.echo or token.top:
+            return _json(self._logprobs([token], offset))
+        # json writes a finite float as repr() does
+        return (f'{{"tokens":[{_json(token.text)}],"token_logprobs":[{finite(token.logprob)!r}],'
+                f'"top_logprobs":[null],"text_offset":[{offset}]}}')
 
     def _prebuilt_chunk_parts(self) -> tuple[str, str, str]:
         envelope = self._envelope(chunk=True, choices=[])

@@ -160,3 +160,11 @@ def test_prebuilt_token_chunk_equals_the_plain_chunk(chat: bool, logprobs: bool,
     token = _tok(5, ' "quoted" ünï')
     piece = answer.on_token(TokenEvent(token, 0))
     assert json.loads(answer.token_chunk_json(piece, token)) == answer.chunk(piece, [token])
+
+
+@pytest.mark.parametrize("logprob", [-0.123456789, 0.0, -1e-20, float("-inf")])
+def test_direct_token_logprobs_text_equals_the_encoder(logprob: float) -> None:
+    answer = OpenAIAnswer(_ctx(False, logprobs=True, echo=None))
+    for token in (TokenInfo(5, 'hé"\n', logprob), TokenInfo(6, "", logprob, special=True)):
+        direct = answer._token_logprobs_json(token, 17)
+        assert direct == json.dumps(answer._logprobs([token], 17), ensure_ascii=False, separators=(",", ":"))
