@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from scripts.local_cluster import Placement
 from scripts.serving_client import get_json, stream_completion
 from scripts.serving_stats import (
     RequestRecord,
@@ -79,6 +80,9 @@ class BenchServingConfig:
         default=None, metadata={"help": "summary JSON file; per-request lines go to .jsonl"}
     )
     in_process: bool = field(default=True, metadata={"help": "also run the replica engine in-process"})
+    pin_decode: bool = field(default=False, metadata={"help": (
+        "local cluster: each decode replica on a core of its own (`pdcluster up --pin-decode`), the router, "
+        "prefill replica and this load generator on the other cores; the in-process run on the decode core")})
     seed: int = field(default=0, metadata={"help": "seed of arrivals and prompts"})
     request_timeout: float = field(default=600.0, metadata={"help": "seconds one request may take"})
     startup_timeout: float = field(
@@ -109,14 +113,24 @@ def run(config: BenchServingConfig) -> int:
     """CLI runner: benchmark, print and write the summary."""
     # SIGTERM unwinds like Ctrl-C, so a local cluster this started is stopped too.
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
-    if config.url:
-        summary = _run_client(config, config.url.rstrip("/"))
-    else:
-        with LocalCluster(config) as url:
-            summary = _run_client(config, url)
-    records = summary.pop("_records")
-    if config.in_process and config.model is not None:
-        summary.update(_compare_in_process(config, records, summary["duration"]))
+    placement = placement_of(config)
+    cores = os.sched_getaffinity(0)
+    try:
+        if config.url:
+            summary = _run_client(config, config.url.rstrip("/"))
+        else:
+            with LocalCluster(config) as url:
+                if placement is not None:  # the load generator stays off the decode replicas' cores
+                    os.sched_setaffinity(0, placement.shared)
+                summary = _run_client(config, url)
+        summary["placement"] = placement.describe() if placement else None
+        records = summary.pop("_records")
+        if config.in_process and config.model is not None:
+            # pinned: the engine alone on the core the decode replica had, the same one core
+            os.sched_setaffinity(0, placement.decode[0] if placement else cores)
+            summary.update(_compare_in_process(config, records, summary["duration"]))
+    finally:
+        os.sched_setaffinity(0, cores)
     _write(config, summary, records)
     _print(summary)
     return 0 if summary["failed"] == 0 else 1
@@ -256,10 +270,20 @@ def _compare_in_process(config: BenchServingConfig, records: list[RequestRecord]
 
 
 # --------------------------------------------------------------------------------- local cluster
+def placement_of(config: BenchServingConfig) -> Placement | None:
+    """Cores of the local cluster's processes when pinned (not with --url, nor without a spare core)."""
+    if not config.pin_decode or config.url or len(os.sched_getaffinity(0)) <= config.decode:
+        return None
+    return Placement.plan(config.decode)
+
+
 def threads_per_replica(config: BenchServingConfig) -> int:
     """Torch threads of one replica: as given, else this machine's cores shared by the replicas."""
-    cores = os.cpu_count() or 1
-    return config.torch_threads or max(1, cores // max(1, config.prefill + config.decode))
+    if config.torch_threads:
+        return config.torch_threads
+    if placement_of(config) is not None:
+        return 1  # a pinned decode replica has one core
+    return max(1, (os.cpu_count() or 1) // max(1, config.prefill + config.decode))
 
 
 def _free_port() -> int:
@@ -285,6 +309,7 @@ class LocalCluster:
         cmd += ["--admin-port", "0", "--torch-threads", str(threads_per_replica(c))] + (
             ["--num-blocks", str(c.num_blocks)] if c.num_blocks else []
         )
+        cmd += ["--pin-decode"] if placement_of(c) is not None else []
         return cmd + (["--strategy", c.strategy] if c.strategy else [])
 
     def __enter__(self) -> str:

@@ -54,6 +54,9 @@ class UpConfig:
     ready_timeout: float = field(default=180.0, metadata={"help": "seconds to wait for each ready line"})
     torch_threads: int = field(default=0, metadata={"help": (
         "torch threads per replica; 0 = this machine's cores shared among the replicas (at least 1)")})
+    pin_decode: bool = field(default=False, metadata={"help": (
+        "give each decode replica a CPU core of its own (the router, prefill and inactive replicas share "
+        "the other cores), as each would have its own device in a real deployment")})
 
     def __post_init__(self) -> None:
         self.model = Path(self.model)
@@ -67,6 +70,28 @@ def _die_with_parent() -> None:
     """In the child before exec: get SIGTERM when the parent dies (Linux)."""
     with contextlib.suppress(OSError):
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+@dataclass(frozen=True)
+class Placement:
+    """CPU cores per process of a local cluster: a core of its own for each decode replica."""
+
+    decode: tuple[frozenset[int], ...]  # by decode replica, in rank order
+    shared: frozenset[int]  # the router, prefill and inactive replicas (and a load generator)
+
+    @classmethod
+    def plan(cls, decode: int, cores: set[int] | None = None) -> Placement:
+        """The last `decode` cores go one to each decode replica; at least one core stays shared."""
+        ordered = sorted(cores if cores is not None else os.sched_getaffinity(0))
+        if decode >= len(ordered):
+            raise ValueError(f"--pin-decode: {decode} decode replica(s) need more than {len(ordered)} cores")
+        own = ordered[len(ordered) - decode:]
+        return cls(tuple(frozenset([c]) for c in own), frozenset(ordered[: len(ordered) - decode]))
+
+    def describe(self) -> str:
+        """A short text for logs and benchmark summaries."""
+        decode = ",".join(str(min(c)) for c in self.decode)
+        return f"decode replicas on cores [{decode}], router/prefill on {sorted(self.shared)}"
 
 
 @dataclass
@@ -114,6 +139,7 @@ class LocalCluster:
         self.router: Proc | None = None
         self.http_url = ""
         self.admin_address = ""
+        self.placement = Placement.plan(config.decode) if config.pin_decode else None
 
     def __enter__(self) -> LocalCluster:
         try:
@@ -127,8 +153,15 @@ class LocalCluster:
                  ) -> None:
         self.stop()
 
-    def _spawn(self, name: str, role: str, args: list[str]) -> Proc:
-        return spawn(name, role, [sys.executable, "-m", "scripts.cli", *args], self.log_dir / f"{name}.log")
+    def _spawn(self, name: str, role: str, args: list[str], cpus: frozenset[int] | None = None) -> Proc:
+        argv = [sys.executable, "-m", "scripts.cli", *args]
+        return spawn(name, role, argv, self.log_dir / f"{name}.log", cpus)
+
+    def _cpus(self, role: str, decode_index: int) -> frozenset[int] | None:
+        """The cores of one process (None: not pinned)."""
+        if self.placement is None:
+            return None
+        return self.placement.decode[decode_index] if role == "decode" else self.placement.shared
 
     def roles(self) -> list[str]:
         """The role of each replica, by rank."""
@@ -138,15 +171,18 @@ class LocalCluster:
     def start(self) -> None:
         """Start every replica, wait for their ready lines, then the router and its ready line."""
         c = self.config
-        # Replicas on one machine would each take every core and thrash: share them out instead.
-        threads = c.torch_threads or max(1, (os.cpu_count() or 1) // len(self.roles()))
+        # Replicas on one machine would each take every core and thrash: share them out instead (a pinned
+        # decode replica has one core).
+        shared = max(1, (os.cpu_count() or 1) // len(self.roles()))
+        threads = c.torch_threads or (1 if self.placement else shared)
         fabric = self._fabric_args()
         for rank, role in enumerate(self.roles()):
             args = ["replica", "--model", str(c.model), "--host", c.host, "--port", "0", "--rank", str(rank),
                     "--num-blocks", str(c.num_blocks), "--torch-threads", str(threads), *fabric]
             if role == "inactive":
                 args.append("--inactive")
-            self.replicas.append(self._spawn(f"replica-{rank}-{role}", role, args))
+            cpus = self._cpus(role, rank - c.prefill)
+            self.replicas.append(self._spawn(f"replica-{rank}-{role}", role, args, cpus))
         deadline = time.monotonic() + c.ready_timeout
         for proc in self.replicas:
             proc.address = proc.wait_line(REPLICA_READY, deadline)[len(REPLICA_READY):].strip()
@@ -155,7 +191,7 @@ class LocalCluster:
                 "--replica", *[p.address for p in self.replicas], "--role", *self.roles()]
         if c.admin_token:
             args += ["--admin-token", c.admin_token]
-        self.router = self._spawn("router", "router", args)
+        self.router = self._spawn("router", "router", args, self._cpus("router", 0))
         line = self.router.wait_line(ROUTER_READY, time.monotonic() + c.ready_timeout)
         self.http_url, self.admin_address = parse_router_ready(line)
 
@@ -171,8 +207,9 @@ class LocalCluster:
     def ready_line(self) -> str:
         """The one line `pdcluster up` prints once everything serves."""
         reps = " ".join(f"{p.role}@{p.address}" for p in self.replicas)
+        pinned = f" pinned=({self.placement.describe()})" if self.placement else ""
         return (f"pdcluster up ready: http={self.http_url} admin={self.admin_address} "
-                f"strategy={self.config.strategy.value} replicas=[{reps}] logs={self.log_dir}")
+                f"strategy={self.config.strategy.value} replicas=[{reps}] logs={self.log_dir}{pinned}")
 
     def stop(self, timeout: float = 10.0) -> None:
         """SIGTERM the router, then the replicas; SIGKILL whatever is still alive after `timeout`."""
@@ -184,14 +221,21 @@ class LocalCluster:
         return [p for p in procs if p.popen.poll() is not None]
 
 
-def spawn(name: str, role: str, argv: list[str], log: Path) -> Proc:
+def spawn(name: str, role: str, argv: list[str], log: Path, cpus: frozenset[int] | None = None) -> Proc:
     """Start `argv` (stdout piped and pumped into `Proc.lines`, stderr to `log`), dying with us.
 
     stdin is /dev/null: a child (e.g. `ssh -tt`) must never take over this process's terminal.
+    `cpus`: the cores it (and every thread it starts) may run on.
     """
+
+    def before_exec() -> None:
+        _die_with_parent()
+        if cpus is not None:
+            os.sched_setaffinity(0, cpus)
+
     popen = subprocess.Popen(
         argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=log.open("w"), text=True,
-        preexec_fn=_die_with_parent,
+        preexec_fn=before_exec,
         cwd=Path(__file__).resolve().parent.parent,
     )
     proc = Proc(name, role, popen, log)

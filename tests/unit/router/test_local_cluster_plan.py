@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
 
-from scripts.local_cluster import LocalCluster, UpConfig
+from scripts.local_cluster import LocalCluster, Placement, UpConfig
 from transfer.ranktable import load_rank_table
 
 
@@ -24,3 +25,20 @@ def test_rank_table_written_for_every_replica(tmp_path: Path) -> None:
     table = load_rank_table(args[1])
     assert [e.rank for e in table] == [0, 1, 2]
     assert len({e.transfer_address for e in table}) == 3
+
+
+def test_pinned_placement_gives_each_decode_replica_a_core() -> None:
+    placement = Placement.plan(2, {0, 1, 2, 3})
+    assert placement.decode == (frozenset({2}), frozenset({3})) and placement.shared == frozenset({0, 1})
+    assert Placement.plan(1, {0, 1}).shared == frozenset({0})
+    with pytest.raises(ValueError):
+        Placement.plan(2, {0, 1})  # nothing left for the router
+
+
+def test_pinned_cluster_spawns_each_role_on_its_cores(tmp_path: Path) -> None:
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("pinning needs at least 2 cores")
+    cluster = LocalCluster(UpConfig(model=tmp_path, prefill=1, decode=1, log_dir=tmp_path, pin_decode=True))
+    assert cluster.placement is not None
+    assert cluster._cpus("decode", 0) == cluster.placement.decode[0]
+    assert cluster._cpus("prefill", 0) == cluster._cpus("router", 0) == cluster.placement.shared
