@@ -279,21 +279,26 @@ class ReplicaClient:
     timeout: float = 60.0
     transfer_timeout: float = 300.0
     _channel: grpc.aio.Channel | None = field(default=None, init=False, repr=False)
+    _stub: pb_grpc.TextGenerationServiceStub | None = field(default=None, init=False, repr=False)
 
     @property
     def stub(self) -> pb_grpc.TextGenerationServiceStub:
         """The generated stub on a lazily opened channel (opened inside the running event loop)."""
-        if self._channel is None:
+        if self._stub is None:
             self._channel = grpc.aio.insecure_channel(
                 self.address, options=[("grpc.max_receive_message_length", 64 << 20)]
             )
-        return pb_grpc.TextGenerationServiceStub(self._channel)
+            # built once per channel: a stub makes a callable for every RPC of the service, and the
+            # decode loop calls twice per step
+            self._stub = pb_grpc.TextGenerationServiceStub(self._channel)
+        return self._stub
 
     async def close(self) -> None:
         """Close the channel."""
         if self._channel is not None:
             await self._channel.close()
             self._channel = None
+            self._stub = None
 
     async def _call(self, method: str, request: object, timeout: float | None = None) -> Any:
         try:
