@@ -15,11 +15,15 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from transfer.core import Deadline, Handle, Rank, control_stream
-from transfer.errors import TransferError
+from transfer.errors import PeerGone, TransferError
 from transfer.fabric import Fabric
 
 RECORD = struct.Struct("!QB")
 _names = itertools.count()
+# A failure verdict goes out in the background even when the leader's own deadline has passed (that
+# may be why it failed); it gets this long to connect and be written, so that its connection is not
+# cut mid-handshake by an expired deadline (which the peer would see as losing the connection).
+_LATE_VERDICT_S = 2.0
 
 
 class Verdict(enum.IntEnum):
@@ -66,15 +70,28 @@ class _Exchange:
             if got_tag == self.tag:
                 return Verdict(status) if status in (1, 2) else Verdict.FAILED
 
-    def send(self, peer: Rank, verdict: Verdict) -> Handle:
-        """Send `verdict` (from slot 0) to `peer`."""
+    def send(self, peer: Rank, verdict: Verdict, deadline: Deadline | None = None) -> Handle:
+        """Send `verdict` (from slot 0) to `peer` (by `deadline`, default the exchange's)."""
         RECORD.pack_into(self.records, 0, self.tag, verdict)
-        return self.fabric.send(peer, self.name, [(0, RECORD.size)], self.ctl, self.deadline)
+        return self.fabric.send(peer, self.name, [(0, RECORD.size)], self.ctl, deadline or self.deadline)
+
+    def deliver(self, peer: Rank, verdict: Verdict) -> None:
+        """Send `verdict` to `peer` and wait until it is out, over a fresh connection if need be.
+
+        The control connection may still be one that `peer` closed when an earlier attempt failed
+        there (its abort resets the pair; this side learns of it only on the next write). Records
+        carry their tag, so resending over the new connection cannot be mistaken for anything else.
+        """
+        try:
+            self.send(peer, verdict).wait(self.deadline)
+        except PeerGone:
+            self.send(peer, verdict).wait(self.deadline)
 
 
 def _follow(exchange: _Exchange, leader: Rank, mine: Verdict) -> bool:
     try:
         # no wait on the send: a leader that already knows the collective failed does not read it
+        # (and on a rendezvous fabric such as NCCL a send completes only once it is read)
         exchange.send(leader, mine)
         return exchange.receive(leader, 1) is Verdict.OK
     except TransferError as exc:
@@ -92,10 +109,13 @@ def _lead(exchange: _Exchange, ranks: Sequence[Rank], mine: Verdict) -> bool:
         except TransferError as exc:
             verdict = Verdict.FAILED  # a dead or stalled rank: the others must hear the collective failed
             exchange.fabric.abort(rank, exchange.ctl, str(exc))
-    replies = [exchange.send(rank, verdict) for rank in ranks[1:]]
     if verdict is Verdict.OK:
-        for reply in replies:
-            reply.wait(exchange.deadline)
+        for rank in ranks[1:]:
+            exchange.deliver(rank, verdict)
+        return True
     # On failure the replies go out in the background: one may be stuck connecting to a dead rank
     # until the deadline, and nobody should wait for that.
-    return verdict is Verdict.OK
+    late = Deadline.after(max(exchange.deadline.remaining(), _LATE_VERDICT_S))
+    for rank in ranks[1:]:
+        exchange.send(rank, verdict, late)
+    return False

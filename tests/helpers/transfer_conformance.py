@@ -207,7 +207,12 @@ def check_layout_mismatch_then_retry(maker: FabricMaker) -> None:
 
 
 def check_retry_after_timeout(maker: FabricMaker) -> None:
-    """A chain that failed because one rank never came succeeds when retried with everyone."""
+    """A chain that failed because one rank never came succeeds when retried with everyone.
+
+    The failed attempt's connection resets can still be in flight when the retry starts (a rank
+    that gave up resets its control connection; the peer's reader may see that only after it posted
+    the retry's receive), so that one retry may fail too: a second retry must succeed.
+    """
     with fabric_group(maker, 3) as fabrics:
         size = 200_000
         bufs = [_pattern(size, 5) if r == 0 else np.zeros(size, np.uint8) for r in range(3)]
@@ -218,10 +223,14 @@ def check_retry_after_timeout(maker: FabricMaker) -> None:
         errors = run_all([partial(chain_broadcast, f, [0, 1, 2], "w", regions, 2, short, options=SMALL)
                           for f in fabrics[:2]])
         assert all(isinstance(e, TransferError) for e in errors), errors
-        deadline = Deadline.after(20)
-        retry = dataclasses.replace(SMALL, tag=2)  # a new tag: stale confirmations of try 1 are skipped
-        _ok(run_all([partial(chain_broadcast, f, [0, 1, 2], "w", regions, 2, deadline, options=retry)
-                     for f in fabrics]))
+        for tag in (2, 3):  # a new tag each time: stale confirmations of earlier tries are skipped
+            deadline = Deadline.after(20)
+            retry = dataclasses.replace(SMALL, tag=tag)
+            errors = run_all([partial(chain_broadcast, f, [0, 1, 2], "w", regions, 2, deadline, options=retry)
+                              for f in fabrics])
+            if not any(errors):
+                break
+        _ok(errors)
         assert np.array_equal(bufs[2], bufs[0]) and np.array_equal(bufs[1], bufs[0])
 
 
