@@ -41,18 +41,16 @@ from grpc_reflection.v1alpha import reflection
 from protos import generate_pb2 as pb
 from replica.errors import DeadlineExceeded, ReplicaError, Status
 from replica.server import convert
-from replica.server.interceptor import CODES
+from replica.server.interceptor import guard
 from replica.server.ordering import CallOrder
 from replica.server.wire import FrameSocket, decode_batch
-
-log = logging.getLogger("replica.frontend")
 
 SERVICE = pb.DESCRIPTOR.services_by_name["TextGenerationService"].full_name
 _MESSAGE_BYTES = 64 * 1024 * 1024
 _NO_DEADLINE = 10.0**7
 
 
-class RemoteError(Exception):
+class RemoteError(ReplicaError):
     """A ReplicaError raised in the replica process (its status and message)."""
 
     def __init__(self, status: Status, message: str) -> None:
@@ -60,12 +58,12 @@ class RemoteError(Exception):
         self.status = status
 
 
-class ForwardedError(Exception):
-    """A forwarded call failed in the replica with this status."""
+class ForwardedError(ReplicaError):
+    """A forwarded call failed in the replica with this gRPC code (passed on as it is)."""
 
     def __init__(self, code: grpc.StatusCode, details: str) -> None:
         super().__init__(details)
-        self.code = code
+        self.grpc_code = code
 
 
 class _Slot:
@@ -198,25 +196,6 @@ class FrontServicer:
         return pb.ClearCacheResponse()
 
 
-def _guarded(inner: Callable[[Any, grpc.ServicerContext], Any]) -> Callable[[Any, grpc.ServicerContext], Any]:
-    """Errors to statuses, as `interceptor.py` does in the replica."""
-
-    def handler(request: Any, context: grpc.ServicerContext) -> Any:
-        try:
-            return inner(request, context)
-        except RemoteError as exc:
-            context.abort(CODES[exc.status], str(exc))
-        except ForwardedError as exc:
-            context.abort(exc.code, str(exc))
-        except ReplicaError as exc:
-            context.abort(CODES[exc.status], str(exc) or type(exc).__name__)
-        except Exception as exc:
-            log.exception("unexpected error in a front-process handler")
-            context.abort(grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}")
-
-    return handler
-
-
 _FORWARDED_PREFIXES = (f"/{SERVICE}/", f"/{health.SERVICE_NAME}/")
 _STREAMING = {f"/{health.SERVICE_NAME}/Watch"}
 _HOP_BY_HOP = ("grpc-", ":")
@@ -244,12 +223,12 @@ class Router(grpc.GenericRpcHandler):
         }
         self.hot = {
             f"/{SERVICE}/{name}": grpc.unary_unary_rpc_method_handler(
-                _guarded(fn), request_deserializer=req.FromString, response_serializer=resp.SerializeToString
+                guard(fn), request_deserializer=req.FromString, response_serializer=resp.SerializeToString
             )
             for name, (fn, req, resp) in hot.items()
         }
         self.hot[f"/{SERVICE}/PrefillV2"] = grpc.unary_unary_rpc_method_handler(
-            _guarded(self._prefill_v2(front))
+            guard(self._prefill_v2(front))
         )
 
     def _prefill_v2(self, front: FrontServicer) -> Callable[[bytes, grpc.ServicerContext], bytes]:
@@ -271,7 +250,7 @@ class Router(grpc.GenericRpcHandler):
             return None
         if method in _STREAMING:
             return grpc.unary_stream_rpc_method_handler(self._forward_stream(method))
-        return grpc.unary_unary_rpc_method_handler(_guarded(self._forward_unary(method)))
+        return grpc.unary_unary_rpc_method_handler(guard(self._forward_unary(method)))
 
     def _forward_unary(self, method: str) -> Callable[[bytes, grpc.ServicerContext], bytes]:
         call = self.channel.unary_unary(method)

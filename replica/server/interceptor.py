@@ -19,12 +19,16 @@ log = logging.getLogger(__name__)
 CODES: dict[Status, grpc.StatusCode] = {status: getattr(grpc.StatusCode, status.value) for status in Status}
 
 
-def _wrap(inner: Callable[[Any, grpc.ServicerContext], Any]) -> Callable[[Any, grpc.ServicerContext], Any]:
+def guard(inner: Callable[[Any, grpc.ServicerContext], Any]) -> Callable[[Any, grpc.ServicerContext], Any]:
+    """`inner` with its errors turned into statuses: a ReplicaError's own (or the gRPC code it carries,
+    `grpc_code`, for a failure passed on from another server), anything else INTERNAL."""
+
     def handler(request: Any, context: grpc.ServicerContext) -> Any:
         try:
             return inner(request, context)
         except ReplicaError as exc:
-            context.abort(CODES[exc.status], str(exc) or type(exc).__name__)
+            code = getattr(exc, "grpc_code", None) or CODES[exc.status]
+            context.abort(code, str(exc) or type(exc).__name__)
         except Exception as exc:
             log.exception("unexpected error in a gRPC handler")
             context.abort(grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}")
@@ -44,7 +48,7 @@ class ErrorInterceptor(grpc.ServerInterceptor):
         if handler is None or handler.unary_unary is None:
             return handler
         return grpc.unary_unary_rpc_method_handler(
-            _wrap(handler.unary_unary),
+            guard(handler.unary_unary),
             request_deserializer=handler.request_deserializer,
             response_serializer=handler.response_serializer,
         )
