@@ -16,15 +16,12 @@ from __future__ import annotations
 
 import os
 import shlex
-import signal
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import FrameType
 
 from router.config import Strategy
 from scripts.launch_plan import (
@@ -39,7 +36,15 @@ from scripts.launch_plan import (
     router_args,
     wrap,
 )
-from scripts.local_cluster import REPLICA_READY, ROUTER_READY, Proc, parse_router_ready, spawn, stop_procs
+from scripts.local_cluster import (
+    REPLICA_READY,
+    ROUTER_READY,
+    Proc,
+    parse_router_ready,
+    spawn,
+    stop_procs,
+    supervise,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -189,10 +194,6 @@ class Launch:
         """Router first, then every replica process (ssh / srun / local)."""
         stop_procs([self.router] if self.router else [], self.replicas, timeout=timeout)
 
-    def router_exited(self) -> bool:
-        """Whether the router has stopped on its own."""
-        return self.router is not None and self.router.popen.poll() is not None
-
 
 def _nodes(config: LaunchConfig) -> list[Node]:
     if config.slurm:
@@ -214,28 +215,4 @@ def run(config: LaunchConfig) -> int:
     if config.dry_run:
         print(launch.dry_run(), flush=True)
         return 0
-    stop = threading.Event()
-
-    def on_signal(signum: int, frame: FrameType | None) -> None:
-        stop.set()
-
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
-    try:
-        launch.start()
-        print(launch.ready_line(), flush=True)
-        reported: set[str] = set()
-        while not stop.wait(0.5):
-            for proc in launch.replicas:
-                if proc.popen.poll() is not None and proc.name not in reported:
-                    reported.add(proc.name)
-                    print(f"pdcluster launch: {proc.name} exited with {proc.popen.returncode} "
-                          f"(log: {proc.log})", file=sys.stderr, flush=True)
-            if launch.router_exited():
-                return 1
-    except RuntimeError as exc:
-        print(f"pdcluster launch: {exc}", file=sys.stderr)
-        return 1
-    finally:
-        launch.stop()
-    return 0
+    return supervise("pdcluster launch", launch)

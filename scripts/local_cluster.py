@@ -19,7 +19,6 @@ import dataclasses
 import os
 import queue
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -28,8 +27,10 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType, TracebackType
+from typing import Protocol
 
 from router.config import Strategy
+from scripts.replica_process import free_ports
 
 REPLICA_READY = "pdcluster replica serving on "
 ROUTER_READY = "pdcluster router ready:"
@@ -199,7 +200,7 @@ class LocalCluster:
         """`--cluster RANKS --fabric tcp`: a rank table of this machine, one free port per replica."""
         from transfer.ranktable import RankTable
 
-        table = RankTable.local(_free_ports(len(self.roles()), self.config.host), self.config.host)
+        table = RankTable.local(free_ports(len(self.roles()), self.config.host), self.config.host)
         path = self.log_dir / "ranks.json"
         path.write_text(table.to_json())
         return ["--cluster", str(path), "--fabric", "tcp"]
@@ -214,11 +215,6 @@ class LocalCluster:
     def stop(self, timeout: float = 10.0) -> None:
         """SIGTERM the router, then the replicas; SIGKILL whatever is still alive after `timeout`."""
         stop_procs([self.router] if self.router else [], self.replicas, timeout=timeout)
-
-    def crashed(self) -> list[Proc]:
-        """Started processes that have exited."""
-        procs = [*self.replicas, *([self.router] if self.router else [])]
-        return [p for p in procs if p.popen.poll() is not None]
 
 
 def spawn(name: str, role: str, argv: list[str], log: Path, cpus: frozenset[int] | None = None) -> Proc:
@@ -263,20 +259,20 @@ def parse_router_ready(line: str) -> tuple[str, str]:
     return fields["http"], fields["admin"]
 
 
-def _free_ports(n: int, host: str) -> list[int]:
-    """`n` distinct ports free right now (the replicas bind them moments later)."""
-    socks = [socket.socket() for _ in range(n)]
-    try:
-        for sock in socks:
-            sock.bind((host, 0))
-        return [sock.getsockname()[1] for sock in socks]
-    finally:
-        for sock in socks:
-            sock.close()
+class Supervised(Protocol):
+    """What `supervise` runs: a set of started processes with a router (LocalCluster, Launch)."""
+
+    replicas: list[Proc]
+    router: Proc | None
+
+    def start(self) -> None: ...
+    def ready_line(self) -> str: ...
+    def stop(self) -> None: ...
 
 
-def run(config: UpConfig) -> int:
-    """Entry point of `pdcluster up`: start, print the ready line, run until Ctrl-C / SIGTERM."""
+def supervise(tool: str, cluster: Supervised) -> int:
+    """Start `cluster`, print its ready line, report each process that exits, and stop everything on
+    Ctrl-C / SIGTERM (exit 0) or once the router has exited (exit 1)."""
     stop = threading.Event()
 
     def on_signal(signum: int, frame: FrameType | None) -> None:
@@ -284,22 +280,27 @@ def run(config: UpConfig) -> int:
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
-    cluster = LocalCluster(dataclasses.replace(config))
     try:
         cluster.start()
         print(cluster.ready_line(), flush=True)
         reported: set[str] = set()
         while not stop.wait(0.5):
-            for proc in cluster.crashed():
-                if proc.name not in reported:
+            procs = [*cluster.replicas, *([cluster.router] if cluster.router else [])]
+            for proc in procs:
+                if proc.popen.poll() is not None and proc.name not in reported:
                     reported.add(proc.name)
-                    print(f"pdcluster up: {proc.name} exited with {proc.popen.returncode} (log: {proc.log})",
+                    print(f"{tool}: {proc.name} exited with {proc.popen.returncode} (log: {proc.log})",
                           file=sys.stderr, flush=True)
             if cluster.router is not None and cluster.router.popen.poll() is not None:
                 return 1
     except RuntimeError as exc:
-        print(f"pdcluster up: {exc}", file=sys.stderr)
+        print(f"{tool}: {exc}", file=sys.stderr)
         return 1
     finally:
         cluster.stop()
     return 0
+
+
+def run(config: UpConfig) -> int:
+    """Entry point of `pdcluster up`: start, print the ready line, run until Ctrl-C / SIGTERM."""
+    return supervise("pdcluster up", LocalCluster(dataclasses.replace(config)))
