@@ -79,12 +79,16 @@ def layer_regions(geometry: CacheGeometry, seqs: Sequence[SeqPages], layer: int)
 def _regions(geometry: CacheGeometry, page_runs: Sequence[tuple[int, int]], layer: int) -> list[Region]:
     regions: list[Region] = []
     for first, count in page_runs:
-        offset, length = geometry.offset(layer, first), count * geometry.page_bytes
-        if regions and regions[-1][0] + regions[-1][1] == offset:
-            regions[-1] = (regions[-1][0], regions[-1][1] + length)
-        else:
-            regions.append((offset, length))
+        _extend(regions, geometry.offset(layer, first), count * geometry.page_bytes)
     return regions
+
+
+def _extend(spans: list[tuple[int, int]], start: int, length: int) -> None:
+    """Append the span (start, length), merged into the last one if it continues it."""
+    if spans and spans[-1][0] + spans[-1][1] == start:
+        spans[-1] = (spans[-1][0], spans[-1][1] + length)
+    else:
+        spans.append((start, length))
 
 
 def _page_runs(geometry: CacheGeometry, seqs: Sequence[SeqPages]) -> list[tuple[int, int]]:
@@ -95,10 +99,7 @@ def _page_runs(geometry: CacheGeometry, seqs: Sequence[SeqPages]) -> list[tuple[
         if count > len(seq.pages):
             raise ValueError(f"a prompt of {seq.prompt_len} tokens needs {count} pages, has {len(seq.pages)}")
         for page in seq.pages[:count]:
-            if out and out[-1][0] + out[-1][1] == page:
-                out[-1] = (out[-1][0], out[-1][1] + 1)
-            else:
-                out.append((page, 1))
+            _extend(out, page, 1)
     return out
 
 
@@ -113,10 +114,7 @@ def runs(
     merged: list[Region] = []
     for regions in per_layer:  # the last page of a layer may sit right before the next layer's first
         for offset, length in regions:
-            if merged and merged[-1][0] + merged[-1][1] == offset:
-                merged[-1] = (merged[-1][0], merged[-1][1] + length)
-            else:
-                merged.append((offset, length))
+            _extend(merged, offset, length)
     return [merged]
 
 
