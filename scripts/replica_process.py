@@ -49,7 +49,7 @@ class ReplicaProcess:
         lines: queue.Queue[str | None] = queue.Queue()
         stderr: list[str] = []
         threading.Thread(target=_pump, args=(proc.stdout, lines.put), daemon=True).start()
-        threading.Thread(target=_pump, args=(proc.stderr, _sink(stderr, log)), daemon=True).start()
+        threading.Thread(target=_pump_log, args=(proc.stderr, stderr, log), daemon=True).start()
         try:
             line = lines.get(timeout=timeout)
         except queue.Empty:
@@ -115,18 +115,20 @@ def write_loopback_ranks(
     return path
 
 
-def _sink(lines: list[str], log: Path | None) -> Callable[[str], None]:
+def _pump_log(stream: IO[str] | None, lines: list[str], log: Path | None) -> None:
+    """Keep the replica's log lines in `lines` and, with `log`, also in that file (closed at EOF)."""
     if log is None:
-        return lines.append
+        _pump(stream, lines.append)
+        return
     log.parent.mkdir(parents=True, exist_ok=True)
-    out = log.open("w")
+    with log.open("w") as out:
 
-    def keep(line: str) -> None:
-        lines.append(line)
-        out.write(line + "\n")
-        out.flush()
+        def keep(line: str) -> None:
+            lines.append(line)
+            out.write(line + "\n")
+            out.flush()
 
-    return keep
+        _pump(stream, keep)
 
 
 def _pump(stream: IO[str] | None, sink: Callable[[str], None]) -> None:
