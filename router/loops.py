@@ -3,6 +3,7 @@
 | role (effective)        | step                                                                  |
 |-------------------------|-----------------------------------------------------------------------|
 | PREFILL                 | take a batch off the queue, prefill, hand it to the migration queue   |
+|                         | (up to `PREFILL_DEPTH` prefills on the wire)                          |
 | DECODE, MUTATING        | prefill re-sent requests, merge arrived batches into the running one  |
 |                         | (DecodeV2 with their last tokens), one step, filter finished requests |
 | COLOCATED               | one prefill from the queue joined into the running batch, one step    |
@@ -43,6 +44,11 @@ log = logging.getLogger("pdcluster.router")
 # the 2-core dev box) nor the router's streaming of the previous step sits between two steps.
 PIPELINE_DEPTH = 2
 
+# PrefillV2 calls a PREFILL-mode loop keeps on the wire: while one batch is prefilled the next one
+# (cut from what queued meanwhile) is already waiting on the replica, so the engine does not idle
+# for the round trip and the router's hand-off between two prefills.
+PREFILL_DEPTH = 2
+
 
 class Mode(enum.Enum):
     """What a loop step does."""
@@ -77,6 +83,7 @@ class ReplicaWorker:
         self._flights: collections.deque[_InFlight] = collections.deque()  # decode steps on the wire
         self._call_prefix = secrets.token_hex(6)  # names this loop's pipelined calls (unique per run)
         self._calls = 0
+        self._prefills: set[asyncio.Task[None]] = set()  # PREFILL mode: prefills on the wire
 
     async def run(self) -> None:
         """Step until the replica dies; unexpected errors are logged, never fatal to the router."""
@@ -84,6 +91,9 @@ class ReplicaWorker:
             await self._steps()
         finally:
             self.cancel_in_flight()
+            if self.hub.stopping:
+                for task in self._prefills:
+                    task.cancel()
 
     async def _steps(self) -> None:
         while self.h.state.alive and not self.hub.stopping:
@@ -124,8 +134,14 @@ class ReplicaWorker:
     # ---- prefill -----------------------------------------------------------------------------------
 
     async def prefill_for_migration(self) -> bool:
-        """PREFILL mode: one batch from the queue, then to the migration queue."""
-        if self.h.state.outbound >= self.hub.config.max_pending_migrations:
+        """PREFILL mode: one batch from the queue, prefilled, then to the migration queue.
+
+        Up to `PREFILL_DEPTH` prefills are on the wire at once (each in its own task), so this
+        returns as soon as the batch is sent; a finished prefill wakes the loop for the next one.
+        Prefills in flight count against `max_pending_migrations` like the batches they become.
+        """
+        pending = self.h.state.outbound + len(self._prefills)
+        if len(self._prefills) >= PREFILL_DEPTH or pending >= self.hub.config.max_pending_migrations:
             return False
         taken = self.hub.next_batch(self.h)
         if taken is None:
@@ -134,13 +150,26 @@ class ReplicaWorker:
         strategy = self.hub.strategy
         for m in members:
             m.state.route.strategy = strategy.value
-        if strategy is Strategy.PROGRESSIVE:
+        if strategy is Strategy.PROGRESSIVE:  # drives both replicas' calls itself, one batch at a time
             await self.hub.migrations.progressive(self, planned.id, members)
             return True
-        live = await self.run_prefill(members, planned.id)
+        task = asyncio.create_task(self._prefill_and_hand_off(members, planned.id, strategy))
+        self._prefills.add(task)
+        task.add_done_callback(self._prefill_done)
+        return True
+
+    async def _prefill_and_hand_off(
+        self, members: list[Member], batch_id: BatchId, strategy: Strategy
+    ) -> None:
+        live = await self.run_prefill(members, batch_id)
         if live is not None:
             self.hub.migrations.hand_off(self.h, live, strategy)
-        return True
+
+    def _prefill_done(self, task: asyncio.Task[None]) -> None:
+        self._prefills.discard(task)
+        if not task.cancelled() and (exc := task.exception()) is not None:
+            log.error("replica %s prefill failed", self.h.id, exc_info=exc)
+        self.hub.notify()  # a slot on the wire is free
 
     async def prefill_local(self) -> bool:
         """COLOCATED mode: one batch from the queue, prefilled here and joined to the running batch."""

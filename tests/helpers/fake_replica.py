@@ -79,6 +79,8 @@ class FakeReplica(pb_grpc.TextGenerationServiceServicer):
         self.immigrate_delay = 0.0
         self.immigrating = 0
         self.max_immigrating = 0
+        self.prefilling = 0  # PrefillV2 calls being served now, and the most at once
+        self.max_prefilling = 0
         self.server: grpc.aio.Server | None = None
         self.address = ""
         self._engine = asyncio.Lock()  # one step at a time, like the replica's engine thread
@@ -174,7 +176,12 @@ class FakeReplica(pb_grpc.TextGenerationServiceServicer):
             reqs = self._admit(request.batch)
         except ValueError:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "not enough pages")
-        await asyncio.sleep(self.step_delay)
+        self.prefilling += 1
+        self.max_prefilling = max(self.max_prefilling, self.prefilling)
+        try:
+            await asyncio.sleep(self.step_delay)
+        finally:
+            self.prefilling -= 1
         gens = [self._advance(r) for r in reqs]
         self.batches[request.batch.id] = reqs
         if request.forward_case & 3:

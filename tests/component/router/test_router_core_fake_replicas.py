@@ -99,6 +99,24 @@ def test_inbound_migrations_per_decode_replica_are_bounded(bound: int) -> None:
     run(body(), timeout=30)
 
 
+@pytest.mark.parametrize("pending", [1, 4])
+def test_prefills_are_pipelined_within_the_pending_migration_bound(pending: int) -> None:
+    async def body() -> None:
+        async with fake_cluster(PD, Strategy.FULL, max_batch_size=1,
+                                max_pending_migrations=pending) as (sched, fakes):
+            fakes[0].step_delay = 0.05
+            prompts = [[40 + i] * 3 for i in range(6)]
+            results = await asyncio.gather(*(collect(sched.submit(request(p, 4))) for p in prompts))
+            for p, events in zip(prompts, results, strict=True):
+                assert tokens_of(events) == expected_tokens(p, 4)
+            assert fakes[0].calls.count("PrefillV2") == 6
+            # PREFILL_DEPTH prefills on the wire at once, never more than may wait for a migration
+            assert fakes[0].max_prefilling == min(pending, 2)
+            await asyncio.sleep(0.05)
+            assert [f.free for f in fakes] == [f.num_blocks for f in fakes]
+    run(body(), timeout=30)
+
+
 def test_truncate_keeps_the_last_prompt_tokens() -> None:
     async def body() -> None:
         async with fake_cluster(PD, Strategy.RECOMPUTE) as (sched, _):
