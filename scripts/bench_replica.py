@@ -1,9 +1,12 @@
 """`pdcluster bench replica`: prefill and decode tokens/s (a) over gRPC, (b) in-process, (c) transformers.
 
-For each batch size, B prompts of `--prompt-tokens` tokens are prefilled, then `--decode-steps`
-decode steps run (EOS ignored so every step is full). (a) drives a `pdcluster replica` subprocess
-with Prefill + DecodeV2, twice: one DecodeV2 at a time (`grpc`), and with two on the wire ordered
-by metadata as the router's decode loop does (`grpc_pipelined`, the goal's figure); (b) calls the
+For each batch size, a batch of B prompts of `--prompt-tokens` tokens is prefilled
+`--prefill-rounds` times (each a new batch, the earlier ones cleared), then the last one runs
+`--decode-steps` decode steps (EOS ignored so every step is full). (a) drives a `pdcluster replica`
+subprocess with PrefillV2 + DecodeV2, twice: one call at a time (`grpc`), and with two on the wire
+as the router's loops do (`grpc_pipelined`, the goal's figure: a prefill loop keeps two PrefillV2
+calls on the wire, a decode loop two DecodeV2 ordered by metadata); ClearCache calls are sent
+without waiting for them, as the router's are off the step path; (b) calls the
 same engine in this process; (c) runs transformers' `generate` on the same checkpoint (prefill = a
 1-token generate; decode = the rest of a longer generate). Each figure is the best of `--repeats`
 runs after one warm-up round, and the median run is reported alongside (on a machine shared with
@@ -42,6 +45,7 @@ class BenchReplicaConfig:
     batch_sizes: list[int] = field(default_factory=lambda: [1, 8, 32], metadata={"help": "batch sizes"})
     prompt_tokens: int = field(default=64, metadata={"help": "prompt length of every request"})
     decode_steps: int = field(default=32, metadata={"help": "decode steps timed per run"})
+    prefill_rounds: int = field(default=4, metadata={"help": "prefills (of the whole batch) timed per run"})
     repeats: int = field(default=3, metadata={"help": "timed runs per figure (the best is kept)"})
     block_size: int = field(default=16, metadata={"help": "KV page size of the replica"})
     torch_threads: int = field(
@@ -53,8 +57,11 @@ class BenchReplicaConfig:
     )
 
     def __post_init__(self) -> None:
-        if min([self.prompt_tokens, self.decode_steps, self.repeats, *self.batch_sizes], default=1) <= 0:
-            raise ValueError("sizes, steps and repeats must be positive")
+        sizes = [self.prompt_tokens, self.decode_steps, self.repeats, self.prefill_rounds, *self.batch_sizes]
+        if min(sizes, default=1) <= 0:
+            raise ValueError("sizes, steps, rounds and repeats must be positive")
+        if self.prefill_rounds >= _ROUND_IDS:
+            raise ValueError(f"at most {_ROUND_IDS - 1} prefill rounds")
 
 
 @dataclass(frozen=True)
@@ -72,22 +79,37 @@ def _prompts(batch: int, length: int, vocab: int) -> list[list[int]]:
     return [[3 + (17 * b + 5 * i) % (vocab - 3) for i in range(length)] for b in range(batch)]
 
 
-# A path runs (prompts, decode steps, a fresh batch id) and returns (prefill seconds, decode seconds).
+# A path runs (prompts, decode steps, a fresh run id) and returns (seconds per prefill of the
+# batch, decode seconds); run r's batches are r * _ROUND_IDS + round.
 Runner = Callable[[list[list[int]], int, int], tuple[float, float]]
+_ROUND_IDS = 100
 
 
 # ----------------------------------------------------------------------------------------- (b)
-def _engine_run(engine: Any, prompts: list[list[int]], steps: int, batch_id: int) -> tuple[float, float]:
+def _engine_run(
+    engine: Any, rounds: int, prompts: list[list[int]], steps: int, run_id: int
+) -> tuple[float, float]:
     from replica.engine.types import BatchId, BatchSpec, DecodeInput, RequestId, RequestSpec, StoppingParams
 
     stopping = StoppingParams(max_new_tokens=steps + 1, ignore_eos=True)
-    spec = BatchSpec(
-        BatchId(batch_id),
-        tuple(RequestSpec(RequestId(i), tuple(p), stopping=stopping) for i, p in enumerate(prompts)),
-    )
+    ids = [BatchId(run_id * _ROUND_IDS + r) for r in range(rounds)]
+    specs = [
+        BatchSpec(
+            batch_id,
+            tuple(
+                RequestSpec(RequestId(r * len(prompts) + i), tuple(p), stopping=stopping)
+                for i, p in enumerate(prompts)
+            ),
+        )
+        for r, batch_id in enumerate(ids)
+    ]
     start = time.perf_counter()
-    result = engine.prefill(spec)
-    prefill = time.perf_counter() - start
+    for n, spec in enumerate(specs):
+        if n:
+            engine.clear(ids[n - 1])
+        result = engine.prefill(spec)
+    prefill = (time.perf_counter() - start) / rounds
+    batch_id = ids[-1]
     start = time.perf_counter()
     for _ in range(steps):
         result = engine.decode([DecodeInput(BatchId(batch_id))])
@@ -104,30 +126,67 @@ def in_process_path(config: BenchReplicaConfig, model: Path) -> Runner:
     engine = build_engine(
         ReplicaConfig(model=model, port=0, num_blocks=_blocks(config), block_size=config.block_size)
     )
-    return partial(_engine_run, engine)
+    return partial(_engine_run, engine, config.prefill_rounds)
 
 
 def _blocks(config: BenchReplicaConfig) -> int:
     per_request = -(-(config.prompt_tokens + config.decode_steps + 1) // config.block_size)
-    return per_request * max(config.batch_sizes) + 8
+    # pipelined prefills: two batches on the wire, and the ClearCache of the one before may reach
+    # the engine after the next PrefillV2 (separate calls), so three batches can be alive at once
+    return 3 * per_request * max(config.batch_sizes) + 8
 
 
 # ----------------------------------------------------------------------------------------- (a)
+def _grpc_prefills(stub: Any, batches: list[Any], depth: int) -> Any:
+    """PrefillV2 of every batch with up to `depth` on the wire; each but the last is cleared with a
+    ClearCache sent without waiting (checked at the end). The last batch's CachedBatch."""
+    from collections import deque
+
+    from protos import generate_pb2 as pb
+
+    pending: deque[Any] = deque()
+    clears: list[Any] = []
+    cached: Any = None
+
+    def collect() -> None:
+        nonlocal cached
+        cached = pending.popleft().result().batch
+        if cached.id != batches[-1].id:
+            clears.append(stub.ClearCache.future(pb.ClearCacheRequest(id=cached.id), timeout=600))
+
+    for batch in batches:
+        if len(pending) == depth:
+            collect()
+        pending.append(stub.PrefillV2.future(pb.PrefillV2Request(batch=batch), timeout=600))
+    while pending:
+        collect()
+    for clear in clears:
+        clear.result()
+    return cached
+
+
 def _grpc_run(
-    stub: Any, prompts: list[list[int]], steps: int, batch_id: int, depth: int = 1
+    stub: Any, rounds: int, prompts: list[list[int]], steps: int, run_id: int, depth: int = 1
 ) -> tuple[float, float]:
-    """Prefill, then `steps` DecodeV2 calls with up to `depth` on the wire (2 = what the router does)."""
+    """`rounds` prefills, then `steps` DecodeV2 calls; up to `depth` calls on the wire (2 = what the
+    router does)."""
     from collections import deque
 
     from protos import generate_pb2 as pb
     from replica.server.ordering import AFTER_KEY, CALL_KEY
 
     stopping = pb.StoppingCriteriaParameters(max_new_tokens=steps + 1, ignore_eos_token=True)
-    requests = [pb.Request(id=i, input_tokens=p, stopping_parameters=stopping) for i, p in enumerate(prompts)]
-    batch = pb.Batch(id=batch_id, requests=requests, size=len(requests))
+    batches = []
+    for r in range(rounds):  # request ids are unique across the batches alive at once
+        requests = [
+            pb.Request(id=r * len(prompts) + i, input_tokens=p, stopping_parameters=stopping)
+            for i, p in enumerate(prompts)
+        ]
+        batches.append(pb.Batch(id=run_id * _ROUND_IDS + r, requests=requests, size=len(requests)))
     start = time.perf_counter()
-    cached = stub.PrefillV2(pb.PrefillV2Request(batch=batch), timeout=600).batch
-    prefill = time.perf_counter() - start
+    cached = _grpc_prefills(stub, batches, depth)
+    prefill = (time.perf_counter() - start) / rounds
+    batch_id = cached.id
     request = pb.DecodeV2Request(batches=[cached])  # the replica keeps the tokens: same batch each step
     pending: deque[Any] = deque()
 
@@ -280,8 +339,9 @@ def _report(config: BenchReplicaConfig, rates: dict[str, dict[int, Rates]]) -> d
             "block_size": config.block_size,
             "torch_threads": config.torch_threads,
             "grpc_frontend": config.grpc_frontend,
-            "grpc": "one DecodeV2 at a time",
-            "grpc_pipelined": "two DecodeV2 on the wire, ordered by metadata (as the router drives it)",
+            "prefill_rounds": config.prefill_rounds,
+            "grpc": "one PrefillV2 / DecodeV2 at a time",
+            "grpc_pipelined": "two PrefillV2 / DecodeV2 on the wire (as the router's loops drive them)",
         },
         "results": [_row(b, rates) for b in config.batch_sizes],
         "goals": {
@@ -308,8 +368,9 @@ def _print(report: dict[str, Any]) -> None:
         ]
         m = row["grpc_pipelined_over_in_process_median"]
         print(
-            f"      (a)/(b) prefill {a['prefill']:.2f} decode {a['decode']:.2f}, pipelined decode "
-            f"{q['decode']:.2f}; (b)/(c) prefill {b['prefill']:.2f} decode {b['decode']:.2f}"
+            f"      (a)/(b) one at a time: prefill {a['prefill']:.2f} decode {a['decode']:.2f}; pipelined: "
+            f"prefill {q['prefill']:.2f} decode {q['decode']:.2f}; (b)/(c) prefill {b['prefill']:.2f} "
+            f"decode {b['decode']:.2f}"
         )
         print(f"      medians: pipelined (a)/(b) prefill {m['prefill']:.2f} decode {m['decode']:.2f}")
 
@@ -335,8 +396,8 @@ def run(config: BenchReplicaConfig) -> int:
         with _replica(config, model) as address, grpc.insecure_channel(address) as channel:
             stub = pb_grpc.TextGenerationServiceStub(channel)
             paths: dict[str, Runner] = {
-                "grpc": partial(_grpc_run, stub),
-                "grpc_pipelined": partial(_grpc_run, stub, depth=2),
+                "grpc": partial(_grpc_run, stub, config.prefill_rounds),
+                "grpc_pipelined": partial(_grpc_run, stub, config.prefill_rounds, depth=2),
                 "in_process": in_process_path(config, model),
                 "transformers": transformers_path(model),
             }
