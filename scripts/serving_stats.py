@@ -132,6 +132,38 @@ def cluster_decode_rate(records: Sequence[RequestRecord]) -> float:
     return tokens / max(end - begin, 1e-9)
 
 
+@dataclass(frozen=True)
+class SteadyDecode:
+    """The cluster's decode while every request of a burst is decoding (see `steady_decode_rate`)."""
+
+    tokens_per_s: float
+    seconds: float  # length of the window (0: no request's decode overlapped every other's)
+    tokens: int
+
+
+def steady_decode_rate(records: Sequence[RequestRecord]) -> SteadyDecode:
+    """Decode tokens/s from the last request's first decoded token (its second token) to the first
+    finish: the window in which every request is in a decode batch and none has finished, so the
+    cluster decodes all of them at once — the batch size the in-process run decodes. Tokens are
+    counted by their arrival times (`start + ttft + cumulative itl`). `cluster_decode_rate` also
+    counts the ramp (later batches' prefills and migrations while earlier ones decode) and the tail.
+    """
+    done = [r for r in records if r.success and r.output_len > 1 and r.itl]
+    if not done:
+        return SteadyDecode(0.0, 0.0, 0)
+    begin = max(r.start + r.ttft + r.itl[0] for r in done)
+    end = min(r.start + r.latency for r in done)
+    if end <= begin:
+        return SteadyDecode(0.0, 0.0, 0)
+    tokens = 0
+    for r in done:
+        arrival = r.start + r.ttft
+        for gap in r.itl:
+            arrival += gap
+            tokens += begin < arrival <= end
+    return SteadyDecode(tokens / (end - begin), end - begin, tokens)
+
+
 def mean_concurrency(records: Sequence[RequestRecord], duration: float) -> float:
     """Average number of requests in flight (Little's law: Σ latency ÷ duration)."""
     return sum(r.latency for r in records if r.success) / max(duration, 1e-9)

@@ -15,6 +15,7 @@ from scripts.serving_stats import (
     mean_concurrency,
     parse_slos,
     percentile,
+    steady_decode_rate,
     summarize,
 )
 from scripts.serving_workload import Arrival, clip, load_trace, poisson_arrivals
@@ -66,6 +67,20 @@ def test_cluster_decode_rate_and_concurrency() -> None:
     assert cluster_decode_rate(records) == pytest.approx(60 / 4.0)
     assert mean_concurrency(records, 5.0) == pytest.approx(8.0 / 5.0)
     assert cluster_decode_rate([_record(0, 0, 0.1, 0.2, 1)]) == 0.0
+
+
+def test_steady_decode_rate_counts_only_the_window_where_every_request_is_decoded() -> None:
+    # first decoded (second) tokens at 1.125 and 2.125, finishes at 5.0 and 7.0: window (2.125, 5.0]
+    records = [_record(0, 0.0, 1.0, 5.0, 33), _record(1, 0.5, 1.5, 6.5, 41)]
+    steady = steady_decode_rate(records)
+    assert steady.seconds == pytest.approx(2.875)
+    # both requests: a token every 0.125 s (exact in binary), 23 of them each in (2.125, 5.0]
+    assert steady.tokens == 23 + 23
+    assert steady.tokens_per_s == pytest.approx(46 / 2.875)
+    assert cluster_decode_rate(records) == pytest.approx(72 / 6.0)  # the whole span counts the ramp
+    disjoint = [_record(0, 0.0, 0.1, 1.0, 10), _record(1, 2.0, 0.1, 1.0, 10)]
+    assert steady_decode_rate(disjoint).seconds == 0.0 and steady_decode_rate(disjoint).tokens_per_s == 0.0
+    assert steady_decode_rate([_record(0, 0, 0.1, 0.2, 1)]).tokens == 0
 
 
 def test_poisson_arrivals() -> None:
