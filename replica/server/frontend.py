@@ -11,18 +11,26 @@ of idle engine per 1.5 ms decode step (replica/server/README.md, "Performance").
  client ══gRPC══► front process (this module)                 replica process (main.py)
                    DecodeV2, PrefillV2 NORMAL, Prefill,  ─frames─► hotpath.py ─► engine thread
                    FilterBatch, ClearCache (converted here)  ◄──── reply from the engine thread
-                   every other call, health: forwarded ══gRPC══► internal server on 127.0.0.1
+                   every other unary call of the service ─frames─► service_channel.py: reader
+                   (request bytes, metadata, deadline)       ◄──── thread ─► pool ─► ReplicaServicer
+                   health (Check, Watch): forwarded ══gRPC══► internal server on 127.0.0.1
                    reflection: served here
 ```
+A forwarded call's status is the one the servicer's `interceptor.guard` gives in the replica
+(code and details passed on as they are); when its caller cancels or its deadline passes, a
+"cancel" frame ends the servicer's context there (`is_active()` False, callbacks run). If the
+replica closes a socket, the calls waiting on it fail UNAVAILABLE.
 
-Started by `main.py` as `python -m replica.server.frontend --fd N ...` (not a `pdcluster`
-command: only the replica starts it). It reports its bound port as its first frame and exits
-when the replica closes the socket; it ignores SIGINT (the replica handles Ctrl-C for both).
+Started by `main.py` as `python -m replica.server.frontend --fd N --service-fd M ...` (not a
+`pdcluster` command: only the replica starts it). It reports its bound port as its first frame
+and exits when the replica closes the hot socket; it ignores SIGINT (the replica handles Ctrl-C
+for both).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import itertools
 import logging
 import signal
@@ -39,7 +47,7 @@ from grpc_health.v1 import health
 from grpc_reflection.v1alpha import reflection
 
 from protos import generate_pb2 as pb
-from replica.errors import DeadlineExceeded, ReplicaError, Status
+from replica.errors import DeadlineExceeded, ReplicaError, ShuttingDown, Status
 from replica.server import convert
 from replica.server.interceptor import guard
 from replica.server.ordering import CallOrder
@@ -79,9 +87,10 @@ class _Slot:
 
 
 class Backend:
-    """The front's end of the socket pair: send calls, match replies, free orphaned prefills.
+    """The front's end of one socket pair: send calls, match replies, free orphaned prefills.
 
-    The replica answers every call exactly once, so a slot lives until its reply arrives.
+    One serves the hot calls (`send` / `wait`), another the service channel (`rpc`). The replica
+    answers every call exactly once, so a slot lives until its reply arrives (or the socket closes).
     """
 
     def __init__(self, wire: FrameSocket) -> None:
@@ -89,13 +98,22 @@ class Backend:
         self._ids = itertools.count(1)
         self._slots: dict[int, _Slot] = {}
         self._lock = threading.Lock()
+        self._closed = False  # the replica closed its end: every waiting call failed UNAVAILABLE
 
     def send(self, op: str, args: Any, timeout: float | None) -> tuple[int, _Slot]:
         """Send one call (not started by the replica after `timeout` s); its id and slot for `wait`."""
         call_id, slot = next(self._ids), _Slot(op)
-        self._slots[call_id] = slot
+        with self._lock:
+            if self._closed:
+                raise ShuttingDown("the replica closed the connection")
+            self._slots[call_id] = slot
         deadline = None if timeout is None else time.monotonic() + timeout
-        self.wire.send((op, call_id, args, deadline))
+        try:
+            self.wire.send((op, call_id, args, deadline))
+        except OSError:
+            with self._lock:
+                self._slots.pop(call_id, None)
+            raise ShuttingDown("the replica closed the connection") from None
         return call_id, slot
 
     def wait(
@@ -114,15 +132,37 @@ class Backend:
             raise RemoteError(Status(payload[0]), payload[1])
         return payload
 
-    def _give_up(self, slot: _Slot) -> None:
+    def rpc(self, method: str, data: bytes, context: grpc.ServicerContext, timeout: float | None) -> bytes:
+        """A forwarded unary call over the service channel: the response bytes, or the replica's status.
+
+        When the caller cancels or `timeout` passes, the replica is told ("cancel": the servicer's
+        context ends); its reply still comes and is dropped.
+        """
+        call_id, slot = self.send("rpc", (method, data, _metadata(context)), timeout)
+        if not context.add_callback(lambda: self._give_up(slot, call_id)):  # runs when the RPC ends
+            self._give_up(slot, call_id)  # it ended already (the caller cancelled)
+        if not slot.event.wait(timeout):
+            self._give_up(slot, call_id)
+        if slot.reply is None:
+            raise DeadlineExceeded(f"the replica did not answer within the call's deadline ({timeout} s)")
+        ok, payload = slot.reply
+        if not ok:
+            raise ForwardedError(grpc.StatusCode[payload[0]], payload[1])
+        return bytes(payload)
+
+    def _give_up(self, slot: _Slot, cancel: int | None = None) -> None:
+        """The caller left: a late reply is for nobody; with `cancel`, the replica is told so."""
         with self._lock:
             if slot.reply is not None or slot.gone:
                 return  # answered already: the result stands
             slot.gone = True
             slot.event.set()
+        if cancel is not None:
+            with contextlib.suppress(OSError):  # the replica is gone: nothing runs there any more
+                self.wire.send(("cancel", cancel, None, None))
 
     def read_replies(self) -> None:
-        """Deliver replies until the replica closes the socket."""
+        """Deliver replies until the replica closes the socket; then fail the calls still waiting."""
         while (message := self.wire.recv()) is not None:
             call_id, ok, payload = message
             with self._lock:
@@ -136,6 +176,13 @@ class Backend:
             if gone and ok and slot.op == "prefill" and payload[1] is not None:
                 # finished after its caller gave up: nobody will decode the batch; free it
                 self.wire.send(("clear", next(self._ids), payload[1][0], None))
+        with self._lock:
+            self._closed = True
+            waiting, self._slots = list(self._slots.values()), {}
+            for slot in waiting:
+                if slot.reply is None and not slot.gone:
+                    slot.reply = (False, (Status.UNAVAILABLE.value, "the replica closed the connection"))
+                    slot.event.set()
 
 
 _Prefilled = TypeVar("_Prefilled", pb.PrefillResponse, pb.PrefillV2Response)
@@ -196,7 +243,8 @@ class FrontServicer:
         return pb.ClearCacheResponse()
 
 
-_FORWARDED_PREFIXES = (f"/{SERVICE}/", f"/{health.SERVICE_NAME}/")
+_SERVICE_PREFIX = f"/{SERVICE}/"
+_FORWARDED_PREFIXES = (_SERVICE_PREFIX, f"/{health.SERVICE_NAME}/")
 _STREAMING = {f"/{health.SERVICE_NAME}/Watch"}
 _HOP_BY_HOP = ("grpc-", ":")
 _NOT_FORWARDED = {"user-agent", "content-type", "te", "host", "accept-encoding"}
@@ -211,9 +259,11 @@ def _metadata(context: grpc.ServicerContext) -> list[tuple[str, Any]]:
 
 
 class Router(grpc.GenericRpcHandler):
-    """Hot calls to `FrontServicer`, everything else of the service and health to the replica."""
+    """Hot calls to `FrontServicer`; the service's other unary calls to the replica over the service
+    channel (`services`); health (Check, Watch) to the replica's internal gRPC server (`channel`)."""
 
-    def __init__(self, front: FrontServicer, channel: grpc.Channel) -> None:
+    def __init__(self, front: FrontServicer, services: Backend, channel: grpc.Channel) -> None:
+        self.services = services
         self.channel = channel
         hot: dict[str, tuple[Callable[..., Any], Any, Any]] = {
             "Prefill": (front.Prefill, pb.PrefillRequest, pb.PrefillResponse),
@@ -250,9 +300,20 @@ class Router(grpc.GenericRpcHandler):
             return None
         if method in _STREAMING:
             return grpc.unary_stream_rpc_method_handler(self._forward_stream(method))
-        return grpc.unary_unary_rpc_method_handler(guard(self._forward_unary(method)))
+        if method.startswith(_SERVICE_PREFIX):
+            return grpc.unary_unary_rpc_method_handler(guard(self._forward_unary(method)))
+        return grpc.unary_unary_rpc_method_handler(guard(self._forward_grpc(method)))
 
     def _forward_unary(self, method: str) -> Callable[[bytes, grpc.ServicerContext], bytes]:
+        """A TextGenerationService call, over the service channel (frames, no second gRPC hop)."""
+
+        def handler(data: bytes, context: grpc.ServicerContext) -> bytes:
+            return self.services.rpc(method, data, context, _deadline(context))
+
+        return handler
+
+    def _forward_grpc(self, method: str) -> Callable[[bytes, grpc.ServicerContext], bytes]:
+        """A health call, over gRPC to the replica's internal server."""
         call = self.channel.unary_unary(method)
 
         def handler(data: bytes, context: grpc.ServicerContext) -> bytes:
@@ -282,7 +343,10 @@ class Router(grpc.GenericRpcHandler):
 
 def _parse(argv: Sequence[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m replica.server.frontend")
-    parser.add_argument("--fd", type=int, required=True, help="the replica's end of the socket pair")
+    parser.add_argument("--fd", type=int, required=True, help="our end of the hot calls' socket pair")
+    parser.add_argument(
+        "--service-fd", type=int, required=True, help="our end of the service channel's socket pair"
+    )
     parser.add_argument("--host", required=True)
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--backend", required=True, help="the replica's internal gRPC address")
@@ -294,6 +358,8 @@ def serve(args: argparse.Namespace) -> int:
     """Bind, report the port, serve until the replica closes the socket."""
     wire = FrameSocket(socket.socket(fileno=args.fd))
     backend = Backend(wire)
+    services = Backend(FrameSocket(socket.socket(fileno=args.service_fd)))
+    threading.Thread(target=services.read_replies, name="service-replies", daemon=True).start()
     options = [
         ("grpc.max_send_message_length", _MESSAGE_BYTES),
         ("grpc.max_receive_message_length", _MESSAGE_BYTES),
@@ -304,7 +370,7 @@ def serve(args: argparse.Namespace) -> int:
     reflection.enable_server_reflection(
         (SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), server
     )
-    server.add_generic_rpc_handlers((Router(FrontServicer(backend), channel),))
+    server.add_generic_rpc_handlers((Router(FrontServicer(backend), services, channel),))
     port = server.add_insecure_port(f"{args.host}:{args.port}")
     wire.send(("port", port))
     if port == 0:

@@ -12,6 +12,11 @@ nothing competes with the forward for the GIL beyond one unpickle and one pickle
 A call whose deadline (CLOCK_MONOTONIC, shared by both processes) passed before it was read is
 answered DEADLINE_EXCEEDED without running; a call whose caller gave up later still runs, and the
 front frees a prefilled batch nobody will take (frontend.py).
+
+Only these calls use this socket. Every other unary call of the service comes over the second
+socket pair, the service channel (service_channel.py), read by a thread of its own: the engine
+thread may be inside a long item (zigzag / layer-waiting prefill, progressive migration) that only
+such a call can unblock, and decode steps never pay for reading it.
 """
 
 from __future__ import annotations

@@ -98,7 +98,8 @@ class _Services:
 def _start_services(config: ReplicaConfig, internal: bool = False) -> _Services:
     """Bind, register the generate.v2, health and reflection services, start serving (not ready yet).
 
-    `internal`: on 127.0.0.1:0, for the front process only (`serve` with `--grpc-frontend`).
+    `internal`: on 127.0.0.1:0, for the front process only (`serve` with `--grpc-frontend`), which
+    forwards grpc.health.v1 to it (the service's own calls come over frames: hotpath.py, service_channel.py).
     """
     server, port = _build_server(config, "127.0.0.1:0" if internal else f"{config.host}:{config.port}")
     worker = EngineWorker()
@@ -174,7 +175,7 @@ def _start_front(
     servicer = services.servicer
     try:
         front = FrontProcess.start(
-            config, f"127.0.0.1:{services.port}", services.worker, lambda: servicer.engine, on_lost
+            config, f"127.0.0.1:{services.port}", services.worker, lambda: servicer.engine, servicer, on_lost
         )
     except BaseException:
         services.stop()

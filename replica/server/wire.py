@@ -1,10 +1,11 @@
 """Frames between the gRPC front process and the replica: pickled tuples over a socket pair.
 
-Both ends are our own processes (the replica spawns its front and hands it one end of a
-`socket.socketpair()`), so pickle is safe here. A frame is a 4-byte little-endian length and a
-pickle. Step results travel as plain tuples (`encode_step` / `decode_step`): pickling the frozen
+Both ends are our own processes (the replica spawns its front and hands it one end of each of
+two `socket.socketpair()`s), so pickle is safe here. A frame is a 4-byte little-endian length and
+a pickle. Step results travel as plain tuples (`encode_step` / `decode_step`): pickling the frozen
 dataclasses themselves costs the engine thread ~3x more at batch 32.
 
+Hot socket (read by the engine thread, hotpath.py):
 ```
  front → replica   ("port", port)                  once, after the front bound its port
                    (op, call_id, args, deadline)   op: decode | prefill | filter | clear;
@@ -12,6 +13,18 @@ dataclasses themselves costs the engine thread ~3x more at batch 32.
  replica → front   (call_id, True, payload)        the result (encode_step / CachedBatchInfo / None)
                    (call_id, False, (status, msg)) a ReplicaError's Status value and message
 ```
+Service channel (read by its own thread, service_channel.py): every other unary call of
+TextGenerationService, as bytes.
+```
+ front → replica   ("rpc", call_id, (method, request, metadata), deadline)
+                                                   method: "/generate.v2.TextGenerationService/X";
+                                                   request: serialized; metadata: [(key, value)]
+                   ("cancel", call_id, None, None) the caller cancelled or its deadline passed
+ replica → front   (call_id, True, response)       the serialized response
+                   (call_id, False, (code, details)) a grpc.StatusCode name (Status values are
+                                                   the same names) and the details
+```
+Each call is answered exactly once (also after "cancel"; the front drops replies nobody waits for).
 """
 
 from __future__ import annotations
