@@ -8,6 +8,13 @@
         + the replica engine in-process at the same batch size: cluster decode tokens/s ÷ in-process
 ```
 
+The goal's ratio (`decode_ratio`), for a burst (`--rate inf`): the cluster's decode tokens/s while
+every request is in a decode batch (from the last request's first decoded token to the first
+finish, `serving_stats.steady_decode_rate`) over the engine in-process decoding a batch of all
+of them. `decode_ratio_whole_span` divides the decode tokens from the first first-token to the
+last finish instead, which also counts later batches' prefills and migrations while earlier ones
+decode; with paced arrivals (no such window) that is the ratio, against the mean concurrency.
+
 Prompts are random token ids (exact input lengths, no tokenizer round trip); outputs are exactly
 `--output-len` tokens (greedy, `ignore_eos`). Each streamed chunk carries one token (the request
 asks for `logprobs: 0`, so even tokens without text arrive as a chunk): ITL is per token.
