@@ -22,6 +22,7 @@ attention needs no repeated keys or values.
 from __future__ import annotations
 
 import functools
+from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -31,7 +32,7 @@ import torch.nn.functional as F
 
 from replica.errors import InvalidArgument
 from replica.model.config import ModelConfig
-from replica.model.rope import rotary_rows
+from replica.model.rope import rotation_rows
 
 
 class PagedKVCache:
@@ -145,39 +146,62 @@ def _spans(cache: PagedKVCache, seqs: Sequence[SeqSlice]) -> list[_Span]:
     return spans
 
 
+def as_int64(values: list[int], device: torch.device) -> torch.Tensor:
+    """A 1-D int64 tensor of `values`, read through a buffer: several times cheaper than
+    `torch.tensor(list)`, which matters for the index lists built every step."""
+    if not values:
+        return torch.empty(0, dtype=torch.int64, device=device)
+    flat = torch.frombuffer(array("q", values), dtype=torch.int64)  # keeps the array alive
+    return flat if flat.device == device else flat.to(device)
+
+
+@functools.lru_cache(maxsize=64)
+def _arange(length: int, device: torch.device) -> torch.Tensor:
+    """Memoised key positions 0..length-1 (read only: masks are computed from it, never into it)."""
+    return torch.arange(length, device=device)
+
+
 class _Group:
     """Sequences attended together: padded to the group's longest new slice and longest context."""
 
     def __init__(
-        self, spans: list[_Span], flat_starts: list[int], block_size: int, device: torch.device
+        self, spans: list[_Span], last: list[int] | None, block_size: int, device: torch.device
     ) -> None:
+        """`last[i]`: flat index of sequence i's last new token; None when the group is the whole
+        batch in order (it then needs no token index: see `tokens`)."""
         self.num_seqs = len(spans)
-        self.max_new = max(s.length for s in spans)
-        self.max_pages = max(len(s.pages) for s in spans)
+        self.max_new = width = max(s.length for s in spans)
+        self.max_pages = max_pages = max(len(s.pages) for s in spans)
         table: list[int] = []
-        tokens: list[int] = []  # flat index of each of the group's tokens, in group order
         q_pos: list[int] = []  # (seqs, max_new) absolute query positions; padding repeats the last one
         slots: list[int] = []  # where each token sits in the padded (seqs * max_new) query array
-        width = self.max_new
         for row, s in enumerate(spans):
             # padding entries point at the sequence's first page; the mask hides them
-            table += s.pages
-            table += [s.pages[0]] * (self.max_pages - len(s.pages))
-            tokens += range(flat_starts[s.seq], flat_starts[s.seq] + s.length)
+            pages = s.pages
+            table += pages
+            if len(pages) < max_pages:
+                table += [pages[0]] * (max_pages - len(pages))
             if width == 1:
                 q_pos.append(s.start)
             else:
                 q_pos += range(s.start, s.end)
                 q_pos += [s.end - 1] * (width - s.length)
                 slots += range(row * width, row * width + s.length)
-        self.table = torch.tensor(table, dtype=torch.int64, device=device)
-        self.tokens = torch.tensor(tokens, dtype=torch.int64, device=device)
-        self.q_pos = torch.tensor(q_pos, dtype=torch.int64, device=device).view(self.num_seqs, width)
-        self.slots = None if width == 1 else torch.tensor(slots, dtype=torch.int64, device=device)
+        self.table = as_int64(table, device)
+        self.q_pos = as_int64(q_pos, device).view(self.num_seqs, width)
+        self.slots = None if width == 1 else as_int64(slots, device)
+        # flat index of each of the group's tokens, in group order (only a batch of several groups
+        # scatters them)
+        self.tokens: torch.Tensor | None = None
+        if last is not None:
+            tokens: list[int] = []
+            for s in spans:
+                tokens += range(last[s.seq] - s.length + 1, last[s.seq] + 1)
+            self.tokens = as_int64(tokens, device)
         # A fresh group (prompts, nothing cached) attends over its own new K/V: no page gather.
         self.fresh = width > 1 and all(s.start == 0 for s in spans)
         self.uniform = self.fresh and all(s.length == width for s in spans)
-        self.ctx = width if self.fresh else self.max_pages * block_size
+        self.ctx = width if self.fresh else max_pages * block_size
         self.masks: dict[int | None, torch.Tensor] = {}
 
     def mask(self, window: int | None, dtype: torch.dtype) -> torch.Tensor:
@@ -187,15 +211,18 @@ class _Group:
         boolean mask, a quarter of the memory for long prompts.
         """
         if window not in self.masks:
-            key_pos = torch.arange(self.ctx, device=self.q_pos.device)[None, None, :]  # (1, 1, ctx)
+            key_pos = _arange(self.ctx, self.q_pos.device)[None, None, :]  # (1, 1, ctx)
             q_pos = self.q_pos[:, :, None]  # (seqs, max_new, 1)
-            allowed = key_pos <= q_pos
-            if window is not None:
-                allowed &= key_pos > q_pos - window
             if self.max_new == 1:
-                additive = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
-                self.masks[window] = additive.masked_fill_(~allowed, float("-inf"))[:, None]
+                hidden = key_pos > q_pos
+                if window is not None:
+                    hidden |= key_pos <= q_pos - window
+                additive = torch.zeros(hidden.shape, dtype=dtype, device=hidden.device)
+                self.masks[window] = additive.masked_fill_(hidden, float("-inf"))[:, None]
             else:
+                allowed = key_pos <= q_pos
+                if window is not None:
+                    allowed &= key_pos > q_pos - window
                 self.masks[window] = allowed[:, None]
         return self.masks[window]
 
@@ -215,29 +242,37 @@ class AttentionContext:
         self.cache, self.config, self.num_seqs = cache, config, len(spans)
         device = cache.tensor.device
         bs = cache.block_size
-        flat_starts = [0]
+        page_rows = 2 * bs  # a page is block_size K rows then block_size V rows
+        last: list[int] = []  # flat index of each sequence's last new token
         positions: list[int] = []
         k_rows: list[int] = []  # row of each new token's K in the layer's (blocks * 2 * block_size) rows
+        decodes: list[_Span] = []
+        fresh: list[_Span] = []
+        resumed: list[_Span] = []
+        flat = highest = 0
         for s in spans:
-            flat_starts.append(flat_starts[-1] + s.length)
+            start, pages = s.start, s.pages
+            flat += s.length
+            last.append(flat - 1)
+            highest = max(highest, s.end)
             if s.length == 1:
-                positions.append(s.start)
-                k_rows.append(s.pages[s.start // bs] * 2 * bs + s.start % bs)
+                positions.append(start)
+                k_rows.append(pages[start // bs] * page_rows + start % bs)
+                decodes.append(s)
             else:
-                positions += range(s.start, s.end)
-                k_rows += [s.pages[pos // bs] * 2 * bs + pos % bs for pos in range(s.start, s.end)]
-        self.num_tokens = flat_starts[-1]
-        self.positions = torch.tensor(positions, dtype=torch.int64, device=device)
-        self.last_token_index = torch.tensor(flat_starts[1:], dtype=torch.int64, device=device) - 1
-        self.k_rows = torch.tensor(k_rows, dtype=torch.int64, device=device)
+                span = range(start, s.end)
+                positions += span
+                k_rows += [pages[pos // bs] * page_rows + pos % bs for pos in span]
+                (resumed if start else fresh).append(s)
+        self.num_tokens = flat
+        self.positions = as_int64(positions, device)
+        self.last_token_index = as_int64(last, device)
+        self.k_rows = as_int64(k_rows, device)
         self.v_rows = self.k_rows + bs  # the V block follows the K block inside a page
         self.windows = _windows(config)
-        decodes = [s for s in spans if s.length == 1]
-        fresh = [s for s in spans if s.length > 1 and s.start == 0]
-        resumed = [s for s in spans if s.length > 1 and s.start > 0]
-        self.groups = [_Group(g, flat_starts, bs, device) for g in (decodes, fresh, resumed) if g]
-        highest = max(s.end for s in spans)
-        self.cos, self.sin = rotary_rows(config, self.positions, cache.dtype, highest)
+        parts = [g for g in (decodes, fresh, resumed) if g]
+        self.groups = [_Group(g, last if len(parts) > 1 else None, bs, device) for g in parts]
+        self.cos, self.sin_signed = rotation_rows(config, self.positions, cache.dtype, highest)
 
     @classmethod
     def build(cls, cache: PagedKVCache, seqs: Sequence[SeqSlice], config: ModelConfig) -> AttentionContext:
@@ -258,7 +293,7 @@ class AttentionContext:
             return self._attend_group(self.groups[0], layer, window, q, k, v)
         out = q.new_empty((n, q.shape[1] * q.shape[2]))
         for g in self.groups:
-            pick = g.tokens
+            pick = self._tokens(g)
             part = self._attend_group(g, layer, window, q[pick], k[pick], v[pick])
             out.index_copy_(0, pick, part)
         return out
@@ -279,6 +314,11 @@ class AttentionContext:
         keys = keys.view(g.num_seqs, g.ctx, kv_heads, head_dim).transpose(1, 2)
         values = values.view(g.num_seqs, g.ctx, kv_heads, head_dim).transpose(1, 2)
         return keys, values
+
+    @staticmethod
+    def _tokens(g: _Group) -> torch.Tensor:
+        assert g.tokens is not None  # every group of a batch of several groups has its token index
+        return g.tokens
 
     @staticmethod
     def _slots(g: _Group) -> torch.Tensor:

@@ -26,7 +26,7 @@ from torch import nn
 from replica.model.attention import AttentionContext
 from replica.model.config import ModelConfig, UnsupportedModel
 from replica.model.layout import EMBED_NAME, LM_HEAD_NAME, NORM_NAME, WeightLayout
-from replica.model.rope import apply_rotary
+from replica.model.rope import rotate
 from replica.model.weights import (
     RegionCallback,
     allocate_buffer,
@@ -128,7 +128,7 @@ class Attention(nn.Module):
         else:
             q, k, v = self.qkv.parts(x)
             qk = torch.cat((q, k), dim=-1).view(n, heads + kv_heads, head_dim)
-        qk = apply_rotary(qk, ctx.cos, ctx.sin)  # q and k heads rotated together: one set of ops
+        qk = rotate(qk, ctx.cos, ctx.sin_signed)  # q and k heads rotated together: one set of ops
         out = ctx.attend(self.layer, qk[:, :heads], qk[:, heads:], v.view(n, kv_heads, head_dim))
         return self.o_proj(out)  # out: (n, heads * head_dim)
 

@@ -95,29 +95,53 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate `x` (n, heads, head_dim) by per-token tables cos/sin (n, head_dim)."""
+    """Rotate `x` (n, heads, head_dim) by per-token tables cos/sin (n, head_dim) (the reference form)."""
     cos, sin = cos[:, None, :], sin[:, None, :]  # broadcast over heads
     return (x * cos) + (_rotate_half(x) * sin)
 
 
-@functools.lru_cache(maxsize=16)
-def _table(config: ModelConfig, dtype: torch.dtype, length: int) -> tuple[torch.Tensor, torch.Tensor]:
-    inv_freq, scale = inverse_frequencies(config)
-    return cos_sin(inv_freq, scale, torch.arange(length), dtype)
+def signed_sin(sin: torch.Tensor) -> torch.Tensor:
+    """`sin` (..., head_dim) with its first half negated: the table `rotate` multiplies the rolled x by."""
+    half = sin.shape[-1] // 2
+    return torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
 
 
-def rotary_rows(
-    config: ModelConfig, positions: torch.Tensor, dtype: torch.dtype, highest: int | None = None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin rows (n, head_dim) for `positions`, read from a memoised per-model table.
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
+    """`apply_rotary` in fewer ops, bit for bit: cos (n, 1, head_dim), sin_signed = `signed_sin(sin)`.
 
-    The table holds every position below a power of two covering the largest one asked for, so a
-    forward costs one row gather instead of recomputing the trigonometry (same values: elementwise).
-    `highest` (one past the largest position), when the caller knows it, saves a device sync.
+    rotate_half(x) * sin = cat(-x2, x1) * sin = roll(x) * cat(-sin1, sin2) exactly (negation is exact
+    and rounding is sign-symmetric), so one roll replaces two slices, a negation and a cat.
     """
+    return (x * cos) + (x.roll(x.shape[-1] // 2, -1) * sin_signed)
+
+
+@functools.lru_cache(maxsize=16)
+def _rotation_table(
+    config: ModelConfig, dtype: torch.dtype, length: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    inv_freq, scale = inverse_frequencies(config)
+    cos, sin = cos_sin(inv_freq, scale, torch.arange(length), dtype)
+    return cos, signed_sin(sin)
+
+
+def _table_length(positions: torch.Tensor, highest: int | None) -> int:
     if highest is None:
         highest = int(positions.max()) + 1 if positions.numel() else 1
-    length = max(256, 1 << (highest - 1).bit_length())
-    cos, sin = _table(config, dtype, length)
+    return max(256, 1 << (highest - 1).bit_length())
+
+
+def rotation_rows(
+    config: ModelConfig, positions: torch.Tensor, dtype: torch.dtype, highest: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """What `rotate` takes for `positions`: cos and signed-sin rows, each (n, 1, head_dim).
+
+    They are read from a memoised per-model table holding every position below a power of two
+    covering the largest one asked for, so a forward costs one row gather each instead of
+    recomputing the trigonometry (same values: elementwise). `highest` (one past the largest
+    position), when the caller knows it, saves a device sync.
+    """
+    cos, sin_signed = _rotation_table(config, dtype, _table_length(positions, highest))
     index = positions.to(cos.device)
-    return cos.index_select(0, index).to(positions.device), sin.index_select(0, index).to(positions.device)
+    cos_rows = cos.index_select(0, index).to(positions.device)[:, None, :]
+    sin_rows = sin_signed.index_select(0, index).to(positions.device)[:, None, :]
+    return cos_rows, sin_rows

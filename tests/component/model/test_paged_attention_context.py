@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from replica.errors import InvalidArgument
-from replica.model.attention import AttentionContext, PagedKVCache, SeqSlice
+from replica.model.attention import AttentionContext, PagedKVCache, SeqSlice, as_int64
 from replica.model.config import ModelConfig
 from replica.model.llama import load_model
 
@@ -108,3 +108,10 @@ def test_interleaved_kinds_equal_each_sequence_alone(tiny_llama: Path) -> None:
         alone = model.head(model(torch.tensor(tokens), AttentionContext.build(private, [seq], config)))
         torch.testing.assert_close(rows, alone, atol=1e-5, rtol=0)
     torch.testing.assert_close(shared.tensor, private.tensor, atol=1e-6, rtol=0)
+
+
+def test_index_lists_become_int64_tensors_through_a_buffer() -> None:
+    cpu = torch.device("cpu")
+    values = as_int64([3, -1, 2**40], cpu)
+    assert values.dtype == torch.int64 and values.tolist() == [3, -1, 2**40]
+    assert as_int64([], cpu).shape == (0,)

@@ -5,10 +5,11 @@ from __future__ import annotations
 import math
 from typing import Any
 
+import pytest
 import torch
 
 from replica.model.config import ModelConfig
-from replica.model.rope import apply_rotary, cos_sin, inverse_frequencies
+from replica.model.rope import apply_rotary, cos_sin, inverse_frequencies, rotate, rotation_rows, signed_sin
 
 
 def _config(**overrides: Any) -> ModelConfig:
@@ -90,3 +91,18 @@ def test_scores_depend_on_relative_position_only() -> None:
 
     assert math.isclose(score(10, 7), score(103, 100), rel_tol=1e-4)
     assert not math.isclose(score(10, 7), score(10, 2), rel_tol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_rotate_equals_the_reference_rotation_bit_for_bit(dtype: torch.dtype) -> None:
+    # the model's fast form (roll + signed sin) against transformers' rotate_half form
+    config = _config(rope_scaling={"rope_type": "yarn", "factor": 4.0})
+    positions = torch.tensor([0, 7, 3, 300, 511])
+    inv_freq, scale = inverse_frequencies(config)
+    cos, sin = cos_sin(inv_freq, scale, positions, dtype)
+    x = (torch.randn(5, 6, 16, generator=torch.Generator().manual_seed(2)) * 30).to(dtype)
+    expected = apply_rotary(x, cos, sin)
+    assert torch.equal(rotate(x, cos[:, None, :], signed_sin(sin)[:, None, :]), expected)
+    rows_cos, rows_sin = rotation_rows(config, positions, dtype)  # the memoised table's rows
+    assert rows_cos.shape == (5, 1, 16)
+    assert torch.equal(rotate(x, rows_cos, rows_sin), expected)
