@@ -44,6 +44,9 @@ class Detokenizer:
     def __init__(self, tokenizer: Tokenizer | None) -> None:
         self._tokenizer = tokenizer
         self._special: frozenset[int] = frozenset()
+        # decode([id]) per id, filled as ids are met (at most the vocabulary): a pure function of the
+        # id, and the left half of nearly every streaming window (see `next_text`)
+        self._single: dict[int, str] = {}
         if tokenizer is not None:
             added = tokenizer.get_added_tokens_decoder()
             self._special = frozenset(i for i, tok in added.items() if tok.special)
@@ -73,14 +76,23 @@ class Detokenizer:
         """Plain decode of a token list."""
         if self._tokenizer is None or not ids:
             return ""
-        return self._tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)
+        return self._tokenizer.decode(ids if isinstance(ids, list) else list(ids), skip_special_tokens)
+
+    def token_text(self, token_id: int) -> str:
+        """decode([token_id]) (memoised)."""
+        text = self._single.get(token_id)
+        if text is None:
+            text = self._single[token_id] = self.decode([token_id])
+        return text
 
     def next_text(self, tokens: Sequence[int], state: DetokState) -> str:
         """Text added by the tokens after `state.read_offset` (all of `tokens` is the request so far)."""
         if self._tokenizer is None:
             return ""
-        prefix = self.decode(tokens[state.prefix_offset : state.read_offset])
-        full = self.decode(tokens[state.prefix_offset :])
+        start, read = state.prefix_offset, state.read_offset
+        # After a release the context window is exactly the previous step's one token: memoised.
+        prefix = self.token_text(tokens[start]) if read - start == 1 else self.decode(tokens[start:read])
+        full = self.decode(tokens[start:])
         complete = len(full) > len(prefix) and not full.endswith(_REPLACEMENT)
         if not complete and len(tokens) - state.read_offset <= _MAX_HELD_TOKENS:
             return ""
@@ -90,4 +102,4 @@ class Detokenizer:
 
     def texts_of(self, ids: Sequence[int]) -> list[str]:
         """Each token's own text (for prompt tokens, where no streaming context is needed)."""
-        return [self.decode([i]) for i in ids]
+        return [self.token_text(i) for i in ids]

@@ -190,11 +190,13 @@ class Engine:
         rows = [RowInput(r.spec.sampling, r.tokens, r.prompt_len, r.spec.top_n_tokens) for r in requests]
         choices = choose_next(out.last_logits, rows)
         generations = []
+        every, detok = out.all_logits, self.detok
         for i, (request, choice) in enumerate(zip(requests, choices, strict=True)):
-            prompt = request.tokens[: request.prompt_len]
-            prefill = prefill_tokens(prompt, out.all_logits[i], self.detok) if i in out.all_logits else None
+            prefill = None
+            if i in every:
+                prefill = prefill_tokens(request.tokens[: request.prompt_len], every[i], detok)
             request.num_cached = len(request.tokens)
-            generations.append(step_generation(request, choice, self.detok, prefill))
+            generations.append(step_generation(request, choice, detok, prefill))
         return generations
 
     def finish_prefill(self, batch: Batch, out: ForwardOutput, start_ns: int, forward_ns: int) -> StepResult:

@@ -42,7 +42,7 @@ def final_text(request: RequestState, detok: Detokenizer) -> GeneratedText | Non
 def _tokens(
     ids: tuple[int, ...], logprobs: tuple[float, ...], texts: tuple[str, ...], detok: Detokenizer
 ) -> TokenList:
-    special = tuple(detok.is_special(i) for i in ids)
+    special = tuple([detok.is_special(i) for i in ids])
     return TokenList(ids=ids, logprobs=logprobs, texts=texts, is_special=special)
 
 
@@ -55,11 +55,12 @@ def step_generation(
     if choice.top_ids:
         texts = tuple(detok.texts_of(choice.top_ids))
         top = (_tokens(choice.top_ids, choice.top_logprobs, texts, detok),)
+    token = choice.token_id
     return Generation(
-        request_id=request.id,
-        tokens=_tokens((choice.token_id,), (choice.logprob,), (text,), detok),
+        request_id=request.spec.id,
+        tokens=TokenList((token,), (choice.logprob,), (text,), (detok.is_special(token),)),
         prefill_tokens=prefill,
-        generated_text=final_text(request, detok),
+        generated_text=None if request.finish is None else final_text(request, detok),
         top_tokens=top,
     )
 

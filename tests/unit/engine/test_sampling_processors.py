@@ -88,6 +88,18 @@ def test_greedy_is_argmax_and_logprob_is_log_softmax(scores: torch.Tensor) -> No
     assert list(choice.top_logprobs) == sorted(choice.top_logprobs, reverse=True)
 
 
+@pytest.mark.parametrize("top_n", [0, 2])
+def test_greedy_ties_pick_the_first_maximum_like_argmax(top_n: int) -> None:
+    # both the plain path (no row asks for alternatives) and the per-row one
+    nan = float("nan")
+    logits = torch.tensor([[0.0, 3.0, 1.0, 3.0], [2.0, 2.0, 2.0, 2.0], [-1.0, nan, 5.0, nan]])
+    rows = [RowInput(SamplingParams(), tokens=[1], prompt_len=1, top_n=top_n)] * 3
+    choices = choose_next(logits, rows)
+    assert [c.token_id for c in choices] == torch.argmax(logits, -1).tolist() == [1, 0, 1]
+    assert [len(c.top_ids) for c in choices] == [top_n] * 3
+    assert choices[0].logprob == float(torch.log_softmax(logits[0], -1)[1])
+
+
 def test_greedy_applies_penalties(scores: torch.Tensor) -> None:
     best = int(scores[0].argmax())
     params = SamplingParams(presence_penalty=1000.0)

@@ -37,6 +37,12 @@ def test_incremental_texts_concatenate_to_the_full_decode(detok: Detokenizer) ->
     assert all("\ufffd" not in p for p in pieces)
 
 
+def test_memoised_token_texts_equal_a_plain_decode(detok: Detokenizer) -> None:
+    ids = list(range(300))
+    assert detok.texts_of(ids) == [detok.decode([i]) for i in ids]
+    assert detok.texts_of(ids) == [detok.token_text(i) for i in ids]  # second pass: from the memo
+
+
 def test_special_tokens_and_no_tokenizer(detok: Detokenizer) -> None:
     assert detok.is_special(0) and not detok.is_special(100)
     none = Detokenizer(None)
