@@ -10,15 +10,15 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
-from replica.model.attention import AttentionContext, PagedKVCache, SeqSlice
+from replica.model.attention import AttentionContext, PagedKVCache, SeqSlice, as_int64
 from replica.model.llama import CausalLM
 
 
-@dataclass(frozen=True)
-class SeqInput:
+class SeqInput(NamedTuple):  # built per request per step: a NamedTuple is cheaper than a dataclass
     """One sequence of a forward: feed `tokens`, whose positions start at `start`, into `pages`."""
 
     tokens: Sequence[int]
@@ -56,8 +56,7 @@ class ModelRunner:
     def embed(self, seqs: Sequence[SeqInput]) -> torch.Tensor:
         """(n, hidden) embeddings of every fed token, sequences concatenated."""
         flat = [t for s in seqs for t in s.tokens]
-        ids = torch.tensor(flat, dtype=torch.long, device=self.device)
-        return self.model.embed(ids)
+        return self.model.embed(as_int64(flat, self.device))
 
     def run_layers(self, hidden: torch.Tensor, ctx: AttentionContext, start: int, stop: int) -> torch.Tensor:
         """Layers [start, stop) on `hidden`; each writes its K/V of the new tokens into the pages."""
@@ -67,7 +66,9 @@ class ModelRunner:
 
     def logits(self, hidden: torch.Tensor, ctx: AttentionContext, seqs: Sequence[SeqInput]) -> ForwardOutput:
         """Final norm + lm_head on each sequence's last token (and every token where asked)."""
-        last = self.model.head(hidden[ctx.last_token_index])
+        # one new token per sequence (a decode step): the last tokens are all of them, in order
+        last = hidden if ctx.num_tokens == ctx.num_seqs else hidden.index_select(0, ctx.last_token_index)
+        last = self.model.head(last)
         every: dict[int, torch.Tensor] = {}
         offset = 0
         for i, s in enumerate(seqs):

@@ -24,7 +24,6 @@ from __future__ import annotations
 import functools
 from array import array
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
@@ -101,8 +100,7 @@ class PagedKVCache:
         return self.tensor[index]
 
 
-@dataclass(frozen=True)
-class SeqSlice:
+class SeqSlice(NamedTuple):  # built per sequence per forward: cheaper than a dataclass
     """One sequence of a forward: tokens `[start, start+length)` are new, `[0, start)` already cached."""
 
     pages: tuple[int, ...]
