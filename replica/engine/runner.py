@@ -50,7 +50,7 @@ class ModelRunner:
 
     def context(self, seqs: Sequence[SeqInput]) -> AttentionContext:
         """The attention context of one forward (positions, page tables, masks)."""
-        slices = [SeqSlice(tuple(s.pages), s.start, len(s.tokens)) for s in seqs]
+        slices = [SeqSlice(s.pages, s.start, len(s.tokens)) for s in seqs]
         return AttentionContext.build(self.cache, slices, self.model.config)
 
     def embed(self, seqs: Sequence[SeqInput]) -> torch.Tensor:

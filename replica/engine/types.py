@@ -6,6 +6,7 @@ The servicer converts `generate_pb2` messages into these and back; tests hand-bu
 from __future__ import annotations
 
 import enum
+import functools
 from dataclasses import dataclass, field
 from typing import NewType
 
@@ -36,12 +37,14 @@ class SamplingParams:
     presence_penalty: float = 0.0
     watermark: bool = False
 
-    @property
+    # cached: read for every request at every step (a cached_property writes the instance __dict__
+    # directly, so it works on a frozen dataclass and takes no part in ==, hash or repr)
+    @functools.cached_property
     def has_penalties(self) -> bool:
         """Whether any penalty changes the logits."""
         return self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
 
-    @property
+    @functools.cached_property
     def is_plain_greedy(self) -> bool:
         """Argmax of the raw logits: the batched fast path."""
         return not self.do_sample and not self.has_penalties

@@ -103,7 +103,7 @@ class PagedKVCache:
 class SeqSlice(NamedTuple):  # built per sequence per forward: cheaper than a dataclass
     """One sequence of a forward: tokens `[start, start+length)` are new, `[0, start)` already cached."""
 
-    pages: tuple[int, ...]
+    pages: Sequence[int]  # at least the pages the context uses (the rest is ignored)
     start: int
     length: int
 
@@ -129,15 +129,14 @@ def _spans(cache: PagedKVCache, seqs: Sequence[SeqSlice]) -> list[_Span]:
         raise InvalidArgument("attention context needs at least one sequence")
     bs, blocks = cache.block_size, cache.num_blocks
     spans = []
-    for i, s in enumerate(seqs):
-        start, length = s.start, s.length
+    for i, (listed, start, length) in enumerate(seqs):
         end = start + length
         if length <= 0 or start < 0:
             raise InvalidArgument(f"sequence {i}: start={start} length={length} is not a valid slice")
         needed = -(-end // bs)
-        pages = tuple(s.pages[:needed])
-        if len(pages) < needed:
-            raise InvalidArgument(f"sequence {i}: {end} tokens need {needed} pages, got {len(s.pages)}")
+        if len(listed) < needed:
+            raise InvalidArgument(f"sequence {i}: {end} tokens need {needed} pages, got {len(listed)}")
+        pages = tuple(listed[:needed])
         if min(pages) < 0 or max(pages) >= blocks:
             raise InvalidArgument(f"sequence {i}: page id outside the cache's {blocks} blocks")
         spans.append(_Span(i, start, length, end, pages))
@@ -157,6 +156,13 @@ def as_int64(values: list[int], device: torch.device) -> torch.Tensor:
 def _arange(length: int, device: torch.device) -> torch.Tensor:
     """Memoised key positions 0..length-1 (read only: masks are computed from it, never into it)."""
     return torch.arange(length, device=device)
+
+
+@functools.lru_cache(maxsize=16)
+def _mask_values(dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """0-dim -inf and 0 of `dtype`: `torch.where` over them builds an additive mask in one op."""
+    minus_inf = torch.full((), float("-inf"), dtype=dtype, device=device)
+    return minus_inf, torch.zeros((), dtype=dtype, device=device)
 
 
 class _Group:
@@ -215,8 +221,8 @@ class _Group:
                 hidden = key_pos > q_pos
                 if window is not None:
                     hidden |= key_pos <= q_pos - window
-                additive = torch.zeros(hidden.shape, dtype=dtype, device=hidden.device)
-                self.masks[window] = additive.masked_fill_(hidden, float("-inf"))[:, None]
+                minus_inf, zero = _mask_values(dtype, hidden.device)
+                self.masks[window] = torch.where(hidden, minus_inf, zero)[:, None]
             else:
                 allowed = key_pos <= q_pos
                 if window is not None:
