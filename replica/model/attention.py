@@ -24,7 +24,7 @@ from __future__ import annotations
 import functools
 from array import array
 from collections.abc import Sequence
-from typing import NamedTuple
+from typing import NamedTuple, NoReturn
 
 import torch
 import torch.nn.functional as F
@@ -124,11 +124,32 @@ class _Span(NamedTuple):
 
 
 def _spans(cache: PagedKVCache, seqs: Sequence[SeqSlice]) -> list[_Span]:
-    """Validate the slices against the cache; refuse with the sequence's number and the problem."""
+    """Validate the slices against the cache; refuse with the sequence's number and the problem.
+
+    The page ids of all slices are range-checked at once; on any problem `_refuse` walks the slices
+    one by one to report the first faulty one, exactly as a per-slice check would.
+    """
+    bs, blocks = cache.block_size, cache.num_blocks
+    spans = []
+    used: list[int] = []
+    for i, (listed, start, length) in enumerate(seqs):
+        end = start + length
+        needed = -(-end // bs)
+        if length <= 0 or start < 0 or len(listed) < needed:
+            _refuse(cache, seqs)
+        pages = tuple(listed[:needed])
+        used += pages
+        spans.append(_Span(i, start, length, end, pages))
+    if not spans or min(used) < 0 or max(used) >= blocks:
+        _refuse(cache, seqs)
+    return spans
+
+
+def _refuse(cache: PagedKVCache, seqs: Sequence[SeqSlice]) -> NoReturn:
+    """Raise InvalidArgument for the first faulty slice (the caller found one)."""
     if not seqs:
         raise InvalidArgument("attention context needs at least one sequence")
     bs, blocks = cache.block_size, cache.num_blocks
-    spans = []
     for i, (listed, start, length) in enumerate(seqs):
         end = start + length
         if length <= 0 or start < 0:
@@ -136,11 +157,10 @@ def _spans(cache: PagedKVCache, seqs: Sequence[SeqSlice]) -> list[_Span]:
         needed = -(-end // bs)
         if len(listed) < needed:
             raise InvalidArgument(f"sequence {i}: {end} tokens need {needed} pages, got {len(listed)}")
-        pages = tuple(listed[:needed])
+        pages = listed[:needed]
         if min(pages) < 0 or max(pages) >= blocks:
             raise InvalidArgument(f"sequence {i}: page id outside the cache's {blocks} blocks")
-        spans.append(_Span(i, start, length, end, pages))
-    return spans
+    raise AssertionError("_refuse found no faulty slice")
 
 
 def as_int64(values: list[int], device: torch.device) -> torch.Tensor:

@@ -116,12 +116,11 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torc
 
 
 @functools.lru_cache(maxsize=16)
-def _rotation_table(
-    config: ModelConfig, dtype: torch.dtype, length: int
-) -> tuple[torch.Tensor, torch.Tensor]:
+def _rotation_table(config: ModelConfig, dtype: torch.dtype, length: int) -> torch.Tensor:
+    """(length, 2, head_dim): cos and signed sin of every position, side by side (one gather for both)."""
     inv_freq, scale = inverse_frequencies(config)
     cos, sin = cos_sin(inv_freq, scale, torch.arange(length), dtype)
-    return cos, signed_sin(sin)
+    return torch.stack((cos, signed_sin(sin)), dim=1)
 
 
 def _table_length(positions: torch.Tensor, highest: int | None) -> int:
@@ -140,8 +139,9 @@ def rotation_rows(
     recomputing the trigonometry (same values: elementwise). `highest` (one past the largest
     position), when the caller knows it, saves a device sync.
     """
-    cos, sin_signed = _rotation_table(config, dtype, _table_length(positions, highest))
-    index = positions.to(cos.device)
-    cos_rows = cos.index_select(0, index).to(positions.device)[:, None, :]
-    sin_rows = sin_signed.index_select(0, index).to(positions.device)[:, None, :]
-    return cos_rows, sin_rows
+    table = _rotation_table(config, dtype, _table_length(positions, highest))
+    if table.device == positions.device:
+        rows = table.index_select(0, positions)
+    else:
+        rows = table.index_select(0, positions.to(table.device)).to(positions.device)
+    return rows[:, :1], rows[:, 1:]  # (n, 1, head_dim) views

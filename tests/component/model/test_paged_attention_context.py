@@ -53,6 +53,10 @@ def test_positions_last_index_and_page_writes() -> None:
         ([SeqSlice((0,), 0, 0)], "not a valid slice"),
         ([SeqSlice((0,), 3, 2)], "need 2 pages"),
         ([SeqSlice((0, 99), 3, 2)], "outside the cache"),
+        ([SeqSlice((1,), 0, 2), SeqSlice((-1,), 0, 1)], "sequence 1: page id outside"),
+        # the first faulty slice is reported, whatever the later ones' problems
+        ([SeqSlice((99,), 0, 1), SeqSlice((0,), 0, 0)], "sequence 0: page id outside"),
+        ([SeqSlice((1,), 3, 2), SeqSlice((99,), 0, 1)], "sequence 0: 5 tokens need 2 pages, got 1"),
     ],
 )
 def test_invalid_slices_are_refused(seqs: list[SeqSlice], message: str) -> None:
