@@ -80,7 +80,7 @@ class Batch:
     @property
     def request_ids(self) -> tuple[RequestId, ...]:
         """Ids in batch order."""
-        return tuple(r.id for r in self.requests)
+        return tuple([r.spec.id for r in self.requests])
 
     def active(self) -> list[RequestState]:
         """Requests still generating."""
@@ -97,7 +97,7 @@ class Batch:
 
     def info(self, block_size: int) -> CachedBatchInfo:
         """The caller's view of the batch."""
-        max_tokens = sum(r.capacity(block_size) for r in self.requests)
+        max_tokens = sum([r.capacity(block_size) for r in self.requests])
         return CachedBatchInfo(id=self.id, request_ids=self.request_ids, max_tokens=max_tokens)
 
     def split(self, keep: Sequence[RequestId]) -> tuple[list[RequestState], list[RequestState]]:
@@ -166,9 +166,12 @@ def merge(batches: Sequence[Batch]) -> Batch:
     """One batch holding every request of `batches` in order, under the first one's id."""
     if not batches:
         raise InvalidArgument("no batch to merge")
-    seen: set[RequestId] = set()
-    for r in (r for b in batches for r in b):
-        if r.id in seen:
-            raise InvalidArgument(f"request {r.id} is in two of the merged batches")
-        seen.add(r.id)
-    return Batch(id=batches[0].id, requests=[r for b in batches for r in b])
+    requests = [r for b in batches for r in b.requests]
+    ids = {r.spec.id for r in requests}
+    if len(ids) < len(requests):  # someone is listed twice: name the first repeat
+        seen: set[RequestId] = set()
+        for r in requests:
+            if r.id in seen:
+                raise InvalidArgument(f"request {r.id} is in two of the merged batches")
+            seen.add(r.id)
+    return Batch(id=batches[0].id, requests=requests)

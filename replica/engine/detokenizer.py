@@ -87,12 +87,13 @@ class Detokenizer:
 
     def next_text(self, tokens: Sequence[int], state: DetokState) -> str:
         """Text added by the tokens after `state.read_offset` (all of `tokens` is the request so far)."""
-        if self._tokenizer is None:
+        tokenizer = self._tokenizer
+        if tokenizer is None:
             return ""
         start, read = state.prefix_offset, state.read_offset
         # After a release the context window is exactly the previous step's one token: memoised.
         prefix = self.token_text(tokens[start]) if read - start == 1 else self.decode(tokens[start:read])
-        full = self.decode(tokens[start:])
+        full = tokenizer.decode(tokens[start:], False)  # (the tokenizer itself: one call less per token)
         complete = len(full) > len(prefix) and not full.endswith(_REPLACEMENT)
         if not complete and len(tokens) - state.read_offset <= _MAX_HELD_TOKENS:
             return ""
