@@ -189,13 +189,20 @@ class _Group:
     """Sequences attended together: padded to the group's longest new slice and longest context."""
 
     def __init__(
-        self, spans: list[_Span], last: list[int] | None, block_size: int, device: torch.device
+        self,
+        spans: list[_Span],
+        last: list[int] | None,
+        block_size: int,
+        device: torch.device,
+        positions: torch.Tensor | None = None,
     ) -> None:
         """`last[i]`: flat index of sequence i's last new token; None when the group is the whole
-        batch in order (it then needs no token index: see `tokens`)."""
+        batch in order (it then needs no token index: see `tokens`). `positions`: the batch's
+        positions when the group is the whole batch of one-token slices (they are its queries')."""
         self.num_seqs = len(spans)
         self.max_new = width = max(s.length for s in spans)
         self.max_pages = max_pages = max(len(s.pages) for s in spans)
+        assert positions is None or width == 1  # only a batch of one-token slices passes them
         table: list[int] = []
         q_pos: list[int] = []  # (seqs, max_new) absolute query positions; padding repeats the last one
         slots: list[int] = []  # where each token sits in the padded (seqs * max_new) query array
@@ -205,6 +212,8 @@ class _Group:
             table += pages
             if len(pages) < max_pages:
                 table += [pages[0]] * (max_pages - len(pages))
+            if positions is not None:
+                continue
             if width == 1:
                 q_pos.append(s.start)
             else:
@@ -212,7 +221,7 @@ class _Group:
                 q_pos += [s.end - 1] * (width - s.length)
                 slots += range(row * width, row * width + s.length)
         self.table = as_int64(table, device)
-        self.q_pos = as_int64(q_pos, device).view(self.num_seqs, width)
+        self.q_pos = (as_int64(q_pos, device) if positions is None else positions).view(self.num_seqs, width)
         self.slots = None if width == 1 else as_int64(slots, device)
         # flat index of each of the group's tokens, in group order (only a batch of several groups
         # scatters them)
@@ -275,16 +284,17 @@ class AttentionContext:
         resumed: list[_Span] = []
         flat = highest = 0
         for s in spans:
-            start, pages = s.start, s.pages
-            flat += s.length
+            _, start, length, end, pages = s
+            flat += length
             last.append(flat - 1)
-            highest = max(highest, s.end)
-            if s.length == 1:
+            if end > highest:
+                highest = end
+            if length == 1:
                 positions.append(start)
                 k_rows.append(pages[start // bs] * page_rows + start % bs)
                 decodes.append(s)
             else:
-                span = range(start, s.end)
+                span = range(start, end)
                 positions += span
                 k_rows += [pages[pos // bs] * page_rows + pos % bs for pos in span]
                 (resumed if start else fresh).append(s)
@@ -295,7 +305,10 @@ class AttentionContext:
         self.v_rows = self.k_rows + bs  # the V block follows the K block inside a page
         self.windows = _windows(config)
         parts = [g for g in (decodes, fresh, resumed) if g]
-        self.groups = [_Group(g, last if len(parts) > 1 else None, bs, device) for g in parts]
+        if len(parts) == 1 and decodes:  # a decode step: the queries' positions are all the positions
+            self.groups = [_Group(decodes, None, bs, device, self.positions)]
+        else:
+            self.groups = [_Group(g, last if len(parts) > 1 else None, bs, device) for g in parts]
         self.cos, self.sin_signed = rotation_rows(config, self.positions, cache.dtype, highest)
 
     @classmethod
