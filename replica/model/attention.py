@@ -164,8 +164,7 @@ def _refuse(cache: PagedKVCache, seqs: Sequence[SeqSlice]) -> NoReturn:
 
 
 def as_int64(values: list[int], device: torch.device) -> torch.Tensor:
-    """A 1-D int64 tensor of `values`, read through a buffer: several times cheaper than
-    `torch.tensor(list)`, which matters for the index lists built every step."""
+    """A 1-D int64 tensor of `values` (via a buffer: ~3x cheaper than `torch.tensor(list)` per step)."""
     if not values:
         return torch.empty(0, dtype=torch.int64, device=device)
     flat = torch.frombuffer(array("q", values), dtype=torch.int64)  # keeps the array alive
