@@ -3,9 +3,10 @@
 For each batch size, a batch of B prompts of `--prompt-tokens` tokens is prefilled
 `--prefill-rounds` times (each a new batch, the earlier ones cleared), then the last one runs
 `--decode-steps` decode steps (EOS ignored so every step is full). (a) drives a `pdcluster replica`
-subprocess with PrefillV2 + DecodeV2, twice: one call at a time (`grpc`), and with two on the wire
-as the router's loops do (`grpc_pipelined`, the goal's figure: a prefill loop keeps two PrefillV2
-calls on the wire, a decode loop two DecodeV2 ordered by metadata); ClearCache calls are sent
+subprocess with PrefillV2 + DecodeV2, twice: one call at a time (`grpc`), and pipelined as the
+router's loops drive a replica (`grpc_pipelined`, the goal's figure: a prefill loop keeps
+`router.loops.PREFILL_DEPTH` PrefillV2 calls on the wire, a decode loop `PIPELINE_DEPTH` DecodeV2
+ordered by metadata); ClearCache calls are sent
 without waiting for them, as the router's are off the step path; (b) calls the
 same engine in this process; (c) runs transformers' `generate` on the same checkpoint (prefill = a
 1-token generate; decode = the rest of a longer generate). Each figure is the best of `--repeats`
@@ -30,6 +31,8 @@ from functools import partial
 from pathlib import Path
 from statistics import median
 from typing import Any
+
+from router.loops import PIPELINE_DEPTH, PREFILL_DEPTH
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -131,9 +134,9 @@ def in_process_path(config: BenchReplicaConfig, model: Path) -> Runner:
 
 def _blocks(config: BenchReplicaConfig) -> int:
     per_request = -(-(config.prompt_tokens + config.decode_steps + 1) // config.block_size)
-    # pipelined prefills: two batches on the wire, and the ClearCache of the one before may reach
-    # the engine after the next PrefillV2 (separate calls), so three batches can be alive at once
-    return 3 * per_request * max(config.batch_sizes) + 8
+    # pipelined prefills: PREFILL_DEPTH batches on the wire, and the ClearCache of the one before
+    # may reach the engine after the next PrefillV2 (separate calls): one more batch can be alive
+    return (PREFILL_DEPTH + 1) * per_request * max(config.batch_sizes) + 8
 
 
 # ----------------------------------------------------------------------------------------- (a)
@@ -166,10 +169,16 @@ def _grpc_prefills(stub: Any, batches: list[Any], depth: int) -> Any:
 
 
 def _grpc_run(
-    stub: Any, rounds: int, prompts: list[list[int]], steps: int, run_id: int, depth: int = 1
+    stub: Any,
+    rounds: int,
+    prefill_depth: int,
+    depth: int,
+    prompts: list[list[int]],
+    steps: int,
+    run_id: int,
 ) -> tuple[float, float]:
-    """`rounds` prefills, then `steps` DecodeV2 calls; up to `depth` calls on the wire (2 = what the
-    router does)."""
+    """`rounds` prefills with up to `prefill_depth` on the wire, then `steps` DecodeV2 calls with up
+    to `depth` on the wire (1 and 1: one call at a time)."""
     from collections import deque
 
     from protos import generate_pb2 as pb
@@ -184,7 +193,7 @@ def _grpc_run(
         ]
         batches.append(pb.Batch(id=run_id * _ROUND_IDS + r, requests=requests, size=len(requests)))
     start = time.perf_counter()
-    cached = _grpc_prefills(stub, batches, depth)
+    cached = _grpc_prefills(stub, batches, prefill_depth)
     prefill = (time.perf_counter() - start) / rounds
     batch_id = cached.id
     request = pb.DecodeV2Request(batches=[cached])  # the replica keeps the tokens: same batch each step
@@ -345,7 +354,9 @@ def _report(config: BenchReplicaConfig, rates: dict[str, dict[int, Rates]]) -> d
             "grpc_frontend": config.grpc_frontend,
             "prefill_rounds": config.prefill_rounds,
             "grpc": "one PrefillV2 / DecodeV2 at a time",
-            "grpc_pipelined": "two PrefillV2 / DecodeV2 on the wire (as the router's loops drive them)",
+            "grpc_pipelined": "PrefillV2 / DecodeV2 pipelined as the router's loops drive them",
+            "prefill_depth": PREFILL_DEPTH,
+            "decode_depth": PIPELINE_DEPTH,
         },
         "results": [_row(b, rates) for b in config.batch_sizes],
         "goals": {
@@ -409,8 +420,10 @@ def run(config: BenchReplicaConfig) -> int:
         with _replica(config, model) as address, grpc.insecure_channel(address) as channel:
             stub = pb_grpc.TextGenerationServiceStub(channel)
             paths: dict[str, Runner] = {
-                "grpc": partial(_grpc_run, stub, config.prefill_rounds),
-                "grpc_pipelined": partial(_grpc_run, stub, config.prefill_rounds, depth=2),
+                "grpc": partial(_grpc_run, stub, config.prefill_rounds, 1, 1),
+                "grpc_pipelined": partial(
+                    _grpc_run, stub, config.prefill_rounds, PREFILL_DEPTH, PIPELINE_DEPTH
+                ),
                 "in_process": in_process_path(config, model),
                 "transformers": transformers_path(model),
             }

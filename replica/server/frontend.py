@@ -219,7 +219,7 @@ class FrontServicer:
 
     def DecodeV2(self, request: pb.DecodeV2Request, context: grpc.ServicerContext) -> pb.DecodeV2Response:
         deadline = _deadline(context)
-        # A pipelined call (the router keeps two on the wire) is sent after the one it follows;
+        # A pipelined call (the router keeps several on the wire) is sent after the one it follows;
         # the socket and the replica's reader keep that order up to the engine thread.
         with self.order.ordered(context.invocation_metadata(), deadline):
             inputs = convert.decode_inputs_from_pb(request.batches, request.last_iter_tokens)

@@ -1,6 +1,6 @@
 """`CallOrder`: pipelined DecodeV2 calls reach the engine thread in the order their caller sent them.
 
-The router keeps up to two DecodeV2 calls of one batch on the wire. The gRPC thread pool handles
+The router keeps up to three DecodeV2 calls of one batch on the wire. The gRPC thread pool handles
 them on different threads, which race to submit their work items: the later call could run its
 step first and the tokens would reach the client swapped. A pipelined call therefore names itself
 and the call it must follow in its metadata:

@@ -152,7 +152,7 @@ class ReplicaServicer(pb_grpc.TextGenerationServiceServicer):
 
     def DecodeV2(self, request: pb.DecodeV2Request, context: grpc.ServicerContext) -> pb.DecodeV2Response:
         deadline = _deadline(context)
-        # A pipelined call (the router keeps two on the wire) is queued after the one it follows.
+        # A pipelined call (the router keeps several on the wire) is queued after the one it follows.
         with self.order.ordered(context.invocation_metadata(), deadline):
             inputs = convert.decode_inputs_from_pb(request.batches, request.last_iter_tokens)
             engine = self.engine
