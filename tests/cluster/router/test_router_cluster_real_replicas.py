@@ -165,30 +165,42 @@ def test_decode_replica_killed_mid_run_requests_complete_on_another(
     characters of split multi-byte tokens may differ in text across the re-run boundary."""
     set_strategy(cluster, Strategy.FULL)
     prompts = [f"story number {i}:" for i in range(6)]
-    max_new = 60
+    max_new = 300  # long enough that the streams are still running when the victim is chosen and killed
     before = int(grpcurl(cluster.admin_address, "Stats").get("requests_requeued", 0))
+    progress = [0] * len(prompts)  # tokens each stream has received
 
-    async def one(client: TGIAsyncClient, prompt: str, first: asyncio.Event) -> tuple[int, ...]:
+    async def one(client: TGIAsyncClient, index: int, first: asyncio.Event) -> tuple[int, ...]:
         ids = []
-        async for response in client.generate_stream(prompt, max_new_tokens=max_new, do_sample=False):
+        async for response in client.generate_stream(prompts[index], max_new_tokens=max_new, do_sample=False):
             ids.append(response.token.id)
+            progress[index] = len(ids)
             if len(ids) >= 3:
                 first.set()
         return tuple(ids)
 
-    async def main() -> tuple[list[tuple[int, ...]], int]:
+    async def kill_a_busy_decode_replica(tasks: list[asyncio.Task[tuple[int, ...]]]) -> int:
+        """Kill the decode replica holding the most requests right now (one must hold some)."""
+        while not all(t.done() for t in tasks):
+            listed = await asyncio.to_thread(grpcurl, cluster.admin_address, "ListReplicas")
+            holding = [r for r in listed["replicas"]
+                       if r["role"] == "REPLICA_ROLE_DECODE" and int(r.get("requests", 0)) > 0]
+            if holding:
+                victim = int(max(holding, key=lambda r: int(r.get("requests", 0))).get("id", 0))
+                cluster.replicas[victim].popen.kill()
+                return victim
+        pytest.fail("every stream ended before a decode replica was seen holding it: nothing was killed")
+
+    async def main() -> tuple[list[tuple[int, ...]], int, list[int]]:
         client = TGIAsyncClient(cluster.http_url, timeout=120)
         first = asyncio.Event()
-        tasks = [asyncio.create_task(one(client, p, first)) for p in prompts]
+        tasks = [asyncio.create_task(one(client, i, first)) for i in range(len(prompts))]
         await asyncio.wait_for(first.wait(), 60)
-        listed = await asyncio.to_thread(grpcurl, cluster.admin_address, "ListReplicas")
-        busy = max((r for r in listed["replicas"] if r["role"] == "REPLICA_ROLE_DECODE"),
-                   key=lambda r: int(r.get("requests", 0)))
-        victim = int(busy.get("id", 0))
-        cluster.replicas[victim].popen.kill()
-        return list(await asyncio.gather(*tasks)), victim
+        victim = await kill_a_busy_decode_replica(tasks)
+        at_kill = list(progress)
+        return list(await asyncio.gather(*tasks)), victim, at_kill
 
-    results, victim = asyncio.run(main())
+    results, victim, at_kill = asyncio.run(main())
+    assert min(at_kill) < max_new, f"every stream had ended when the replica was killed ({at_kill})"
     for prompt, ids in zip(prompts, results, strict=True):
         assert ids == oracle.ids(prompt, max_new)
     listed = grpcurl(cluster.admin_address, "ListReplicas")["replicas"]
