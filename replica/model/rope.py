@@ -89,17 +89,6 @@ def cos_sin(
     return (angles.cos() * scale).to(dtype), (angles.sin() * scale).to(dtype)
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate `x` (n, heads, head_dim) by per-token tables cos/sin (n, head_dim) (the reference form)."""
-    cos, sin = cos[:, None, :], sin[:, None, :]  # broadcast over heads
-    return (x * cos) + (_rotate_half(x) * sin)
-
-
 def signed_sin(sin: torch.Tensor) -> torch.Tensor:
     """`sin` (..., head_dim) with its first half negated: the table `rotate` multiplies the rolled x by."""
     half = sin.shape[-1] // 2
@@ -107,7 +96,9 @@ def signed_sin(sin: torch.Tensor) -> torch.Tensor:
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
-    """`apply_rotary` in fewer ops, bit for bit: cos (n, 1, head_dim), sin_signed = `signed_sin(sin)`.
+    """Rotate `x` (n, heads, head_dim): cos (n, 1, head_dim), sin_signed = `signed_sin(sin)`.
+
+    The same bits as transformers' form `x * cos + rotate_half(x) * sin` (tested), in fewer ops:
 
     rotate_half(x) * sin = cat(-x2, x1) * sin = roll(x) * cat(-sin1, sin2) exactly (negation is exact
     and rounding is sign-symmetric), so one roll replaces two slices, a negation and a cat.

@@ -123,11 +123,7 @@ class Backend:
         slot = sent[1]
         if slot.op == "prefill":  # a caller who cancels leaves a batch behind: see read_replies
             context.add_callback(lambda: self._give_up(slot))  # runs when the RPC ends, however
-        if not slot.event.wait(timeout):
-            self._give_up(slot)
-        if slot.reply is None:
-            raise DeadlineExceeded(f"the engine did not finish within the call's deadline ({timeout} s)")
-        ok, payload = slot.reply
+        ok, payload = self._reply(slot, timeout, "the engine did not finish")
         if not ok:
             raise RemoteError(Status(payload[0]), payload[1])
         return payload
@@ -141,14 +137,21 @@ class Backend:
         call_id, slot = self.send("rpc", (method, data, _metadata(context)), timeout)
         if not context.add_callback(lambda: self._give_up(slot, call_id)):  # runs when the RPC ends
             self._give_up(slot, call_id)  # it ended already (the caller cancelled)
-        if not slot.event.wait(timeout):
-            self._give_up(slot, call_id)
-        if slot.reply is None:
-            raise DeadlineExceeded(f"the replica did not answer within the call's deadline ({timeout} s)")
-        ok, payload = slot.reply
+        ok, payload = self._reply(slot, timeout, "the replica did not answer", call_id)
         if not ok:
             raise ForwardedError(grpc.StatusCode[payload[0]], payload[1])
         return bytes(payload)
+
+    def _reply(
+        self, slot: _Slot, timeout: float | None, late: str, cancel: int | None = None
+    ) -> tuple[bool, Any]:
+        """The slot's (ok, payload) within `timeout`; after it the call is given up (`cancel`: see
+        `_give_up`) and DeadlineExceeded says `late`."""
+        if not slot.event.wait(timeout):
+            self._give_up(slot, cancel)
+        if slot.reply is None:
+            raise DeadlineExceeded(f"{late} within the call's deadline ({timeout} s)")
+        return slot.reply
 
     def _give_up(self, slot: _Slot, cancel: int | None = None) -> None:
         """The caller left: a late reply is for nobody; with `cancel`, the replica is told so."""

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from replica.model.config import ModelConfig
-from replica.model.rope import apply_rotary, cos_sin, inverse_frequencies, rotate, rotation_rows, signed_sin
+from replica.model.rope import cos_sin, inverse_frequencies, rotate, rotation_rows, signed_sin
 
 
 def _config(**overrides: Any) -> ModelConfig:
@@ -70,6 +70,18 @@ def test_yarn_attention_factor_and_ramp() -> None:
     torch.testing.assert_close(yarn[-1], base[-1] / 4)  # slowest interpolated (divided)
 
 
+def reference_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """transformers' form: x * cos + rotate_half(x) * sin, tables (n, head_dim) broadcast over heads."""
+    half = x.shape[-1] // 2
+    rotated_half = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos[:, None, :] + rotated_half * sin[:, None, :]
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """The model's rotation (`rotate`) from plain cos / sin tables (n, head_dim)."""
+    return rotate(x, cos[:, None, :], signed_sin(sin)[:, None, :])
+
+
 def test_rotation_keeps_norm_and_position_zero_is_identity() -> None:
     inv_freq, scale = inverse_frequencies(_config())
     x = torch.randn(5, 3, 16, generator=torch.Generator().manual_seed(0))
@@ -101,8 +113,8 @@ def test_rotate_equals_the_reference_rotation_bit_for_bit(dtype: torch.dtype) ->
     inv_freq, scale = inverse_frequencies(config)
     cos, sin = cos_sin(inv_freq, scale, positions, dtype)
     x = (torch.randn(5, 6, 16, generator=torch.Generator().manual_seed(2)) * 30).to(dtype)
-    expected = apply_rotary(x, cos, sin)
-    assert torch.equal(rotate(x, cos[:, None, :], signed_sin(sin)[:, None, :]), expected)
+    expected = reference_rotary(x, cos, sin)
+    assert torch.equal(apply_rotary(x, cos, sin), expected)
     rows_cos, rows_sin = rotation_rows(config, positions, dtype)  # the memoised table's rows
     assert rows_cos.shape == (5, 1, 16)
     assert torch.equal(rotate(x, rows_cos, rows_sin), expected)
