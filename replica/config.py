@@ -71,7 +71,17 @@ class ReplicaConfig:
         default="", metadata={"help": "admin token for the router's registration calls"}
     )
     torch_threads: int = field(
-        default=0, metadata={"help": "intra-op threads of torch on the CPU; 0 = torch's default"}
+        default=0,
+        metadata={
+            "help": "intra-op threads of torch on the CPU; 0 = torch's default (one per --engine-cpus core)"
+        },
+    )
+    engine_cpus: list[int] = field(
+        default_factory=list,
+        metadata={
+            "help": "CPU cores for the engine thread alone; the replica's other threads and its gRPC front "
+            "process run on the other cores it may use (replica/placement.py); empty = no placement",
+        },
     )
     # --- moving state between replicas (issue 4) ---
     fabric: str = field(
@@ -118,6 +128,8 @@ class ReplicaConfig:
             raise ValueError(f"--max-batch-prefill-tokens must be > 0, not {self.max_batch_prefill_tokens}")
         if self.torch_threads < 0:
             raise ValueError(f"--torch-threads must be >= 0, got {self.torch_threads}")
+        if any(cpu < 0 for cpu in self.engine_cpus) or len(set(self.engine_cpus)) != len(self.engine_cpus):
+            raise ValueError(f"--engine-cpus must be distinct core numbers >= 0, got {self.engine_cpus}")
         if self.transfer_timeout <= 0:
             raise ValueError(f"--transfer-timeout must be positive, got {self.transfer_timeout}")
         if self.grpc_workers <= 0:

@@ -20,6 +20,7 @@ Goals: (a)/(b) ≥ 0.8; (b) decode at batch 32 ≥ (c).
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -57,6 +58,14 @@ class BenchReplicaConfig:
     grpc_frontend: bool = field(
         default=True,
         metadata={"help": "(a)'s replica serves gRPC from its front process (the default of a replica)"},
+    )
+    pin: bool = field(
+        default=True,
+        metadata={
+            "help": "with 2+ cores: the engine on the last core in every path ((a)'s replica through "
+            "--engine-cpus, (b) and (c) in this process), the client and the replica's other threads "
+            "on the rest, as the client would be on another host"
+        },
     )
 
     def __post_init__(self) -> None:
@@ -130,6 +139,37 @@ def in_process_path(config: BenchReplicaConfig, model: Path) -> Runner:
         ReplicaConfig(model=model, port=0, num_blocks=_blocks(config), block_size=config.block_size)
     )
     return partial(_engine_run, engine, config.prefill_rounds)
+
+
+@dataclass(frozen=True)
+class Cores:
+    """Where each path runs (`--pin`): the engine's core, and the client's (and front's) cores."""
+
+    engine: frozenset[int]
+    client: frozenset[int]
+
+    @classmethod
+    def plan(cls, pin: bool, allowed: set[int]) -> Cores | None:
+        """The last allowed core for the engine, the others for the client; None = no placement."""
+        ordered = sorted(allowed)
+        if not pin or len(ordered) < 2:
+            return None
+        return cls(frozenset(ordered[-1:]), frozenset(ordered[:-1]))
+
+    def describe(self) -> str:
+        """For the report."""
+        return f"engine on cores {sorted(self.engine)}, gRPC client and front on {sorted(self.client)}"
+
+
+def _on_cores(cpus: frozenset[int], run: Runner) -> Runner:
+    """`run`, with every thread of this process on `cpus` while it runs."""
+    from replica.placement import set_process_cpus
+
+    def pinned(prompts: list[list[int]], steps: int, run_id: int) -> tuple[float, float]:
+        set_process_cpus(cpus)
+        return run(prompts, steps, run_id)
+
+    return pinned
 
 
 def _blocks(config: BenchReplicaConfig) -> int:
@@ -217,7 +257,7 @@ def _grpc_run(
 
 
 @contextmanager
-def _replica(config: BenchReplicaConfig, model: Path) -> Iterator[str]:
+def _replica(config: BenchReplicaConfig, model: Path, cores: Cores | None) -> Iterator[str]:
     cmd = [
         sys.executable,
         "-m",
@@ -235,6 +275,8 @@ def _replica(config: BenchReplicaConfig, model: Path) -> Iterator[str]:
         str(config.torch_threads),
         "--grpc-frontend" if config.grpc_frontend else "--no-grpc-frontend",
     ]
+    if cores is not None:
+        cmd += ["--engine-cpus", *map(str, sorted(cores.engine))]
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     try:
         assert proc.stdout is not None
@@ -342,7 +384,9 @@ def _min_ratio(
     )
 
 
-def _report(config: BenchReplicaConfig, rates: dict[str, dict[int, Rates]]) -> dict[str, Any]:
+def _report(
+    config: BenchReplicaConfig, rates: dict[str, dict[int, Rates]], cores: Cores | None = None
+) -> dict[str, Any]:
     largest = max(config.batch_sizes)
     return {
         "config": {
@@ -357,6 +401,7 @@ def _report(config: BenchReplicaConfig, rates: dict[str, dict[int, Rates]]) -> d
             "grpc_pipelined": "PrefillV2 / DecodeV2 pipelined as the router's loops drive them",
             "prefill_depth": PREFILL_DEPTH,
             "decode_depth": PIPELINE_DEPTH,
+            "placement": cores.describe() if cores is not None else None,
         },
         "results": [_row(b, rates) for b in config.batch_sizes],
         "goals": {
@@ -415,20 +460,29 @@ def run(config: BenchReplicaConfig) -> int:
 
         from protos import generate_pb2_grpc as pb_grpc
         from replica.model.config import ModelConfig
+        from replica.placement import set_process_cpus
 
         vocab = ModelConfig.from_dir(model).vocab_size
-        with _replica(config, model) as address, grpc.insecure_channel(address) as channel:
-            stub = pb_grpc.TextGenerationServiceStub(channel)
-            paths: dict[str, Runner] = {
-                "grpc": partial(_grpc_run, stub, config.prefill_rounds, 1, 1),
-                "grpc_pipelined": partial(
-                    _grpc_run, stub, config.prefill_rounds, PREFILL_DEPTH, PIPELINE_DEPTH
-                ),
-                "in_process": in_process_path(config, model),
-                "transformers": transformers_path(model),
-            }
-            rates = measure(config, paths, vocab)
-    report = _report(config, rates)
+        allowed = os.sched_getaffinity(0)
+        cores = Cores.plan(config.pin, allowed)
+        try:
+            with _replica(config, model, cores) as address, grpc.insecure_channel(address) as channel:
+                stub = pb_grpc.TextGenerationServiceStub(channel)
+                paths: dict[str, Runner] = {
+                    "grpc": partial(_grpc_run, stub, config.prefill_rounds, 1, 1),
+                    "grpc_pipelined": partial(
+                        _grpc_run, stub, config.prefill_rounds, PREFILL_DEPTH, PIPELINE_DEPTH
+                    ),
+                    "in_process": in_process_path(config, model),
+                    "transformers": transformers_path(model),
+                }
+                if cores is not None:
+                    on = {"grpc": cores.client, "grpc_pipelined": cores.client}
+                    paths = {name: _on_cores(on.get(name, cores.engine), run) for name, run in paths.items()}
+                rates = measure(config, paths, vocab)
+        finally:
+            set_process_cpus(allowed)
+    report = _report(config, rates, cores)
     _print(report)
     if config.json is not None:
         config.json.parent.mkdir(parents=True, exist_ok=True)

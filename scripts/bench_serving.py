@@ -88,9 +88,11 @@ class BenchServingConfig:
         default=None, metadata={"help": "summary JSON file; per-request lines go to .jsonl"}
     )
     in_process: bool = field(default=True, metadata={"help": "also run the replica engine in-process"})
-    pin_decode: bool = field(default=False, metadata={"help": (
-        "local cluster: each decode replica on a core of its own (`pdcluster up --pin-decode`), the router, "
-        "prefill replica and this load generator on the other cores; the in-process run on the decode core")})
+    pin_decode: bool = field(default=True, metadata={"help": (
+        "local cluster, with more cores than decode replicas: each decode replica's engine thread on a "
+        "core of its own, as on its own device (`pdcluster up --pin-decode`), everything else (router, "
+        "prefill replica, the decode replicas' gRPC fronts, this load generator) on the other cores; the "
+        "in-process run on the first decode core")})
     seed: int = field(default=0, metadata={"help": "seed of arrivals and prompts"})
     request_timeout: float = field(default=600.0, metadata={"help": "seconds one request may take"})
     startup_timeout: float = field(

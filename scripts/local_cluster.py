@@ -56,8 +56,9 @@ class UpConfig:
     torch_threads: int = field(default=0, metadata={"help": (
         "torch threads per replica; 0 = this machine's cores shared among the replicas (at least 1)")})
     pin_decode: bool = field(default=False, metadata={"help": (
-        "give each decode replica a CPU core of its own (the router, prefill and inactive replicas share "
-        "the other cores), as each would have its own device in a real deployment")})
+        "give each decode replica's engine thread a CPU core of its own (`--engine-cpus`; the router, the "
+        "prefill and inactive replicas and the decode replicas' other threads and gRPC front processes "
+        "share the other cores), as each would have its own device in a real deployment")})
 
     def __post_init__(self) -> None:
         self.model = Path(self.model)
@@ -75,10 +76,10 @@ def _die_with_parent() -> None:
 
 @dataclass(frozen=True)
 class Placement:
-    """CPU cores per process of a local cluster: a core of its own for each decode replica."""
+    """CPU cores of a local cluster: a core of its own for each decode replica's engine thread."""
 
-    decode: tuple[frozenset[int], ...]  # by decode replica, in rank order
-    shared: frozenset[int]  # the router, prefill and inactive replicas (and a load generator)
+    decode: tuple[frozenset[int], ...]  # engine thread of each decode replica, in rank order
+    shared: frozenset[int]  # everything else (the decode replicas' other threads and fronts too)
 
     @classmethod
     def plan(cls, decode: int, cores: set[int] | None = None) -> Placement:
@@ -92,7 +93,7 @@ class Placement:
     def describe(self) -> str:
         """A short text for logs and benchmark summaries."""
         decode = ",".join(str(min(c)) for c in self.decode)
-        return f"decode replicas on cores [{decode}], router/prefill on {sorted(self.shared)}"
+        return f"decode engine threads on cores [{decode}], everything else on {sorted(self.shared)}"
 
 
 @dataclass
@@ -159,10 +160,19 @@ class LocalCluster:
         return spawn(name, role, argv, self.log_dir / f"{name}.log", cpus)
 
     def _cpus(self, role: str, decode_index: int) -> frozenset[int] | None:
-        """The cores of one process (None: not pinned)."""
+        """The cores of one process (None: not pinned); a decode replica puts its engine thread on its
+        own core and the rest of itself on the shared ones (`_engine_args`)."""
         if self.placement is None:
             return None
-        return self.placement.decode[decode_index] if role == "decode" else self.placement.shared
+        if role == "decode":
+            return self.placement.shared | self.placement.decode[decode_index]
+        return self.placement.shared
+
+    def _engine_args(self, role: str, decode_index: int) -> list[str]:
+        """`--engine-cpus CORE` of a pinned decode replica (nothing otherwise)."""
+        if self.placement is None or role != "decode":
+            return []
+        return ["--engine-cpus", *map(str, sorted(self.placement.decode[decode_index]))]
 
     def roles(self) -> list[str]:
         """The role of each replica, by rank."""
@@ -182,6 +192,7 @@ class LocalCluster:
                     "--num-blocks", str(c.num_blocks), "--torch-threads", str(threads), *fabric]
             if role == "inactive":
                 args.append("--inactive")
+            args += self._engine_args(role, rank - c.prefill)
             cpus = self._cpus(role, rank - c.prefill)
             self.replicas.append(self._spawn(f"replica-{rank}-{role}", role, args, cpus))
         deadline = time.monotonic() + c.ready_timeout

@@ -25,6 +25,7 @@ from replica.cluster import ReplicaCluster, build_cluster
 from replica.config import ReplicaConfig
 from replica.engine.factory import build_engine_and_params
 from replica.engine.worker import EngineWorker
+from replica.placement import CpuPlacement, PlacementError, allowed_cpus
 from replica.registration import RouterRegistration
 from replica.server.front_process import FrontProcess
 from replica.server.interceptor import ErrorInterceptor
@@ -139,13 +140,24 @@ def serve(config: ReplicaConfig) -> int:
     logging.basicConfig(
         level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s %(levelname)s %(message)s"
     )
-    if config.torch_threads:
+    try:
+        placement = _placement(config)
+    except PlacementError as exc:
+        log.error("%s", exc)
+        return 2
+    threads = placement.torch_threads(config.torch_threads) if placement else config.torch_threads
+    if threads:
         import torch
 
-        torch.set_num_threads(config.torch_threads)
+        torch.set_num_threads(threads)
+    if placement is not None:  # before any thread or the front process starts: they inherit it
+        placement.apply_to_process()
+        log.info("CPU placement: %s", placement.describe())
     stop, lost = threading.Event(), threading.Event()
     _install_signal_handlers(stop)
     services = _start_services(config, internal=config.grpc_frontend)
+    if placement is not None:
+        services.worker.call(placement.apply_to_engine_thread)
     front = _start_front(config, services, stop, lost) if config.grpc_frontend else None
     try:
         load_and_connect(config, services)
@@ -161,6 +173,13 @@ def serve(config: ReplicaConfig) -> int:
     _stop(services, front)
     log.info("replica stopped")
     return 1 if lost.is_set() else 0
+
+
+def _placement(config: ReplicaConfig) -> CpuPlacement | None:
+    """The CPU placement `--engine-cpus` asks for (None without it)."""
+    if not config.engine_cpus:
+        return None
+    return CpuPlacement.plan(config.engine_cpus, allowed_cpus(), config.torch_threads)
 
 
 def _start_front(

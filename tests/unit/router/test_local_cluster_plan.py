@@ -40,5 +40,9 @@ def test_pinned_cluster_spawns_each_role_on_its_cores(tmp_path: Path) -> None:
         pytest.skip("pinning needs at least 2 cores")
     cluster = LocalCluster(UpConfig(model=tmp_path, prefill=1, decode=1, log_dir=tmp_path, pin_decode=True))
     assert cluster.placement is not None
-    assert cluster._cpus("decode", 0) == cluster.placement.decode[0]
-    assert cluster._cpus("prefill", 0) == cluster._cpus("router", 0) == cluster.placement.shared
+    own, shared = cluster.placement.decode[0], cluster.placement.shared
+    # the decode replica may use both; its engine thread alone takes its own core (--engine-cpus)
+    assert cluster._cpus("decode", 0) == own | shared
+    assert cluster._engine_args("decode", 0) == ["--engine-cpus", *map(str, sorted(own))]
+    assert cluster._cpus("prefill", 0) == cluster._cpus("router", 0) == shared
+    assert cluster._engine_args("prefill", 0) == cluster._engine_args("router", 0) == []
