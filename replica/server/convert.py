@@ -92,6 +92,18 @@ def decode_inputs_from_pb(
     return [DecodeInput(BatchId(b.id), ids) for b, ids in zip(batches, appended, strict=True)]
 
 
+def decode_pairs_from_pb(
+    batches: Sequence[pb.CachedBatch], last: Sequence[pb.Tokens] = ()
+) -> list[tuple[int, tuple[int, ...]]]:
+    """`decode_inputs_from_pb` as (batch id, tokens) pairs: what the front process sends (plain
+    tuples pickle ~5x faster than the dataclasses; `hotpath` builds the DecodeInputs)."""
+    if last and len(last) != len(batches):
+        raise InvalidArgument(f"{len(last)} last_iter_tokens entries for {len(batches)} batches")
+    if last:
+        return [(b.id, tuple(t.ids)) for b, t in zip(batches, last, strict=True)]
+    return [(b.id, ()) for b in batches]
+
+
 # Filling fields of messages in place is several times faster than building sub-messages and
 # copying them: at batch 32 that is most of the gRPC path's per-step conversion cost.
 def fill_tokens(msg: pb.Tokens, tokens: TokenList) -> None:

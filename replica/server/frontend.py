@@ -50,8 +50,8 @@ from protos import generate_pb2 as pb
 from replica.errors import DeadlineExceeded, ReplicaError, ShuttingDown, Status
 from replica.server import convert
 from replica.server.interceptor import guard
-from replica.server.ordering import CallOrder
-from replica.server.wire import FrameSocket, decode_batch
+from replica.server.ordering import CallOrder, call_names
+from replica.server.wire import BufferedFrameSocket, FrameSocket, decode_batch
 
 SERVICE = pb.DESCRIPTOR.services_by_name["TextGenerationService"].full_name
 _MESSAGE_BYTES = 64 * 1024 * 1024
@@ -75,15 +75,25 @@ class ForwardedError(ReplicaError):
 
 
 class _Slot:
-    """One call waiting for its reply."""
+    """One call waiting for its reply.
 
-    __slots__ = ("event", "gone", "op", "reply")
+    `done` is a raw lock, held from the start and released exactly once (under the Backend's lock:
+    by the reply, the caller giving up, or the socket closing); the caller waits by acquiring it.
+    A C-level acquire / release costs a fraction of a `threading.Event` (a Python Condition).
+    """
+
+    __slots__ = ("done", "gone", "op", "reply")
 
     def __init__(self, op: str) -> None:
         self.op = op
-        self.event = threading.Event()
+        self.done = threading.Lock()
+        self.done.acquire()
         self.reply: tuple[bool, Any] | None = None
         self.gone = False  # the caller gave up: a late reply is for nobody
+
+    def wait(self, timeout: float | None) -> bool:
+        """Until the slot is done (True) or `timeout` s passed (False)."""
+        return self.done.acquire(True, -1 if timeout is None else timeout)
 
 
 class Backend:
@@ -147,7 +157,7 @@ class Backend:
     ) -> tuple[bool, Any]:
         """The slot's (ok, payload) within `timeout`; after it the call is given up (`cancel`: see
         `_give_up`) and DeadlineExceeded says `late`."""
-        if not slot.event.wait(timeout):
+        if not slot.wait(timeout):
             self._give_up(slot, cancel)
         if slot.reply is None:
             raise DeadlineExceeded(f"{late} within the call's deadline ({timeout} s)")
@@ -159,7 +169,7 @@ class Backend:
             if slot.reply is not None or slot.gone:
                 return  # answered already: the result stands
             slot.gone = True
-            slot.event.set()
+            slot.done.release()
         if cancel is not None:
             with contextlib.suppress(OSError):  # the replica is gone: nothing runs there any more
                 self.wire.send(("cancel", cancel, None, None))
@@ -175,7 +185,7 @@ class Backend:
                 gone = slot.gone
                 if not gone:
                     slot.reply = (ok, payload)
-                    slot.event.set()
+                    slot.done.release()
             if gone and ok and slot.op == "prefill" and payload[1] is not None:
                 # finished after its caller gave up: nobody will decode the batch; free it
                 self.wire.send(("clear", next(self._ids), payload[1][0], None))
@@ -185,7 +195,7 @@ class Backend:
             for slot in waiting:
                 if slot.reply is None and not slot.gone:
                     slot.reply = (False, (Status.UNAVAILABLE.value, "the replica closed the connection"))
-                    slot.event.set()
+                    slot.done.release()
 
 
 _Prefilled = TypeVar("_Prefilled", pb.PrefillResponse, pb.PrefillV2Response)
@@ -224,9 +234,15 @@ class FrontServicer:
         deadline = _deadline(context)
         # A pipelined call (the router keeps several on the wire) is sent after the one it follows;
         # the socket and the replica's reader keep that order up to the engine thread.
-        with self.order.ordered(context.invocation_metadata(), deadline):
-            inputs = convert.decode_inputs_from_pb(request.batches, request.last_iter_tokens)
+        call, after = call_names(context.invocation_metadata())
+        if after is not None:
+            self.order.follow(after, deadline)
+        try:
+            inputs = convert.decode_pairs_from_pb(request.batches, request.last_iter_tokens)
             sent = self.backend.send("decode", inputs, deadline)
+        finally:
+            if call is not None:
+                self.order.submitted(call)
         step = self.backend.wait(sent, context, deadline)
         response = pb.DecodeV2Response(total_ns=step[4])
         convert.fill_encoded_step(response, step)
@@ -359,9 +375,9 @@ def _parse(argv: Sequence[str]) -> argparse.Namespace:
 
 def serve(args: argparse.Namespace) -> int:
     """Bind, report the port, serve until the replica closes the socket."""
-    wire = FrameSocket(socket.socket(fileno=args.fd))
+    wire = BufferedFrameSocket(socket.socket(fileno=args.fd))
     backend = Backend(wire)
-    services = Backend(FrameSocket(socket.socket(fileno=args.service_fd)))
+    services = Backend(BufferedFrameSocket(socket.socket(fileno=args.service_fd)))
     threading.Thread(target=services.read_replies, name="service-replies", daemon=True).start()
     options = [
         ("grpc.max_send_message_length", _MESSAGE_BYTES),

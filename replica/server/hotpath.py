@@ -31,7 +31,7 @@ from functools import partial
 from typing import Any
 
 from replica.engine.engine import Engine
-from replica.engine.types import BatchId, RequestId, StepResult
+from replica.engine.types import BatchId, DecodeInput, RequestId, StepResult
 from replica.engine.worker import EngineWorker, WorkItem
 from replica.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument, ReplicaError, Status
 from replica.server.wire import FrameSocket, encode_batch, encode_step
@@ -49,8 +49,9 @@ def _drop_prefilled(engine: Engine, result: StepResult) -> None:
 
 
 def _work(engine: Engine, op: str, args: Any) -> _Work:
-    if op == "decode":
-        return partial(engine.decode, args), None, encode_step
+    if op == "decode":  # (batch id, tokens) pairs: convert.decode_pairs_from_pb
+        inputs = [DecodeInput(BatchId(batch_id), tokens) for batch_id, tokens in args]
+        return partial(engine.decode, inputs), None, encode_step
     if op == "prefill":
         return partial(engine.prefill, args), partial(_drop_prefilled, engine), encode_step
     if op == "filter":

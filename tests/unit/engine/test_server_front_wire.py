@@ -3,6 +3,7 @@ deliver results and typed errors, and a prefill whose caller gave up leaves no b
 
 from __future__ import annotations
 
+import pickle
 import socket
 import threading
 import time
@@ -28,7 +29,7 @@ from replica.errors import DeadlineExceeded, NotFound, Status
 from replica.server import convert
 from replica.server.frontend import Backend, RemoteError
 from replica.server.hotpath import HotPath
-from replica.server.wire import FrameSocket, decode_step, encode_step
+from replica.server.wire import BufferedFrameSocket, FrameSocket, decode_step, encode_step
 
 
 def _step(batch: CachedBatchInfo | None = None) -> StepResult:
@@ -56,6 +57,32 @@ def test_step_round_trip_and_frames() -> None:
     right.close()
 
 
+def test_buffered_reader_slices_frames_out_of_partial_and_large_reads() -> None:
+    a, b = socket.socketpair()
+    writer, reader = FrameSocket(a), BufferedFrameSocket(b, capacity=64)
+    messages = [("small", i) for i in range(5)] + [b"x" * 1000, ("after", "large"), b"y" * 50, b"z" * 70]
+    frames = b"".join(_frame(m) for m in messages)
+    received: list[Any] = []
+    thread = threading.Thread(target=lambda: received.extend(reader.recv() for _ in messages))
+    thread.start()
+    for cut in range(0, len(frames), 7):  # dribbled out: frames split across reads anywhere
+        a.sendall(frames[cut : cut + 7])
+        time.sleep(0.0005)
+    thread.join(5)
+    assert received == messages
+    writer.send(("one", "more"))
+    assert reader.recv() == ("one", "more")
+    a.sendall(_frame(b"w" * 200)[:100])  # the peer leaves in the middle of a frame
+    writer.close()
+    assert reader.recv() is None
+    reader.close()
+
+
+def _frame(message: Any) -> bytes:
+    data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+    return len(data).to_bytes(4, "little") + data
+
+
 class _Context:
     """The part of grpc.ServicerContext that Backend.wait uses."""
 
@@ -76,10 +103,12 @@ class _FakeEngine:
 
     def __init__(self) -> None:
         self.store = _Store()
+        self.decoded: list[DecodeInput] = []
         self.release = threading.Event()
         self.release.set()
 
     def decode(self, inputs: list[DecodeInput]) -> StepResult:
+        self.decoded = inputs
         if inputs[0].batch_id == 404:
             raise NotFound("no batch 404")
         return _step(CachedBatchInfo(inputs[0].batch_id, (RequestId(1),), 8))
@@ -99,7 +128,7 @@ def wired() -> Iterator[tuple[Backend, _FakeEngine]]:
     a, b = socket.socketpair()
     hot = HotPath(FrameSocket(a), worker, lambda: engine)  # type: ignore[arg-type, return-value]
     hot.start()
-    backend = Backend(FrameSocket(b))
+    backend = Backend(BufferedFrameSocket(b))
     reader = threading.Thread(target=backend.read_replies, daemon=True)
     reader.start()
     yield backend, engine
@@ -117,11 +146,12 @@ def test_expired_call_does_not_run(wired: tuple[Backend, _FakeEngine]) -> None:
 
 
 def test_results_and_typed_errors(wired: tuple[Backend, _FakeEngine]) -> None:
-    backend, _ = wired
-    payload = backend.wait(backend.send("decode", [DecodeInput(BatchId(9))], 5), _Context(), 5)
+    backend, engine = wired
+    payload = backend.wait(backend.send("decode", [(9, ())], 5), _Context(), 5)
     assert decode_step(payload).batch == CachedBatchInfo(BatchId(9), (RequestId(1),), 8)
+    assert engine.decoded == [DecodeInput(BatchId(9))]
     with pytest.raises(RemoteError) as info:
-        backend.wait(backend.send("decode", [DecodeInput(BatchId(404))], 5), _Context(), 5)
+        backend.wait(backend.send("decode", [(404, (4,))], 5), _Context(), 5)
     assert info.value.status == Status.NOT_FOUND
 
 
