@@ -166,7 +166,15 @@ def fill_encoded_step(response: Any, step: tuple[Any, ...]) -> None:
     add = response.generations.add
     for rid, tokens, prefill, text, tops in step[0]:
         msg = add(request_id=rid)
-        _fill_token_tuple(msg.tokens, tokens)
+        ids, logprobs, texts, special = tokens
+        out = msg.tokens
+        if len(ids) == 1:  # a decode step's one new token: append is cheaper than extend
+            out.ids.append(ids[0])
+            out.logprobs.append(logprobs[0])
+            out.texts.append(texts[0])
+            out.is_special.append(special[0])
+        else:
+            _fill_token_tuple(out, tokens)
         if prefill is not None:
             _fill_token_tuple(msg.prefill_tokens, prefill)
         if text is not None:

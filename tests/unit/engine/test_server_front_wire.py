@@ -36,7 +36,9 @@ def _step(batch: CachedBatchInfo | None = None) -> StepResult:
     tokens = TokenList(ids=(5,), logprobs=(-0.5,), texts=(" a",), is_special=(False,))
     done = GeneratedText("x a", 3, FinishReason.STOP_SEQUENCE, 7)
     full = Generation(RequestId(1), tokens, prefill_tokens=tokens, generated_text=done, top_tokens=(tokens,))
-    return StepResult((full, Generation(RequestId(2), tokens)), batch, 1, 2, 3, 4)
+    two = TokenList(ids=(6, 7), logprobs=(-0.25, -1.0), texts=(" b", " c"), is_special=(False, True))
+    generations = (full, Generation(RequestId(2), tokens), Generation(RequestId(3), two))
+    return StepResult(generations, batch, 1, 2, 3, 4)
 
 
 def test_step_round_trip_and_frames() -> None:
