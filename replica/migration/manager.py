@@ -48,6 +48,15 @@ from transfer.core import Deadline
 from transfer.errors import TransferError
 
 T = TypeVar("T")
+Defer = Callable[[Callable[[], None]], None]
+"""Schedules work for after the call's answer went out (logging is not on the caller's clock)."""
+
+
+def _now(fn: Callable[[], None]) -> None:
+    """The `Defer` of a caller without an answer to wait for: run at once."""
+    fn()
+
+
 log = logging.getLogger(__name__)
 
 _CALL_SHARE = 0.95  # of the gRPC deadline given to the transfer: the answer must still reach the caller
@@ -105,8 +114,13 @@ class Migrations:
         return peer
 
     # ----------------------------------------------------------------------------- sender
-    def migrate(self, spec: BatchSpec, route: Route, call_remaining: float | None) -> CachedBatchInfo:
-        """Send the cached batch's KV of `route`'s layers to the peer; the batch is gone here afterwards."""
+    def migrate(
+        self, spec: BatchSpec, route: Route, call_remaining: float | None, after_reply: Defer = _now
+    ) -> CachedBatchInfo:
+        """Send the cached batch's KV of `route`'s layers to the peer; the batch is gone here afterwards.
+
+        `after_reply` schedules the log line (the caller runs it once the answer went out).
+        """
         self.check_peer(route.peer)
         layers = layer_range(route.half, route.split, self.engine.runner.num_layers)
         deadline = self.deadline(call_remaining)
@@ -118,7 +132,7 @@ class Migrations:
             self.send_batch(batch, route.peer, layers, deadline, self._all_layers(batch, layers), False)
         finally:
             self.later(lambda: self._free(batch))
-        _log_rate("sent", batch, self.geometry(), layers, start, taken)
+        after_reply(_rate_line("sent", batch, self.geometry(), layers, start, taken))
         return info
 
     def send_batch(
@@ -130,7 +144,7 @@ class Migrations:
         regions: Iterator[Sequence[Region]],
         streamed: bool,
     ) -> None:
-        """Serialised with other migrations to `peer`: header, the runs of regions, confirmation.
+        """Serialised with other migrations to `peer`: header, the runs of regions, the receiver's ack.
 
         `regions` yields one run per layer when `streamed`, else a single run over all layers.
         """
@@ -171,6 +185,7 @@ class Migrations:
         peer: int,
         call_remaining: float | None,
         cancelled: threading.Event | None = None,
+        after_reply: Defer = _now,
     ) -> CachedBatchInfo:
         """Admit the batch, receive every layer of its prompt KV from `peer`, adopt it (decode-ready)."""
         self.check_peer(peer)
@@ -185,7 +200,7 @@ class Migrations:
             self.later(lambda: self.drop_incoming(batch))
             raise
         info = self.on_engine(lambda: self.adopt(batch), deadline, undo=self._clear_adopted)
-        _log_rate("received", batch, self.geometry(), layers, start, admitted)
+        after_reply(_rate_line("received", batch, self.geometry(), layers, start, admitted))
         return info
 
     def receive(
@@ -254,21 +269,19 @@ def seq_pages(batch: Batch) -> list[SeqPages]:
     return [SeqPages(r.prompt_len, tuple(r.pages)) for r in batch]
 
 
-def _log_rate(
+def _rate_line(
     verb: str, batch: Batch, geometry: CacheGeometry, layers: range, start: float, ready: float
-) -> None:
-    """One line per migration: bytes, time (engine part and total) and rate, like the reference's log."""
+) -> Callable[[], None]:
+    """One line per migration: bytes, time (engine part and total) and rate, like the reference's log.
+
+    The times are taken now; the returned function writes the line (after the answer went out).
+    """
     nbytes = total_bytes(geometry, seq_pages(batch), layers)
     total = time.perf_counter() - start
-    log.info(
-        "batch %d: %s %.1f MiB of KV (layers %s) in %.1f ms (engine %.1f ms): %.2f GB/s",
-        batch.id,
-        verb,
-        nbytes / 2**20,
-        _span(layers),
-        total * 1e3,
-        (ready - start) * 1e3,
-        nbytes / 1e9 / max(total, 1e-9),
+    args = (batch.id, verb, nbytes / 2**20, _span(layers), total * 1e3, (ready - start) * 1e3)
+    rate = nbytes / 1e9 / max(total, 1e-9)
+    return lambda: log.info(
+        "batch %d: %s %.1f MiB of KV (layers %s) in %.1f ms (engine %.1f ms): %.2f GB/s", *args, rate
     )
 
 

@@ -129,7 +129,7 @@ class Header:
     """The first message of every migration on a pair's KV stream: which batch, which layers, how much."""
 
     batch_id: int
-    nonce: int  # the confirmation tag of this attempt (a retry gets a new one)
+    nonce: int  # the acknowledgement tag of this attempt (a retry gets a new one)
     layers: range
     nbytes: int
     streamed: bool = False  # one p2p run per layer (produced during a prefill), else one run for all

@@ -3,8 +3,8 @@
 ```
  engine thread: admit ─ embed ─ layer 0 ─ layer 1 ─ … ─ layer L-1 ─ logits        (one work item)
                   │Admitted     │0        │1              │L-1
- handler thread:  header ─────► send 0 ── send 1 ── … ─── send L-1 ─ confirm     (PROGRESSIVE)
-                  header ───────────────────────────────────────────► send 0..L-1 ─ confirm (MIGRATE)
+ handler thread:  header ─────► send 0 ── send 1 ── … ─── send L-1 ─ ack         (PROGRESSIVE)
+                  header ───────────────────────────────────────────► send 0..L-1 ─ ack     (MIGRATE)
  engine thread: first tokens sampled; the batch's pages freed (success) / freed (any failure)
 ```
 The receiver runs Immigrate concurrently, the same call in both cases: the header tells it whether

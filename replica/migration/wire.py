@@ -1,11 +1,16 @@
-"""Moving one migration's KV over the fabric: header, one p2p run per layer, confirmation.
+"""Moving one migration's KV over the fabric: header, one p2p run per layer, acknowledgement.
 
 ```
  sender                                            receiver
  send(header) ─────────────────────────────────►  read header (InboundTurns routes it to its Immigrate)
  for layer in range:  send_regions(layer) ═════►  for layer in range: recv_regions(layer)
- confirm(leader = sender) ◄──────────────────────► confirm: both learn whether both sides succeeded
+ wait for the ack  ◄───── (nonce, OK | FAILED) ──  every byte in place (or failed): ack, done
 ```
+The acknowledgement is one record on the KV stream's control stream, in the format of
+`transfer.confirm` (`tag u64 | status u8`, the tag being the header's nonce). It replaces the
+transfer layer's two-way confirmation (record to the leader, verdict back): the receiver's outcome
+is settled once its bytes are in (nothing the sender could still say would change it), and a
+sender that fails aborts the KV stream, which fails the receiver's reads at once.
 The regions go in p2p runs of the transfer layer (gather on the sender, scatter on the receiver:
 many small regions, few messages): one run over every layer when the sender has them all
 (Migrate, MIGRATE), one run per layer when it produces them during a prefill (MIGRATE_PROGRESSIVE,
@@ -15,7 +20,6 @@ region lengths, so their messages match.
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import threading
 from collections.abc import Iterable, Sequence
@@ -24,14 +28,15 @@ from replica.cluster import KV_BUFFER
 from replica.errors import FailedPrecondition, PeerTimeout, PeerUnavailable, ReplicaError
 from replica.migration.plan import HEADER_BYTES, Header, Region
 from transfer.collectives import TransferOptions, recv_regions, send_regions
-from transfer.confirm import confirm
-from transfer.core import Deadline, Handle, Rank, Stream, control_stream
+from transfer.confirm import RECORD, Verdict
+from transfer.core import Deadline, Handle, Stream, control_stream
 from transfer.errors import LayoutMismatch, PeerGone, TransferError
 from transfer.errors import PeerTimeout as TransferTimeout
 from transfer.fabric import Fabric
 
 KV_STREAM = int(Stream.KV)
-_OPTIONS = TransferOptions(confirm=False)  # one confirmation at the end of the whole migration
+_OPTIONS = TransferOptions(confirm=False)  # one acknowledgement at the end of the whole migration
+_LATE_ACK_S = 2.0  # an acknowledgement may go out this long past the receiver's deadline
 _names = itertools.count()
 
 
@@ -49,7 +54,7 @@ def as_replica_error(exc: TransferError) -> ReplicaError:
 def send_kv(
     fabric: Fabric, peer: int, header: Header, runs: Iterable[Sequence[Region]], deadline: Deadline
 ) -> None:
-    """Send the header, then each run's regions as `runs` yields them, then confirm.
+    """Send the header, then each run's regions as `runs` yields them, then wait for the ack.
 
     Raises a `TransferError` (this side's, or `PeerGone` when the receiver reported a failure).
     Any other exception from `runs` (the prefill producing them failed) aborts the stream first,
@@ -72,7 +77,7 @@ def send_kv(
         raise
     finally:
         fabric.unregister(name)
-    _confirm(fabric, [fabric.rank, Rank(peer)], header.nonce, error, deadline)
+    _await_ack(fabric, peer, header.nonce, error, deadline)
 
 
 def read_header(
@@ -87,7 +92,7 @@ def read_header(
     buffer = bytearray(HEADER_BYTES)
     fabric.register(name, buffer)
     try:
-        # connect the confirmation stream early: the sender then sees our death while it sends
+        # connect the acknowledgement stream early: the sender then sees our death while it sends
         fabric.connect(peer, control_stream(KV_STREAM), deadline)
         handle = fabric.recv(peer, name, [(0, HEADER_BYTES)], KV_STREAM, deadline)
         if cancelled is not None:
@@ -116,7 +121,8 @@ def _wait_or_cancel(
 def recv_kv(
     fabric: Fabric, peer: int, header: Header, runs: Sequence[Sequence[Region]], deadline: Deadline
 ) -> None:
-    """Receive each run's regions (the header was read already), then confirm."""
+    """Receive each run's regions (the header was read already), then acknowledge; a failure here is
+    reported to the sender, then raised."""
     error: TransferError | None = None
     try:
         for regions in runs:
@@ -125,37 +131,79 @@ def recv_kv(
     except TransferError as exc:
         error = exc
         fabric.abort(peer, KV_STREAM, str(exc))
-    _confirm(fabric, [Rank(peer), fabric.rank], header.nonce, error, deadline)
+    _ack(fabric, peer, header.nonce, error is None, deadline)
+    if error is not None:
+        raise error
 
 
 def refuse(fabric: Fabric, peer: int, header: Header, reason: str, deadline: Deadline) -> None:
-    """Tell the sender this migration failed here (its confirmation fails), without reading its data."""
+    """Tell the sender this migration failed here (a FAILED acknowledgement), without reading its data."""
     fabric.abort(peer, KV_STREAM, reason)
-    with contextlib.suppress(TransferError):  # the error that matters is the caller's
-        _confirm(fabric, [Rank(peer), fabric.rank], header.nonce, PeerGone(reason), deadline)
+    _ack(fabric, peer, header.nonce, False, deadline)
 
 
-def _confirm(
-    fabric: Fabric, ranks: list[Rank], tag: int, error: TransferError | None, deadline: Deadline
-) -> None:
-    """Both sides learn whether both succeeded; raise this side's error or the peer's failure.
+def _await_ack(fabric: Fabric, peer: int, tag: int, error: TransferError | None, deadline: Deadline) -> None:
+    """(Sender) the receiver's acknowledgement that every byte is in place; raise this side's error
+    or the receiver's failure.
 
-    A side that failed does not wait for the verdict: it tells the leader in the background (the
-    leader may be dead, and connecting to a dead rank retries until the deadline) and fails now.
+    A sender that failed has aborted the KV stream already (the receiver's reads fail at once), so
+    it does not wait for anything; one that fails here aborts it too. Records of earlier, failed
+    migrations (another nonce) are skipped.
     """
     if error is not None:
-        if fabric.rank != ranks[0]:
-            threading.Thread(target=_report_failure, args=(fabric, ranks, tag, deadline), daemon=True).start()
-            raise error
-        with contextlib.suppress(TransferError):
-            confirm(fabric, ranks, KV_STREAM, tag, False, deadline)  # the leader does not wait on failure
         raise error
-    if deadline.expired():
-        raise TransferTimeout(f"rank {fabric.rank}: migration deadline passed")
-    if not confirm(fabric, ranks, KV_STREAM, tag, True, deadline):
-        raise PeerGone(f"rank {fabric.rank}: the other side of the migration {list(ranks)} failed")
+    ctl = control_stream(KV_STREAM)
+    name = f"__kv-ack:{next(_names)}"
+    record = bytearray(RECORD.size)
+    fabric.register(name, record)
+    try:
+        while True:
+            fabric.recv(peer, name, [(0, RECORD.size)], ctl, deadline).wait(deadline)
+            got, status = RECORD.unpack(record)
+            if got == tag:
+                break
+    except TransferError as exc:
+        fabric.abort(peer, ctl, str(exc))
+        fabric.abort(peer, KV_STREAM, str(exc))
+        raise
+    finally:
+        fabric.unregister(name)
+    if status != Verdict.OK:
+        # the receiver reset its end of the KV stream: drop ours too, so the next migration to
+        # this peer connects afresh instead of writing into the dead connection
+        reason = f"rank {fabric.rank}: the receiver of the migration, rank {peer}, failed"
+        fabric.abort(peer, KV_STREAM, reason)
+        raise PeerGone(reason)
 
 
-def _report_failure(fabric: Fabric, ranks: list[Rank], tag: int, deadline: Deadline) -> None:
-    with contextlib.suppress(Exception):  # best effort: the peer learns of the failure by its own deadline
-        confirm(fabric, ranks, KV_STREAM, tag, False, deadline)
+def _ack(fabric: Fabric, peer: int, tag: int, ok: bool, deadline: Deadline) -> None:
+    """(Receiver) tell the sender whether every byte arrived here; not waiting for it to go out.
+
+    The receiver's own outcome is decided (it has every byte, or it failed), so nothing it could
+    hear back would change it: no verdict round trip. The record goes out without waiting (written
+    by this thread when the connection is idle, else by the fabric's writer); over a control
+    connection the sender reset in an earlier failed attempt the first write fails, and the record
+    is sent once more over a fresh connection (its nonce makes it unambiguous). It gets at least
+    `_LATE_ACK_S` to go out, even past this side's deadline (which may be why it failed).
+    """
+    name = f"__kv-ack:{next(_names)}"
+    record = bytearray(RECORD.pack(tag, Verdict.OK if ok else Verdict.FAILED))
+    fabric.register(name, record)
+    late = Deadline.after(max(deadline.remaining(), _LATE_ACK_S))
+    ctl = control_stream(KV_STREAM)
+
+    def post(retry: bool) -> None:
+        try:
+            handle = fabric.send(peer, name, [(0, RECORD.size)], ctl, late)
+        except TransferError:  # the fabric is closing: the sender learns by its own deadline
+            fabric.unregister(name)
+            return
+        handle.add_done_callback(lambda h: done(h, retry))
+
+    def done(handle: Handle, retry: bool) -> None:
+        if retry and isinstance(handle.error, PeerGone):
+            post(False)
+        else:
+            fabric.unregister(name)
+
+    post(True)

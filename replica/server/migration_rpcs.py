@@ -14,7 +14,7 @@ must name this replica (and a receiver's `dst`).
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import grpc
@@ -76,7 +76,8 @@ class MigrationRpcs:
         parts = self._parts()
         self._me(request.src, "src")
         spec = convert.batch_from_pb(request.batch)
-        info = parts.full.migrate(spec, Route(_one(request.dst, "dst")), _remaining(context))
+        route = Route(_one(request.dst, "dst"))
+        info = parts.full.migrate(spec, route, _remaining(context), _after_reply(context))
         return pb.MigrateResponse(batch=convert.cached_batch_to_pb(info))
 
     def Immigrate(self, request: pb.ImmigrateRequest, context: grpc.ServicerContext) -> pb.ImmigrateResponse:
@@ -84,7 +85,9 @@ class MigrationRpcs:
         parts = self._parts()
         self._me(request.dst, "dst")
         spec = convert.batch_from_pb(request.batch)
-        info = parts.full.immigrate(spec, _one(request.src, "src"), _remaining(context), _cancelled(context))
+        peer = _one(request.src, "src")
+        cancelled, after_reply = _cancelled(context), _after_reply(context)
+        info = parts.full.immigrate(spec, peer, _remaining(context), cancelled, after_reply)
         return pb.ImmigrateResponse(batch=convert.cached_batch_to_pb(info))
 
     def MigratePartial(
@@ -95,7 +98,7 @@ class MigrationRpcs:
         self._me(request.src, "src")
         route = Route(_one(request.dst, "dst"), _half(request.fst_or_snd), request.num_layer)
         spec = convert.batch_from_pb(request.batch)
-        info = parts.full.migrate(spec, _checked(route, parts), _remaining(context))
+        info = parts.full.migrate(spec, _checked(route, parts), _remaining(context), _after_reply(context))
         return pb.MigrateResponse(batch=convert.cached_batch_to_pb(info))
 
     def ImmigratePartial(
@@ -152,6 +155,16 @@ def _cancelled(context: grpc.ServicerContext) -> threading.Event:
     if not context.add_callback(event.set):
         event.set()  # the call already ended
     return event
+
+
+def _after_reply(context: grpc.ServicerContext) -> Callable[[Callable[[], None]], None]:
+    """Runs a function once the call ended (its answer sent), or at once if it has ended already."""
+
+    def defer(fn: Callable[[], None]) -> None:
+        if not context.add_callback(fn):
+            fn()
+
+    return defer
 
 
 def _remaining(context: grpc.ServicerContext) -> float | None:

@@ -3,16 +3,17 @@
 Every TextGenerationService unary call that is not hot (Migrate, Immigrate, the partial halves,
 PrefillV2's weight / migration cases, LoadParams, Send/RecvParams, broadcasts, ZagPrefill, Relay,
 Health, Info, Warmup, ...) arrives here as its serialized request instead of over a second gRPC
-hop. A reader thread of its own takes the frames — never the engine thread, which may be inside a
-long item (a zigzag or layer-waiting prefill, a progressive migration) that only such a call can
-unblock — and hands each call to a thread pool, where `ReplicaServicer`'s method runs behind the
-same `interceptor.guard` as on the gRPC server, with a `FrameContext` in place of
-`grpc.ServicerContext`. Decode steps never wake this reader.
+hop. Threads of its own take the frames — never the engine thread, which may be inside a long
+item (a zigzag or layer-waiting prefill, a progressive migration) that only such a call can
+unblock — and run `ReplicaServicer`'s method behind the same `interceptor.guard` as on the gRPC
+server, with a `FrameContext` in place of `grpc.ServicerContext`. They take turns reading (leader /
+followers, see `ServiceChannel`): the thread that read a call runs it, another reads on, so a call
+starts without a hand-off to another thread. Decode steps never wake these threads.
 
 ```
- front ──("rpc", id, (method, request bytes, metadata), deadline)──► reader thread ─► pool thread
+ front ──("rpc", id, (method, request bytes, metadata), deadline)──► the reading thread runs it
        ──("cancel", id, None, None)──► the call's context ends: is_active() False, callbacks run
-       ◄── (id, True, response bytes) | (id, False, (grpc code name, details)) ── pool thread, once
+       ◄── (id, True, response bytes) | (id, False, (grpc code name, details)) ── that thread, once
 ```
 A call whose deadline (CLOCK_MONOTONIC, shared by both processes) passed before it was read is
 answered DEADLINE_EXCEEDED without running. The front sends "cancel" when its caller cancels or
@@ -26,8 +27,8 @@ import contextlib
 import logging
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, NoReturn, cast
 
@@ -131,8 +132,25 @@ def unary_methods(servicer: object) -> dict[str, _Method]:
 _Reply = tuple[bool, Any]
 
 
+@dataclass(frozen=True)
+class _Call:
+    """A call read from the channel, to be run by a thread of the channel."""
+
+    call_id: int
+    method: str
+    data: bytes
+    context: FrameContext
+
+
 class ServiceChannel:
-    """Serves the front's forwarded calls: one reader thread, a pool running the servicer's methods."""
+    """Serves the front's forwarded calls with threads that take turns reading (leader / followers).
+
+    One thread at a time reads the socket. When it reads a call, it hands the reading to an idle
+    thread (one waiting for the read lock, started if there is none) and runs the call itself: the
+    call starts without waking another thread first. At most `workers` calls run at once; calls
+    read beyond that wait, in order, for a thread that finishes one. "cancel" frames are handled
+    by whichever thread reads them, so a cancel never waits behind running calls.
+    """
 
     def __init__(
         self,
@@ -143,16 +161,23 @@ class ServiceChannel:
     ) -> None:
         self.wire = wire
         self._methods = unary_methods(servicer)
-        self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="service")
+        self._workers = workers
         self._on_lost = on_lost  # called when the front process went away unexpectedly
         self._closing = False
         self._calls: dict[int, FrameContext] = {}  # running calls, for "cancel"
-        self._lock = threading.Lock()
-        self._reader = threading.Thread(target=self._read, name="service-reader", daemon=True)
+        self._lock = threading.Lock()  # guards the fields below and `_calls`
+        self._read_lock = threading.Lock()  # held by the thread reading the socket
+        self._threads: list[threading.Thread] = []
+        self._idle = 0  # threads reading or waiting to read
+        self._running = 0  # threads running a call
+        self._waiting: deque[_Call] = deque()  # read while `workers` calls were running
+        self._ended = threading.Event()  # the channel closed and its end was handled
 
     def start(self) -> None:
-        """Start reading calls."""
-        self._reader.start()
+        """Start reading calls (two threads: one reads, one is ready to take over)."""
+        with self._lock:
+            self._spawn()
+            self._spawn()
 
     def expect_close(self) -> None:
         """The replica is stopping its front: its end of the channel closing is not a loss."""
@@ -162,53 +187,89 @@ class ServiceChannel:
         """Shut the socket, end every running call (their callbacks run), then close it."""
         self._closing = True
         self.wire.shutdown()
-        self._reader.join(10.0)
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        self._ended.wait(10.0)
         self.wire.close()
 
-    def _read(self) -> None:
-        while (message := self.wire.recv()) is not None:
-            try:
-                self._take(message)
-            except Exception:
-                log.exception("a frame of the service channel could not be handled")
+    def _spawn(self) -> None:
+        """(Holding `_lock`) one more thread, idle: it waits for its turn to read."""
+        self._idle += 1
+        thread = threading.Thread(target=self._loop, name=f"service-{len(self._threads)}", daemon=True)
+        self._threads.append(thread)
+        thread.start()
+
+    def _loop(self) -> None:
+        while True:
+            with self._read_lock:
+                message = None if self._ended.is_set() else self.wire.recv()
+                if message is None:
+                    self._end()
+                    return
+                try:
+                    call = self._take(message)
+                except Exception:
+                    log.exception("a frame of the service channel could not be handled")
+                    call = None
+            while call is not None:
+                self._serve(call)
+                call = self._next_waiting()
+
+    def _end(self) -> None:
+        """(Holding the read lock) the front closed the channel: end every call, once."""
         with self._lock:
+            self._idle -= 1
+            if self._ended.is_set():
+                return
             running, self._calls = list(self._calls.values()), {}
+            self._waiting.clear()
         for context in running:  # nobody can receive their answers now
             context.end()
         if not self._closing:
             log.error("the gRPC front process closed its service channel")
             self._on_lost()
+        self._ended.set()
 
-    def _take(self, message: tuple[str, int, Any, float | None]) -> None:
+    def _take(self, message: tuple[str, int, Any, float | None]) -> _Call | None:
+        """(Holding the read lock) handle a frame; a call this thread should run now is returned."""
         op, call_id, args, deadline = message
         if op == "cancel":
             with self._lock:
                 context = self._calls.get(call_id)
             if context is not None:
                 context.end()
-            return
+            return None
         method, data, metadata = args
         if deadline is not None and time.monotonic() > deadline:
             reason = "the call's deadline passed before the replica started it"
             self._send(call_id, (False, (grpc.StatusCode.DEADLINE_EXCEEDED.name, reason)))
-            return
-        context = FrameContext(metadata, deadline)
+            return None
+        call = _Call(call_id, method, data, FrameContext(metadata, deadline))
         with self._lock:
-            self._calls[call_id] = context
-        try:
-            self._pool.submit(self._serve, call_id, method, data, context)
-        except RuntimeError:  # the pool is shut down: the replica is closing
-            closing = (grpc.StatusCode.UNAVAILABLE.name, "the replica is shutting down")
-            self._finish(call_id, context, (False, closing))
+            self._calls[call_id] = call.context
+            if self._running >= self._workers:
+                self._waiting.append(call)
+                return None
+            self._running += 1
+            self._idle -= 1
+            if self._idle == 0:
+                self._spawn()  # someone must read while this thread runs the call
+        return call
 
-    def _serve(self, call_id: int, method: str, data: bytes, context: FrameContext) -> None:
-        """On a pool thread: run the call and answer it (exactly once, whatever happens)."""
+    def _next_waiting(self) -> _Call | None:
+        """A call that waited for a thread, or None (this thread goes back to reading)."""
+        with self._lock:
+            if self._waiting:
+                return self._waiting.popleft()
+            self._running -= 1
+            self._idle += 1
+            return None
+
+    def _serve(self, call: _Call) -> None:
+        """Run the call and answer it (exactly once, whatever happens)."""
         reply: _Reply = (False, (grpc.StatusCode.INTERNAL.name, "the call ended without an answer"))
         try:
-            reply = self._answer(method, data, context)
+            reply = self._answer(call.method, call.data, call.context)
         finally:
-            self._finish(call_id, context, reply)
+            self._finish(call.call_id, call.context, reply)
 
     def _answer(self, method: str, data: bytes, context: FrameContext) -> _Reply:
         target = self._methods.get(method)

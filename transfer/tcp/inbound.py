@@ -6,6 +6,14 @@ buffer. A lost connection fails the pending receives with `PeerGone`; a receive 
 the peer to connect again (it may be restarting), bounded by the caller's deadline. A refused
 handshake (layout mismatch) is remembered instead, and fails receives until a good handshake or an
 abort, so both sides of a mismatch see `LayoutMismatch`.
+
+Small messages (up to `EARLY_BYTES`, e.g. a migration header or a confirmation record) that arrive
+before their receive is posted are read ahead into a bytes object of their own (at most
+`EARLY_MESSAGES` of them); the receive posted for one then completes at once, in the posting
+thread, with a copy — no wake-up of the reader thread and back, which on a busy machine costs
+more than the message itself. Order is kept: early messages exist only while no receive waits,
+and a receive takes the oldest one. They belong to their connection: an abort, a lost or a
+replaced connection drops them.
 """
 
 from __future__ import annotations
@@ -19,6 +27,9 @@ from transfer.core import Handle
 from transfer.errors import FabricClosed, PeerGone, TransferError
 from transfer.tcp.outbound import hard_close, unblock
 from transfer.tcp.wire import HEADER, IOV_BATCH, MESSAGE_MAGIC
+
+EARLY_BYTES = 64 << 10  # messages up to this size may be read before their receive is posted
+EARLY_MESSAGES = 64  # at most this many per channel; more wait in the socket, as big ones do
 
 
 @dataclass
@@ -47,22 +58,46 @@ class InboundChannel:
         self._recvs: deque[RecvOp] = deque()
         self._cond = threading.Condition()
         self._conn: _Connection | None = None
+        self._early: deque[bytearray] = deque()  # small messages read before any receive was posted
         self._lost: TransferError | None = None
         self._closed = False
         self._header = bytearray(HEADER.size)
         self._threads: list[threading.Thread] = []
 
     def post(self, op: RecvOp) -> None:
-        """Queue a receive (fails at once if the peer's connection was lost since the last one)."""
+        """Queue a receive (fails at once if the peer's connection was lost since the last one).
+
+        If its message arrived already (a small one, read ahead), it completes here and now.
+        """
+        early = None
         with self._cond:
             error = self._lost if self._conn is None else None
             if self._closed:
                 error = FabricClosed(f"rank {self.me}: fabric closed")
             if error is None:
-                self._recvs.append(op)
-                self._cond.notify_all()
+                if self._early:
+                    early = self._early.popleft()
+                else:
+                    self._recvs.append(op)
+                    self._cond.notify_all()
         if error is not None:
             op.handle._fail(error)
+        elif early is not None:
+            self._deliver(op, early)
+
+    def _deliver(self, op: RecvOp, data: bytearray) -> None:
+        """Complete `op` with a message read ahead (a size mismatch fails the channel, as in the reader)."""
+        if len(data) != op.nbytes:
+            where = f"rank {self.peer} stream {self.stream}"
+            error = PeerGone(f"{where} sent {len(data)} bytes into a {op.nbytes}-byte receive")
+            self.abort(error)
+            op.handle._fail(error)
+            return
+        offset = 0
+        for view in op.views:
+            view[:] = data[offset : offset + len(view)]
+            offset += len(view)
+        op.handle._complete()
 
     def refuse(self, error: TransferError) -> None:
         """A handshake from the peer was refused (layout): fail pending receives and remember it."""
@@ -80,6 +115,7 @@ class InboundChannel:
                 hard_close(sock)
                 return
             old, self._conn, self._lost = self._conn, conn, None
+            self._early.clear()
             if old is not None:
                 old.retired = True
                 unblock(old.sock)
@@ -112,14 +148,18 @@ class InboundChannel:
             thread.join(timeout=10)
 
     def _take_all(self) -> list[RecvOp]:
+        """(Holding the lock) the pending receives, removed; the connection's early messages dropped."""
         failed = list(self._recvs)
         self._recvs.clear()
+        self._early.clear()
         return failed
 
     def _read_loop(self, conn: _Connection) -> None:
         try:
             while True:
                 nbytes = self._read_header(conn.sock)
+                if self._read_early(conn, nbytes):
+                    continue
                 op = self._next_recv(conn)
                 if op is None:
                     return
@@ -141,6 +181,29 @@ class InboundChannel:
         if magic != MESSAGE_MAGIC:
             raise TransferError(f"rank {self.peer} stream {self.stream}: corrupt message header")
         return int(nbytes)
+
+    def _read_early(self, conn: _Connection, nbytes: int) -> bool:
+        """Read a small message that nobody waits for yet into a buffer of its own (False: not done)."""
+        with self._cond:
+            busy = bool(self._recvs) or len(self._early) >= EARLY_MESSAGES
+            if busy or nbytes > EARLY_BYTES or self._conn is not conn:
+                return False
+        data = bytearray(nbytes)
+        view, got = memoryview(data), 0
+        while got < nbytes:
+            k = conn.sock.recv_into(view[got:], 0, socket.MSG_WAITALL)
+            if k == 0:
+                raise PeerGone(f"rank {self.peer} closed stream {self.stream} mid-message")
+            got += k
+        with self._cond:
+            if conn.retired or self._conn is not conn:
+                return True  # aborted, lost or replaced meanwhile: its messages are dropped
+            op = self._recvs.popleft() if self._recvs else None  # posted while we were reading
+            if op is None:
+                self._early.append(data)
+        if op is not None:
+            self._deliver(op, data)
+        return True
 
     def _next_recv(self, conn: _Connection) -> RecvOp | None:
         with self._cond:

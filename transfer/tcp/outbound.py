@@ -4,11 +4,18 @@ The writer connects lazily (retrying until the first message's deadline, since t
 later), performs the handshake, then writes each message as header + gather list with `sendmsg`
 straight from the registered buffers. Any failure resets the channel: the queued messages fail, the
 socket is closed with a reset (so the peer notices) and the next message connects afresh.
+
+Two shortcuts save the writer thread's wake-up (and the poster's wake-up after it) on a live,
+idle connection: a connect request completes at once, and a small message (up to
+`INLINE_BYTES`: a migration header, a confirmation record) is written by the posting thread
+itself, without blocking — if the socket has no room it is queued for the writer as usual, and
+the rest of a partly written one is written with the message's deadline.
 """
 
 from __future__ import annotations
 
 import contextlib
+import select
 import socket
 import struct
 import threading
@@ -23,6 +30,7 @@ from transfer.tcp.ratelimit import LinkPacer
 from transfer.tcp.wire import HEADER, IOV_BATCH, MESSAGE_MAGIC, PROTOCOL_VERSION, Hello, read_reply
 
 _RETRY_S = 0.05
+INLINE_BYTES = 4096  # messages up to this size may be written by the posting thread
 
 
 @dataclass
@@ -33,6 +41,7 @@ class SendOp:
     views: list[memoryview] | None
     nbytes: int
     deadline: Deadline
+
 
 
 def hard_close(sock: socket.socket) -> None:
@@ -65,13 +74,69 @@ class OutboundChannel:
         self._thread.start()
 
     def post(self, op: SendOp) -> None:
-        """Queue a message (or a connect request)."""
+        """Queue a message (or a connect request); see the module's doc for the shortcuts."""
         with self._cond:
             if self._closed:
                 op.handle._fail(FabricClosed(f"rank {self.me}: fabric closed"))
                 return
-            self._queue.append(op)
+            sock, generation = self._sock, self._generation
+            if sock is not None and op.views is None:
+                inline = False  # connected already: nothing to do
+            elif sock is not None and self._idle() and op.nbytes <= INLINE_BYTES and self.pacer is None:
+                inline = self._busy = True
+            else:
+                self._queue.append(op)
+                self._cond.notify()
+                return
+        if inline:
+            self._post_inline(sock, generation, op)
+        else:
+            op.handle._complete()
+
+    def _idle(self) -> bool:
+        """(Holding the lock) nothing queued or being written."""
+        return not self._queue and not self._busy
+
+    def _post_inline(self, sock: socket.socket, generation: int, op: SendOp) -> None:
+        """Write `op` from this thread; queue it for the writer if the socket has no room at all."""
+        try:
+            written = self._write_now(sock, op)
+        except (OSError, TransferError) as exc:
+            error = self._as_error(exc, op)
+            self._fail(sock, generation, error)
+            op.handle._fail(error)
+            return
+        with self._cond:
+            self._busy = False
+            aborted = generation != self._generation  # abort() only shut the socket down: close it
+            if not written and not aborted:
+                self._queue.appendleft(op)  # first: anything posted meanwhile came after it
             self._cond.notify()
+        if aborted:
+            hard_close(sock)
+        if written:
+            op.handle._complete()
+        elif aborted:
+            op.handle._fail(PeerGone(f"rank {self.me}: channel to {self.peer.rank} aborted"))
+
+    def _write_now(self, sock: socket.socket, op: SendOp) -> bool:
+        """Write header + payload without blocking; False if nothing went out (the socket is full)."""
+        assert op.views is not None
+        header = HEADER.pack(MESSAGE_MAGIC, op.nbytes)
+        pending: list[memoryview | bytes] = [header, *op.views]
+        try:
+            sent = sock.sendmsg(pending, [], socket.MSG_DONTWAIT)
+        except (BlockingIOError, BrokenPipeError, ConnectionResetError):
+            return False  # no room, or a dead connection: the writer writes it (or fails it)
+        total = len(header) + op.nbytes
+        while sent < total:  # the rest of a partly written message, bounded by its deadline
+            if not select.select([], [sock], [], op.deadline.remaining())[1]:
+                raise PeerTimeout(f"rank {self.me} -> rank {self.peer.rank}: deadline passed while sending")
+            data = b"".join(bytes(part) for part in pending)[sent:]
+            pending, total, sent = [data], len(data), 0
+            with contextlib.suppress(BlockingIOError):
+                sent = sock.send(data, socket.MSG_DONTWAIT)
+        return True
 
     def abort(self, error: TransferError) -> None:
         """Fail everything queued and drop the connection (the peer sees a reset)."""
@@ -99,8 +164,8 @@ class OutboundChannel:
     def _run(self) -> None:
         while True:
             with self._cond:
-                while not self._queue and not self._closed:
-                    self._cond.wait()
+                while (not self._queue or self._busy) and not self._closed:
+                    self._cond.wait()  # busy: a poster writes a small message itself
                 if self._closed:
                     return
                 op, generation, sock = self._queue[0], self._generation, self._sock

@@ -5,6 +5,8 @@
   byte of KV moves; both keep their page counts.
 - Two migrations between the same pair at once, their calls arriving in opposite orders on the two
   sides → both succeed (serialised) and decode exactly like transformers.
+- A receiver that refuses the sender's header (bytes differ) → FAILED_PRECONDITION there, the sender
+  UNAVAILABLE at once (its FAILED ack), and the pair's next migration works.
 """
 
 from __future__ import annotations
@@ -150,3 +152,29 @@ def _wait_for(condition: Callable[[], bool], timeout: float = 10.0) -> None:
     while not condition():
         assert time.monotonic() < end, "condition not reached in time"
         time.sleep(0.02)
+
+
+def test_a_receiver_that_refuses_fails_its_sender_at_once_and_the_pair_works_afterwards(
+    cluster: list[Replica], tiny_llama: Path
+) -> None:
+    # the receiver is told a longer prompt than the sender holds: it refuses the header (bytes differ)
+    # and acknowledges FAILED; the sender fails UNAVAILABLE well before its deadline, resets its end
+    # of the KV stream (the receiver reset its own), and the pair's next migration succeeds.
+    # Rank 1 sends to rank 0 here: an earlier test's cancelled Immigrate on rank 1 reset the 0 -> 1
+    # connection, which rank 0 learns of only on writing (a known limit of the fabric).
+    p, d = cluster[1], cluster[0]
+    held = make_batch(80, random_prompts(256, [20], seed=3), [3], first_id=800)
+    claimed = make_batch(80, random_prompts(256, [36], seed=3), [3], first_id=800)
+    _prefill(p, held)
+    start = time.monotonic()
+    with ThreadPoolExecutor(2) as pool:
+        sent = pool.submit(_code, _migrate(p, held, d))
+        received = pool.submit(_code, _immigrate(d, claimed, p))
+        assert received.result(CALL_TIMEOUT) == grpc.StatusCode.FAILED_PRECONDITION
+        assert sent.result(CALL_TIMEOUT) == grpc.StatusCode.UNAVAILABLE
+    assert time.monotonic() - start < 10  # the transfer timeout is 20 s
+    again = make_batch(81, random_prompts(256, [20], seed=4), [3], first_id=810)
+    first = first_tokens(_prefill(p, again).generations)
+    got = pair(_migrate(p, again, d), _immigrate(d, again, p))[1]
+    tokens = decode_to_end(d, got.batch, first, [first[r][0] for r in got.batch.request_ids])
+    assert tokens[810] == reference(tiny_llama, [list(again.requests[0].input_tokens)], [3])[0]

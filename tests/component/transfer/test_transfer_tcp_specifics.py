@@ -1,4 +1,5 @@
-"""TCP-fabric behaviour beyond the conformance suite: late peers, prompt close, emulated links."""
+"""TCP-fabric behaviour beyond the conformance suite: late peers, prompt close, emulated links, small
+messages read ahead of their receive and written by the posting thread."""
 
 from __future__ import annotations
 
@@ -6,11 +7,12 @@ import threading
 import time
 
 import numpy as np
+import pytest
 
 from tests.helpers.transfer_fabrics import free_ports, run_all
 from transfer.collectives import TransferOptions, recv_regions, send_regions
 from transfer.core import Deadline
-from transfer.errors import FabricClosed
+from transfer.errors import FabricClosed, PeerTimeout
 from transfer.ranktable import RankTable
 from transfer.tcp.fabric import TcpFabric
 
@@ -75,3 +77,72 @@ def test_emulated_inter_node_link_paces_the_transfer() -> None:
     finally:
         for fabric in fabrics:
             fabric.close()
+
+
+def _pair() -> tuple[TcpFabric, TcpFabric]:
+    table = RankTable.local(free_ports(2))
+    return TcpFabric(table, 0), TcpFabric(table, 1)
+
+
+def test_small_messages_that_arrived_first_complete_as_their_receive_is_posted() -> None:
+    sender, receiver = _pair()
+    try:
+        big = bytes(range(256)) * 4096  # 1 MiB: read by the reader thread into its receive
+        data = bytearray(b"one" + b"two" + big + b"three")
+        sender.register("x", data)
+        out = bytearray(len(data))
+        receiver.register("x", out)
+        segments = [(0, 3), (3, 3), (6, len(big)), (6 + len(big), 5)]
+        sends = [sender.send(1, "x", [segment], 1, Deadline.after(10)) for segment in segments]
+        time.sleep(0.3)  # both small ones are in; the reader has read them ahead
+        first = receiver.recv(0, "x", [segments[0]], 1, Deadline.after(10))
+        second = receiver.recv(0, "x", [segments[1]], 1, Deadline.after(10))
+        assert first.done() and second.done()  # completed by the posting thread: nothing to wait for
+        rest = [receiver.recv(0, "x", [segment], 1, Deadline.after(10)) for segment in segments[2:]]
+        for handle in [*rest, *sends]:
+            handle.wait(Deadline.after(10))
+        assert out == data
+    finally:
+        sender.close()
+        receiver.close()
+
+
+def test_an_abort_drops_the_small_messages_read_ahead() -> None:
+    sender, receiver = _pair()
+    try:
+        sender.register("x", bytearray(b"stale"))
+        out = bytearray(5)
+        receiver.register("x", out)
+        sender.send(1, "x", [(0, 5)], 1, Deadline.after(10)).wait(Deadline.after(10))
+        time.sleep(0.2)  # read ahead by now
+        receiver.abort(0, 1, "test")
+        late = receiver.recv(0, "x", [(0, 5)], 1, Deadline.after(0.3))
+        with pytest.raises(PeerTimeout):
+            late.wait(Deadline.after(0.3))  # not the stale message
+        assert out == bytearray(5)
+    finally:
+        sender.close()
+        receiver.close()
+
+
+def test_small_messages_between_big_ones_keep_their_order_when_the_socket_is_full() -> None:
+    sender, receiver = _pair()
+    try:
+        rng = np.random.default_rng(0)
+        lengths = [256 << 10 if i % 3 == 0 else int(rng.integers(1, 4096)) for i in range(60)]
+        offsets = np.cumsum([0, *lengths])[:-1].tolist()
+        data = bytearray(rng.integers(0, 256, sum(lengths), dtype=np.uint8).tobytes())
+        sender.register("x", data)
+        out = bytearray(len(data))
+        receiver.register("x", out)
+        segments = list(zip(offsets, lengths, strict=True))
+        sends = [sender.send(1, "x", [segment], 1, Deadline.after(20)) for segment in segments]
+        time.sleep(0.3)  # the receiver reads nothing yet: the socket buffers fill up
+        recvs = [receiver.recv(0, "x", [segment], 1, Deadline.after(20)) for segment in segments]
+        for handle in [*recvs, *sends]:
+            handle.wait(Deadline.after(20))
+        assert out == data
+    finally:
+        sender.close()
+        receiver.close()
+
