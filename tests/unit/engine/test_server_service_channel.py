@@ -59,17 +59,24 @@ class _CallerContext:
 
     def __init__(self, metadata: tuple[tuple[str, str], ...] = ()) -> None:
         self.metadata = metadata
-        self.callbacks: list[Callable[[], None]] = []
+        self.callbacks: list[Callable[[], None]] | None = []  # None once the RPC ended
+        self.lock = threading.Lock()
 
     def invocation_metadata(self) -> tuple[tuple[str, str], ...]:
         return self.metadata
 
     def add_callback(self, callback: Callable[[], None]) -> bool:
-        self.callbacks.append(callback)
-        return True
+        # like grpc: False once the RPC ended (the call may reach the replica before this runs)
+        with self.lock:
+            if self.callbacks is None:
+                return False
+            self.callbacks.append(callback)
+            return True
 
     def end(self) -> None:
-        for callback in self.callbacks:
+        with self.lock:
+            callbacks, self.callbacks = self.callbacks or [], None
+        for callback in callbacks:
             callback()
 
 
