@@ -13,8 +13,9 @@ threads) runs on the remaining cores the process may use:
  --engine-cpus 3      engine thread (+ its torch threads) ─► 3
                       main thread, everything it starts    ─► 0 1 2   (inherited at creation)
 ```
-Measured on the 2-vCPU development box (issue 2, batch 1 decode over gRPC): the step in the
-replica went from ~0.60 ms to ~0.48 ms (0.41 ms in-process), the call rate up ~25%.
+Measured on the 2-vCPU development box (`pdcluster bench replica`, batch 1, pipelined decode over
+gRPC ÷ in-process): 0.44–0.50 unpinned, ~0.71 pinned; the engine's step in the replica is still
+~15% slower than in-process (0.50 against 0.39–0.41 ms) — see replica/server/README.md.
 
 Linux only (`os.sched_setaffinity` on a thread id); pure Python, no torch.
 """
