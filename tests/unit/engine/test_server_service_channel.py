@@ -10,6 +10,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import cast
 
 import grpc
 import pytest
@@ -54,30 +55,11 @@ class _Servicer(pb_grpc.TextGenerationServiceServicer):
         raise ZeroDivisionError("a bug")
 
 
-class _CallerContext:
-    """The part of the front's grpc.ServicerContext that Backend.rpc uses; `end()` = the RPC ended."""
-
-    def __init__(self, metadata: tuple[tuple[str, str], ...] = ()) -> None:
-        self.metadata = metadata
-        self.callbacks: list[Callable[[], None]] | None = []  # None once the RPC ended
-        self.lock = threading.Lock()
-
-    def invocation_metadata(self) -> tuple[tuple[str, str], ...]:
-        return self.metadata
-
-    def add_callback(self, callback: Callable[[], None]) -> bool:
-        # like grpc: False once the RPC ended (the call may reach the replica before this runs)
-        with self.lock:
-            if self.callbacks is None:
-                return False
-            self.callbacks.append(callback)
-            return True
-
-    def end(self) -> None:
-        with self.lock:
-            callbacks, self.callbacks = self.callbacks or [], None
-        for callback in callbacks:
-            callback()
+def _caller(metadata: tuple[tuple[str, str], ...] = ()) -> FrameContext:
+    """The front's caller context: `FrameContext` has the grpc.ServicerContext behaviour `Backend.rpc`
+    relies on (metadata; `add_callback` refused once the RPC ended, which can happen before the call
+    registers it; `end()` = the RPC ended, callbacks run once)."""
+    return FrameContext(metadata, None)
 
 
 @dataclass
@@ -88,10 +70,10 @@ class _Wired:
     lost: threading.Event
 
     def call(
-        self, method: str, request: bytes, context: _CallerContext | None = None, timeout: float | None = 5.0
+        self, method: str, request: bytes, context: FrameContext | None = None, timeout: float | None = 5.0
     ) -> bytes:
-        caller = context or _CallerContext()
-        return self.backend.rpc(f"/{SERVICE}/{method}", request, caller, timeout)
+        caller = context or _caller()
+        return self.backend.rpc(f"/{SERVICE}/{method}", request, cast(grpc.ServicerContext, caller), timeout)
 
 
 @pytest.fixture
@@ -116,7 +98,7 @@ def _status(call: Callable[[], object]) -> tuple[grpc.StatusCode, str]:
 
 
 def test_response_and_metadata(wired: _Wired) -> None:
-    data = wired.call("Info", pb.InfoRequest().SerializeToString(), _CallerContext((("x-who", "me"),)))
+    data = wired.call("Info", pb.InfoRequest().SerializeToString(), _caller((("x-who", "me"),)))
     assert pb.InfoResponse.FromString(data) == pb.InfoResponse(model_id="me", num_blocks_free=7)
 
 
@@ -152,7 +134,7 @@ def test_a_deadline_ends_the_servicers_call(wired: _Wired) -> None:
 
 
 def test_a_cancelled_call_runs_the_servicers_callbacks(wired: _Wired) -> None:
-    caller = _CallerContext()
+    caller = _caller()
     outcome: list[BaseException] = []
 
     def call() -> None:
