@@ -13,6 +13,7 @@ import enum
 from typing import Any
 
 from transfer.core import Deadline, Handle, Rank, Segments
+from transfer.errors import TransferError
 from transfer.ranktable import RankTable
 
 
@@ -65,6 +66,17 @@ class Fabric(abc.ABC):
         The peer sees the loss (its pending operations fail with `PeerGone`); the next operation
         connects afresh, so a retry starts from a clean, aligned state.
         """
+
+    def withdraw(self, peer: int, stream: int, handle: Handle, error: TransferError) -> bool:
+        """Take back a receive posted by `recv` that no message has started to fill.
+
+        On success the receive leaves the queue as if it had never been posted (the next message
+        from `peer` on `stream` goes to the next receive), `handle` fails with `error`, the
+        connection stays up and True is returned. False when the receive is being filled, is done,
+        or this fabric cannot take receives back: the caller then aborts, as before.
+        """
+        del peer, stream, handle, error
+        return False
 
     @abc.abstractmethod
     def close(self) -> None:

@@ -205,6 +205,16 @@ class FakeNetwork:
         for op in failed:
             op.handle._fail(error)
 
+    def withdraw(self, src: Rank, dst: Rank, stream: int, handle: Handle) -> bool:
+        """Remove the unmatched receive of `handle` from `src` to `dst` (False: matched or unknown)."""
+        with self._lock:
+            pair = self._pairs.get((src, dst, stream))
+            op = next((op for op in pair.recvs if op.handle is handle), None) if pair else None
+            if op is None or pair is None:
+                return False
+            pair.recvs.remove(op)
+            return True
+
     def fail_pair(self, a: Rank, b: Rank, stream: int, error: TransferError) -> None:
         """`a` aborts: fail everything queued between `a` and `b` on `stream`, both directions."""
         with self._lock:
@@ -274,6 +284,12 @@ class FakeFabric(Fabric):
             self.network.refuse(self.rank, Rank(peer), stream, None)
             handle._complete()
         return handle
+
+    def withdraw(self, peer: int, stream: int, handle: Handle, error: TransferError) -> bool:
+        if not self.network.withdraw(Rank(peer), self.rank, stream, handle):
+            return False
+        handle._fail(error)
+        return True
 
     def abort(self, peer: int, stream: int, reason: str) -> None:
         self.network.fail_pair(self.rank, Rank(peer), stream, PeerGone(f"aborted: {reason}"))

@@ -8,12 +8,18 @@ Immigrate's batch, the reader goes on to receive the data; if it names another b
 parks the header and hands the stream to the Immigrate of that batch (which may arrive a little
 later). Concurrent migrations between the same pair are thus serialised in the sender's order and
 both succeed, whatever order their Migrate and Immigrate calls arrive in.
+
+An Immigrate that gives up (deadline, cancel) before its header came leaves the stream as it is
+(its header receive is withdrawn) and is remembered as abandoned: if its sender comes after all,
+the next reader of that peer's stream refuses the late header (the sender fails at once) instead
+of parking it for an Immigrate that will never come.
 """
 
 from __future__ import annotations
 
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -52,6 +58,9 @@ class _Turn:
         self.parked: _Parked | None = None
 
 
+ABANDONED_KEPT = 1024  # abandoned (peer, batch) pairs remembered, the oldest forgotten first
+
+
 class InboundTurns:
     """Hands the KV stream from each peer to the Immigrate whose header arrived."""
 
@@ -59,6 +68,7 @@ class InboundTurns:
         self._turns: dict[int, _Turn] = {}
         self._guard = threading.Lock()
         self._park_seconds = park_seconds
+        self._abandoned: OrderedDict[tuple[int, int], None] = OrderedDict()
 
     def _turn(self, peer: int) -> _Turn:
         with self._guard:
@@ -71,12 +81,35 @@ class InboundTurns:
         read_header: Callable[[], Header],
         deadline: float,
         cancelled: threading.Event | None = None,
+        refuse: Callable[[Header], None] | None = None,
     ) -> Header:
         """Own the stream from `peer` for `batch_id`; returns its header. Call `release` afterwards.
 
         `read_header` reads the next header from the stream (called with the stream owned, outside
-        the lock). `deadline` is a `time.monotonic()` value; `cancelled` (the caller gave up) ends the wait.
+        the lock). `deadline` is a `time.monotonic()` value; `cancelled` (the caller gave up) ends the
+        wait. `refuse` fails the sender of a late header of an abandoned batch (then the next header
+        is read); without it such a header is parked like any other. If the claim fails, `batch_id`
+        counts as abandoned until an Immigrate of it claims again.
         """
+        self._forget(peer, batch_id)
+        try:
+            return self._claim(peer, batch_id, read_header, deadline, cancelled, refuse)
+        except BaseException:
+            with self._guard:
+                self._abandoned[(peer, batch_id)] = None
+                while len(self._abandoned) > ABANDONED_KEPT:
+                    self._abandoned.popitem(last=False)
+            raise
+
+    def _claim(
+        self,
+        peer: int,
+        batch_id: int,
+        read_header: Callable[[], Header],
+        deadline: float,
+        cancelled: threading.Event | None,
+        refuse: Callable[[Header], None] | None,
+    ) -> Header:
         turn = self._turn(peer)
         while True:
             with turn.cond:
@@ -85,6 +118,9 @@ class InboundTurns:
                 return parked  # the stream was kept owned for us
             try:
                 header = read_header()
+                while refuse is not None and self._late(peer, batch_id, header):
+                    refuse(header)  # its Immigrate gave up: fail its sender, read on
+                    header = read_header()
             except BaseException:
                 self.release(peer)
                 raise
@@ -93,6 +129,18 @@ class InboundTurns:
             with turn.cond:  # another batch's migration comes first: park it for its Immigrate
                 turn.parked = _Parked(header, time.monotonic() + self._park_seconds)
                 turn.cond.notify_all()
+
+    def _late(self, peer: int, batch_id: int, header: Header) -> bool:
+        """Whether `header` (read for `batch_id`) is another batch's whose Immigrate gave up."""
+        return header.batch_id != batch_id and self._forget(peer, header.batch_id)
+
+    def _forget(self, peer: int, batch_id: int) -> bool:
+        """Drop `batch_id` from the abandoned ones; whether it was there."""
+        with self._guard:
+            if (peer, batch_id) not in self._abandoned:
+                return False
+            del self._abandoned[(peer, batch_id)]
+            return True
 
     def _wait_turn(
         self, turn: _Turn, peer: int, batch_id: int, deadline: float, cancelled: threading.Event | None

@@ -222,6 +222,7 @@ class Migrations:
                 lambda: wire.read_header(fabric, peer, deadline, cancelled),
                 deadline.at,
                 cancelled,
+                lambda late: wire.refuse(fabric, peer, late, _late_reason(late, fabric.rank), deadline),
             )
             try:
                 if header.layers != layers or header.nbytes != nbytes:
@@ -283,6 +284,10 @@ def _rate_line(
     return lambda: log.info(
         "batch %d: %s %.1f MiB of KV (layers %s) in %.1f ms (engine %.1f ms): %.2f GB/s", *args, rate
     )
+
+
+def _late_reason(header: Header, rank: int) -> str:
+    return f"rank {rank} gave up waiting for the migration of batch {header.batch_id} before it came"
 
 
 def _span(layers: range) -> str:

@@ -85,8 +85,10 @@ def read_header(
 ) -> Header:
     """Receive the next migration header from `peer` (the caller owns the stream).
 
-    `cancelled` (the caller gave up) ends the wait: the stream is aborted, since nobody will read
-    a header that arrives later.
+    At the deadline, or once `cancelled` is set (the caller gave up), the receive is withdrawn and
+    the stream left as it is, so the pair's next migration finds it intact (a header that comes
+    later goes to the next reader, who refuses it: see `InboundTurns`). Only when the header is
+    arriving at that very moment is the stream aborted instead.
     """
     name = f"__kv-header:{next(_names)}"
     buffer = bytearray(HEADER_BYTES)
@@ -95,9 +97,7 @@ def read_header(
         # connect the acknowledgement stream early: the sender then sees our death while it sends
         fabric.connect(peer, control_stream(KV_STREAM), deadline)
         handle = fabric.recv(peer, name, [(0, HEADER_BYTES)], KV_STREAM, deadline)
-        if cancelled is not None:
-            _wait_or_cancel(fabric, peer, handle, deadline, cancelled)
-        handle.wait(deadline)
+        _await_or_withdraw(fabric, peer, handle, deadline, cancelled)
     finally:
         fabric.unregister(name)
     try:
@@ -107,15 +107,23 @@ def read_header(
         raise PeerGone(f"rank {peer} sent a malformed migration header: {exc}") from exc
 
 
-def _wait_or_cancel(
-    fabric: Fabric, peer: int, handle: Handle, deadline: Deadline, cancelled: threading.Event
+def _await_or_withdraw(
+    fabric: Fabric, peer: int, handle: Handle, deadline: Deadline, cancelled: threading.Event | None
 ) -> None:
+    """Wait for the header receive; on giving up take it back (else abort the stream); raise its error."""
     done = threading.Event()
     handle.add_done_callback(lambda _: done.set())
-    while not done.wait(min(deadline.remaining(), 0.2)) and not deadline.expired():
-        if cancelled.is_set():
-            fabric.abort(peer, KV_STREAM, "the receiver's caller cancelled")
-            return  # the handle has failed: its wait raises
+    while not done.wait(min(deadline.remaining(), 0.2)):
+        gave_up = cancelled is not None and cancelled.is_set()
+        if gave_up or deadline.expired():
+            where = f"rank {fabric.rank}: no migration header from rank {peer}"
+            error: TransferError = PeerGone(f"{where}: the caller cancelled")
+            if not gave_up:
+                error = TransferTimeout(f"{where} in time")
+            if not fabric.withdraw(peer, KV_STREAM, handle, error) and not handle.done():
+                fabric.abort(peer, KV_STREAM, str(error))  # being filled: the stream cannot be kept
+            break
+    handle.wait(Deadline(0.0))  # done: returns or raises its error; still running: aborts, times out
 
 
 def recv_kv(

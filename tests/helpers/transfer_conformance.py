@@ -24,6 +24,7 @@ from transfer.collectives import (
 )
 from transfer.core import Deadline, Stream
 from transfer.errors import LayoutMismatch, PeerTimeout, TransferError
+from transfer.fabric import Fabric
 
 SMALL = TransferOptions(chunk_bytes=64 << 10, window=4, stripe_bytes=48 << 10)
 
@@ -234,6 +235,42 @@ def check_retry_after_timeout(maker: FabricMaker) -> None:
         assert np.array_equal(bufs[2], bufs[0]) and np.array_equal(bufs[1], bufs[0])
 
 
+def check_withdraw(maker: FabricMaker) -> None:
+    """A receive taken back before its message came leaves the pair as it was: the connection stays
+    up and the sender's next message goes to the next receive. A finished receive cannot be taken
+    back; a fabric that cannot take receives back at all says so (False) and keeps the receive."""
+    with fabric_group(maker, 2) as (a, b):
+        src, dst = _pattern(3000, 6), np.zeros(3000, np.uint8)
+        a.register("x", src)
+        b.register("x", dst)
+        deadline = Deadline.after(20)
+        first = b.recv(0, "x", [(0, 1000)], 1, deadline)  # a first message: the pair is connected
+        a.send(1, "x", [(0, 1000)], 1, deadline).wait(deadline)
+        first.wait(deadline)
+        assert not b.withdraw(0, 1, first, PeerTimeout("too late"))
+        waiting = b.recv(0, "x", [(1000, 1000)], 1, deadline)
+        time.sleep(0.05)  # posted for good (a fabric may hand it on to a thread)
+        if b.withdraw(0, 1, waiting, PeerTimeout("given up")):
+            try:
+                waiting.wait(deadline)
+            except PeerTimeout as exc:
+                assert "given up" in str(exc)
+            else:
+                raise AssertionError("a withdrawn receive must fail with the given error")
+            segment = [(1000, 2000)]  # the next message, of another size, goes to the next receive
+            sent = a.send(1, "x", segment, 1, deadline)
+            b.recv(0, "x", segment, 1, deadline).wait(deadline)
+        else:
+            assert type(b).withdraw is Fabric.withdraw, "only a fabric that never withdraws may refuse"
+            assert not waiting.done()
+            segment = [(1000, 1000)]  # the receive stays: the next message fills it
+            sent = a.send(1, "x", segment, 1, deadline)
+            waiting.wait(deadline)
+        sent.wait(deadline)
+        end = 1000 + segment[0][1]
+        assert np.array_equal(src[:end], dst[:end])
+
+
 # Cases that need a failed transfer to leave the fabric usable. NCCL cannot cancel one operation:
 # it aborts the stream's communicator, so its fabric must be recreated instead.
 RECOVERY_CASES = frozenset({"retry_after_timeout"})
@@ -248,4 +285,5 @@ CASES: dict[str, Callable[[FabricMaker], None]] = {
     "deadline": check_deadline,
     "layout_mismatch_then_retry": check_layout_mismatch_then_retry,
     "retry_after_timeout": check_retry_after_timeout,
+    "withdraw": check_withdraw,
 }

@@ -19,7 +19,7 @@ import threading
 
 from transfer.buffers import BufferRegistry
 from transfer.core import Deadline, Handle, Rank, Segments, total_length
-from transfer.errors import FabricClosed, LayoutMismatch, PeerGone
+from transfer.errors import FabricClosed, LayoutMismatch, PeerGone, TransferError
 from transfer.fabric import Fabric
 from transfer.ranktable import RankTable
 from transfer.tcp.inbound import InboundChannel, RecvOp
@@ -117,6 +117,11 @@ class TcpFabric(Fabric):
             out.abort(error)
         if inn is not None:
             inn.abort(error)
+
+    def withdraw(self, peer: int, stream: int, handle: Handle, error: TransferError) -> bool:
+        with self._lock:
+            inn = self._inbound.get((Rank(peer), stream))
+        return inn is not None and inn.withdraw(handle, error)
 
     def _out(self, peer: Rank, stream: int) -> OutboundChannel:
         with self._lock:

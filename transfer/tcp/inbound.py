@@ -5,7 +5,9 @@ agree and scatters the payload with `recv_into` / `recvmsg_into` straight into t
 buffer. A lost connection fails the pending receives with `PeerGone`; a receive posted later waits for
 the peer to connect again (it may be restarting), bounded by the caller's deadline. A refused
 handshake (layout mismatch) is remembered instead, and fails receives until a good handshake or an
-abort, so both sides of a mismatch see `LayoutMismatch`.
+abort, so both sides of a mismatch see `LayoutMismatch`. A receive the reader has not started
+to fill can be withdrawn (`withdraw`): it leaves the queue and the connection stays up, so a
+caller that gives up on a message that never came does not reset the peer's connection.
 
 Small messages (up to `EARLY_BYTES`, e.g. a migration header or a confirmation record) that arrive
 before their receive is posted are read ahead into a bytes object of their own (at most
@@ -59,6 +61,7 @@ class InboundChannel:
         self._cond = threading.Condition()
         self._conn: _Connection | None = None
         self._early: deque[bytearray] = deque()  # small messages read before any receive was posted
+        self._filling: RecvOp | None = None  # the receive the reader is reading a payload into
         self._lost: TransferError | None = None
         self._closed = False
         self._header = bytearray(HEADER.size)
@@ -98,6 +101,19 @@ class InboundChannel:
             view[:] = data[offset : offset + len(view)]
             offset += len(view)
         op.handle._complete()
+
+    def withdraw(self, handle: Handle, error: TransferError) -> bool:
+        """Take back the pending receive of `handle` unless the reader started filling it.
+
+        The connection and any message read ahead stay: the next message goes to the next receive.
+        """
+        with self._cond:
+            op = next((op for op in self._recvs if op.handle is handle), None)
+            if op is None or op is self._filling:
+                return False
+            self._recvs.remove(op)
+        handle._fail(error)
+        return True
 
     def refuse(self, error: TransferError) -> None:
         """A handshake from the peer was refused (layout): fail pending receives and remember it."""
@@ -152,6 +168,7 @@ class InboundChannel:
         failed = list(self._recvs)
         self._recvs.clear()
         self._early.clear()
+        self._filling = None
         return failed
 
     def _read_loop(self, conn: _Connection) -> None:
@@ -209,7 +226,10 @@ class InboundChannel:
         with self._cond:
             while not self._recvs and not conn.retired:
                 self._cond.wait()
-            return None if conn.retired else self._recvs[0]
+            if conn.retired:
+                return None
+            self._filling = self._recvs[0]  # from now on it cannot be withdrawn
+            return self._filling
 
     def _read_payload(self, conn: _Connection, op: RecvOp, nbytes: int) -> None:
         if nbytes != op.nbytes:
@@ -235,6 +255,8 @@ class InboundChannel:
         with self._cond:
             if self._recvs and self._recvs[0] is op:
                 self._recvs.popleft()
+            if self._filling is op:
+                self._filling = None
         op.handle._complete()
 
     def _connection_lost(self, conn: _Connection, exc: Exception) -> None:

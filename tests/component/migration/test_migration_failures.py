@@ -7,6 +7,9 @@
   sides → both succeed (serialised) and decode exactly like transformers.
 - A receiver that refuses the sender's header (bytes differ) → FAILED_PRECONDITION there, the sender
   UNAVAILABLE at once (its FAILED ack), and the pair's next migration works.
+- An Immigrate that ends at its deadline or is cancelled before its sender came leaves the pair's
+  connection up (the next migration works the first time); a sender that comes after all fails
+  UNAVAILABLE as soon as the next Immigrate from it reads (and refuses) its header.
 """
 
 from __future__ import annotations
@@ -130,8 +133,11 @@ def test_pair_helper_raises_the_first_error(cluster: list[Replica]) -> None:
     assert _code(lambda: pair(_immigrate(d, batch, d), lambda: None)) == grpc.StatusCode.INVALID_ARGUMENT
 
 
-def test_an_immigrate_nobody_sends_to_ends_at_its_deadline_or_when_cancelled(cluster: list[Replica]) -> None:
+def test_an_immigrate_nobody_sends_to_ends_at_its_deadline_or_when_cancelled(
+    cluster: list[Replica], tiny_llama: Path
+) -> None:
     p, d = cluster[0], cluster[1]
+    _migrates_correctly(p, d, tiny_llama, 71)  # the pair's KV connection is up
     total = d.total_blocks()
     batch = make_batch(70, random_prompts(256, [30]), [4])
     request = pb.ImmigrateRequest(batch=batch, src=[p.rank], dst=[d.rank])
@@ -145,6 +151,39 @@ def test_an_immigrate_nobody_sends_to_ends_at_its_deadline_or_when_cancelled(clu
     _wait_for(lambda: d.free_blocks() < total)  # admitted: its pages are allocated, it waits for a header
     call.cancel()
     _wait_for(lambda: d.free_blocks() == total, timeout=5.0)  # far sooner than --transfer-timeout
+    # giving up left the pair's connection as it was: the next migration works the first time
+    _migrates_correctly(p, d, tiny_llama, 72)
+
+
+def test_a_late_sender_of_an_abandoned_batch_fails_at_once_and_the_next_migration_works(
+    cluster: list[Replica], tiny_llama: Path
+) -> None:
+    p, d = cluster[0], cluster[1]
+    late = make_batch(73, random_prompts(256, [24], seed=5), [3], first_id=730)
+    with pytest.raises(grpc.RpcError) as info:  # the receiver gives up before the sender comes
+        d.stub.Immigrate(pb.ImmigrateRequest(batch=late, src=[p.rank], dst=[d.rank]), timeout=1.0)
+    assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    _prefill(p, late)
+    start = time.monotonic()
+    with ThreadPoolExecutor(1) as pool:
+        sent = pool.submit(_code, _migrate(p, late, d))  # comes after all: its header waits at d
+        _wait_for(lambda: p.stub.Info(pb.InfoRequest(), timeout=CALL_TIMEOUT).num_cached_batches == 0)
+        time.sleep(0.1)  # taken out of p's store: its header goes out now
+        # the next Immigrate from p reads the late header first, refuses it (its sender fails at
+        # once, not at its 20 s deadline) and then receives its own batch
+        _migrates_correctly(p, d, tiny_llama, 74)
+        assert sent.result(CALL_TIMEOUT) == grpc.StatusCode.UNAVAILABLE
+    assert time.monotonic() - start < 10
+
+
+def _migrates_correctly(p: Replica, d: Replica, tiny_llama: Path, batch_id: int) -> None:
+    """Prefill one request on `p`, migrate it to `d` (first try), decode it there like transformers."""
+    first_id = batch_id * 10
+    batch = make_batch(batch_id, random_prompts(256, [20], seed=batch_id), [3], first_id=first_id)
+    first = first_tokens(_prefill(p, batch).generations)
+    got = pair(_migrate(p, batch, d), _immigrate(d, batch, p))[1]
+    tokens = decode_to_end(d, got.batch, first, [first[r][0] for r in got.batch.request_ids])
+    assert tokens[first_id] == reference(tiny_llama, [list(batch.requests[0].input_tokens)], [3])[0]
 
 
 def _wait_for(condition: Callable[[], bool], timeout: float = 10.0) -> None:
@@ -160,9 +199,7 @@ def test_a_receiver_that_refuses_fails_its_sender_at_once_and_the_pair_works_aft
     # the receiver is told a longer prompt than the sender holds: it refuses the header (bytes differ)
     # and acknowledges FAILED; the sender fails UNAVAILABLE well before its deadline, resets its end
     # of the KV stream (the receiver reset its own), and the pair's next migration succeeds.
-    # Rank 1 sends to rank 0 here: an earlier test's cancelled Immigrate on rank 1 reset the 0 -> 1
-    # connection, which rank 0 learns of only on writing (a known limit of the fabric).
-    p, d = cluster[1], cluster[0]
+    p, d = cluster[0], cluster[1]
     held = make_batch(80, random_prompts(256, [20], seed=3), [3], first_id=800)
     claimed = make_batch(80, random_prompts(256, [36], seed=3), [3], first_id=800)
     _prefill(p, held)
@@ -173,8 +210,4 @@ def test_a_receiver_that_refuses_fails_its_sender_at_once_and_the_pair_works_aft
         assert received.result(CALL_TIMEOUT) == grpc.StatusCode.FAILED_PRECONDITION
         assert sent.result(CALL_TIMEOUT) == grpc.StatusCode.UNAVAILABLE
     assert time.monotonic() - start < 10  # the transfer timeout is 20 s
-    again = make_batch(81, random_prompts(256, [20], seed=4), [3], first_id=810)
-    first = first_tokens(_prefill(p, again).generations)
-    got = pair(_migrate(p, again, d), _immigrate(d, again, p))[1]
-    tokens = decode_to_end(d, got.batch, first, [first[r][0] for r in got.batch.request_ids])
-    assert tokens[810] == reference(tiny_llama, [list(again.requests[0].input_tokens)], [3])[0]
+    _migrates_correctly(p, d, tiny_llama, 81)

@@ -1,8 +1,10 @@
 """TCP-fabric behaviour beyond the conformance suite: late peers, prompt close, emulated links, small
-messages read ahead of their receive and written by the posting thread."""
+messages read ahead of their receive and written by the posting thread, receives that cannot be
+withdrawn."""
 
 from __future__ import annotations
 
+import socket
 import threading
 import time
 
@@ -11,10 +13,12 @@ import pytest
 
 from tests.helpers.transfer_fabrics import free_ports, run_all
 from transfer.collectives import TransferOptions, recv_regions, send_regions
-from transfer.core import Deadline
+from transfer.core import Deadline, Handle
 from transfer.errors import FabricClosed, PeerTimeout
 from transfer.ranktable import RankTable
 from transfer.tcp.fabric import TcpFabric
+from transfer.tcp.inbound import InboundChannel, RecvOp
+from transfer.tcp.wire import HEADER, MESSAGE_MAGIC
 
 
 def test_a_peer_that_starts_later_is_reached() -> None:
@@ -146,3 +150,34 @@ def test_small_messages_between_big_ones_keep_their_order_when_the_socket_is_ful
         sender.close()
         receiver.close()
 
+
+
+def test_a_receive_being_filled_is_not_withdrawn_and_a_message_read_ahead_is_kept() -> None:
+    mine, peer = socket.socketpair()
+    channel = InboundChannel(1, 0, 1)
+    try:
+        channel.attach(mine)
+        payload = bytes(range(256)) * 512  # 128 KiB: read by the reader thread into its receive
+        out = bytearray(len(payload))
+        filling = Handle(len(out), "filling")
+        channel.post(RecvOp(filling, [memoryview(out)], len(out)))
+        peer.sendall(HEADER.pack(MESSAGE_MAGIC, len(payload)) + payload[:1000])  # header and a part
+        deadline = time.monotonic() + 10
+        while channel._filling is None:  # the reader took the receive for the payload
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        assert not channel.withdraw(filling, PeerTimeout("given up"))
+        peer.sendall(payload[1000:])
+        filling.wait(Deadline.after(10))
+        assert out == payload
+
+        peer.sendall(HEADER.pack(MESSAGE_MAGIC, 5) + b"early")  # read ahead: no receive waits
+        time.sleep(0.2)
+        small = bytearray(5)
+        got = Handle(5, "early")
+        channel.post(RecvOp(got, [memoryview(small)], 5))
+        assert got.done() and small == b"early"
+        assert not channel.withdraw(got, PeerTimeout("given up"))  # done already
+    finally:
+        channel.close()
+        peer.close()

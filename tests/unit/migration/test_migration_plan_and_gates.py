@@ -125,3 +125,53 @@ def test_a_failed_header_read_frees_the_stream() -> None:
     with pytest.raises(OSError):
         turns.claim(9, 1, fail, time.monotonic() + 1.0)
     assert turns.claim(9, 1, lambda: _header(1), time.monotonic() + 1.0).batch_id == 1
+
+
+def test_a_late_header_of_an_abandoned_batch_is_refused_and_the_next_one_read() -> None:
+    turns, refused = InboundTurns(park_seconds=5.0), list[Header]()
+
+    def nothing() -> Header:
+        raise PeerTimeout("no header in time")
+
+    with pytest.raises(PeerTimeout):  # batch 1's Immigrate gives up before its header came
+        turns.claim(9, 1, nothing, time.monotonic() + 1.0)
+    stream = iter([_header(1), _header(2)])  # batch 1's sender comes after all, then batch 2's
+    header = turns.claim(9, 2, lambda: next(stream), time.monotonic() + 1.0, refuse=refused.append)
+    assert header.batch_id == 2 and [h.batch_id for h in refused] == [1]
+    turns.release(9)
+    # refused once: a header of batch 1 that comes later again is parked like any other
+    stream = iter([_header(1), _header(3)])
+    with pytest.raises(PeerTimeout):
+        turns.claim(9, 3, lambda: next(stream), time.monotonic() + 0.1, refuse=refused.append)
+    assert len(refused) == 1
+
+
+def test_an_immigrate_that_claims_its_batch_again_gets_the_header_another_reader_reads() -> None:
+    turns, refused, got = InboundTurns(park_seconds=5.0), list[Header](), dict[int, Header]()
+
+    def nothing() -> Header:
+        raise PeerTimeout("no header in time")
+
+    with pytest.raises(PeerTimeout):  # the first Immigrate of batch 1 gives up
+        turns.claim(9, 1, nothing, time.monotonic() + 1.0)
+    arrived = threading.Event()
+    stream = iter([_header(1), _header(2)])
+
+    def read() -> Header:
+        arrived.wait(5)
+        return next(stream)
+
+    def immigrate(batch_id: int) -> None:
+        got[batch_id] = turns.claim(9, batch_id, read, time.monotonic() + 5.0, refuse=refused.append)
+        turns.release(9)
+
+    reader = threading.Thread(target=immigrate, args=(2,))  # owns the stream, waits for a header
+    reader.start()
+    time.sleep(0.05)
+    retry = threading.Thread(target=immigrate, args=(1,))  # the caller retries batch 1
+    retry.start()
+    time.sleep(0.05)
+    arrived.set()  # batch 1's header comes, read by batch 2's Immigrate: parked for the retry
+    reader.join(5)
+    retry.join(5)
+    assert refused == [] and got[1].batch_id == 1 and got[2].batch_id == 2
