@@ -3,6 +3,10 @@
 Everything inside the replica raises these (or lets a transfer error through, which the edge maps
 to UNAVAILABLE / DEADLINE_EXCEEDED); the servicer's interceptor turns them into precise statuses.
 Nothing here imports grpc: the mapping lives at the edge.
+
+An error caused by another replica (a transfer peer that went away or did not answer) also says so
+in the trailing metadata, `x-pdcluster-cause: peer`: UNAVAILABLE alone cannot tell a caller whether
+the replica it called is gone or the replica answered that its peer is.
 """
 
 from __future__ import annotations
@@ -24,10 +28,15 @@ class Status(enum.Enum):
     INTERNAL = "INTERNAL"
 
 
+CAUSE_KEY = "x-pdcluster-cause"  # trailing metadata key; value PEER_CAUSE or absent
+PEER_CAUSE = "peer"
+
+
 class ReplicaError(Exception):
     """Base of every error the replica reports to its caller."""
 
     status: Status = Status.INTERNAL
+    cause: str | None = None  # PEER_CAUSE: another replica failed, this one is fine
 
 
 class InvalidArgument(ReplicaError):
@@ -64,12 +73,14 @@ class PeerTimeout(ReplicaError):
     """A peer did not answer in time during a transfer."""
 
     status = Status.DEADLINE_EXCEEDED
+    cause = PEER_CAUSE
 
 
 class PeerUnavailable(ReplicaError):
     """A peer went away or refused the connection during a transfer."""
 
     status = Status.UNAVAILABLE
+    cause = PEER_CAUSE
 
 
 class PermissionDenied(ReplicaError):

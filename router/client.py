@@ -2,7 +2,8 @@
 
 Every call converts plain dataclasses to protobuf and back, carries a deadline, and turns a gRPC
 status into a typed `ReplicaCallError` subclass so the loops can decide: a dead replica
-(`ReplicaUnavailable`) re-queues its requests elsewhere, anything else fails only that batch.
+(`ReplicaUnavailable`) re-queues its requests elsewhere, a replica that answered that its transfer
+peer failed (`PeerFailed`) is alive and the batch runs again, anything else fails only that batch.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from router.queue import BatchId
 from router.types import FinishReason, GenerateRequest, RequestId, TokenInfo, TopToken
 
 # gRPC metadata of pipelined DecodeV2 calls (replica/server/ordering.py reads them).
+CAUSE_KEY, PEER_CAUSE = "x-pdcluster-cause", "peer"  # replica/errors.py: another replica failed
 CALL_KEY = "x-pdcluster-call"
 AFTER_KEY = "x-pdcluster-after"
 
@@ -129,6 +131,11 @@ class ReplicaUnavailable(ReplicaCallError):
     """The replica cannot be reached: treat it as dead."""
 
 
+class PeerFailed(ReplicaCallError):
+    """The replica answered UNAVAILABLE for another replica (a transfer peer went away or refused):
+    the replica called is alive; the batch can run again."""
+
+
 class ReplicaTimeout(ReplicaCallError):
     """The call's deadline passed."""
 
@@ -163,7 +170,17 @@ _ERRORS: dict[grpc.StatusCode, type[ReplicaCallError]] = {
 def _error(address: str, method: str, exc: grpc.aio.AioRpcError) -> ReplicaCallError:
     code = exc.code()
     cls = _ERRORS.get(code, ReplicaInternal)
+    if cls is ReplicaUnavailable and _cause(exc) == PEER_CAUSE:
+        cls = PeerFailed
     return cls(address, method, code.name, exc.details() or "")
+
+
+def _cause(exc: grpc.aio.AioRpcError) -> str | None:
+    """The replica's `x-pdcluster-cause` trailing metadata (absent when the replica was not reached)."""
+    for key, value in exc.trailing_metadata() or ():
+        if key == CAUSE_KEY:
+            return str(value)
+    return None
 
 
 # ---- dataclass -> protobuf ----------------------------------------------------------------------

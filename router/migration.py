@@ -23,7 +23,13 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from router.batches import Arrived, LiveBatch, Member, Reprefill, member_blocks, spec_for
-from router.client import PrefillCase, ReplicaCallError, ReplicaUnavailable, ReplicaUnimplemented
+from router.client import (
+    PeerFailed,
+    PrefillCase,
+    ReplicaCallError,
+    ReplicaUnavailable,
+    ReplicaUnimplemented,
+)
 from router.config import Strategy
 from router.loops import prune
 from router.queue import BatchId
@@ -195,7 +201,7 @@ class Migrations:
         with contextlib.suppress(ReplicaCallError):
             await src.client.clear_cache(live.id)
         src.state.release(live.members)
-        if any(isinstance(e, ReplicaUnavailable) for e in errors):
+        if any(isinstance(e, ReplicaUnavailable | PeerFailed) for e in errors):  # the requests are fine
             self.hub.requeue(members, f"migration failed: {errors[0]}")
         else:
             self.hub.fail(members, f"migration of batch {live.id} failed: {errors[0]}", 502)
@@ -296,7 +302,7 @@ class Migrations:
             self._warn_once("progressive", [exc])
         if live is None:
             return
-        if isinstance(exc, ReplicaUnavailable | ReplicaUnimplemented):
+        if isinstance(exc, ReplicaUnavailable | ReplicaUnimplemented | PeerFailed):
             self.hand_off(src, live, Strategy.RECOMPUTE)
             return
         with contextlib.suppress(ReplicaCallError):

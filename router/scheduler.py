@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from router.batches import Arrived, LiveBatch, Member, Reprefill
-from router.client import ReplicaCallError, ReplicaClient, ReplicaUnavailable, StepResult
+from router.client import PeerFailed, ReplicaCallError, ReplicaClient, ReplicaUnavailable, StepResult
 from router.config import RouterConfig, Strategy
 from router.loops import ReplicaWorker
 from router.metrics import RouterMetrics
@@ -214,9 +214,14 @@ class ClusterScheduler:
                 self._finish(member.state, "failed")
 
     def on_error(self, handle: ReplicaHandle, exc: ReplicaCallError, members: Iterable[Member]) -> None:
-        """A call on `handle` failed: a dead replica re-runs its requests, any other error fails them."""
+        """A call on `handle` failed: a dead replica re-runs its requests, and so does a replica whose
+        transfer peer failed (it is alive: the peer is marked dead by its own calls or heartbeats);
+        any other error fails them."""
         if isinstance(exc, ReplicaUnavailable):
             self.mark_dead(handle.id, str(exc))
+            self.requeue(members, str(exc))
+        elif isinstance(exc, PeerFailed):
+            log.warning("batch failed on replica %s because of its peer: %s", handle.id, exc)
             self.requeue(members, str(exc))
         else:
             log.warning("batch failed on replica %s: %s", handle.id, exc)

@@ -67,6 +67,16 @@ class Fabric(abc.ABC):
         connects afresh, so a retry starts from a clean, aligned state.
         """
 
+    def refresh(self, peer: int, stream: int) -> None:
+        """Drop the idle outgoing connection to `peer` on `stream` if the peer has closed or reset it.
+
+        A peer that aborted (or restarted) resets the connection, and a sender learns that only on
+        its next write, which then fails. Call this before the first message of an exchange that no
+        earlier failure can concern (a new migration) so that message connects afresh instead. A
+        live or busy connection is kept; fabrics without such connections do nothing.
+        """
+        del peer, stream
+
     def withdraw(self, peer: int, stream: int, handle: Handle, error: TransferError) -> bool:
         """Take back a receive posted by `recv` that no message has started to fill.
 

@@ -63,6 +63,9 @@ def send_kv(
     name = f"__kv-header:{next(_names)}"
     fabric.register(name, bytearray(header.pack()))
     error: TransferError | None = None
+    # a new migration: a connection the receiver reset for an earlier one (it aborted, or restarted)
+    # is replaced now rather than failing this header
+    fabric.refresh(peer, KV_STREAM)
     try:
         sent = fabric.send(peer, name, [(0, HEADER_BYTES)], KV_STREAM, deadline)
         for regions in runs:

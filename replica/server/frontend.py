@@ -47,7 +47,7 @@ from grpc_health.v1 import health
 from grpc_reflection.v1alpha import reflection
 
 from protos import generate_pb2 as pb
-from replica.errors import DeadlineExceeded, ReplicaError, ShuttingDown, Status
+from replica.errors import CAUSE_KEY, DeadlineExceeded, ReplicaError, ShuttingDown, Status
 from replica.server import convert
 from replica.server.interceptor import guard
 from replica.server.ordering import CallOrder, call_names
@@ -67,11 +67,12 @@ class RemoteError(ReplicaError):
 
 
 class ForwardedError(ReplicaError):
-    """A forwarded call failed in the replica with this gRPC code (passed on as it is)."""
+    """A forwarded call failed in the replica with this gRPC code and cause (passed on as they are)."""
 
-    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+    def __init__(self, code: grpc.StatusCode, details: str, cause: str | None = None) -> None:
         super().__init__(details)
         self.grpc_code = code
+        self.cause = cause
 
 
 class _Slot:
@@ -149,7 +150,7 @@ class Backend:
             self._give_up(slot, call_id)  # it ended already (the caller cancelled)
         ok, payload = self._reply(slot, timeout, "the replica did not answer", call_id)
         if not ok:
-            raise ForwardedError(grpc.StatusCode[payload[0]], payload[1])
+            raise ForwardedError(grpc.StatusCode[payload[0]], payload[1], _at(payload, 2))
         return bytes(payload)
 
     def _reply(
@@ -199,6 +200,11 @@ class Backend:
 
 
 _Prefilled = TypeVar("_Prefilled", pb.PrefillResponse, pb.PrefillV2Response)
+
+
+def _at(payload: Sequence[Any], index: int) -> Any:
+    """`payload[index]`, or None if it is shorter (error replies made in the channel have no cause)."""
+    return payload[index] if len(payload) > index else None
 
 
 def _deadline(context: grpc.ServicerContext) -> float | None:
@@ -341,7 +347,8 @@ class Router(grpc.GenericRpcHandler):
             try:
                 return future.result()
             except grpc.RpcError as exc:
-                raise ForwardedError(exc.code(), exc.details() or "") from None
+                cause = dict(exc.trailing_metadata() or ()).get(CAUSE_KEY)
+                raise ForwardedError(exc.code(), exc.details() or "", cause) from None
 
         return handler
 

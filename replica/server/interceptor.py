@@ -1,7 +1,8 @@
 """One interceptor maps the replica's typed errors to precise gRPC status codes.
 
-A `ReplicaError` becomes its own status with its message; anything else is a bug of ours and
-becomes INTERNAL with the exception's type and message (and a logged traceback).
+A `ReplicaError` becomes its own status with its message (and, when another replica caused it,
+the trailing metadata `x-pdcluster-cause: peer`); anything else is a bug of ours and becomes
+INTERNAL with the exception's type and message (and a logged traceback).
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from typing import Any
 
 import grpc
 
-from replica.errors import ReplicaError, Status
+from replica.errors import CAUSE_KEY, ReplicaError, Status
 
 log = logging.getLogger(__name__)
 
@@ -28,6 +29,8 @@ def guard(inner: Callable[[Any, grpc.ServicerContext], Any]) -> Callable[[Any, g
             return inner(request, context)
         except ReplicaError as exc:
             code = getattr(exc, "grpc_code", None) or CODES[exc.status]
+            if exc.cause is not None:
+                context.set_trailing_metadata(((CAUSE_KEY, exc.cause),))
             context.abort(code, str(exc) or type(exc).__name__)
         except Exception as exc:
             log.exception("unexpected error in a gRPC handler")

@@ -37,6 +37,7 @@ from google.protobuf.message import Message
 from google.protobuf.message_factory import GetMessageClass
 
 from protos import generate_pb2 as pb
+from replica.errors import CAUSE_KEY
 from replica.server.interceptor import guard
 from replica.server.wire import FrameSocket
 
@@ -50,10 +51,11 @@ Metadata = tuple[tuple[str, str | bytes], ...]
 class CallAborted(Exception):
     """Raised by `FrameContext.abort`, like grpc's own abort: the call ends with this status."""
 
-    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+    def __init__(self, code: grpc.StatusCode, details: str, cause: str | None = None) -> None:
         super().__init__(f"{code.name}: {details}")
         self.code = code
         self.details = details
+        self.cause = cause  # the `x-pdcluster-cause` trailing metadata, if it was set
 
 
 class FrameContext:
@@ -65,6 +67,7 @@ class FrameContext:
     - `invocation_metadata()`: the caller's metadata as the front passed it on.
     - `add_callback(fn)`: `fn` runs once when the call ends (answered, cancelled, or the replica
       closes the channel); False if it already ended.
+    - `set_trailing_metadata(pairs)`: kept for `abort` (only `x-pdcluster-cause` travels back).
     - `abort(code, details)`: raises `CallAborted` (grpc's abort raises too); the call ends with it.
     """
 
@@ -73,6 +76,7 @@ class FrameContext:
         self._deadline = deadline  # time.monotonic() value
         self._lock = threading.Lock()
         self._callbacks: list[Callable[[], None]] | None = []  # None once the call ended
+        self._trailing: Metadata = ()
 
     def invocation_metadata(self) -> Metadata:
         """The caller's metadata (key, value) pairs."""
@@ -96,9 +100,14 @@ class FrameContext:
             self._callbacks.append(callback)
             return True
 
+    def set_trailing_metadata(self, metadata: Metadata) -> None:
+        """Metadata to end the call with."""
+        self._trailing = tuple(metadata)
+
     def abort(self, code: grpc.StatusCode, details: str) -> NoReturn:
         """End the call with `code` and `details` (raises `CallAborted`)."""
-        raise CallAborted(code, details)
+        cause = next((str(v) for k, v in self._trailing if k == CAUSE_KEY), None)
+        raise CallAborted(code, details, cause)
 
     def end(self) -> None:
         """The call is over (answered or cancelled): run the callbacks, once."""
@@ -128,7 +137,7 @@ def unary_methods(servicer: object) -> dict[str, _Method]:
     }
 
 
-# (ok, response bytes) or (not ok, (grpc code name, details))
+# (ok, response bytes) or (not ok, (grpc code name, details, cause or None))
 _Reply = tuple[bool, Any]
 
 
@@ -281,7 +290,7 @@ class ServiceChannel:
             response = guard(target.fn)(request, cast(grpc.ServicerContext, context))
             return True, response.SerializeToString()
         except CallAborted as exc:
-            return False, (exc.code.name, exc.details)
+            return False, (exc.code.name, exc.details, exc.cause)
         except Exception as exc:  # outside guard: the request did not parse or the response not serialize
             log.exception("a forwarded call failed")
             return False, (grpc.StatusCode.INTERNAL.name, f"{type(exc).__name__}: {exc}")

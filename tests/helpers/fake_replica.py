@@ -73,6 +73,7 @@ class FakeReplica(pb_grpc.TextGenerationServiceServicer):
         self.batches: dict[int, list[FakeRequest]] = {}
         self.calls: list[str] = []
         self.fail: dict[str, grpc.StatusCode] = {}
+        self.peer_fail: set[str] = set()  # calls that fail once UNAVAILABLE, blaming the peer
         self.loaded = loaded
         self.migrate = migrate
         self.step_delay = 0.0
@@ -104,6 +105,10 @@ class FakeReplica(pb_grpc.TextGenerationServiceServicer):
         self.calls.append(name)
         if name in self.fail:
             await context.abort(self.fail.pop(name), f"injected failure of {name}")
+        if name in self.peer_fail:
+            self.peer_fail.discard(name)
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"KV migration: injected peer failure of {name}",
+                                trailing_metadata=(("x-pdcluster-cause", "peer"),))
         if name in ("Migrate", "Immigrate", "SendParams", "RecvParams", "RdmaBroadcast") and not self.migrate:
             await context.abort(grpc.StatusCode.UNIMPLEMENTED, f"{name} lands with issue 4")
 

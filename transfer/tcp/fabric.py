@@ -118,6 +118,12 @@ class TcpFabric(Fabric):
         if inn is not None:
             inn.abort(error)
 
+    def refresh(self, peer: int, stream: int) -> None:
+        with self._lock:
+            out = self._outbound.get((Rank(peer), stream))
+        if out is not None:
+            out.refresh()
+
     def withdraw(self, peer: int, stream: int, handle: Handle, error: TransferError) -> bool:
         with self._lock:
             inn = self._inbound.get((Rank(peer), stream))

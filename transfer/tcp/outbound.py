@@ -5,6 +5,9 @@ later), performs the handshake, then writes each message as header + gather list
 straight from the registered buffers. Any failure resets the channel: the queued messages fail, the
 socket is closed with a reset (so the peer notices) and the next message connects afresh.
 
+`refresh` drops an idle connection the peer has closed or reset (a readable socket: the receiver
+never writes), so that the first message of a new exchange does not fail on an old reset.
+
 Two shortcuts save the writer thread's wake-up (and the poster's wake-up after it) on a live,
 idle connection: a connect request completes at once, and a small message (up to
 `INLINE_BYTES`: a migration header, a confirmation record) is written by the posting thread
@@ -69,6 +72,7 @@ class OutboundChannel:
         self._busy = False
         self._generation = 0
         self._closed = False
+        self._peer_lost = False  # `refresh` found the connection dead: a refused reconnect fails at once
         self._header = bytearray(HEADER.size)
         self._thread = threading.Thread(target=self._run, name=f"tcp-send-{peer.rank}-{stream}", daemon=True)
         self._thread.start()
@@ -137,6 +141,27 @@ class OutboundChannel:
             with contextlib.suppress(BlockingIOError):
                 sent = sock.send(data, socket.MSG_DONTWAIT)
         return True
+
+    def refresh(self) -> None:
+        """Drop an idle connection the peer has closed or reset; the next message connects afresh.
+
+        The receiver never writes on a connection after its REPLY, so a readable socket means the
+        peer is gone (EOF or a reset), which a plain write would report only by failing.
+        """
+        with self._cond:
+            sock = self._sock
+            if sock is None or not self._idle():
+                return
+            try:
+                sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+            except BlockingIOError:
+                return  # nothing to read: alive
+            except OSError:
+                pass  # reset
+            self._generation += 1
+            self._sock = None
+            self._peer_lost = True
+        hard_close(sock)
 
     def abort(self, error: TransferError) -> None:
         """Fail everything queued and drop the connection (the peer sees a reset)."""
@@ -211,6 +236,9 @@ class OutboundChannel:
                 sock = socket.create_connection(address, timeout=max(0.001, min(deadline.remaining(), 2.0)))
                 break
             except (ConnectionRefusedError, ConnectionResetError, TimeoutError) as exc:
+                if self._peer_lost and isinstance(exc, ConnectionRefusedError):
+                    raise PeerGone(f"rank {self.peer.rank} at {address} closed our connection and is "
+                                   f"not listening: {exc}") from exc
                 if deadline.remaining() <= _RETRY_S:
                     raise PeerTimeout(f"rank {self.peer.rank} at {address} not reachable: {exc}") from exc
                 if self._closed or generation != self._generation:  # closed or aborted meanwhile
@@ -237,6 +265,7 @@ class OutboundChannel:
             if generation != self._generation:
                 raise PeerGone(f"rank {self.me}: channel to {self.peer.rank} aborted while connecting")
             self._sock = sock
+            self._peer_lost = False
         return sock
 
     def _write(self, sock: socket.socket, op: SendOp) -> None:

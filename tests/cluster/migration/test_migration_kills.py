@@ -12,6 +12,7 @@ import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
+from typing import cast
 
 import grpc
 import pytest
@@ -94,10 +95,13 @@ def _wait_for(condition: Callable[[], bool], timeout: float = 20.0) -> None:
         time.sleep(0.02)
 
 
-def _failed_code(future: Future[object]) -> grpc.StatusCode:
+def _failure(future: Future[object]) -> tuple[grpc.StatusCode, str | None]:
+    """The failed call's code and its `x-pdcluster-cause` (set when the replica blames its peer)."""
     with pytest.raises(grpc.RpcError) as info:
         future.result(DEADLINE)
-    return info.value.code()
+    call = cast(grpc.Call, info.value)
+    cause = dict(call.trailing_metadata() or ()).get("x-pdcluster-cause")
+    return call.code(), None if cause is None else str(cause)
 
 
 def test_receiver_killed_mid_migration(replicas: list[ReplicaProcess]) -> None:
@@ -106,10 +110,12 @@ def test_receiver_killed_mid_migration(replicas: list[ReplicaProcess]) -> None:
         sent, received = _start_migration(pool, p, d, (0, 1))
         killed_at = time.monotonic()
         d.process.kill()
-        code = _failed_code(sent)
+        code, cause = _failure(sent)
         assert time.monotonic() - killed_at < TRANSFER_TIMEOUT
         assert code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
-        assert _failed_code(received) == grpc.StatusCode.UNAVAILABLE  # the receiver's process is gone
+        assert cause == "peer"  # the sender is alive: its peer failed (a router must not mark it dead)
+        # the receiver's process is gone: no replica answered, so nothing names a cause
+        assert _failure(received) == (grpc.StatusCode.UNAVAILABLE, None)
     info = _info(p)
     assert (info.num_blocks_free, info.num_cached_batches) == (NUM_BLOCKS, 0)
 
@@ -121,9 +127,10 @@ def test_sender_killed_mid_migration(replicas: list[ReplicaProcess]) -> None:
         assert _info(d).num_blocks_free < NUM_BLOCKS  # the receiver allocated its pages
         killed_at = time.monotonic()
         p.process.kill()
-        code = _failed_code(received)
+        code, cause = _failure(received)
         assert time.monotonic() - killed_at < TRANSFER_TIMEOUT
         assert code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
-        _failed_code(sent)
+        assert cause == "peer"
+        _failure(sent)
     info = _info(d)
     assert (info.num_blocks_free, info.num_cached_batches) == (NUM_BLOCKS, 0)

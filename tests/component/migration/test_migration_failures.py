@@ -10,6 +10,7 @@
 - An Immigrate that ends at its deadline or is cancelled before its sender came leaves the pair's
   connection up (the next migration works the first time); a sender that comes after all fails
   UNAVAILABLE as soon as the next Immigrate from it reads (and refuses) its header.
+- A sender that gave up (resetting the pair's KV connections) leaves migrations the other way working.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import cast
 
 import grpc
 import pytest
@@ -63,6 +65,15 @@ def _code(call: Callable[[], object]) -> grpc.StatusCode:
     with pytest.raises(grpc.RpcError) as info:
         call()
     return info.value.code()
+
+
+def _code_and_cause(call: Callable[[], object]) -> tuple[grpc.StatusCode, str | None]:
+    """The failed call's code and its `x-pdcluster-cause` trailing metadata."""
+    with pytest.raises(grpc.RpcError) as info:
+        call()
+    failed = cast(grpc.Call, info.value)
+    cause = dict(failed.trailing_metadata() or ()).get("x-pdcluster-cause")
+    return failed.code(), None if cause is None else str(cause)
 
 
 def _prefill(replica: Replica, batch: pb.Batch) -> pb.PrefillV2Response:
@@ -166,14 +177,29 @@ def test_a_late_sender_of_an_abandoned_batch_fails_at_once_and_the_next_migratio
     _prefill(p, late)
     start = time.monotonic()
     with ThreadPoolExecutor(1) as pool:
-        sent = pool.submit(_code, _migrate(p, late, d))  # comes after all: its header waits at d
+        sent = pool.submit(_code_and_cause, _migrate(p, late, d))  # comes after all: its header waits at d
         _wait_for(lambda: p.stub.Info(pb.InfoRequest(), timeout=CALL_TIMEOUT).num_cached_batches == 0)
         time.sleep(0.1)  # taken out of p's store: its header goes out now
         # the next Immigrate from p reads the late header first, refuses it (its sender fails at
         # once, not at its 20 s deadline) and then receives its own batch
         _migrates_correctly(p, d, tiny_llama, 74)
-        assert sent.result(CALL_TIMEOUT) == grpc.StatusCode.UNAVAILABLE
+        assert sent.result(CALL_TIMEOUT) == (grpc.StatusCode.UNAVAILABLE, "peer")  # p is fine: d refused
     assert time.monotonic() - start < 10
+
+
+def test_a_sender_that_gives_up_leaves_the_pairs_migrations_the_other_way_working(
+    cluster: list[Replica], tiny_llama: Path
+) -> None:
+    a, b = cluster[0], cluster[1]
+    _migrates_correctly(a, b, tiny_llama, 90)  # a -> b is connected
+    lone = make_batch(91, random_prompts(256, [16], seed=9), [3], first_id=910)
+    _prefill(b, lone)
+    request = pb.MigrateRequest(batch=lone, src=[b.rank], dst=[a.rank])
+    with pytest.raises(grpc.RpcError) as info:  # nobody receives it: b gives up, resetting its end
+        b.stub.Migrate(request, timeout=1.0)
+    assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    # b's reset also dropped the a -> b connection; a replaces it before its next header
+    _migrates_correctly(a, b, tiny_llama, 92)
 
 
 def _migrates_correctly(p: Replica, d: Replica, tiny_llama: Path, batch_id: int) -> None:
@@ -208,6 +234,6 @@ def test_a_receiver_that_refuses_fails_its_sender_at_once_and_the_pair_works_aft
         sent = pool.submit(_code, _migrate(p, held, d))
         received = pool.submit(_code, _immigrate(d, claimed, p))
         assert received.result(CALL_TIMEOUT) == grpc.StatusCode.FAILED_PRECONDITION
-        assert sent.result(CALL_TIMEOUT) == grpc.StatusCode.UNAVAILABLE
+        assert sent.result(CALL_TIMEOUT) == (grpc.StatusCode.UNAVAILABLE, "peer")  # p is fine: d refused
     assert time.monotonic() - start < 10  # the transfer timeout is 20 s
     _migrates_correctly(p, d, tiny_llama, 81)

@@ -87,6 +87,34 @@ def test_decode_replica_dying_mid_run_its_requests_complete_on_the_other() -> No
     run(body())
 
 
+def test_a_migration_whose_replicas_blame_each_other_marks_neither_dead_and_runs_again() -> None:
+    # both replicas answer UNAVAILABLE with `x-pdcluster-cause: peer`: they are alive (a stale
+    # connection, a peer that came and went); the batch runs again and completes
+    async def body() -> None:
+        async with fake_cluster(PD, Strategy.FULL) as (sched, fakes):
+            fakes[0].peer_fail.add("Migrate")
+            fakes[1].peer_fail.add("Immigrate")
+            events = await collect(sched.submit(request([5, 6, 7], 6)))
+            assert tokens_of(events) == expected_tokens([5, 6, 7], 6)
+            assert [sched.replicas[ReplicaId(i)].state.role for i in (0, 1)] == list(PD)
+            assert fakes[0].calls.count("Migrate") == 2
+            await settle(fakes)
+            assert [f.free for f in fakes] == [f.num_blocks for f in fakes]
+    run(body())
+
+
+def test_the_side_of_a_failed_migration_that_was_not_reached_is_marked_dead_not_the_other() -> None:
+    async def body() -> None:
+        async with fake_cluster(PD, Strategy.FULL) as (sched, fakes):
+            fakes[0].peer_fail.add("Migrate")  # the sender answers: its peer went away
+            fakes[1].fail["Immigrate"] = grpc.StatusCode.UNAVAILABLE  # no cause: as if unreachable
+            events = await collect(sched.submit(request([9, 8], 5)))
+            assert tokens_of(events) == expected_tokens([9, 8], 5)  # re-run without the dead one
+            roles = [sched.replicas[ReplicaId(i)].state.role for i in (0, 1)]
+            assert roles[1] is Role.DEAD and roles[0] is not Role.DEAD
+    run(body())
+
+
 def test_missed_heartbeat_marks_dead_and_requeues() -> None:
     async def body() -> None:
         now = [1000.0]

@@ -14,7 +14,7 @@ import pytest
 from tests.helpers.transfer_fabrics import free_ports, run_all
 from transfer.collectives import TransferOptions, recv_regions, send_regions
 from transfer.core import Deadline, Handle
-from transfer.errors import FabricClosed, PeerTimeout
+from transfer.errors import FabricClosed, PeerGone, PeerTimeout
 from transfer.ranktable import RankTable
 from transfer.tcp.fabric import TcpFabric
 from transfer.tcp.inbound import InboundChannel, RecvOp
@@ -181,3 +181,38 @@ def test_a_receive_being_filled_is_not_withdrawn_and_a_message_read_ahead_is_kep
     finally:
         channel.close()
         peer.close()
+
+
+def test_refresh_replaces_a_connection_the_peer_dropped_and_fails_fast_when_it_is_gone() -> None:
+    table = RankTable.local(free_ports(2))
+    sender, receiver = TcpFabric(table, 0), TcpFabric(table, 1)
+    data, out = bytearray(b"first"), bytearray(5)
+    try:
+        sender.register("x", data)
+        receiver.register("x", out)
+        got = receiver.recv(0, "x", [(0, 5)], 1, Deadline.after(10))
+        sender.send(1, "x", [(0, 5)], 1, Deadline.after(10)).wait(Deadline.after(10))
+        got.wait(Deadline.after(10))
+        sender.refresh(1, 1)  # alive: kept (nothing to see)
+        receiver.close()  # the peer restarts: the old connection is reset
+        receiver = TcpFabric(table, 1)
+        out[:] = bytes(5)
+        receiver.register("x", out)
+        time.sleep(0.1)
+        sender.refresh(1, 1)
+        data[:] = b"again"
+        got = receiver.recv(0, "x", [(0, 5)], 1, Deadline.after(10))
+        sender.send(1, "x", [(0, 5)], 1, Deadline.after(10)).wait(Deadline.after(10))
+        got.wait(Deadline.after(10))
+        assert out == b"again"  # not lost in the dead connection
+
+        receiver.close()  # gone for good: the next send fails at once, not at its deadline
+        time.sleep(0.1)
+        sender.refresh(1, 1)
+        start = time.monotonic()
+        with pytest.raises(PeerGone):
+            sender.send(1, "x", [(0, 5)], 1, Deadline.after(30)).wait(Deadline.after(30))
+        assert time.monotonic() - start < 5
+    finally:
+        sender.close()
+        receiver.close()
