@@ -231,7 +231,7 @@ def test_a_receiver_that_refuses_fails_its_sender_at_once_and_the_pair_works_aft
     _prefill(p, held)
     start = time.monotonic()
     with ThreadPoolExecutor(2) as pool:
-        sent = pool.submit(_code, _migrate(p, held, d))
+        sent = pool.submit(_code_and_cause, _migrate(p, held, d))
         received = pool.submit(_code, _immigrate(d, claimed, p))
         assert received.result(CALL_TIMEOUT) == grpc.StatusCode.FAILED_PRECONDITION
         assert sent.result(CALL_TIMEOUT) == (grpc.StatusCode.UNAVAILABLE, "peer")  # p is fine: d refused
