@@ -107,6 +107,11 @@ class RequestQueue:
         """Queue a request that must run again (its replica died) ahead of new ones."""
         self._entries.appendleft(entry)
 
+    def take_all(self) -> list[QueueEntry]:
+        """Empty the queue; returns what was in it, in order."""
+        entries, self._entries = list(self._entries), deque()
+        return entries
+
     def drop_dead(self) -> int:
         """Remove entries whose client went away; returns how many were dropped."""
         alive = [e for e in self._entries if e.is_alive()]

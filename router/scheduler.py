@@ -30,6 +30,8 @@ from router.replicas import SERVING, Heartbeats, ReplicaState, Role
 from router.requests import RequestState, RequestStream, now
 from router.types import GenerateRequest, ReplicaId, RequestId, RequestRejected
 
+_CANNOT_SERVE = frozenset({Role.DEAD, Role.INACTIVE})  # no loop runs a request without an admin call
+
 log = logging.getLogger("pdcluster.router")
 
 
@@ -243,6 +245,17 @@ class ClusterScheduler:
         handle.state.held.clear()
         self.requeue(on_it, f"replica {rid} died")
         self.ensure_roles()
+        if all(h.state.role in _CANNOT_SERVE for h in self.replicas.values()):
+            self._fail_queued(f"no replica is left to serve it (the last one, {rid}, died)")
+
+    def _fail_queued(self, message: str) -> None:
+        """End every queued request with 503: nothing alive could run it (new ones are refused too)."""
+        for entry in self.queue.take_all():
+            state = self.requests.get(entry.request_id)
+            if state is not None and state.alive:
+                state.fail(message, 503)
+                self._finish(state, "failed")
+        self._queue_gauges()
 
     def ensure_roles(self) -> None:
         """Keep a prefill replica in a disaggregated cluster: an empty decode replica takes the role."""

@@ -115,6 +115,23 @@ def test_the_side_of_a_failed_migration_that_was_not_reached_is_marked_dead_not_
     run(body())
 
 
+def test_when_every_replica_died_running_and_queued_requests_fail_with_503_instead_of_waiting() -> None:
+    async def body() -> None:
+        async with fake_cluster(PD, Strategy.FULL, max_batch_size=1) as (sched, fakes):
+            fakes[1].step_delay = 0.02
+            tasks = [asyncio.create_task(collect(sched.submit(request([4, i], 100)))) for i in range(3)]
+            while fakes[1].calls.count("DecodeV2") < 3:
+                await asyncio.sleep(0.01)
+            for fake in fakes:
+                await fake.stop()
+            results = await asyncio.wait_for(asyncio.gather(*tasks), 30)
+            for events in results:
+                assert error_of(events).http_status == 503
+            assert all(sched.replicas[ReplicaId(i)].state.role is Role.DEAD for i in (0, 1))
+            assert not sched.requests and len(sched.queue) == 0
+    run(body())
+
+
 def test_missed_heartbeat_marks_dead_and_requeues() -> None:
     async def body() -> None:
         now = [1000.0]
