@@ -49,6 +49,9 @@ _ALLOWED: dict[Role, frozenset[Role]] = {
 }
 
 
+_REVIVED = {Role.MUTATING_TO_DECODE: Role.DECODE, Role.LOADING: Role.INACTIVE, Role.DRAINING: Role.IDLE}
+
+
 class TransitionError(ValueError):
     """A role change the state machine does not allow."""
 
@@ -74,12 +77,26 @@ class ReplicaState:
     promised: int = 0
     inbound: int = 0
     outbound: int = 0
+    last_role: Role | None = None  # the role it had when it was declared dead
 
     def set_role(self, new: Role) -> Role:
         """Move to `new` (validated); returns the old role."""
         check_transition(self.role, new)
         old, self.role = self.role, new
+        if new is Role.DEAD:
+            self.last_role = old
         return old
+
+    def revive(self, others: Iterable[Role]) -> Role:
+        """A dead replica answers again: the role it had (settled: a mutation or a load it was in the
+        middle of is over), or decode if it was prefill and another replica has taken that role."""
+        if self.role is not Role.DEAD:
+            raise TransitionError(f"replica {self.id} is {self.role.value}, not dead")
+        role = _REVIVED.get(self.last_role or Role.DECODE, self.last_role or Role.DECODE)
+        if role is Role.PREFILL and Role.PREFILL in set(others):
+            role = Role.DECODE
+        self.role = role
+        return role
 
     @property
     def used_blocks(self) -> int:

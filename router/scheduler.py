@@ -291,11 +291,14 @@ class ClusterScheduler:
         rid = ReplicaId(next(self._replica_ids))
         handle = ReplicaHandle(ReplicaState(rid, address, info, role, registered), client)
         self.replicas[rid] = handle
-        self.heartbeats.beat(rid, self.clock())
-        handle.task = asyncio.create_task(ReplicaWorker(self, handle).run(), name=f"replica-{rid}")
+        self._start_loop(handle)
+        return rid
+
+    def _start_loop(self, handle: ReplicaHandle) -> None:
+        self.heartbeats.beat(handle.id, self.clock())
+        handle.task = asyncio.create_task(ReplicaWorker(self, handle).run(), name=f"replica-{handle.id}")
         self.metrics.update_replicas([handle.state])
         self.notify()
-        return rid
 
     def heartbeat(self, rid: ReplicaId) -> bool:
         """A registered replica is alive; False when unknown or already declared dead."""
@@ -337,8 +340,9 @@ class ClusterScheduler:
             await self.check_liveness()
 
     async def check_liveness(self) -> None:
-        """Poll Info of replicas that do not send heartbeats; expire replicas past their deadline."""
-        polled = [h for h in self.replicas.values() if h.state.alive and not h.state.registered]
+        """Poll Info of replicas that do not send heartbeats (dead ones too: they come back when they
+        answer again); expire replicas past their deadline."""
+        polled = [h for h in self.replicas.values() if not h.state.registered]
         await asyncio.gather(*(self._poll(h) for h in polled), return_exceptions=True)
         for rid in self.heartbeats.expired(self.clock()):
             self.mark_dead(rid, "missed its heartbeat deadline")
@@ -352,6 +356,27 @@ class ClusterScheduler:
         handle.state.info = info
         if handle.state.alive:
             self.heartbeats.beat(handle.id, self.clock())
+        elif not self.stopping:
+            await self._revive(handle)
+
+    async def _revive(self, handle: ReplicaHandle) -> None:
+        """A dead polled replica answers again (restarted, or its death was a glitch): free whatever it
+        still holds (the router forgot it), give it back its role and restart its loop."""
+        try:
+            await handle.client.clear_cache()
+        except ReplicaCallError:
+            return
+        if handle.state.alive:  # revived meanwhile by a concurrent poll
+            return
+        role = handle.state.revive(h.state.role for h in self.replicas.values())
+        if role in SERVING and not handle.state.info.loaded:
+            handle.state.role = Role.INACTIVE
+        log.warning("replica %s (%s) answers again: back as %s", handle.id, handle.state.address,
+                    handle.state.role.value)
+        handle.inbox.clear()
+        handle.running = None
+        self._start_loop(handle)
+        self.ensure_roles()
 
 
 def _alive(state: RequestState) -> Callable[[], bool]:

@@ -87,11 +87,11 @@ class FakeReplica(pb_grpc.TextGenerationServiceServicer):
         self._engine = asyncio.Lock()  # one step at a time, like the replica's engine thread
         self._order: dict[str, asyncio.Event] = {}  # pipelined DecodeV2 calls seen (by call id)
 
-    async def start(self) -> str:
-        """Serve on 127.0.0.1 (free port); returns the address."""
+    async def start(self, port: int = 0) -> str:
+        """Serve on 127.0.0.1 (`port`, or a free one); returns the address."""
         self.server = grpc.aio.server()
         pb_grpc.add_TextGenerationServiceServicer_to_server(self, self.server)
-        port = self.server.add_insecure_port("127.0.0.1:0")
+        port = self.server.add_insecure_port(f"127.0.0.1:{port}")
         await self.server.start()
         self.address = f"127.0.0.1:{port}"
         return self.address

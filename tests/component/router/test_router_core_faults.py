@@ -132,6 +132,32 @@ def test_when_every_replica_died_running_and_queued_requests_fail_with_503_inste
     run(body())
 
 
+def test_a_polled_replica_that_answers_again_comes_back_with_its_role_and_nothing_left_on_it() -> None:
+    async def body() -> None:
+        async with fake_cluster((Role.PREFILL, Role.DECODE, Role.DECODE), Strategy.FULL) as (sched, fakes):
+            dead = fakes[2]
+            port = int(dead.address.rsplit(":", 1)[1])
+            await dead.stop()
+            await sched.check_liveness()  # its Info fails: past its deadline it is dead
+            loop = asyncio.get_running_loop()
+            end = loop.time() + 10
+            while sched.replicas[ReplicaId(2)].state.role is not Role.DEAD:
+                assert loop.time() < end
+                await asyncio.sleep(0.05)
+            dead.batches[999] = []  # something the router no longer knows about
+            await dead.start(port)  # restarted on its address
+            while sched.replicas[ReplicaId(2)].state.role is not Role.DECODE:
+                assert loop.time() < end
+                await asyncio.sleep(0.05)
+            assert 999 not in dead.batches and "ClearCache" in dead.calls
+            await fakes[1].stop()  # the other decode replica goes: the batch must decode on the revived one
+            sched.mark_dead(ReplicaId(1), "stopped by the test")
+            events = await collect(sched.submit(request([3, 3], 4)))
+            assert tokens_of(events) == expected_tokens([3, 3], 4)
+            assert finish_of(events).route.decode_replica == 2
+    run(body())
+
+
 def test_missed_heartbeat_marks_dead_and_requeues() -> None:
     async def body() -> None:
         now = [1000.0]

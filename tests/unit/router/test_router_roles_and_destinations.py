@@ -112,3 +112,22 @@ def test_router_config_roles_and_validation() -> None:
         RouterConfig(model="m", replica=["a:1"], role=["decode", "decode"])  # type: ignore[arg-type]
     with pytest.raises(ValueError):
         RouterConfig(model="m", replica=["a:1"], role=["boss"])  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(("before", "others", "after"), [
+    (Role.DECODE, [Role.PREFILL], Role.DECODE),
+    (Role.PREFILL, [Role.DECODE], Role.PREFILL),
+    (Role.PREFILL, [Role.PREFILL], Role.DECODE),  # another replica took over prefill meanwhile
+    (Role.MUTATING_TO_DECODE, [], Role.DECODE),
+    (Role.LOADING, [], Role.INACTIVE),
+    (Role.DRAINING, [], Role.IDLE),
+    (Role.COLOCATED, [], Role.COLOCATED),
+])
+def test_a_dead_replica_that_answers_again_gets_its_settled_role_back(
+    before: Role, others: list[Role], after: Role
+) -> None:
+    state = ReplicaState(ReplicaId(1), "h:1", info(8), before)
+    state.set_role(Role.DEAD)
+    assert state.revive(others) is after and state.role is after
+    with pytest.raises(TransitionError):
+        state.revive(others)  # only a dead one
