@@ -13,6 +13,7 @@ Workers and migration tasks sleep on `wait_change` and are woken by `notify`.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import itertools
 import logging
@@ -285,6 +286,11 @@ class ClusterScheduler:
         """Connect to a replica, read its Info and start its loop."""
         client = ReplicaClient(address, self.config.rpc_timeout, self.config.transfer_timeout)
         info = await client.info()
+        if any(h.state.address == address and not h.state.alive for h in self.replicas.values()):
+            # declared dead before (it registers again): it may still hold batches of that life,
+            # which were re-run elsewhere
+            with contextlib.suppress(ReplicaCallError):
+                await client.clear_cache()
         if role in SERVING and not info.loaded:
             log.warning("replica %s has no weights loaded: registering it inactive", address)
             role = Role.INACTIVE

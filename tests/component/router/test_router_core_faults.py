@@ -158,6 +158,24 @@ def test_a_polled_replica_that_answers_again_comes_back_with_its_role_and_nothin
     run(body())
 
 
+def test_a_replica_registering_again_after_it_was_declared_dead_is_cleared_first() -> None:
+    async def body() -> None:
+        async with fake_cluster(PD, Strategy.FULL) as (sched, fakes):
+            returning = FakeReplica(2, fakes[0].fabric)
+            try:
+                rid = await sched.add_replica(await returning.start(), Role.DECODE, registered=True)
+                assert "ClearCache" not in returning.calls  # new here: nothing to clear
+                sched.mark_dead(rid, "missed its heartbeat deadline")
+                returning.batches[999] = []  # a batch of its former life, re-run elsewhere
+                again = await sched.add_replica(returning.address, Role.DECODE, registered=True)
+                assert again != rid and sched.replicas[again].state.role is Role.DECODE
+                assert "ClearCache" in returning.calls and 999 not in returning.batches
+                assert "ClearCache" not in fakes[1].calls
+            finally:
+                await returning.stop()
+    run(body())
+
+
 def test_missed_heartbeat_marks_dead_and_requeues() -> None:
     async def body() -> None:
         now = [1000.0]
