@@ -89,12 +89,16 @@ class ReplicaState:
 
     def revive(self, others: Iterable[Role]) -> Role:
         """A dead replica answers again: the role it had (settled: a mutation or a load it was in the
-        middle of is over), or decode if it was prefill and another replica has taken that role."""
+        middle of is over), decode if it was prefill and another replica has taken that role, and
+        inactive if its weights are not loaded (its `info` is fresh)."""
         if self.role is not Role.DEAD:
             raise TransitionError(f"replica {self.id} is {self.role.value}, not dead")
-        role = _REVIVED.get(self.last_role or Role.DECODE, self.last_role or Role.DECODE)
+        last = self.last_role or Role.DECODE
+        role = _REVIVED.get(last, last)
         if role is Role.PREFILL and Role.PREFILL in set(others):
             role = Role.DECODE
+        if role in SERVING and not self.info.loaded:
+            role = Role.INACTIVE
         self.role = role
         return role
 

@@ -375,10 +375,7 @@ class ClusterScheduler:
         if handle.state.alive:  # revived meanwhile by a concurrent poll
             return
         role = handle.state.revive(h.state.role for h in self.replicas.values())
-        if role in SERVING and not handle.state.info.loaded:
-            handle.state.role = Role.INACTIVE
-        log.warning("replica %s (%s) answers again: back as %s", handle.id, handle.state.address,
-                    handle.state.role.value)
+        log.warning("replica %s (%s) answers again: back as %s", handle.id, handle.state.address, role.value)
         handle.inbox.clear()
         handle.running = None
         self._start_loop(handle)

@@ -15,8 +15,10 @@ import contextlib
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
+import grpc
+import pytest
 import torch
 
 from protos import generate_pb2 as pb
@@ -118,3 +120,13 @@ def decode_to_end(
             )
             batch = filtered.batch if keep else None
     return tokens
+
+
+def code_and_cause(call: Callable[[], object]) -> tuple[grpc.StatusCode, str | None]:
+    """The code of a call that must fail, and its `x-pdcluster-cause` (set when a replica blames
+    its peer)."""
+    with pytest.raises(grpc.RpcError) as info:
+        call()
+    failed = cast(grpc.Call, info.value)
+    cause = dict(failed.trailing_metadata() or ()).get("x-pdcluster-cause")
+    return failed.code(), None if cause is None else str(cause)

@@ -12,7 +12,6 @@ import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import cast
 
 import grpc
 import pytest
@@ -20,7 +19,7 @@ import pytest
 from protos import generate_pb2 as pb
 from protos import generate_pb2_grpc as pb_grpc
 from scripts.replica_process import ReplicaProcess
-from tests.helpers.migration_cluster import make_batch, random_prompts, write_rank_table
+from tests.helpers.migration_cluster import code_and_cause, make_batch, random_prompts, write_rank_table
 
 NUM_BLOCKS = 256
 TRANSFER_TIMEOUT = 20.0
@@ -95,27 +94,18 @@ def _wait_for(condition: Callable[[], bool], timeout: float = 20.0) -> None:
         time.sleep(0.02)
 
 
-def _failure(future: Future[object]) -> tuple[grpc.StatusCode, str | None]:
-    """The failed call's code and its `x-pdcluster-cause` (set when the replica blames its peer)."""
-    with pytest.raises(grpc.RpcError) as info:
-        future.result(DEADLINE)
-    call = cast(grpc.Call, info.value)
-    cause = dict(call.trailing_metadata() or ()).get("x-pdcluster-cause")
-    return call.code(), None if cause is None else str(cause)
-
-
 def test_receiver_killed_mid_migration(replicas: list[ReplicaProcess]) -> None:
     p, d = replicas[0], replicas[1]
     with ThreadPoolExecutor(2) as pool:
         sent, received = _start_migration(pool, p, d, (0, 1))
         killed_at = time.monotonic()
         d.process.kill()
-        code, cause = _failure(sent)
+        code, cause = code_and_cause(lambda: sent.result(DEADLINE))
         assert time.monotonic() - killed_at < TRANSFER_TIMEOUT
         assert code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
         assert cause == "peer"  # the sender is alive: its peer failed (a router must not mark it dead)
         # the receiver's process is gone: no replica answered, so nothing names a cause
-        assert _failure(received) == (grpc.StatusCode.UNAVAILABLE, None)
+        assert code_and_cause(lambda: received.result(DEADLINE)) == (grpc.StatusCode.UNAVAILABLE, None)
     info = _info(p)
     assert (info.num_blocks_free, info.num_cached_batches) == (NUM_BLOCKS, 0)
 
@@ -127,10 +117,10 @@ def test_sender_killed_mid_migration(replicas: list[ReplicaProcess]) -> None:
         assert _info(d).num_blocks_free < NUM_BLOCKS  # the receiver allocated its pages
         killed_at = time.monotonic()
         p.process.kill()
-        code, cause = _failure(received)
+        code, cause = code_and_cause(lambda: received.result(DEADLINE))
         assert time.monotonic() - killed_at < TRANSFER_TIMEOUT
         assert code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
         assert cause == "peer"
-        _failure(sent)
+        code_and_cause(lambda: sent.result(DEADLINE))
     info = _info(d)
     assert (info.num_blocks_free, info.num_cached_batches) == (NUM_BLOCKS, 0)

@@ -19,7 +19,6 @@ import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import cast
 
 import grpc
 import pytest
@@ -28,6 +27,7 @@ from protos import generate_pb2 as pb
 from tests.helpers.migration_cluster import (
     CALL_TIMEOUT,
     Replica,
+    code_and_cause,
     decode_to_end,
     first_tokens,
     make_batch,
@@ -65,15 +65,6 @@ def _code(call: Callable[[], object]) -> grpc.StatusCode:
     with pytest.raises(grpc.RpcError) as info:
         call()
     return info.value.code()
-
-
-def _code_and_cause(call: Callable[[], object]) -> tuple[grpc.StatusCode, str | None]:
-    """The failed call's code and its `x-pdcluster-cause` trailing metadata."""
-    with pytest.raises(grpc.RpcError) as info:
-        call()
-    failed = cast(grpc.Call, info.value)
-    cause = dict(failed.trailing_metadata() or ()).get("x-pdcluster-cause")
-    return failed.code(), None if cause is None else str(cause)
 
 
 def _prefill(replica: Replica, batch: pb.Batch) -> pb.PrefillV2Response:
@@ -177,7 +168,7 @@ def test_a_late_sender_of_an_abandoned_batch_fails_at_once_and_the_next_migratio
     _prefill(p, late)
     start = time.monotonic()
     with ThreadPoolExecutor(1) as pool:
-        sent = pool.submit(_code_and_cause, _migrate(p, late, d))  # comes after all: its header waits at d
+        sent = pool.submit(code_and_cause, _migrate(p, late, d))  # comes after all: its header waits at d
         _wait_for(lambda: p.stub.Info(pb.InfoRequest(), timeout=CALL_TIMEOUT).num_cached_batches == 0)
         time.sleep(0.1)  # taken out of p's store: its header goes out now
         # the next Immigrate from p reads the late header first, refuses it (its sender fails at
@@ -231,7 +222,7 @@ def test_a_receiver_that_refuses_fails_its_sender_at_once_and_the_pair_works_aft
     _prefill(p, held)
     start = time.monotonic()
     with ThreadPoolExecutor(2) as pool:
-        sent = pool.submit(_code_and_cause, _migrate(p, held, d))
+        sent = pool.submit(code_and_cause, _migrate(p, held, d))
         received = pool.submit(_code, _immigrate(d, claimed, p))
         assert received.result(CALL_TIMEOUT) == grpc.StatusCode.FAILED_PRECONDITION
         assert sent.result(CALL_TIMEOUT) == (grpc.StatusCode.UNAVAILABLE, "peer")  # p is fine: d refused

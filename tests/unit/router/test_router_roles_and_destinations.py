@@ -131,3 +131,10 @@ def test_a_dead_replica_that_answers_again_gets_its_settled_role_back(
     assert state.revive(others) is after and state.role is after
     with pytest.raises(TransitionError):
         state.revive(others)  # only a dead one
+
+
+def test_a_revived_replica_without_its_weights_is_inactive() -> None:
+    state = ReplicaState(ReplicaId(1), "h:1", info(8), Role.DECODE)
+    state.set_role(Role.DEAD)
+    state.info = ReplicaInfo(**{**state.info.__dict__, "num_layers_loaded": 0})
+    assert state.revive([]) is Role.INACTIVE
