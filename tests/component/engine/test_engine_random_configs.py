@@ -1,0 +1,161 @@
+"""The engine against transformers on checkpoints of configurations nobody tuned for.
+
+Each case draws a configuration from a seed: architecture (Llama, Mistral, Qwen2), heads and KV heads
+(any divisor), an explicit `head_dim` that differs from hidden/heads, odd vocabulary and MLP sizes,
+1-4 layers, `rope_theta`, `rms_norm_eps`, tied embeddings, Llama's attention and MLP biases, every
+RoPE scaling type we accept, Mistral's sliding window and Qwen2's per-layer windows, block sizes 1, 4
+and 16, and a single-file or size-sharded checkpoint. transformers builds the model from that config
+(random weights, spread out so logits are far from uniform) and saves it with `save_pretrained`; the
+engine serves six ragged prompts in one batch, filtering finished requests between decode steps, and
+every request's greedy tokens must equal transformers' `generate` of that prompt alone.
+
+float32 only: in bfloat16 a batched matmul rounds differently from a single sequence's, so a near tie
+can flip in either implementation; the bf16 checkpoints are checked on logits elsewhere.
+"""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from replica.config import ReplicaConfig
+from replica.engine.factory import build_engine
+from replica.engine.types import (
+    BatchId,
+    BatchSpec,
+    DecodeInput,
+    RequestId,
+    RequestSpec,
+    StepResult,
+    StoppingParams,
+)
+
+transformers = pytest.importorskip("transformers")
+
+SEEDS = tuple(range(16))
+ROPE_SCALINGS: tuple[dict[str, Any] | None, ...] = (
+    None,
+    {"rope_type": "linear", "factor": 2.0},
+    {"rope_type": "dynamic", "factor": 2.0},
+    {
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 32,
+    },
+    {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64},
+)
+
+
+def draw_config(rng: random.Random) -> tuple[str, dict[str, Any]]:
+    """A transformers config class name and its keyword arguments."""
+    arch = rng.choice(["LlamaConfig", "MistralConfig", "Qwen2Config"])
+    heads = rng.choice([1, 2, 3, 4, 6, 8])
+    head_dim = rng.choice([8, 16, 24, 32])
+    layers = rng.randint(1, 4)
+    kw: dict[str, Any] = {
+        "vocab_size": rng.choice([257, 300, 333, 512, 1000]),
+        "hidden_size": heads * head_dim,
+        "intermediate_size": rng.choice([40, 64, 100, 128, 200]),
+        "num_hidden_layers": layers,
+        "num_attention_heads": heads,
+        "num_key_value_heads": rng.choice([d for d in range(1, heads + 1) if heads % d == 0]),
+        "rope_theta": rng.choice([100.0, 10000.0, 500000.0, 1e6]),
+        "rms_norm_eps": rng.choice([1e-3, 1e-5, 1e-6]),
+        "max_position_embeddings": 256,
+        "tie_word_embeddings": rng.random() < 0.4,
+        "rope_scaling": rng.choice(ROPE_SCALINGS),
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+    }
+    if arch != "Qwen2Config" and rng.random() < 0.4:  # head_dim independent of hidden / heads
+        kw["hidden_size"] = rng.choice([32, 48, 64, 96])
+        kw["head_dim"] = head_dim
+    if arch == "LlamaConfig":
+        kw["attention_bias"] = rng.random() < 0.4
+        kw["mlp_bias"] = rng.random() < 0.4
+    elif arch == "MistralConfig":
+        kw["sliding_window"] = rng.choice([None, 4, 7, 4096])
+        # transformers' yarn needs Mistral's head_dim spelt out (its config keeps None otherwise)
+        kw.setdefault("head_dim", head_dim)
+    else:
+        kw["use_sliding_window"] = rng.random() < 0.5
+        kw["sliding_window"] = rng.choice([3, 6, 4096])
+        kw["max_window_layers"] = rng.randint(0, layers)
+    return arch, kw
+
+
+def _checkpoint(seed: int, rng: random.Random, out: Path) -> dict[str, Any]:
+    arch, kw = draw_config(rng)
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(
+        getattr(transformers, arch)(**kw), dtype=torch.float32
+    ).eval()
+    with torch.no_grad():
+        for p in model.parameters():  # spread the weights so logits are far from uniform
+            p.normal_(mean=1.0 if p.dim() == 1 else 0.0, std=0.2 if p.dim() == 1 else 0.3)
+    model.save_pretrained(out, max_shard_size=rng.choice(["50KB", "10MB"]))
+    return {"arch": arch, **kw, "model": model}
+
+
+def _serve(path: Path, block_size: int, work: list[tuple[list[int], int]]) -> dict[int, list[int]]:
+    """One batch of every prompt; decode to the end, filtering finished requests like a router."""
+    engine = build_engine(ReplicaConfig(model=path, port=0, num_blocks=256, block_size=block_size))
+    free = engine.blocks.num_free
+    requests = tuple(
+        RequestSpec(RequestId(i), tuple(p), stopping=StoppingParams(max_new_tokens=n))
+        for i, (p, n) in enumerate(work)
+    )
+    tokens: dict[int, list[int]] = {}
+    result: StepResult = engine.prefill(BatchSpec(BatchId(1), requests))
+    while True:
+        finished = set()
+        for g in result.generations:
+            tokens.setdefault(g.request_id, []).extend(g.tokens.ids)
+            if g.generated_text is not None:
+                finished.add(g.request_id)
+        batch = result.batch
+        if batch is None:
+            break
+        keep = [r for r in batch.request_ids if r not in finished]
+        if not keep:
+            engine.clear(batch.id)
+            break
+        if finished:
+            batch = engine.filter(batch.id, keep)
+        result = engine.decode([DecodeInput(batch.id)])
+    assert engine.blocks.num_free == free and len(engine.store) == 0
+    return tokens
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_random_config_greedy_matches_transformers(seed: int, tmp_path: Path) -> None:
+    rng = random.Random(seed)
+    drawn = _checkpoint(seed, rng, tmp_path)
+    reference = drawn.pop("model")
+    block_size = rng.choice([1, 4, 16])
+    gen = torch.Generator().manual_seed(seed)
+    work = [
+        (
+            torch.randint(3, drawn["vocab_size"], (rng.randint(1, 30),), generator=gen).tolist(),
+            rng.randint(1, 12),
+        )
+        for _ in range(6)
+    ]
+    ours = _serve(tmp_path, block_size, work)
+    for i, (prompt, max_new) in enumerate(work):
+        with torch.no_grad():
+            out = reference.generate(
+                torch.tensor([prompt]),
+                attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                max_new_tokens=max_new,
+                do_sample=False,
+                pad_token_id=0,
+            )
+        expected = out[0, len(prompt) :].tolist()
+        assert ours[i] == expected, f"request {i} ({len(prompt)} prompt tokens), block {block_size}: {drawn}"
