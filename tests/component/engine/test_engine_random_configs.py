@@ -24,15 +24,7 @@ import torch
 
 from replica.config import ReplicaConfig
 from replica.engine.factory import build_engine
-from replica.engine.types import (
-    BatchId,
-    BatchSpec,
-    DecodeInput,
-    RequestId,
-    RequestSpec,
-    StepResult,
-    StoppingParams,
-)
+from tests.helpers.engine_driver import Driver, reference_greedy
 
 transformers = pytest.importorskip("transformers")
 
@@ -90,7 +82,8 @@ def draw_config(rng: random.Random) -> tuple[str, dict[str, Any]]:
     return arch, kw
 
 
-def _checkpoint(seed: int, rng: random.Random, out: Path) -> dict[str, Any]:
+def _checkpoint(seed: int, rng: random.Random, out: Path) -> tuple[Any, dict[str, Any]]:
+    """transformers' model of a drawn configuration, saved in `out`; the model and what was drawn."""
     arch, kw = draw_config(rng)
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(
@@ -100,44 +93,13 @@ def _checkpoint(seed: int, rng: random.Random, out: Path) -> dict[str, Any]:
         for p in model.parameters():  # spread the weights so logits are far from uniform
             p.normal_(mean=1.0 if p.dim() == 1 else 0.0, std=0.2 if p.dim() == 1 else 0.3)
     model.save_pretrained(out, max_shard_size=rng.choice(["50KB", "10MB"]))
-    return {"arch": arch, **kw, "model": model}
-
-
-def _serve(path: Path, block_size: int, work: list[tuple[list[int], int]]) -> dict[int, list[int]]:
-    """One batch of every prompt; decode to the end, filtering finished requests like a router."""
-    engine = build_engine(ReplicaConfig(model=path, port=0, num_blocks=256, block_size=block_size))
-    free = engine.blocks.num_free
-    requests = tuple(
-        RequestSpec(RequestId(i), tuple(p), stopping=StoppingParams(max_new_tokens=n))
-        for i, (p, n) in enumerate(work)
-    )
-    tokens: dict[int, list[int]] = {}
-    result: StepResult = engine.prefill(BatchSpec(BatchId(1), requests))
-    while True:
-        finished = set()
-        for g in result.generations:
-            tokens.setdefault(g.request_id, []).extend(g.tokens.ids)
-            if g.generated_text is not None:
-                finished.add(g.request_id)
-        batch = result.batch
-        if batch is None:
-            break
-        keep = [r for r in batch.request_ids if r not in finished]
-        if not keep:
-            engine.clear(batch.id)
-            break
-        if finished:
-            batch = engine.filter(batch.id, keep)
-        result = engine.decode([DecodeInput(batch.id)])
-    assert engine.blocks.num_free == free and len(engine.store) == 0
-    return tokens
+    return model, {"arch": arch, **kw}
 
 
 @pytest.mark.parametrize("seed", SEEDS)
 def test_random_config_greedy_matches_transformers(seed: int, tmp_path: Path) -> None:
     rng = random.Random(seed)
-    drawn = _checkpoint(seed, rng, tmp_path)
-    reference = drawn.pop("model")
+    reference, drawn = _checkpoint(seed, rng, tmp_path)
     block_size = rng.choice([1, 4, 16])
     gen = torch.Generator().manual_seed(seed)
     work = [
@@ -147,15 +109,15 @@ def test_random_config_greedy_matches_transformers(seed: int, tmp_path: Path) ->
         )
         for _ in range(6)
     ]
-    ours = _serve(tmp_path, block_size, work)
+    engine = build_engine(ReplicaConfig(model=tmp_path, port=0, num_blocks=256, block_size=block_size))
+    free = engine.blocks.num_free
+    driver = Driver(engine)
+    driver.prefill(1, 0, work)  # one batch of every prompt, finished requests filtered between steps
+    driver.decode(max(n for _, n in work))
+    assert driver.running is None and len(engine.store) == 0
+    assert engine.blocks.num_free == free
     for i, (prompt, max_new) in enumerate(work):
-        with torch.no_grad():
-            out = reference.generate(
-                torch.tensor([prompt]),
-                attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                max_new_tokens=max_new,
-                do_sample=False,
-                pad_token_id=0,
-            )
-        expected = out[0, len(prompt) :].tolist()
-        assert ours[i] == expected, f"request {i} ({len(prompt)} prompt tokens), block {block_size}: {drawn}"
+        expected, _ = reference_greedy(reference, prompt, max_new)
+        assert driver.tokens[i] == expected, (
+            f"request {i} ({len(prompt)} prompt tokens), block {block_size}: {drawn}"
+        )
