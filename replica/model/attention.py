@@ -13,7 +13,9 @@ the cache row of each new token's K and V, and per *group* of sequences (all one
 one group, longer slices in another, so a long prefill does not pad every decode to its length) the
 flat page table, query placement and the causal (and sliding-window) masks; plus the RoPE cos/sin
 rows. Pages of a sequence are listed in order; page `i` holds positions `[i*block_size,
-(i+1)*block_size)`, and may be any block of the cache.
+(i+1)*block_size)`, and may be any block of the cache. Under a sliding window a decode group
+gathers only the pages the window reaches: a step reads O(window) keys per sequence however long
+the context (about the keys transformers' sliding cache keeps, which matters for bf16 rounding).
 
 Queries are grouped per KV head — (seqs, kv_heads, group * new, head_dim) — so grouped-query
 attention needs no repeated keys or values.
@@ -184,6 +186,14 @@ def _mask_values(dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor
     return minus_inf, torch.zeros((), dtype=dtype, device=device)
 
 
+class _WindowPages(NamedTuple):
+    """A one-token group's gather under a sliding window: only the pages the window reaches."""
+
+    table: torch.Tensor  # (seqs * pages,) page ids, each row padded with its last page
+    ctx: int  # keys per row: pages * block_size
+    first_pos: torch.Tensor  # (seqs,) absolute position of each row's first gathered key
+
+
 class _Group:
     """Sequences attended together: padded to the group's longest new slice and longest context."""
 
@@ -235,15 +245,52 @@ class _Group:
         self.uniform = self.fresh and all(s.length == width for s in spans)
         self.ctx = width if self.fresh else max_pages * block_size
         self.masks: dict[int | None, torch.Tensor] = {}
+        # One-token groups: per sliding window, the pages that window can see (built on first use).
+        self._decodes = spans if width == 1 else []
+        self._block_size = block_size
+        self._windowed: dict[int, _WindowPages | None] = {}
+
+    def windowed(self, window: int | None) -> _WindowPages | None:
+        """The pages a one-token group gathers under `window`: from the page holding each query's
+        oldest visible key to its own (None: every page, as without a window; then nothing is saved).
+
+        The first kept page of a sequence is `(q - window + 1) // block_size`; shorter rows repeat
+        their last page, which the causal mask hides like the full table's padding.
+        """
+        if window is None or not self._decodes:
+            return None
+        if window not in self._windowed:
+            bs = self._block_size
+            firsts = [max(0, s.start - window + 1) // bs for s in self._decodes]
+            counts = [s.start // bs + 1 - first for s, first in zip(self._decodes, firsts, strict=True)]
+            if max(counts) >= self.max_pages:
+                self._windowed[window] = None
+            else:
+                width = max(counts)
+                table: list[int] = []
+                for s, first, count in zip(self._decodes, firsts, counts, strict=True):
+                    kept = s.pages[first : first + count]
+                    table += kept
+                    table += [kept[-1]] * (width - count)
+                device = self.q_pos.device
+                offsets = as_int64([first * bs for first in firsts], device)
+                self._windowed[window] = _WindowPages(as_int64(table, device), width * bs, offsets)
+        return self._windowed[window]
 
     def mask(self, window: int | None, dtype: torch.dtype) -> torch.Tensor:
         """(seqs, 1, max_new, ctx): may the query see the key (causal, within the window).
 
         One-token groups get an additive float mask (0 / -inf), which is faster there; longer ones a
-        boolean mask, a quarter of the memory for long prompts.
+        boolean mask, a quarter of the memory for long prompts. Under a window whose pages a
+        one-token group gathers alone (`windowed`), ctx is that gather's and key positions start at
+        each row's first kept page.
         """
         if window not in self.masks:
-            key_pos = _arange(self.ctx, self.q_pos.device)[None, None, :]  # (1, 1, ctx)
+            view = self.windowed(window)
+            if view is None:
+                key_pos = _arange(self.ctx, self.q_pos.device)[None, None, :]  # (1, 1, ctx)
+            else:  # (seqs, 1, ctx)
+                key_pos = view.first_pos[:, None, None] + _arange(view.ctx, self.q_pos.device)[None, None, :]
             q_pos = self.q_pos[:, :, None]  # (seqs, max_new, 1)
             if self.max_new == 1:
                 hidden = key_pos > q_pos
@@ -335,20 +382,24 @@ class AttentionContext:
         return out
 
     def _keys_values(
-        self, g: _Group, layer: int, k: torch.Tensor, v: torch.Tensor
+        self, g: _Group, layer: int, window: int | None, k: torch.Tensor, v: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(seqs, kv_heads, ctx, head_dim) keys and values of the group's sequences."""
         kv_heads, head_dim = self.cache.num_kv_heads, self.cache.head_dim
+        ctx = g.ctx
         if g.uniform:  # equal-length prompts: the new k/v are already (seqs, new) shaped
             keys, values = k, v
         elif g.fresh:  # prompts of mixed lengths: pad the new k/v
             keys = k.new_zeros((g.num_seqs * g.max_new, k.shape[1])).index_copy_(0, self._slots(g), k)
             values = v.new_zeros((g.num_seqs * g.max_new, v.shape[1])).index_copy_(0, self._slots(g), v)
-        else:  # one gathered copy each of the K and V pages
-            keys = self.cache.key_pages[layer].index_select(0, g.table)
-            values = self.cache.value_pages[layer].index_select(0, g.table)
-        keys = keys.view(g.num_seqs, g.ctx, kv_heads, head_dim).transpose(1, 2)
-        values = values.view(g.num_seqs, g.ctx, kv_heads, head_dim).transpose(1, 2)
+        else:  # one gathered copy each of the K and V pages (under a window: only the pages it reaches)
+            view = g.windowed(window)
+            table = g.table if view is None else view.table
+            ctx = g.ctx if view is None else view.ctx
+            keys = self.cache.key_pages[layer].index_select(0, table)
+            values = self.cache.value_pages[layer].index_select(0, table)
+        keys = keys.view(g.num_seqs, ctx, kv_heads, head_dim).transpose(1, 2)
+        values = values.view(g.num_seqs, ctx, kv_heads, head_dim).transpose(1, 2)
         return keys, values
 
     @staticmethod
@@ -366,7 +417,7 @@ class AttentionContext:
     ) -> torch.Tensor:
         kv_heads, head_dim = self.cache.num_kv_heads, self.cache.head_dim
         heads = q.shape[1]
-        keys, values = self._keys_values(g, layer, k, v)
+        keys, values = self._keys_values(g, layer, window, k, v)
         if g.slots is None:
             # One new token per sequence: no padding; the query heads sharing a KV head become that
             # head's rows, (seqs, kv_heads, group, head_dim), so K and V are never repeated.

@@ -9,8 +9,10 @@ and 16, and a single-file or size-sharded checkpoint. transformers builds the mo
 engine serves six ragged prompts in one batch, filtering finished requests between decode steps, and
 every request's greedy tokens must equal transformers' `generate` of that prompt alone.
 
-float32 only: in bfloat16 a batched matmul rounds differently from a single sequence's, so a near tie
-can flip in either implementation; the bf16 checkpoints are checked on logits elsewhere.
+The drawn cases are float32 only: in bfloat16 a batched matmul rounds differently from a single
+sequence's, so a near tie can flip in either implementation; the bf16 checkpoints are checked on logits
+elsewhere. One bf16 case that such a draw once found (a sliding-window decode, served alone) is kept
+below as a regression test.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from typing import Any
 import pytest
 import torch
 
-from replica.config import ReplicaConfig
+from replica.config import DType, ReplicaConfig
 from replica.engine.factory import build_engine
 from tests.helpers.engine_driver import Driver, reference_greedy
 
@@ -121,3 +123,33 @@ def test_random_config_greedy_matches_transformers(seed: int, tmp_path: Path) ->
         assert driver.tokens[i] == expected, (
             f"request {i} ({len(prompt)} prompt tokens), block {block_size}: {drawn}"
         )
+
+
+def test_bf16_sliding_window_decode_matches_transformers_alone(tmp_path: Path) -> None:
+    """bfloat16, Mistral window 4, one KV head: decode past the window attends over exactly the keys
+    transformers' sliding cache keeps. Gathering every page and masking the older ones (as decode
+    once did) turned a 2-ulp gap at the 6th token into a tie, and a different token."""
+    kw: dict[str, Any] = {
+        "vocab_size": 512, "hidden_size": 96, "intermediate_size": 128, "num_hidden_layers": 3,
+        "num_attention_heads": 4, "num_key_value_heads": 1, "rope_theta": 100.0, "rms_norm_eps": 1e-6,
+        "max_position_embeddings": 256, "tie_word_embeddings": False, "bos_token_id": 1,
+        "eos_token_id": 2, "sliding_window": 4,
+    }
+    torch.manual_seed(0)
+    reference = transformers.AutoModelForCausalLM.from_config(
+        transformers.MistralConfig(**kw), dtype=torch.bfloat16
+    ).eval()
+    with torch.no_grad():
+        for p in reference.parameters():
+            p.normal_(mean=1.0 if p.dim() == 1 else 0.0, std=0.2 if p.dim() == 1 else 0.3)
+    reference.save_pretrained(tmp_path, max_shard_size="50KB")
+    prompt = [311, 202, 106, 407, 298, 175, 261, 439, 203, 315, 390, 200, 428, 369, 240, 111, 94, 348,
+              376, 409, 434, 499, 127, 240, 68, 178, 473, 78, 6, 147]
+    engine = build_engine(
+        ReplicaConfig(model=tmp_path, port=0, num_blocks=64, block_size=4, dtype=DType("bfloat16"))
+    )
+    driver = Driver(engine)
+    driver.prefill(1, 0, [(prompt, 9)])
+    driver.decode(9)
+    expected, _ = reference_greedy(reference, prompt, 9)
+    assert driver.tokens[0] == expected
