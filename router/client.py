@@ -203,6 +203,7 @@ def _request_pb(wire: WireRequest) -> pb.Request:
             ignore_eos_token=st.ignore_eos,
         ),
         prefill_logprobs=req.prefill_logprobs, top_n_tokens=req.top_n_tokens,
+        generated_prefix=req.generated_prefix,
     )
     if req.truncate is not None:
         msg.truncate = req.truncate

@@ -25,7 +25,6 @@ from router.types import (
     ReplicaId,
     RequestId,
     Route,
-    SamplingParams,
     StoppingParams,
     TokenEvent,
 )
@@ -82,10 +81,12 @@ class RequestState:
         return dataclasses.replace(
             self.original,
             input_ids=self.original.input_ids + tuple(self.generated),
-            sampling=continuation_sampling(self.original.sampling, len(self.generated)),
             stopping=StoppingParams(remaining, stopping.stop_sequences, stopping.ignore_eos),
             prefill_logprobs=False,
             truncate=None,
+            # the replica counts these as generated: penalties, seeded sampling's step index and
+            # stop sequences continue exactly where the earlier run stopped
+            generated_prefix=len(self.generated),
         )
 
     def new_run(self) -> int:
@@ -120,7 +121,8 @@ class RequestState:
         return True
 
     def _reported_seed(self, replica_seed: int | None) -> int | None:
-        """The client's seed, not the shifted seed of a continuation."""
+        """The client's seed. A continuation carries it unchanged; one of an unseeded request drew a
+        seed of its replica's own, which would not reproduce the whole answer: 0 then."""
         if self.run == 0 or replica_seed is None:
             return replica_seed
         return self.original.sampling.seed or 0
@@ -133,20 +135,6 @@ class RequestState:
         self.finished_at = self.clock()
         self.events.put_nowait(ErrorEvent(message, http_status))
 
-
-# The replica seeds sampling step k of a request from (seed, k) as splitmix64(seed + (k + 1) * GOLDEN)
-# (replica/engine/sampling.py:step_seed). A continuation after n tokens restarts k at 0, so giving it
-# seed + n * GOLDEN makes every step draw exactly what an uninterrupted run would have drawn.
-# tests/unit/router checks this against the replica's function.
-_GOLDEN = 0x9E3779B97F4A7C15
-_MASK64 = (1 << 64) - 1
-
-
-def continuation_sampling(sampling: SamplingParams, generated: int) -> SamplingParams:
-    """Sampling parameters of a continuation that keep seeded sampling reproducible."""
-    if not sampling.do_sample or generated == 0:
-        return sampling
-    return dataclasses.replace(sampling, seed=((sampling.seed or 0) + generated * _GOLDEN) & _MASK64)
 
 
 class RequestStream:

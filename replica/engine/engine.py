@@ -98,9 +98,18 @@ class Engine:
             tokens=list(prompt),
             prompt_len=len(prompt),
             pages=pages,
-            stop=StopChecker(spec.stopping, self.eos_token_ids),
+            stop=StopChecker.resuming(spec.stopping, self.eos_token_ids, self._prefix_text(spec, prompt)),
             detok=DetokState.after_prompt(len(prompt)),
         )
+
+    def _prefix_text(self, spec: RequestSpec, prompt: list[int]) -> str:
+        """What the earlier runs of a continuation generated, as text (only stop sequences need it)."""
+        if not spec.generated_prefix or not spec.stopping.stop_sequences:
+            return ""
+        start = len(prompt) - spec.generated_prefix
+        # decoded after a few prompt tokens of context, as a streaming detokenizer would have printed it
+        context = prompt[max(start - 5, 0) : start]
+        return self.detok.decode(prompt[max(start - 5, 0) :])[len(self.detok.decode(context)) :]
 
     def adopt(self, batch: Batch) -> CachedBatchInfo:
         """Cache an admitted batch whose prompt K/V someone else wrote into its pages (a migration).
@@ -187,7 +196,10 @@ class Engine:
 
     def _choose(self, requests: Sequence[RequestState], out: ForwardOutput) -> list[Generation]:
         """Choose one token per request from a forward's logits and account it."""
-        rows = [RowInput(r.spec.sampling, r.tokens, r.prompt_len, r.spec.top_n_tokens) for r in requests]
+        rows = [
+            RowInput(r.spec.sampling, r.tokens, r.prompt_len - r.spec.generated_prefix, r.spec.top_n_tokens)
+            for r in requests
+        ]
         choices = choose_next(out.last_logits, rows)
         generations = []
         every, detok = out.all_logits, self.detok

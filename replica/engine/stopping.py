@@ -17,6 +17,13 @@ class StopChecker:
     generated: int = 0
     output: str = field(default="")  # the tail of the generated text that stop sequences can still reach
 
+    @classmethod
+    def resuming(cls, params: StoppingParams, eos_token_ids: Collection[int], earlier: str) -> StopChecker:
+        """A checker for a request whose earlier runs generated `earlier` (a continuation's text; ""
+        for a new request): a stop sequence may start in it and end in this run's text."""
+        longest = max((len(stop) for stop in params.stop_sequences), default=1)
+        return cls(params, eos_token_ids, output=earlier[len(earlier) - longest + 1 :] if longest > 1 else "")
+
     def step(self, token_id: int, text: str) -> FinishReason | None:
         """Account one generated token; the reason to stop now, or None."""
         self.generated += 1

@@ -62,6 +62,10 @@ def prompt_tokens(
         tokens = tokens[-spec.truncate :]
     if not tokens:
         raise InvalidArgument(f"{where}: empty prompt")
+    if spec.generated_prefix > len(tokens):
+        raise InvalidArgument(
+            f"{where}: generated_prefix {spec.generated_prefix} > the prompt's {len(tokens)} tokens"
+        )
     bad = [t for t in tokens if not 0 <= t < limits.vocab_size]
     if bad:
         raise InvalidArgument(f"{where}: token ids {bad[:5]} outside the vocabulary of {limits.vocab_size}")

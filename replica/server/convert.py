@@ -67,6 +67,7 @@ def request_from_pb(msg: pb.Request) -> RequestSpec:
         ),
         prefill_logprobs=msg.prefill_logprobs,
         top_n_tokens=msg.top_n_tokens,
+        generated_prefix=msg.generated_prefix,
     )
 
 

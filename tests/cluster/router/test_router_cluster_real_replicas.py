@@ -81,16 +81,43 @@ def test_greedy_output_equals_transformers(cluster: LocalCluster, oracle: Greedy
     assert all(i.num_blocks_free == i.num_blocks_total for i in infos)
 
 
-def test_seeded_sampling_is_the_same_whatever_the_strategy(cluster: LocalCluster) -> None:
+def test_seeded_sampling_and_penalties_are_the_same_whatever_the_strategy(cluster: LocalCluster) -> None:
+    """`recompute` re-prefills prompt + first token on the decode replica, which must go on with the
+    same seeds and count that token for the frequency penalty (the tiny model repeats its first token
+    greedily: PROMPTS[1] gives 211, 211, ... without the penalty), as every other strategy does."""
     tgi = TGIClient(cluster.http_url, timeout=60)
     runs = {}
     for strategy in Strategy:
         set_strategy(cluster, strategy)
-        details = tgi.generate(PROMPTS[0], max_new_tokens=16, do_sample=True, seed=42, temperature=0.9,
-                               top_k=50).details
-        assert details is not None
-        runs[strategy] = tuple(t.id for t in details.tokens)
+        sampled = tgi.generate(PROMPTS[0], max_new_tokens=16, do_sample=True, seed=42, temperature=0.9,
+                               top_k=50, frequency_penalty=1.5).details
+        penalised = tgi.generate(PROMPTS[1], max_new_tokens=16, frequency_penalty=2.0).details
+        assert sampled is not None and penalised is not None
+        runs[strategy] = (tuple(t.id for t in sampled.tokens), tuple(t.id for t in penalised.tokens))
     assert len(set(runs.values())) == 1, runs
+
+
+def test_a_stop_sequence_across_the_first_two_tokens_stops_under_every_strategy(
+    cluster: LocalCluster, model_dir: Path
+) -> None:
+    """The first token comes from the prefill replica, the second from the decode replica (under
+    `recompute`, from a re-prefill of prompt + first token): a stop sequence made of the end of the
+    one and the start of the other must still end the request there."""
+    client = openai.OpenAI(base_url=f"{cluster.http_url}/v1", api_key="x", timeout=60)
+    set_strategy(cluster, Strategy.FULL)
+    first = client.completions.create(model=model_dir.name, prompt=PROMPTS[1], max_tokens=2, temperature=0,
+                                      logprobs=0)
+    assert first.choices[0].logprobs is not None and first.choices[0].logprobs.tokens is not None
+    one, two = first.choices[0].logprobs.tokens
+    assert one and two, "the tiny model's first two tokens have text"
+    stop = one[-1] + two[0]
+    for strategy in Strategy:
+        set_strategy(cluster, strategy)
+        done = client.completions.create(model=model_dir.name, prompt=PROMPTS[1], max_tokens=12,
+                                         temperature=0, stop=[stop])
+        choice = done.choices[0]
+        assert choice.finish_reason == "stop" and choice.text == one[:-1], strategy
+        assert done.usage is not None and done.usage.completion_tokens == 2, strategy
 
 
 def test_32_concurrent_streams_of_mixed_lengths_complete(cluster: LocalCluster, model_dir: Path) -> None:

@@ -140,6 +140,53 @@ def test_text_outputs_stop_sequences_and_logprobs(engine: Engine, tiny_llama: Pa
     assert engine.blocks.num_free == engine.blocks.num_blocks
 
 
+def _run(engine: Engine, batch_id: int, spec: RequestSpec) -> tuple[list[int], list[str], FinishReason]:
+    """One request to its end: its tokens, their texts and why it stopped."""
+    ids: list[int] = []
+    texts: list[str] = []
+    result = engine.prefill(BatchSpec(BatchId(batch_id), (spec,)))
+    while True:
+        (gen,) = result.generations
+        ids += gen.tokens.ids
+        texts += gen.tokens.texts
+        if result.batch is None:
+            assert gen.generated_text is not None
+            return ids, texts, gen.generated_text.finish_reason
+        result = engine.decode([DecodeInput(result.batch.id)])
+
+
+def test_a_continuation_samples_and_stops_as_the_uninterrupted_run(engine: Engine) -> None:
+    """A re-run after k tokens (prompt + those tokens, `generated_prefix=k`) draws with the same
+    seeds and penalties an uninterrupted run would, and sees a stop sequence that spans the boundary."""
+    prompt = [5, 17, 33, 2, 48, 9, 60]
+    sampled = SamplingParams(
+        do_sample=True, seed=77, temperature=0.9, top_k=50, repetition_penalty=1.2,
+        frequency_penalty=0.8, presence_penalty=0.5,
+    )
+    stopping = StoppingParams(max_new_tokens=12, ignore_eos=True)
+    whole, _, _ = _run(engine, 60, _req(1, prompt, sampling=sampled, stopping=stopping))
+    for k in (1, 5, 11):
+        rest = StoppingParams(max_new_tokens=12 - k, ignore_eos=True)
+        cont = _req(1, prompt + whole[:k], sampling=sampled, stopping=rest, generated_prefix=k)
+        assert _run(engine, 61, cont)[0] == whole[k:], k
+    # without the field the earlier tokens are prompt: seeds restart and the penalties forget them
+    plain = _req(1, prompt + whole[:5], sampling=sampled, stopping=StoppingParams(7, ignore_eos=True))
+    assert _run(engine, 62, plain)[0] != whole[5:]
+
+    greedy = StoppingParams(max_new_tokens=10, ignore_eos=True)
+    ids, texts, _ = _run(engine, 63, _req(2, prompt, stopping=greedy))
+    # a stop sequence made of the end of token k-1's text and the start of token k's, seen nowhere before
+    spans = [(k, texts[k - 1][-1] + texts[k][0]) for k in range(1, 10) if texts[k - 1] and texts[k]]
+    k, stop = next((k, stop) for k, stop in spans if stop not in "".join(texts[:k]))
+    stopping = StoppingParams(max_new_tokens=10, stop_sequences=(stop,), ignore_eos=True)
+    alone, _, why = _run(engine, 64, _req(2, prompt, stopping=stopping))
+    assert alone == ids[: k + 1] and why is FinishReason.STOP_SEQUENCE
+    rest = StoppingParams(max_new_tokens=10 - k, stop_sequences=(stop,), ignore_eos=True)
+    cont_ids, _, why = _run(engine, 65, _req(2, prompt + ids[:k], stopping=rest, generated_prefix=k))
+    assert cont_ids == ids[k : k + 1] and why is FinishReason.STOP_SEQUENCE
+    assert engine.blocks.num_free == engine.blocks.num_blocks
+
+
 def _refusals(engine: Engine) -> list[tuple[Callable[[], object], type[Exception]]]:
     ok = _req(900, [1, 2, 3])
     bad_sampling = [
@@ -158,6 +205,10 @@ def _refusals(engine: Engine) -> list[tuple[Callable[[], object], type[Exception
         (lambda: engine.prefill(BatchSpec(BatchId(9), (_req(1, [1], 0),))), InvalidArgument),
         (lambda: engine.prefill(BatchSpec(BatchId(100), (ok,))), AlreadyExists),
         (lambda: engine.prefill(BatchSpec(BatchId(9), (_req(1, [1] * 600),))), ResourceExhausted),
+        (
+            lambda: engine.prefill(BatchSpec(BatchId(9), (_req(1, [1, 2], generated_prefix=3),))),
+            InvalidArgument,
+        ),  # more tokens "generated before" than the prompt has
         (lambda: engine.prefill(BatchSpec(BatchId(9), (_req(1, [1] * 50, 500),))), ResourceExhausted),
         (
             lambda: engine.prefill(BatchSpec(BatchId(9), tuple(_req(i, [1] * 100, 60) for i in range(4)))),

@@ -1,14 +1,13 @@
-"""A request's runs: continuations keep the token allowance, the pages and seeded sampling
-(component tier: it checks the seed shift against the replica's own sampling module, which loads torch)."""
+"""A request's runs: continuations keep the token allowance, the pages and seeded sampling (the
+replica continues the step index from `generated_prefix`: tests/component/engine)."""
 
 from __future__ import annotations
 
 import asyncio
 
-from replica.engine.sampling import step_seed
 from router.client import Finished, Generation
 from router.queue import request_blocks
-from router.requests import RequestState, continuation_sampling
+from router.requests import RequestState
 from router.types import (
     FinishEvent,
     FinishReason,
@@ -29,17 +28,6 @@ def token(i: int) -> Generation:
     return Generation(RequestId(1), (TokenInfo(i, f"<{i}>", 0.0),))
 
 
-def test_continuation_seed_reproduces_every_later_step_of_the_replica() -> None:
-    for seed in (0, 7, 2**64 - 1):
-        for done in (1, 5, 300):
-            shifted = continuation_sampling(SamplingParams(do_sample=True, seed=seed), done).seed
-            assert shifted is not None
-            for k in range(4):
-                assert step_seed(shifted, k) == step_seed(seed, done + k)
-    greedy = SamplingParams(seed=3)
-    assert continuation_sampling(greedy, 4) == greedy
-
-
 def test_continuation_keeps_allowance_and_pages_and_reports_the_client_seed() -> None:
     async def body() -> None:
         st = state()
@@ -49,6 +37,8 @@ def test_continuation_keeps_allowance_and_pages_and_reports_the_client_seed() ->
         st.new_run()
         cont = st.current()
         assert cont.input_ids == (1, 2, 3, 11, 12, 13)
+        assert cont.generated_prefix == 3  # the replica counts them as generated
+        assert cont.sampling == st.original.sampling  # same seed: the replica continues its step index
         assert cont.stopping.max_new_tokens == 7
         assert request_blocks(cont, 16) == pages
         st.deliver(Generation(RequestId(1), (TokenInfo(14, "<14>", 0.0),),
