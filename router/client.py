@@ -196,6 +196,8 @@ def _request_pb(wire: WireRequest) -> pb.Request:
         params.frequency_penalty = s.frequency_penalty
     if s.presence_penalty:
         params.presence_penalty = s.presence_penalty
+    for token, bias in s.logit_bias:
+        params.logit_bias[token] = bias
     msg = pb.Request(
         id=wire.id, parameters=params, input_tokens=list(req.input_ids),
         stopping_parameters=pb.StoppingCriteriaParameters(

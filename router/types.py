@@ -37,6 +37,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()  # OpenAI logit_bias: (token id, bias) pairs
 
 
 @dataclass(frozen=True)

@@ -1,9 +1,10 @@
-"""Choosing the next token: penalties, warpers, greedy or seeded sampling, log-probabilities.
+"""Choosing the next token: logit bias, penalties, warpers, greedy or seeded sampling, log-probabilities.
 
 Semantics follow Hugging Face transformers' logits processors so results can be compared with
-`generate`: repetition penalty (CTRL: divide positive / multiply negative logits of every token seen
-in prompt + output), then, only when sampling, temperature → top-k → top-p → typical-p, each
-filtering with -inf and keeping at least one token. Frequency / presence penalties are OpenAI's:
+`generate`: OpenAI's logit_bias first (added to the raw logits, as vLLM does), then repetition
+penalty (CTRL: divide positive / multiply negative logits of every token seen in prompt + output),
+then, only when sampling, temperature → top-k → top-p → typical-p, each filtering with -inf and
+keeping at least one token. Frequency / presence penalties are OpenAI's:
 `logit -= count_in_output * frequency + (count_in_output > 0) * presence`, applied with the other
 penalties (so in greedy mode too). Greedy is the argmax of the penalised logits; log-probabilities
 are the log-softmax of the final processed logits.
@@ -118,6 +119,9 @@ class Choice(NamedTuple):
 
 def _penalise(row: torch.Tensor, inp: RowInput) -> torch.Tensor:
     params = inp.params
+    if params.logit_bias:
+        biased, bias = zip(*params.logit_bias, strict=True)
+        row = row.index_add(0, torch.tensor(biased), torch.tensor(bias, dtype=row.dtype))
     if params.repetition_penalty != 1.0 and inp.tokens:
         seen = torch.tensor(list(inp.tokens), dtype=torch.long)
         row = repetition_penalty(row, seen, params.repetition_penalty)

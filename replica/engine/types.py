@@ -36,6 +36,8 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
     watermark: bool = False
+    # OpenAI logit_bias: (token id, bias) pairs added to the logits before the penalties
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     # cached: read for every request at every step (a cached_property writes the instance __dict__
     # directly, so it works on a frozen dataclass and takes no part in ==, hash or repr)
@@ -47,7 +49,7 @@ class SamplingParams:
     @functools.cached_property
     def is_plain_greedy(self) -> bool:
         """Argmax of the raw logits: the batched fast path."""
-        return not self.do_sample and not self.has_penalties
+        return not self.do_sample and not self.has_penalties and not self.logit_bias
 
 
 @dataclass(frozen=True)

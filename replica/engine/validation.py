@@ -91,6 +91,11 @@ def check_request(spec: RequestSpec, limits: Limits, has_tokenizer: bool) -> Non
         raise InvalidArgument(f"{where}: stop sequences need a tokenizer, this replica has none")
     if any(not s for s in spec.stopping.stop_sequences):
         raise InvalidArgument(f"{where}: empty stop sequence")
+    bad_ids = [t for t, _ in spec.sampling.logit_bias if not 0 <= t < limits.vocab_size]
+    if bad_ids:
+        raise InvalidArgument(f"{where}: logit_bias token ids {bad_ids[:5]} outside the vocabulary")
+    if not all(_finite(bias) for _, bias in spec.sampling.logit_bias):
+        raise InvalidArgument(f"{where}: logit_bias values must be finite numbers")
     if spec.top_n_tokens < 0 or spec.top_n_tokens > limits.vocab_size:
         raise InvalidArgument(f"{where}: top_n_tokens must be in [0, {limits.vocab_size}]")
 

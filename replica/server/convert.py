@@ -48,6 +48,7 @@ def sampling_from_pb(msg: pb.NextTokenChooserParameters) -> SamplingParams:
         frequency_penalty=msg.frequency_penalty if msg.HasField("frequency_penalty") else 0.0,
         presence_penalty=msg.presence_penalty if msg.HasField("presence_penalty") else 0.0,
         watermark=msg.watermark,
+        logit_bias=tuple(sorted(msg.logit_bias.items())),
     )
 
 

@@ -83,7 +83,7 @@ async def completions(request: Request) -> Response:
     want_logprobs = body.logprobs is not None
     req = generate_request(
         ids,
-        openai_sampling(body),
+        openai_sampling(body, backend.tokenizer.vocab_size),
         StoppingParams(max_new_tokens=max_new, stop_sequences=stops, ignore_eos=body.ignore_eos),
         prefill_logprobs=body.echo and want_logprobs,
         top_n_tokens=body.logprobs or 0,
@@ -125,7 +125,7 @@ async def chat_completions(request: Request) -> Response:
     top_n = (body.top_logprobs or 0) if body.logprobs else 0
     req = generate_request(
         ids,
-        openai_sampling(body),
+        openai_sampling(body, backend.tokenizer.vocab_size),
         StoppingParams(max_new_tokens=max_new, stop_sequences=stops, ignore_eos=body.ignore_eos),
         top_n_tokens=top_n,
     )

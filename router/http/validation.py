@@ -43,13 +43,32 @@ def check_openai_unsupported(body: _OpenAISampling) -> None:
     """Refuse OpenAI features the replicas cannot honour instead of silently ignoring them."""
     if body.n != 1:
         raise APIError("only n=1 is supported", 400, param="n", code="unsupported_value")
-    if body.logit_bias:
-        raise APIError("logit_bias is not supported by this server", 400, param="logit_bias")
     if body.stream_options is not None and not body.stream:
         raise APIError("stream_options is only allowed when stream is true", 400, param="stream_options")
 
 
-def openai_sampling(body: _OpenAISampling) -> SamplingParams:
+LOGIT_BIAS_LIMIT = 100.0  # OpenAI: every bias in [-100, 100]
+
+
+def openai_logit_bias(bias: dict[str, float] | None, vocab_size: int) -> tuple[tuple[int, float], ...]:
+    """OpenAI `logit_bias` ({"token id": bias}) as sorted (id, bias) pairs; a key that is not a token
+    id of this vocabulary, or a bias outside [-100, 100], is a 400."""
+    pairs = []
+    for key, value in (bias or {}).items():
+        if not (key.isascii() and key.isdigit()):
+            raise APIError(f"logit_bias keys must be token ids, got {key!r}", 400, param="logit_bias")
+        token = int(key)
+        if token >= vocab_size:
+            problem = f"token id {token} is outside the vocabulary of {vocab_size}"
+            raise APIError(f"logit_bias {problem}", 400, param="logit_bias")
+        if not -LOGIT_BIAS_LIMIT <= value <= LOGIT_BIAS_LIMIT:  # NaN fails this too
+            problem = f"values must be in [-100, 100], got {value} for token {token}"
+            raise APIError(f"logit_bias {problem}", 400, param="logit_bias")
+        pairs.append((token, float(value)))
+    return tuple(sorted(pairs))
+
+
+def openai_sampling(body: _OpenAISampling, vocab_size: int) -> SamplingParams:
     """OpenAI semantics: temperature defaults to 1 (sampling); temperature 0 means greedy."""
     temperature = 1.0 if body.temperature is None else body.temperature
     greedy = temperature == 0.0
@@ -63,6 +82,7 @@ def openai_sampling(body: _OpenAISampling) -> SamplingParams:
         repetition_penalty=body.repetition_penalty or 1.0,
         frequency_penalty=body.frequency_penalty,
         presence_penalty=body.presence_penalty,
+        logit_bias=openai_logit_bias(body.logit_bias, vocab_size),
     )
 
 

@@ -120,6 +120,30 @@ def test_a_stop_sequence_across_the_first_two_tokens_stops_under_every_strategy(
         assert done.usage is not None and done.usage.completion_tokens == 2, strategy
 
 
+def test_logit_bias_through_the_openai_api(
+    cluster: LocalCluster, oracle: GreedyOracle, model_dir: Path
+) -> None:
+    """+100 forces a token in completions and chat, streamed or not; a key outside the vocabulary
+    is a 400 naming `logit_bias`."""
+    client = openai.OpenAI(base_url=f"{cluster.http_url}/v1", api_key="x", timeout=60)
+    set_strategy(cluster, Strategy.FULL)
+    token = oracle.ids(PROMPTS[0], 3)[2]  # an ordinary text token of this vocabulary
+    want = oracle.tokenizer.decode([token] * 4)
+    forced = client.completions.create(model=model_dir.name, prompt=PROMPTS[0], max_tokens=4, temperature=0,
+                                       logit_bias={str(token): 100})
+    assert forced.choices[0].text == want
+    streamed = client.completions.create(model=model_dir.name, prompt=PROMPTS[0], max_tokens=4,
+                                         temperature=0.8, seed=1, logit_bias={str(token): 100}, stream=True)
+    assert "".join(c.choices[0].text for c in streamed if c.choices) == want
+    chat = client.chat.completions.create(model=model_dir.name, messages=[{"role": "user", "content": "hi"}],
+                                          max_tokens=4, temperature=0, logit_bias={str(token): 100})
+    assert chat.choices[0].message.content == want
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.completions.create(model=model_dir.name, prompt=PROMPTS[0], max_tokens=4,
+                                  logit_bias={"99999999": 1})
+    assert "logit_bias" in str(refused.value)
+
+
 def test_32_concurrent_streams_of_mixed_lengths_complete(cluster: LocalCluster, model_dir: Path) -> None:
     set_strategy(cluster, Strategy.FULL)
 

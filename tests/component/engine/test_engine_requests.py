@@ -187,6 +187,18 @@ def test_a_continuation_samples_and_stops_as_the_uninterrupted_run(engine: Engin
     assert engine.blocks.num_free == engine.blocks.num_blocks
 
 
+def test_logit_bias_bans_and_forces_tokens(engine: Engine) -> None:
+    prompt = [5, 17, 33, 2, 48, 9, 60]
+    stopping = StoppingParams(max_new_tokens=6, ignore_eos=True)
+    plain, _, _ = _run(engine, 70, _req(3, prompt, stopping=stopping))
+    banned = SamplingParams(logit_bias=tuple((t, -100.0) for t in sorted(set(plain))))
+    avoided, _, _ = _run(engine, 71, _req(3, prompt, stopping=stopping, sampling=banned))
+    assert not set(avoided) & set(plain)
+    forced = SamplingParams(do_sample=True, seed=3, logit_bias=((123, 100.0),))
+    assert _run(engine, 72, _req(3, prompt, stopping=stopping, sampling=forced))[0] == [123] * 6
+    assert engine.blocks.num_free == engine.blocks.num_blocks
+
+
 def _refusals(engine: Engine) -> list[tuple[Callable[[], object], type[Exception]]]:
     ok = _req(900, [1, 2, 3])
     bad_sampling = [
@@ -195,6 +207,9 @@ def _refusals(engine: Engine) -> list[tuple[Callable[[], object], type[Exception
         SamplingParams(top_p=1.01),
         SamplingParams(top_p=-1.0),
         SamplingParams(watermark=True),
+        SamplingParams(logit_bias=((10**6, 1.0),)),
+        SamplingParams(logit_bias=((3, math.inf),)),
+        SamplingParams(logit_bias=((3, math.nan),)),
     ]
     cases: list[tuple[Callable[[], object], type[Exception]]] = [
         (lambda: engine.prefill(BatchSpec(BatchId(9), ())), InvalidArgument),

@@ -107,6 +107,26 @@ def test_greedy_applies_penalties(scores: torch.Tensor) -> None:
     assert choice.token_id != best
 
 
+def test_logit_bias_is_added_before_choosing_and_leaves_other_rows_alone(scores: torch.Tensor) -> None:
+    order = scores[0].argsort(descending=True).tolist()
+    banned = SamplingParams(logit_bias=((order[0], -100.0),))
+    forced = SamplingParams(logit_bias=((order[-1], 100.0),))
+    nudged = SamplingParams(logit_bias=((order[1], 0.25), (order[2], -0.5)))
+    batch = scores.repeat(4, 1)
+    rows = [RowInput(p, tokens=[0], prompt_len=1) for p in (banned, forced, SamplingParams(), nudged)]
+    ban, force, plain, nudge = choose_next(batch, rows)
+    assert ban.token_id == order[1] and force.token_id == order[-1] and plain.token_id == order[0]
+    expected = scores[0].clone()
+    expected[order[1]] += 0.25
+    expected[order[2]] -= 0.5
+    assert nudge.token_id == int(expected.argmax())
+    assert nudge.logprob == pytest.approx(float(torch.log_softmax(expected, -1)[nudge.token_id]), abs=1e-6)
+    # bias, then penalties: a banned token stays banned whatever the presence penalty does elsewhere
+    both = SamplingParams(logit_bias=((order[0], -100.0),), presence_penalty=1000.0)
+    (choice,) = choose_next(scores, [RowInput(both, tokens=[0, order[1]], prompt_len=1)])
+    assert choice.token_id == order[2]
+
+
 def test_seeded_sampling_depends_only_on_seed_and_step(scores: torch.Tensor) -> None:
     params = SamplingParams(do_sample=True, seed=42, temperature=1.5)
     row = RowInput(params, tokens=[1, 2, 3], prompt_len=2)

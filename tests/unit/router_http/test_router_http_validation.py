@@ -81,10 +81,34 @@ def test_openai_unsupported_features() -> None:
     def body(**fields: object) -> CompletionRequest:
         return CompletionRequest.model_validate({"prompt": "x", **fields})
 
-    check_openai_unsupported(body(logit_bias={}))
+    check_openai_unsupported(body(logit_bias={"3": 1.0}))
     assert _refused(check_openai_unsupported, body(n=2)).param == "n"
-    assert "not supported" in _refused(check_openai_unsupported, body(logit_bias={"3": 1.0})).message
     assert _refused(check_openai_unsupported, body(stream_options={"include_usage": True})).status == 400
+
+
+@pytest.mark.parametrize(
+    ("bias", "says"),
+    [
+        ({"x": 1.0}, "must be token ids"),
+        ({"-3": 1.0}, "must be token ids"),
+        ({" 3": 1.0}, "must be token ids"),
+        ({"50": 1.0}, "outside the vocabulary of 50"),
+        ({"3": 100.5}, "[-100, 100]"),
+        ({"3": -101.0}, "[-100, 100]"),
+    ],
+)
+def test_openai_logit_bias_is_checked_against_the_vocabulary_and_range(
+    bias: dict[str, float], says: str
+) -> None:
+    body = CompletionRequest.model_validate({"prompt": "x", "logit_bias": bias})
+    refused = _refused(openai_sampling, body, 50)
+    assert refused.status == 400 and refused.param == "logit_bias" and says in refused.message
+
+
+def test_openai_logit_bias_becomes_sorted_pairs() -> None:
+    body = CompletionRequest.model_validate({"prompt": "x", "logit_bias": {"7": -100, "2": 5.5, "49": 100}})
+    assert openai_sampling(body, 50).logit_bias == ((2, 5.5), (7, -100.0), (49, 100.0))
+    assert openai_sampling(CompletionRequest.model_validate({"prompt": "x"}), 50).logit_bias == ()
 
 
 def test_prompt_limits() -> None:
@@ -115,13 +139,13 @@ def test_stop_sequences() -> None:
 
 def test_openai_sampling_temperature_zero_is_greedy_default_samples() -> None:
     greedy = openai_sampling(
-        CompletionRequest.model_validate({"prompt": "x", "temperature": 0, "top_p": 0.5})
+        CompletionRequest.model_validate({"prompt": "x", "temperature": 0, "top_p": 0.5}), 50
     )
     assert (greedy.do_sample, greedy.temperature, greedy.top_p) == (False, 1.0, 1.0)
-    default = openai_sampling(CompletionRequest.model_validate({"prompt": "x", "seed": 3, "top_k": -1}))
+    default = openai_sampling(CompletionRequest.model_validate({"prompt": "x", "seed": 3, "top_k": -1}), 50)
     assert (default.do_sample, default.temperature, default.seed, default.top_k) == (True, 1.0, 3, 0)
     warm = openai_sampling(
-        CompletionRequest.model_validate({"prompt": "x", "temperature": 0.7, "frequency_penalty": 1.5})
+        CompletionRequest.model_validate({"prompt": "x", "temperature": 0.7, "frequency_penalty": 1.5}), 50
     )
     assert (warm.temperature, warm.frequency_penalty, warm.repetition_penalty) == (0.7, 1.5, 1.0)
 
