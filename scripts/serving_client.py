@@ -34,6 +34,12 @@ def get_json(url: str, timeout: float = 30.0) -> Any:
         return json.loads(response.read())
 
 
+# A chunk of one streamed token, as the router writes it (compact JSON): its only unfinished choice.
+# Inside a JSON string the quotes would be escaped, so generated text cannot fake it; any other
+# server's chunks (other spacing) are parsed in full.
+_TOKEN_MARK = b'"finish_reason":null}]'
+
+
 class StreamTimer:
     """Folds one response's SSE `data:` payloads into a `RequestRecord` (times from `sent`)."""
 
@@ -51,6 +57,9 @@ class StreamTimer:
         if data == b"[DONE]":
             self.end(now)
             return
+        if _TOKEN_MARK in data:  # a token chunk (pdcluster's compact JSON): timed without parsing it
+            self.token(now)
+            return
         chunk = json.loads(data)
         if "error" in chunk:
             self.record.error = str(chunk["error"])
@@ -58,15 +67,19 @@ class StreamTimer:
             return
         if chunk.get("choices"):
             if chunk["choices"][0].get("finish_reason") is None:
-                self.tokens += 1
-                if self.tokens == 1:
-                    self.record.ttft = now - self.sent
-                else:
-                    self.record.itl.append(now - self.last)
-                self.last = now
+                self.token(now)
             self.record.route = chunk.get("pdcluster_route", self.record.route)
         if chunk.get("usage"):
             self.record.output_len = int(chunk["usage"]["completion_tokens"])
+
+    def token(self, now: float) -> None:
+        """One streamed token arrived at `now`."""
+        self.tokens += 1
+        if self.tokens == 1:
+            self.record.ttft = now - self.sent
+        else:
+            self.record.itl.append(now - self.last)
+        self.last = now
 
     def end(self, now: float) -> None:
         """The stream is over (its [DONE], or the body ended without one)."""

@@ -121,3 +121,24 @@ def test_config_needs_a_target_and_sane_values() -> None:
     with pytest.raises(ValueError):
         BenchServingConfig(url="http://x", slo=["ttft"])
     assert BenchServingConfig(url="http://x").rate == math.inf
+
+
+def test_stream_timer_times_compact_and_spaced_token_chunks_alike() -> None:
+    """The load generator skips parsing the router's compact token chunks; any other server's
+    chunks (here with spaces, and text that quotes the marker) are parsed, with the same result."""
+    from scripts.serving_client import StreamTimer
+
+    compact = b'{"id":"c","choices":[{"index":0,"logprobs":null,"text":"a","finish_reason":null}]}'
+    spaced = (b'{"id": "c", "choices": [{"index": 0, "text": "\\"finish_reason\\":null}]",'
+              b' "finish_reason": null}]}')
+    final = (b'{"choices":[{"index":0,"text":"","finish_reason":"length"}],'
+             b'"pdcluster_route":{"decode_replica":"d"}}')
+    usage = b'{"choices":[],"usage":{"completion_tokens":3}}'
+    record = RequestRecord(index=0, input_len=4)
+    timer = StreamTimer(record, sent=10.0)
+    for data, now in ((compact, 10.5), (spaced, 10.75), (compact, 11.0), (final, 11.1), (usage, 11.1)):
+        timer.event(data, now)
+    timer.event(b"[DONE]", 11.2)
+    assert timer.tokens == 3 and record.ttft == pytest.approx(0.5) and record.itl == [0.25, 0.25]
+    assert record.route == {"decode_replica": "d"} and record.output_len == 3
+    assert record.success and record.latency == pytest.approx(1.2)
