@@ -16,6 +16,8 @@ from pathlib import Path
 import httpx
 import pytest
 
+from tests.helpers.processes import alive, descendants
+
 ROOT = Path(__file__).resolve().parents[3]
 
 
@@ -38,32 +40,6 @@ def free_base_port(count: int) -> int:
             for sock in socks:
                 sock.close()
     raise RuntimeError("no free port range")
-
-
-def descendants(pid: int) -> list[int]:
-    """Live (non-zombie) descendants of `pid`, from /proc."""
-    parents: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            if fields[0] != "Z":
-                parents.setdefault(int(fields[1]), []).append(int(entry.name))
-    found, todo = [], [pid]
-    while todo:
-        kids = parents.get(todo.pop(), [])
-        found += kids
-        todo += kids
-    return found
-
-
-def alive(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 # Stand-ins for the two remote launchers. Each logs its own argv, then runs the command here as the

@@ -12,6 +12,8 @@ from pathlib import Path
 
 import httpx
 
+from tests.helpers.processes import alive, children_of
+
 ROOT = Path(__file__).resolve().parents[3]
 
 
@@ -20,29 +22,6 @@ def port_open(address: str) -> bool:
     with socket.socket() as sock:
         sock.settimeout(0.5)
         return sock.connect_ex((host, int(port))) == 0
-
-
-def children_of(pid: int) -> list[int]:
-    """Live direct children (from /proc)."""
-    out = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            if int(fields[1]) == pid and fields[0] != "Z":
-                out.append(int(entry.name))
-    return out
-
-
-def alive(pid: int) -> bool:
-    """The process exists and is not a zombie."""
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state != "Z"
 
 
 def test_up_ready_line_serves_and_stops_everything(tiny_model_factory: Callable[..., Path],

@@ -13,7 +13,7 @@ from replica.model.config import ModelConfig
 from replica.model.llama import load_model
 
 
-def _config() -> ModelConfig:
+def _config(**extra: object) -> ModelConfig:
     return ModelConfig.from_dict(
         {
             "architectures": ["LlamaForCausalLM"],
@@ -23,6 +23,7 @@ def _config() -> ModelConfig:
             "num_hidden_layers": 2,
             "num_attention_heads": 4,
             "num_key_value_heads": 2,
+            **extra,
         }
     )
 
@@ -141,18 +142,7 @@ def test_sliding_window_decode_gathers_only_the_window_pages() -> None:
     """A decode step under a window reads only the pages the window reaches, with the same result
     as attention over exactly the window's keys; a window wider than every context keeps them all."""
     window, bs = 5, 4
-    config = ModelConfig.from_dict(
-        {
-            "architectures": ["MistralForCausalLM"],
-            "vocab_size": 10,
-            "hidden_size": 16,
-            "intermediate_size": 8,
-            "num_hidden_layers": 2,
-            "num_attention_heads": 4,
-            "num_key_value_heads": 2,
-            "sliding_window": window,
-        }
-    )
+    config = _config(architectures=["MistralForCausalLM"], sliding_window=window)
     cache = PagedKVCache.for_model(config, num_blocks=16, block_size=bs, dtype=torch.float32)
     gen = torch.Generator().manual_seed(0)
     cache.tensor.copy_(torch.randn(cache.tensor.shape, generator=gen))  # every slot a distinct key
