@@ -190,7 +190,8 @@ class ReplicaWorker:
     async def run_prefill(self, members: list[Member], batch_id: BatchId,
                           case: PrefillCase = PrefillCase.NORMAL, pipe_peer: tuple[int, ...] = (),
                           raise_errors: bool = False, from_queue: bool = True) -> LiveBatch | None:
-        """Prefill `members` here; stream their first tokens; return the cached batch, pruned.
+        """Prefill `members` here; stream their first tokens; return the cached batch, pruned (a
+        migrating case's batch as the replica reported it: it is cached on its receiver, not here).
 
         A failed call releases its pages and, unless `raise_errors`, fails (or re-runs) the members.
         `from_queue` is False for a decode replica's re-prefill (the route keeps the prefill replica).
@@ -214,7 +215,12 @@ class ReplicaWorker:
         if result.batch is None:
             self.h.state.release(pages)
             return None
-        return await self.prune(LiveBatch.of(result.batch, members, self.h.block_size))
+        live = LiveBatch.of(result.batch, members, self.h.block_size)
+        if case is not PrefillCase.NORMAL:
+            # The batch left with its KV (MIGRATE*: not cached here, FilterBatch would be NOT_FOUND);
+            # requests that finished or went away meanwhile are pruned where it arrives.
+            return live
+        return await self.prune(live)
 
     def _pages(self, members: list[Member]) -> list[int]:
         return [member_blocks(m, self.h.block_size) for m in members]

@@ -284,9 +284,7 @@ class Migrations:
         except ReplicaCallError as exc:
             await self._receiver_failed(src, dst, batch_id, live, exc)
             return
-        if live is not None:
-            with contextlib.suppress(ReplicaCallError):
-                await src.client.clear_cache(live.id)
+        # nothing to clear on P: a MIGRATE_PROGRESSIVE prefill never caches its batch there
         src.state.release([m.id for m in members])
         arrived = LiveBatch.of(got, members, src.block_size)
         self._arrive(dst, arrived, Strategy.PROGRESSIVE, self.hub.clock() - t0)

@@ -144,6 +144,29 @@ def test_logit_bias_through_the_openai_api(
     assert "logit_bias" in str(refused.value)
 
 
+@pytest.mark.parametrize("strategy", list(Strategy))
+def test_a_request_done_at_its_first_token_does_not_fail_its_batch(
+    cluster: LocalCluster, oracle: GreedyOracle, model_dir: Path, strategy: Strategy
+) -> None:
+    """Eight requests prefilled together, one of them finished by its first token: the others decode
+    on (under `progressive` the batch is no longer on the prefill replica, and pruning it there
+    once failed the whole batch with NOT_FOUND)."""
+    set_strategy(cluster, strategy)
+
+    async def burst() -> list[httpx.Response]:
+        async with httpx.AsyncClient(base_url=cluster.http_url, timeout=60) as client:
+            return list(await asyncio.gather(*(
+                client.post("/v1/completions", json={"model": model_dir.name, "prompt": PROMPTS[i % 2],
+                                                     "max_tokens": 1 if i == 0 else 6, "temperature": 0})
+                for i in range(8))))
+
+    for i, response in enumerate(asyncio.run(burst())):
+        assert response.status_code == 200, (i, response.text)
+        assert response.json()["choices"][0]["text"] == oracle.text(PROMPTS[i % 2], 1 if i == 0 else 6)
+    infos = wait_pages_free(addresses(cluster))
+    assert all(i.num_blocks_free == i.num_blocks_total for i in infos)
+
+
 def test_32_concurrent_streams_of_mixed_lengths_complete(cluster: LocalCluster, model_dir: Path) -> None:
     set_strategy(cluster, Strategy.FULL)
 
