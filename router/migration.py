@@ -20,7 +20,7 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from router.batches import Arrived, LiveBatch, Member, Reprefill, member_blocks, spec_for
 from router.client import (
@@ -155,11 +155,17 @@ class Migrations:
         if pruned is None:
             return
         spec, t0 = pruned.spec(), self.hub.clock()
-        sent, got = await asyncio.gather(
-            src.client.migrate(spec, [src.rank], [dst.rank]),
-            dst.client.immigrate(spec, [src.rank], [dst.rank]), return_exceptions=True)
+        migrate = asyncio.ensure_future(src.client.migrate(spec, [src.rank], [dst.rank]))
+        immigrate = asyncio.ensure_future(dst.client.immigrate(spec, [src.rank], [dst.rank]))
+        # A sender that is gone will send no header: stop the receiver's wait (it frees its pages on
+        # the cancel) instead of letting it run to its deadline with the batch's requests waiting.
+        migrate.add_done_callback(lambda done: _cancel_if_gone(done, immigrate))
+        # and a receiver that is unreachable is dead now, not once the sender's connect gives up on it
+        immigrate.add_done_callback(lambda done: self._mark_dead_if_gone(dst, done))
+        sent, got = await asyncio.gather(migrate, immigrate, return_exceptions=True)
         if isinstance(sent, BaseException) or isinstance(got, BaseException):
-            await self._failed(src, dst, pruned, [e for e in (sent, got) if isinstance(e, BaseException)])
+            errors = [e for e in (sent, got) if isinstance(e, Exception)]  # not the cancelled wait
+            await self._failed(src, dst, pruned, errors)
             return
         src.state.release(pruned.members)
         self._arrive(dst, LiveBatch.of(got, list(pruned.members.values()), pruned.block_size),
@@ -262,6 +268,8 @@ class Migrations:
         src = worker.h
         spec, t0 = spec_for(batch_id, members, src.block_size), self.hub.clock()
         receive = asyncio.create_task(dst.client.immigrate(spec, [src.rank], [dst.rank]))
+        # a receiver that is unreachable is dead now, not when the sender's connect gives up on it
+        receive.add_done_callback(lambda done: self._mark_dead_if_gone(dst, done))
         try:
             live = await worker.run_prefill(members, batch_id, PrefillCase.MIGRATE_PROGRESSIVE, (dst.rank,),
                                             raise_errors=True)
@@ -289,6 +297,11 @@ class Migrations:
         arrived = LiveBatch.of(got, members, src.block_size)
         self._arrive(dst, arrived, Strategy.PROGRESSIVE, self.hub.clock() - t0)
 
+    def _mark_dead_if_gone(self, handle: ReplicaHandle, call: asyncio.Future[Any]) -> None:
+        """`handle`'s own call failed as unreachable (not because of its peer): it is dead."""
+        if _gone(call):
+            self.hub.mark_dead(handle.id, str(call.exception()))
+
     async def _receiver_failed(self, src: ReplicaHandle, dst: ReplicaHandle, batch_id: BatchId,
                                live: LiveBatch | None, exc: ReplicaCallError) -> None:
         """The prefill ran but the receiver failed: the batch is still on P, send it by recompute."""
@@ -307,6 +320,19 @@ class Migrations:
             await src.client.clear_cache(live.id)
         src.state.release(live.members)
         self.hub.fail(list(live.members.values()), f"migration of batch {batch_id} failed: {exc}", 502)
+
+
+def _gone(call: asyncio.Future[Any]) -> bool:
+    """The call failed because its replica could not be reached (UNAVAILABLE without a peer cause)."""
+    if call.cancelled():
+        return False
+    exc = call.exception()
+    return isinstance(exc, ReplicaUnavailable) and not isinstance(exc, PeerFailed)
+
+
+def _cancel_if_gone(sender: asyncio.Future[Any], receiver: asyncio.Future[Any]) -> None:
+    if _gone(sender) and not receiver.done():
+        receiver.cancel()
 
 
 def _side(exc: ReplicaUnavailable, src: ReplicaHandle, dst: ReplicaHandle) -> ReplicaHandle:

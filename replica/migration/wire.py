@@ -36,6 +36,10 @@ from transfer.fabric import Fabric
 
 KV_STREAM = int(Stream.KV)
 _OPTIONS = TransferOptions(confirm=False)  # one acknowledgement at the end of the whole migration
+# Both replicas were serving when the router paired them, so the receiver's fabric listens: one that
+# still does not take the KV connection after this long is gone, and the sender fails UNAVAILABLE now
+# instead of retrying until the migration's deadline (minutes, with the router's prefill loop held).
+CONNECT_GRACE_S = 10.0
 _LATE_ACK_S = 2.0  # an acknowledgement may go out this long past the receiver's deadline
 _names = itertools.count()
 
@@ -67,6 +71,7 @@ def send_kv(
     # is replaced now rather than failing this header
     fabric.refresh(peer, KV_STREAM)
     try:
+        _connect(fabric, peer, deadline)
         sent = fabric.send(peer, name, [(0, HEADER_BYTES)], KV_STREAM, deadline)
         for regions in runs:
             if regions:
@@ -81,6 +86,20 @@ def send_kv(
     finally:
         fabric.unregister(name)
     _await_ack(fabric, peer, header.nonce, error, deadline)
+
+
+def _connect(fabric: Fabric, peer: int, deadline: Deadline) -> None:
+    """The KV connection to `peer` (at once when it is up), within `CONNECT_GRACE_S`: past that the
+    receiver is gone (`PeerGone`), unless the migration's own deadline came first (`TransferTimeout`)."""
+    grace = Deadline.after(min(deadline.remaining(), CONNECT_GRACE_S))
+    try:
+        fabric.connect(peer, KV_STREAM, grace).wait(grace)
+    except TransferTimeout as exc:
+        if deadline.expired():
+            raise
+        raise PeerGone(
+            f"rank {peer} did not take the KV connection within {CONNECT_GRACE_S:g} s (gone?): {exc}"
+        ) from exc
 
 
 def read_header(

@@ -80,6 +80,7 @@ class FakeReplica(pb_grpc.TextGenerationServiceServicer):
         self.immigrate_delay = 0.0
         self.immigrating = 0
         self.max_immigrating = 0
+        self.cancelled: list[str] = []  # calls whose caller cancelled them while they waited
         self.prefilling = 0  # PrefillV2 calls being served now, and the most at once
         self.max_prefilling = 0
         self.server: grpc.aio.Server | None = None
@@ -189,11 +190,13 @@ class FakeReplica(pb_grpc.TextGenerationServiceServicer):
             self.prefilling -= 1
         gens = [self._advance(r) for r in reqs]
         self.batches[request.batch.id] = reqs
+        cached = self._cached(request.batch.id)
         if request.forward_case & 3:
             # The KV goes as it was before the first token was sampled (the receiver gets it as last tokens).
             sent = [FakeRequest(r.id, r.tokens[:-1], r.max_new, r.pages) for r in reqs]
             self.fabric.slot(self.rank, request.pipe_peer[0], request.batch.id).set_result(sent)
-        return pb.PrefillV2Response(generations=gens, batch=self._cached(request.batch.id))
+            self._free(request.batch.id)  # as on a replica: a migrating prefill's batch is not kept here
+        return pb.PrefillV2Response(generations=gens, batch=cached)
 
     async def DecodeV2(self, request: pb.DecodeV2Request, context: grpc.aio.ServicerContext
                        ) -> pb.DecodeV2Response:
@@ -276,6 +279,9 @@ class FakeReplica(pb_grpc.TextGenerationServiceServicer):
         try:
             got = await asyncio.wait_for(self.fabric.slot(*key), 10)
             await asyncio.sleep(self.immigrate_delay)
+        except asyncio.CancelledError:
+            self.cancelled.append("Immigrate")
+            raise
         finally:
             self.immigrating -= 1
         del self.fabric.sent[key]

@@ -115,6 +115,23 @@ def test_the_side_of_a_failed_migration_that_was_not_reached_is_marked_dead_not_
     run(body())
 
 
+def test_a_gone_sender_cancels_the_receivers_wait_and_the_batch_runs_again() -> None:
+    # Migrate fails UNAVAILABLE without a cause (the prefill replica is unreachable): no header will
+    # ever reach the receiver, so its Immigrate is cancelled rather than left to its deadline
+    async def body() -> None:
+        async with fake_cluster((Role.PREFILL, Role.DECODE, Role.DECODE), Strategy.FULL) as (sched, fakes):
+            fakes[0].fail["Migrate"] = grpc.StatusCode.UNAVAILABLE
+            events = await asyncio.wait_for(collect(sched.submit(request([6, 2], 5))), 8)
+            assert tokens_of(events) == expected_tokens([6, 2], 5)
+            assert sched.replicas[ReplicaId(0)].state.role is Role.DEAD
+            receiver = next(f for f in fakes[1:] if "Immigrate" in f.calls)
+            while "Immigrate" not in receiver.cancelled:  # the server learns of the cancel a little later
+                await asyncio.sleep(0.01)
+            await settle(fakes[1:])
+            assert [f.free for f in fakes[1:]] == [f.num_blocks for f in fakes[1:]]
+    run(body())
+
+
 def test_when_every_replica_died_running_and_queued_requests_fail_with_503_instead_of_waiting() -> None:
     async def body() -> None:
         async with fake_cluster(PD, Strategy.FULL, max_batch_size=1) as (sched, fakes):
