@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import json
 import logging
-import socket
 import threading
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -24,6 +23,7 @@ from typing import Any
 
 from transfer.core import Rank, Stream
 from transfer.fabric import Fabric, create_fabric
+from transfer.ports import free_ports
 from transfer.ranktable import RankEntry, RankTable, load_rank_table
 
 log = logging.getLogger(__name__)
@@ -51,17 +51,10 @@ class KvLayout:
         return "kv:" + json.dumps(asdict(self), sort_keys=True, separators=(",", ":"))
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port free right now on `host` (for a one-rank table's transfer address)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return int(sock.getsockname()[1])
-
-
 def local_table(rank: int, host: str, grpc_port: int) -> RankTable:
     """The one-rank table of a replica started without `--cluster` (no peers; ServiceDiscovery works)."""
     entry = RankEntry(rank=Rank(rank), host=host, node="n0", device="cpu",
-                      transfer_address=f"{host}:{free_port(host)}", grpc_port=grpc_port)
+                      transfer_address=f"{host}:{free_ports(1, host)[0]}", grpc_port=grpc_port)
     return RankTable((entry,))
 
 

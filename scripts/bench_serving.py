@@ -28,7 +28,6 @@ import math
 import os
 import random
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -38,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from scripts.local_cluster import Placement
+from scripts.replica_process import free_ports
 from scripts.serving_client import get_json, stream_completion
 from scripts.serving_stats import (
     RequestRecord,
@@ -311,18 +311,12 @@ def threads_per_replica(config: BenchServingConfig) -> int:
     return max(1, (os.cpu_count() or 1) // max(1, config.prefill + config.decode))
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 class LocalCluster:
     """`pdcluster up` in a subprocess for the duration of a `with` block; yields its HTTP URL."""
 
     def __init__(self, config: BenchServingConfig) -> None:
         self.config = config
-        self.port = _free_port()
+        self.port = free_ports(1)[0]
         self.log = tempfile.NamedTemporaryFile(prefix="pdcluster-up-", suffix=".log", delete=False)  # noqa: SIM115
         self.proc: subprocess.Popen[bytes] | None = None
 

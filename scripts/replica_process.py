@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 import queue
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -23,6 +22,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
 from typing import IO
+
+from transfer.ports import free_port_run, free_ports
+
+__all__ = ["ReplicaProcess", "free_port_run", "free_ports", "write_loopback_ranks"]
 
 REPO = Path(__file__).resolve().parents[1]  # the folder holding the `scripts` package
 READY_PREFIX = "pdcluster replica serving on"
@@ -78,18 +81,6 @@ class ReplicaProcess:
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
         self.stop()
-
-
-def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
-    """`n` distinct ports free on `host` right now (bound together, then released)."""
-    socks = [socket.socket() for _ in range(n)]
-    try:
-        for sock in socks:
-            sock.bind((host, 0))
-        return [int(sock.getsockname()[1]) for sock in socks]
-    finally:
-        for sock in socks:
-            sock.close()
 
 
 def write_loopback_ranks(

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -16,30 +15,10 @@ from pathlib import Path
 import httpx
 import pytest
 
+from scripts.replica_process import free_port_run
 from tests.helpers.processes import alive, descendants
 
 ROOT = Path(__file__).resolve().parents[3]
-
-
-def free_base_port(count: int) -> int:
-    """A port p with p .. p+count-1 all free right now."""
-    for _ in range(50):
-        with socket.socket() as probe:
-            probe.bind(("127.0.0.1", 0))
-            base = probe.getsockname()[1]
-        if base + count > 65535:
-            continue
-        socks = [socket.socket() for _ in range(count)]
-        try:
-            for i, sock in enumerate(socks):
-                sock.bind(("127.0.0.1", base + i))
-            return base
-        except OSError:
-            continue
-        finally:
-            for sock in socks:
-                sock.close()
-    raise RuntimeError("no free port range")
 
 
 # Stand-ins for the two remote launchers. Each logs its own argv, then runs the command here as the
@@ -87,7 +66,7 @@ def test_launch_serves_and_sigterm_leaves_no_children(
     proc = subprocess.Popen(
         [sys.executable, "-m", "scripts.cli", "launch", "--hosts", str(hosts), "--transport", transport,
          "--model", str(model), "--prefill", "1", "--decode", "1", "--strategy", "recompute",
-         "--base-port", str(free_base_port(2)), "--transfer-base-port", str(free_base_port(2)),
+         "--base-port", str(free_port_run(2)), "--transfer-base-port", str(free_port_run(2)),
          "--http-port", "0", "--admin-port", "0", "--num-blocks", "128", "--torch-threads", "1",
          "--log-dir", str(tmp_path / "logs"), "--ready-timeout", "120"],
         cwd=ROOT, stdout=subprocess.PIPE, text=True, env=env)
