@@ -12,6 +12,7 @@ import logging
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+from router.client import ReplicaCallError
 from router.replicas import SERVING, Role, TransitionError
 from router.types import ReplicaId
 
@@ -85,11 +86,15 @@ async def activate(hub: ClusterScheduler, target_ids: Sequence[int], role: Role,
         t.state.set_role(Role.LOADING)
     t0 = hub.clock()
     try:
-        if method is ActivationMethod.P2P:
-            await _p2p(sources, targets)
-        else:
-            await _chain(sources[0], targets)
-        await _become_ready(targets, role)
+        try:
+            if method is ActivationMethod.P2P:
+                await _p2p(sources, targets)
+            else:
+                await _chain(sources[0], targets)
+        except BaseException:
+            await _settle([*sources, *targets])
+            raise
+        await _become_ready(hub, targets, role)
     except BaseException:
         for t in targets:
             if t.state.role is Role.LOADING:
@@ -100,12 +105,26 @@ async def activate(hub: ClusterScheduler, target_ids: Sequence[int], role: Role,
 
 
 async def _p2p(sources: list[ReplicaHandle], targets: list[ReplicaHandle]) -> None:
-    """One source per target (round robin), SendParams ‖ RecvParams, then join every transfer."""
-    pairs = [(sources[i % len(sources)], t) for i, t in enumerate(targets)]
-    for src, dst in pairs:
+    """One source per target (round robin); a source sends to its targets one after another (a
+    replica runs one parameter operation at a time), the sources in parallel."""
+    share: dict[int, tuple[ReplicaHandle, list[ReplicaHandle]]] = {}
+    for i, t in enumerate(targets):
+        src = sources[i % len(sources)]
+        share.setdefault(src.id, (src, []))[1].append(t)
+    await asyncio.gather(*(_send_each(src, dsts) for src, dsts in share.values()))
+
+
+async def _send_each(src: ReplicaHandle, targets: list[ReplicaHandle]) -> None:
+    for dst in targets:
         await asyncio.gather(src.client.send_params(dst.rank), dst.client.recv_params(src.rank))
-    involved = {h.id: h for pair in pairs for h in pair}
-    await asyncio.gather(*(h.client.wait_rdma_done() for h in involved.values()))
+        await asyncio.gather(src.client.wait_rdma_done(), dst.client.wait_rdma_done())
+
+
+async def _settle(members: list[ReplicaHandle]) -> None:
+    """After a failed transfer: wait until every live member's background part has ended (each
+    fails or finishes within its own deadline), so that a retry finds no operation in flight."""
+    live = {h.id: h for h in members if h.state.alive}
+    await asyncio.gather(*(h.client.wait_rdma_done() for h in live.values()), return_exceptions=True)
 
 
 async def _chain(source: ReplicaHandle, targets: list[ReplicaHandle]) -> None:
@@ -116,11 +135,23 @@ async def _chain(source: ReplicaHandle, targets: list[ReplicaHandle]) -> None:
     await asyncio.gather(*(m.client.wait_rdma_done() for m in members))
 
 
-async def _become_ready(targets: list[ReplicaHandle], role: Role) -> None:
+async def _become_ready(hub: ClusterScheduler, targets: list[ReplicaHandle], role: Role) -> None:
+    """Give every target that reports its weights loaded its role; one that cannot be reached any
+    more is dead. Raise naming the targets that did not become ready (the others serve)."""
+    failed: list[str] = []
     for t in targets:
-        info = await t.client.info()
+        try:
+            info = await t.client.info()
+        except ReplicaCallError as exc:
+            hub.mark_dead(t.id, f"unreachable right after its weights arrived: {exc}")
+            failed.append(f"replica {t.id} is unreachable (marked dead)")
+            continue
         if not info.loaded:
-            raise TransitionError(f"replica {t.id} reports its weights are not loaded after the transfer")
+            failed.append(f"replica {t.id} reports its weights are not loaded after the transfer")
+            continue
         t.state.info = info
         t.state.set_role(role)
         log.info("replica %s activated as %s", t.id, role.value)
+    if failed:
+        ready = [t.id for t in targets if t.state.role is role]
+        raise TransitionError("; ".join(failed) + (f" (activated: {ready})" if ready else ""))

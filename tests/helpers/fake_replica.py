@@ -81,6 +81,7 @@ class FakeReplica(pb_grpc.TextGenerationServiceServicer):
         self.immigrating = 0
         self.max_immigrating = 0
         self.cancelled: list[str] = []  # calls whose caller cancelled them while they waited
+        self.param_op = ""  # the parameter operation in the background (one at a time, as on a replica)
         self.prefilling = 0  # PrefillV2 calls being served now, and the most at once
         self.max_prefilling = 0
         self.server: grpc.aio.Server | None = None
@@ -297,17 +298,20 @@ class FakeReplica(pb_grpc.TextGenerationServiceServicer):
     async def SendParams(self, request: pb.SendParamsRequest, context: grpc.aio.ServicerContext
                          ) -> pb.SendParamsResponse:
         await self._enter("SendParams", context)
+        await self._start_param_op("SendParams", context)
         return pb.SendParamsResponse()
 
     async def RecvParams(self, request: pb.RecvParamsRequest, context: grpc.aio.ServicerContext
                          ) -> pb.RecvParamsResponse:
         await self._enter("RecvParams", context)
+        await self._start_param_op("RecvParams", context)
         self.loaded = True
         return pb.RecvParamsResponse()
 
     async def RdmaBroadcast(self, request: pb.BroadcastRequest, context: grpc.aio.ServicerContext
                             ) -> pb.BroadcastResponse:
         await self._enter("RdmaBroadcast", context)
+        await self._start_param_op("RdmaBroadcast", context)
         if self.rank in request.dst_ranks:
             self.loaded = True
         return pb.BroadcastResponse()
@@ -315,7 +319,14 @@ class FakeReplica(pb_grpc.TextGenerationServiceServicer):
     async def WaitRdmaDone(self, request: pb.WaitRdmaDoneRequest, context: grpc.aio.ServicerContext
                            ) -> pb.WaitRdmaDoneResponse:
         await self._enter("WaitRdmaDone", context)
+        self.param_op = ""  # joined: the next operation may start
         return pb.WaitRdmaDoneResponse()
+
+    async def _start_param_op(self, name: str, context: grpc.aio.ServicerContext) -> None:
+        if self.param_op:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                f"{name}: another parameter operation ({self.param_op}) is in flight")
+        self.param_op = name
 
     async def ResetStatus(self, request: pb.ResetStatusRequest, context: grpc.aio.ServicerContext
                           ) -> pb.ResetStatusResponse:

@@ -25,6 +25,7 @@ from tests.helpers.router_core import (
 )
 
 PD = (Role.PREFILL, Role.DECODE)
+ONE_AND_TWO_INACTIVE = (Role.COLOCATED, Role.INACTIVE, Role.INACTIVE)
 
 
 async def settle(fakes: list[FakeReplica], timeout: float = 5.0) -> None:
@@ -304,6 +305,56 @@ def test_activation_failure_leaves_the_replica_inactive() -> None:
             else:
                 raise AssertionError("activation should fail")
             assert sched.replicas[ReplicaId(1)].state.role is Role.INACTIVE
+    run(body())
+
+
+def _inactive(sched: ClusterScheduler, fakes: list[FakeReplica], ids: tuple[int, ...]) -> None:
+    for rid in ids:
+        fakes[rid].loaded = False
+        sched.replicas[ReplicaId(rid)].state.role = Role.INACTIVE
+
+
+def test_p2p_from_one_source_to_two_targets_sends_one_after_the_other() -> None:
+    # a replica runs one parameter operation at a time: the second SendParams waits for the first
+    async def body() -> None:
+        async with fake_cluster(ONE_AND_TWO_INACTIVE, Strategy.FULL) as (sched, fakes):
+            _inactive(sched, fakes, (1, 2))
+            await control.activate(sched, [1, 2], Role.DECODE, control.ActivationMethod.P2P)
+            assert all(sched.replicas[ReplicaId(i)].state.role is Role.DECODE for i in (1, 2))
+            assert fakes[0].calls.count("SendParams") == 2
+    run(body())
+
+
+def test_a_failed_activation_settles_every_member_so_a_retry_succeeds() -> None:
+    async def body() -> None:
+        async with fake_cluster((Role.COLOCATED, Role.INACTIVE), Strategy.FULL) as (sched, fakes):
+            _inactive(sched, fakes, (1,))
+            fakes[1].fail["WaitRdmaDone"] = grpc.StatusCode.INTERNAL  # the transfer failed on the target
+            try:
+                await control.activate(sched, [1], Role.DECODE, control.ActivationMethod.P2P)
+            except Exception as exc:
+                assert "WaitRdmaDone" in str(exc)
+            else:
+                raise AssertionError("activation should fail")
+            assert not fakes[1].param_op and not fakes[0].param_op  # joined: nothing left in flight
+            await control.activate(sched, [1], Role.DECODE, control.ActivationMethod.P2P)
+            assert sched.replicas[ReplicaId(1)].state.role is Role.DECODE
+    run(body())
+
+
+def test_a_target_unreachable_after_its_weights_arrived_is_dead_and_the_others_serve() -> None:
+    async def body() -> None:
+        async with fake_cluster(ONE_AND_TWO_INACTIVE, Strategy.FULL) as (sched, fakes):
+            _inactive(sched, fakes, (1, 2))
+            fakes[2].fail["Info"] = grpc.StatusCode.UNAVAILABLE
+            try:
+                await control.activate(sched, [1, 2], Role.DECODE, control.ActivationMethod.CHAIN)
+            except Exception as exc:
+                assert "replica 2 is unreachable" in str(exc) and "activated: [1]" in str(exc)
+            else:
+                raise AssertionError("activation should report the dead target")
+            roles = [sched.replicas[ReplicaId(i)].state.role for i in (1, 2)]
+            assert roles == [Role.DECODE, Role.DEAD]
     run(body())
 
 
