@@ -120,11 +120,22 @@ async def _send_each(src: ReplicaHandle, targets: list[ReplicaHandle]) -> None:
         await asyncio.gather(src.client.wait_rdma_done(), dst.client.wait_rdma_done())
 
 
+# How long a failed activation waits for the members' background parts before answering. A member
+# waiting for a peer that died before connecting only fails at its own deadline (minutes): the
+# admin call does not wait for that; a retry meanwhile is refused FAILED_PRECONDITION ("another
+# parameter operation is in flight") until it ends.
+SETTLE_S = 30.0
+
+
 async def _settle(members: list[ReplicaHandle]) -> None:
-    """After a failed transfer: wait until every live member's background part has ended (each
-    fails or finishes within its own deadline), so that a retry finds no operation in flight."""
+    """After a failed transfer: wait (up to `SETTLE_S`) until every live member's background part
+    has ended, so that a retry finds no operation in flight."""
     live = {h.id: h for h in members if h.state.alive}
-    await asyncio.gather(*(h.client.wait_rdma_done() for h in live.values()), return_exceptions=True)
+    joins = asyncio.gather(*(h.client.wait_rdma_done() for h in live.values()), return_exceptions=True)
+    try:
+        await asyncio.wait_for(joins, SETTLE_S)
+    except TimeoutError:
+        log.warning("activation failed and some members are still transferring after %.0f s", SETTLE_S)
 
 
 async def _chain(source: ReplicaHandle, targets: list[ReplicaHandle]) -> None:
