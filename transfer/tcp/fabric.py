@@ -23,7 +23,7 @@ from transfer.errors import FabricClosed, LayoutMismatch, PeerGone, TransferErro
 from transfer.fabric import Fabric
 from transfer.ranktable import RankTable
 from transfer.tcp.inbound import InboundChannel, RecvOp
-from transfer.tcp.outbound import OutboundChannel, SendOp, hard_close
+from transfer.tcp.outbound import REFUSED_GRACE_S, OutboundChannel, SendOp, hard_close
 from transfer.tcp.ratelimit import LinkPacer
 from transfer.tcp.wire import PROTOCOL_VERSION, Hello, HelloStatus, read_hello, write_reply
 
@@ -39,8 +39,10 @@ class TcpFabric(Fabric):
         rank: int,
         inter_node_gbps: float = 0.0,
         intra_node_gbps: float = 0.0,
+        refused_grace_s: float = REFUSED_GRACE_S,
     ) -> None:
         super().__init__(table, rank)
+        self._refused_grace_s = refused_grace_s
         self.buffers = BufferRegistry()
         self._layouts: dict[int, str] = {}
         self._outbound: dict[tuple[Rank, int], OutboundChannel] = {}
@@ -137,7 +139,8 @@ class TcpFabric(Fabric):
             if channel is None:
                 pacer = self._intra if self.table.same_node(self.rank, peer) else self._inter
                 layout = self._layouts.get(stream, "")
-                channel = OutboundChannel(self.rank, self.table[peer], stream, layout, pacer)
+                channel = OutboundChannel(self.rank, self.table[peer], stream, layout, pacer,
+                                          self._refused_grace_s)
                 self._outbound[(peer, stream)] = channel
             return channel
 

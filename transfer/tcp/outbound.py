@@ -33,6 +33,10 @@ from transfer.tcp.ratelimit import LinkPacer
 from transfer.tcp.wire import HEADER, IOV_BATCH, MESSAGE_MAGIC, PROTOCOL_VERSION, Hello, read_reply
 
 _RETRY_S = 0.05
+# A peer whose port refuses connections this long is not starting up but gone: fail `PeerGone` then
+# rather than at the message's deadline (minutes for a weight transfer, with every rank of the
+# collective waiting). Peers of one cluster start within seconds of each other.
+REFUSED_GRACE_S = 15.0
 INLINE_BYTES = 4096  # messages up to this size may be written by the posting thread
 
 
@@ -64,8 +68,12 @@ def unblock(sock: socket.socket) -> None:
 class OutboundChannel:
     """Messages from this rank to `peer` on `stream`, in posting order."""
 
-    def __init__(self, me: int, peer: RankEntry, stream: int, layout: str, pacer: LinkPacer | None) -> None:
+    def __init__(
+        self, me: int, peer: RankEntry, stream: int, layout: str, pacer: LinkPacer | None,
+        refused_grace_s: float = REFUSED_GRACE_S,
+    ) -> None:
         self.me, self.peer, self.stream, self.layout, self.pacer = me, peer, stream, layout, pacer
+        self.refused_grace_s = refused_grace_s
         self._queue: deque[SendOp] = deque()
         self._cond = threading.Condition()
         self._sock: socket.socket | None = None
@@ -231,6 +239,7 @@ class OutboundChannel:
 
     def _connect(self, deadline: Deadline, generation: int) -> socket.socket:
         address = (self.peer.transfer_host, self.peer.transfer_port)
+        refused_since: float | None = None
         while True:
             try:
                 sock = socket.create_connection(address, timeout=max(0.001, min(deadline.remaining(), 2.0)))
@@ -239,6 +248,14 @@ class OutboundChannel:
                 if self._peer_lost and isinstance(exc, ConnectionRefusedError):
                     raise PeerGone(f"rank {self.peer.rank} at {address} closed our connection and is "
                                    f"not listening: {exc}") from exc
+                if isinstance(exc, ConnectionRefusedError):
+                    now = time.monotonic()
+                    refused_since = now if refused_since is None else refused_since
+                    if now - refused_since >= self.refused_grace_s:
+                        raise PeerGone(f"rank {self.peer.rank} at {address} refused connections for "
+                                       f"{self.refused_grace_s:g} s: not listening (gone?)") from exc
+                else:
+                    refused_since = None
                 if deadline.remaining() <= _RETRY_S:
                     raise PeerTimeout(f"rank {self.peer.rank} at {address} not reachable: {exc}") from exc
                 if self._closed or generation != self._generation:  # closed or aborted meanwhile

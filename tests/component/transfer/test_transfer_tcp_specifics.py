@@ -41,6 +41,18 @@ def test_a_peer_that_starts_later_is_reached() -> None:
             fabric.close()
 
 
+def test_a_peer_that_refuses_connections_past_the_grace_is_gone_before_the_deadline() -> None:
+    table = RankTable.local(free_ports(2))
+    fabric = TcpFabric(table, 0, refused_grace_s=0.3)
+    try:
+        fabric.register("x", bytearray(10))
+        handle = fabric.send(1, "x", [(0, 10)], 1, Deadline.after(60))  # rank 1 never starts
+        with pytest.raises(PeerGone, match=r"refused connections for 0\.3 s"):
+            handle.wait(Deadline.after(60))
+    finally:
+        fabric.close()
+
+
 def test_close_while_connecting_is_prompt() -> None:
     table = RankTable.local(free_ports(2))
     fabric = TcpFabric(table, 0)
