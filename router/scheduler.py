@@ -285,12 +285,13 @@ class ClusterScheduler:
     async def add_replica(self, address: str, role: Role, registered: bool = False) -> ReplicaId:
         """Connect to a replica, read its Info and start its loop."""
         client = ReplicaClient(address, self.config.rpc_timeout, self.config.transfer_timeout)
+        # Whatever a joining replica holds is nobody's: this router has sent it nothing yet. It may
+        # hold batches of a router that died (restarted against the same replicas), or of its own
+        # earlier life here (declared dead, registering again: those requests re-ran elsewhere).
+        # Left cached, their pages would be lost to every later batch.
+        with contextlib.suppress(ReplicaCallError):
+            await client.clear_cache()
         info = await client.info()
-        if any(h.state.address == address and not h.state.alive for h in self.replicas.values()):
-            # declared dead before (it registers again): it may still hold batches of that life,
-            # which were re-run elsewhere
-            with contextlib.suppress(ReplicaCallError):
-                await client.clear_cache()
         if role in SERVING and not info.loaded:
             log.warning("replica %s has no weights loaded: registering it inactive", address)
             role = Role.INACTIVE

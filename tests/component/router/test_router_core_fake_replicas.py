@@ -39,8 +39,9 @@ def test_full_migration_route_and_call_sequence() -> None:
             route = finish_of(events).route
             assert (route.prefill_replica, route.decode_replica, route.strategy) == (0, 1, "full")
             assert route.migration_bytes == 16 * 8  # one page of 16 tokens, 8 bytes per token
-            assert [c for c in p.calls if c != "Info"] == ["PrefillV2", "Migrate"]
-            assert [c for c in d.calls if c != "Info"][:2] == ["Immigrate", "DecodeV2"]
+            # (each replica was cleared once when it joined: whatever it held was nobody's)
+            assert [c for c in p.calls if c != "Info"] == ["ClearCache", "PrefillV2", "Migrate"]
+            assert [c for c in d.calls if c != "Info"][:3] == ["ClearCache", "Immigrate", "DecodeV2"]
     run(body())
 
 
