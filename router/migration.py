@@ -307,9 +307,8 @@ class Migrations:
         """The prefill ran but the receiver failed: the batch is still on P, send it by recompute."""
         with contextlib.suppress(ReplicaCallError):
             await dst.client.clear_cache(batch_id)
-        if isinstance(exc, ReplicaUnavailable):
-            self.hub.mark_dead(dst.id, str(exc))
-        elif isinstance(exc, ReplicaUnimplemented):
+        # an unreachable receiver was marked dead when its call failed (`_mark_dead_if_gone`)
+        if isinstance(exc, ReplicaUnimplemented):
             self._warn_once("progressive", [exc])
         if live is None:
             return
@@ -326,8 +325,7 @@ def _gone(call: asyncio.Future[Any]) -> bool:
     """The call failed because its replica could not be reached (UNAVAILABLE without a peer cause)."""
     if call.cancelled():
         return False
-    exc = call.exception()
-    return isinstance(exc, ReplicaUnavailable) and not isinstance(exc, PeerFailed)
+    return isinstance(call.exception(), ReplicaUnavailable)  # PeerFailed is not one: the caller is alive
 
 
 def _cancel_if_gone(sender: asyncio.Future[Any], receiver: asyncio.Future[Any]) -> None:

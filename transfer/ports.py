@@ -21,6 +21,12 @@ def ephemeral_start() -> int:
         return 32768  # Linux's default
 
 
+def _draw_range() -> tuple[int, int]:
+    """[low, high): the 12000 ports below the ephemeral range (above the privileged ones)."""
+    high = ephemeral_start()
+    return max(1024, high - 12000), high
+
+
 def _bindable(host: str, port: int) -> bool:
     with socket.socket() as probe:
         probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the listeners bind
@@ -33,8 +39,7 @@ def _bindable(host: str, port: int) -> bool:
 
 def free_port_run(n: int, host: str = "127.0.0.1") -> int:
     """A first port p with p .. p+n-1 all free right now (a `--base-port`), drawn like `free_ports`."""
-    high = ephemeral_start()
-    low = max(1024, high - 12000)
+    low, high = _draw_range()
     rng = random.Random()
     for _ in range(1000):
         base = rng.randrange(low, high - n)
@@ -45,8 +50,7 @@ def free_port_run(n: int, host: str = "127.0.0.1") -> int:
 
 def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
     """`n` distinct ports free on `host` right now, for listeners that bind them later."""
-    high = ephemeral_start()
-    low = max(1024, high - 12000)
+    low, high = _draw_range()
     rng = random.Random()
     found: list[int] = []
     for _ in range(100 * n + 1000):

@@ -15,6 +15,7 @@ far), so a request samples the same tokens whatever batch it shares and whicheve
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from typing import NamedTuple
 
@@ -117,11 +118,18 @@ class Choice(NamedTuple):
     top_logprobs: tuple[float, ...] = ()
 
 
+@functools.lru_cache(maxsize=256)
+def _bias_tensors(logit_bias: tuple[tuple[int, float], ...]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ids, biases) of a request's logit_bias: the same pairs at every step of the request."""
+    biased, bias = zip(*logit_bias, strict=True)
+    return torch.tensor(biased), torch.tensor(bias, dtype=torch.float32)
+
+
 def _penalise(row: torch.Tensor, inp: RowInput) -> torch.Tensor:
     params = inp.params
     if params.logit_bias:
-        biased, bias = zip(*params.logit_bias, strict=True)
-        row = row.index_add(0, torch.tensor(biased), torch.tensor(bias, dtype=row.dtype))
+        biased, bias = _bias_tensors(params.logit_bias)
+        row = row.index_add(0, biased, bias.to(row.dtype))
     if params.repetition_penalty != 1.0 and inp.tokens:
         seen = torch.tensor(list(inp.tokens), dtype=torch.long)
         row = repetition_penalty(row, seen, params.repetition_penalty)

@@ -21,8 +21,9 @@ class StopChecker:
     def resuming(cls, params: StoppingParams, eos_token_ids: Collection[int], earlier: str) -> StopChecker:
         """A checker for a request whose earlier runs generated `earlier` (a continuation's text; ""
         for a new request): a stop sequence may start in it and end in this run's text."""
-        longest = max((len(stop) for stop in params.stop_sequences), default=1)
-        return cls(params, eos_token_ids, output=earlier[len(earlier) - longest + 1 :] if longest > 1 else "")
+        checker = cls(params, eos_token_ids)
+        checker.output = checker._reachable(earlier)
+        return checker
 
     def step(self, token_id: int, text: str) -> FinishReason | None:
         """Account one generated token; the reason to stop now, or None."""
@@ -43,6 +44,10 @@ class StopChecker:
         for stop in self.params.stop_sequences:
             start = max(len(self.output) - len(text) - len(stop) + 1, 0)
             hit = hit or stop in self.output[start:]
-        longest = max(len(stop) for stop in self.params.stop_sequences)
-        self.output = self.output[len(self.output) - longest + 1 :] if longest > 1 else ""
+        self.output = self._reachable(self.output)
         return hit
+
+    def _reachable(self, text: str) -> str:
+        """The end of `text` that a later stop sequence can still start in (one char short of the longest)."""
+        longest = max((len(stop) for stop in self.params.stop_sequences), default=1)
+        return text[len(text) - longest + 1 :] if longest > 1 else ""

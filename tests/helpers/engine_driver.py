@@ -7,6 +7,7 @@ greedy `generate` of one prompt alone, with each chosen token's log-probability.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -24,12 +25,16 @@ from replica.engine.types import (
 )
 
 
-def reference_greedy(hf: Any, prompt: list[int], max_new: int) -> tuple[list[int], list[float]]:
-    """transformers' greedy tokens for `prompt` alone, and each one's log-probability."""
+def reference_greedy(
+    hf: Any, prompt: Sequence[int], max_new: int, ignore_eos: bool = False
+) -> tuple[list[int], list[float]]:
+    """transformers' greedy tokens for `prompt` alone (exactly `max_new` with `ignore_eos`), and each
+    one's log-probability."""
     out = hf.generate(
-        torch.tensor([prompt]),
+        torch.tensor([list(prompt)]),
         attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
         max_new_tokens=max_new,
+        min_new_tokens=max_new if ignore_eos else None,
         do_sample=False,
         output_scores=True,
         return_dict_in_generate=True,

@@ -22,6 +22,7 @@ import pytest
 import torch
 
 from protos import generate_pb2 as pb
+from tests.helpers.engine_driver import reference_greedy
 from tests.helpers.inproc_cluster import CALL_TIMEOUT as CALL_TIMEOUT
 from tests.helpers.inproc_cluster import InProcReplica as InProcReplica
 from tests.helpers.inproc_cluster import inproc_cluster
@@ -70,18 +71,7 @@ def reference(model: Path, prompts: list[list[int]], max_new: list[int]) -> list
     from transformers import AutoModelForCausalLM
 
     hf = AutoModelForCausalLM.from_pretrained(model, torch_dtype=torch.float32).eval()
-    out = []
-    for prompt, n in zip(prompts, max_new, strict=True):
-        ids = hf.generate(
-            torch.tensor([prompt]),
-            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-            max_new_tokens=n,
-            min_new_tokens=n,
-            do_sample=False,
-            pad_token_id=0,
-        )
-        out.append(ids[0, len(prompt) :].tolist())
-    return out
+    return [reference_greedy(hf, p, n, ignore_eos=True)[0] for p, n in zip(prompts, max_new, strict=True)]
 
 
 def pair(first: Callable[[], T], second: Callable[[], U]) -> tuple[T, U]:

@@ -18,6 +18,7 @@ import torch
 
 from protos import generate_pb2 as pb
 from protos import generate_pb2_grpc as pb_grpc
+from tests.helpers.engine_driver import reference_greedy
 from tests.helpers.inproc_cluster import CALL_TIMEOUT as CALL_TIMEOUT
 from tests.helpers.inproc_cluster import InProcReplica as InProcReplica
 from tests.helpers.inproc_cluster import inproc_cluster
@@ -93,14 +94,4 @@ def reference(model: Path, prompts: Sequence[Sequence[int]], max_new: int) -> li
     from transformers import AutoModelForCausalLM
 
     hf = AutoModelForCausalLM.from_pretrained(model, torch_dtype=torch.float32).eval()
-    out = []
-    for prompt in prompts:
-        ids = hf.generate(
-            torch.tensor([list(prompt)]),
-            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-            max_new_tokens=max_new,
-            do_sample=False,
-            pad_token_id=0,
-        )
-        out.append(ids[0, len(prompt) :].tolist())
-    return out
+    return [reference_greedy(hf, p, max_new)[0] for p in prompts]
