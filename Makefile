@@ -36,7 +36,7 @@ proto-check: $(STAMP)
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
-	$(BIN)/mypy protos replica transfer router scripts tests
+	$(BIN)/mypy protos replica transfer router pdcluster scripts tests
 
 test: $(STAMP) proto-check
 	$(BIN)/pytest -q $(PYTEST_ARGS)

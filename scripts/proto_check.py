@@ -1,41 +1,11 @@
-"""Fail when the committed gRPC stubs differ from what `make proto` would generate."""
+"""`make proto-check`: fail when the committed gRPC stubs differ from what `make proto` generates.
 
-from __future__ import annotations
+A thin entry point: the check is `pdcluster.tools.proto_check`.
+"""
 
-import filecmp
-import shutil
-import subprocess
 import sys
-import tempfile
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-
-
-def main() -> int:
-    protos = sorted((ROOT / "protos").glob("*.proto"))
-    with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp)
-        (out / "protos").mkdir()
-        for proto in protos:
-            shutil.copy(proto, out / "protos" / proto.name)
-        subprocess.run(
-            [sys.executable, "-m", "grpc_tools.protoc", "-I", ".", "--python_out=.",
-             "--grpc_python_out=.", "--pyi_out=.", *[f"protos/{p.name}" for p in protos]],
-            cwd=out, check=True,
-        )
-        stale = [
-            generated.name
-            for generated in sorted((out / "protos").glob("*_pb2*.py*"))
-            if not (ROOT / "protos" / generated.name).exists()
-            or not filecmp.cmp(generated, ROOT / "protos" / generated.name, shallow=False)
-        ]
-    if stale:
-        print(f"stale generated stubs (run `make proto`): {', '.join(stale)}", file=sys.stderr)
-        return 1
-    print(f"stubs up to date for {len(protos)} proto file(s)")
-    return 0
-
+from pdcluster.tools.proto_check import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -28,7 +28,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 @pytest.fixture(scope="session")
 def tiny_model_factory(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
     """Build (once per distinct argument set) a tiny checkpoint and return its folder."""
-    from scripts.tiny_model import TinyModelConfig, make_tiny_model
+    from pdcluster.tools.tiny_model import TinyModelConfig, make_tiny_model
 
     built: dict[tuple[tuple[str, object], ...], Path] = {}
 

@@ -19,12 +19,12 @@ from typing import Any
 
 import grpc
 
+from pdcluster.cluster.replica_process import free_ports, write_loopback_ranks
 from protos import generate_pb2 as pb
 from protos import generate_pb2_grpc as pb_grpc
 from replica.config import ReplicaConfig
 from replica.server.main import launch
 from replica.server.weights_rpcs import WeightState
-from scripts.replica_process import free_ports, write_loopback_ranks
 
 CALL_TIMEOUT = 60.0
 

@@ -8,7 +8,7 @@ import threading
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
-from scripts.replica_process import free_ports
+from pdcluster.cluster.replica_process import free_ports
 from transfer.fabric import Fabric
 from transfer.fake import FakeFabric, FakeFaults, FakeNetwork
 from transfer.ranktable import RankTable

@@ -15,7 +15,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from scripts.replica_process import free_port_run
+from pdcluster.cluster.replica_process import free_port_run
 from tests.helpers.processes import alive, descendants
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -64,7 +64,7 @@ def test_launch_serves_and_sigterm_leaves_no_children(
     hosts.write_text("# one node, both replicas\n127.0.0.1 slots=2\n")
     env = {**os.environ, **fake_launchers(tmp_path)}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "scripts.cli", "launch", "--hosts", str(hosts), "--transport", transport,
+        [sys.executable, "-m", "pdcluster", "launch", "--hosts", str(hosts), "--transport", transport,
          "--model", str(model), "--prefill", "1", "--decode", "1", "--strategy", "recompute",
          "--base-port", str(free_port_run(2)), "--transfer-base-port", str(free_port_run(2)),
          "--http-port", "0", "--admin-port", "0", "--num-blocks", "128", "--torch-threads", "1",

@@ -16,9 +16,9 @@ from pathlib import Path
 import grpc
 import pytest
 
+from pdcluster.cluster.replica_process import ReplicaProcess
 from protos import generate_pb2 as pb
 from protos import generate_pb2_grpc as pb_grpc
-from scripts.replica_process import ReplicaProcess
 from tests.helpers.migration_cluster import code_and_cause, make_batch, random_prompts, write_rank_table
 
 NUM_BLOCKS = 256

@@ -11,9 +11,9 @@ from pathlib import Path
 import grpc
 import pytest
 
+from pdcluster.cluster.replica_process import ReplicaProcess
 from protos import generate_pb2 as pb
 from protos import generate_pb2_grpc as pb_grpc
-from scripts.replica_process import ReplicaProcess
 from tests.helpers.weights_cluster import generate, prompts_for, reference, write_rank_table
 
 TRANSFER_TIMEOUT = 15.0

@@ -7,7 +7,7 @@ import json
 import os
 from pathlib import Path
 
-from scripts.bench_replica import PATHS, BenchReplicaConfig, run
+from pdcluster.bench.replica import PATHS, BenchReplicaConfig, run
 
 
 def test_bench_replica_writes_every_path_and_ratio(tiny_llama: Path, tmp_path: Path) -> None:

@@ -12,9 +12,9 @@ from pathlib import Path
 import grpc
 import pytest
 
+from pdcluster.cluster.replica_process import REPO, ReplicaProcess
 from protos import generate_pb2 as pb
 from protos import generate_pb2_grpc as pb_grpc
-from scripts.replica_process import REPO, ReplicaProcess
 
 DEADLINE = 30.0
 CORES = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
@@ -50,7 +50,7 @@ def test_engine_thread_alone_on_its_core(tiny_model_factory: Callable[..., Path]
 def test_a_core_it_may_not_use_is_refused(tiny_model_factory: Callable[..., Path]) -> None:
     model = tiny_model_factory(arch="llama")
     missing = max(CORES) + 1
-    cmd = [sys.executable, "-m", "scripts.cli", "replica", "--model", str(model), "--port", "0",
+    cmd = [sys.executable, "-m", "pdcluster", "replica", "--model", str(model), "--port", "0",
            "--engine-cpus", str(missing)]
     done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=DEADLINE)
     assert done.returncode == 2

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import grpc
 
+from pdcluster.cluster.replica_process import ReplicaProcess
 from protos import generate_pb2 as pb
 from protos import generate_pb2_grpc as pb_grpc
-from scripts.replica_process import ReplicaProcess
 
 DEADLINE = 30.0
 

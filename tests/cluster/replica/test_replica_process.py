@@ -17,9 +17,9 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from pdcluster.cluster.replica_process import ReplicaProcess
 from protos import generate_pb2 as pb
 from protos import generate_pb2_grpc as pb_grpc
-from scripts.replica_process import ReplicaProcess
 
 NUM_BLOCKS = 96
 DEADLINE = 30.0

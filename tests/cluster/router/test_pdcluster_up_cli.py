@@ -28,7 +28,7 @@ def test_up_ready_line_serves_and_stops_everything(tiny_model_factory: Callable[
                                                    tmp_path: Path) -> None:
     model = tiny_model_factory()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "scripts.cli", "up", "--model", str(model), "--prefill", "1", "--decode", "1",
+        [sys.executable, "-m", "pdcluster", "up", "--model", str(model), "--prefill", "1", "--decode", "1",
          "--strategy", "recompute", "--http-port", "0", "--admin-port", "0", "--num-blocks", "128",
          "--log-dir", str(tmp_path)], cwd=ROOT, stdout=subprocess.PIPE, text=True)
     try:

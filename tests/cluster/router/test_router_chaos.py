@@ -19,8 +19,8 @@ from typing import Any
 import httpx
 import pytest
 
+from pdcluster.cluster.local import LocalCluster, UpConfig
 from router.config import Strategy
-from scripts.local_cluster import LocalCluster, UpConfig
 from tests.helpers.router_cluster import grpcurl, wait_pages_free
 
 TOKEN = "chaos-token"

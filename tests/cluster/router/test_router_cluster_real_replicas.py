@@ -15,8 +15,8 @@ import pytest
 from text_generation import AsyncClient as TGIAsyncClient
 from text_generation import Client as TGIClient
 
+from pdcluster.cluster.local import LocalCluster, UpConfig
 from router.config import Strategy
-from scripts.local_cluster import LocalCluster, UpConfig
 from tests.helpers.router_cluster import (
     GreedyOracle,
     grpcurl,

@@ -14,8 +14,8 @@ from pathlib import Path
 import httpx
 import pytest
 
+from pdcluster.cluster.local import LocalCluster, UpConfig
 from router.config import Strategy
-from scripts.local_cluster import LocalCluster, UpConfig
 from tests.helpers.router_cluster import grpcurl, wait_pages_free
 
 TOKEN = "dead-receiver-token"

@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parents[3]
 
 
 def start(args: list[str], log: Path) -> subprocess.Popen[str]:
-    return subprocess.Popen([sys.executable, "-m", "scripts.cli", *args], cwd=ROOT, stdout=subprocess.PIPE,
+    return subprocess.Popen([sys.executable, "-m", "pdcluster", *args], cwd=ROOT, stdout=subprocess.PIPE,
                             stderr=log.open("w"), text=True)
 
 

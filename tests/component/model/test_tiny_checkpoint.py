@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
+from pdcluster.cli import main as cli_main
+from pdcluster.tools.tiny_model import TinyModelConfig
 from replica.model.config import ModelConfig
-from scripts.cli import main as cli_main
-from scripts.tiny_model import TinyModelConfig
 
 transformers = pytest.importorskip("transformers")
 

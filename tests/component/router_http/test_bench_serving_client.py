@@ -5,9 +5,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from pdcluster.bench.serving.bench import BenchServingConfig, run
 from router.http import ServingInfo, create_app
 from router.tokenizer import Tokenizer
-from scripts.bench_serving import BenchServingConfig, run
 from tests.helpers.fake_scheduler import FakeScheduler
 from tests.helpers.router_http import serve, write_word_tokenizer
 

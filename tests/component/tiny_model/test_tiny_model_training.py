@@ -15,11 +15,11 @@ from typing import Any
 import pytest
 import torch
 
+from pdcluster.cli import main as cli_main
+from pdcluster.tools.tiny_model import CORPUS, STORIES, TinyModelConfig, hf_config
+from pdcluster.tools.tiny_train import corpus_text, corpus_windows, initial_model, mean_loss
 from replica.model.attention import AttentionContext, PagedKVCache, SeqSlice
 from replica.model.llama import load_model
-from scripts.cli import main as cli_main
-from scripts.tiny_model import CORPUS, STORIES, TinyModelConfig, hf_config
-from scripts.tiny_train import corpus_text, corpus_windows, initial_model, mean_loss
 
 transformers = pytest.importorskip("transformers")
 

@@ -7,9 +7,9 @@ import threading
 
 import pytest
 
+from pdcluster.bench.replica import Cores
 from replica.config import ReplicaConfig
 from replica.placement import CpuPlacement, PlacementError, set_thread_cpus
-from scripts.bench_replica import Cores
 
 
 def test_engine_cores_are_taken_from_the_allowed_ones() -> None:

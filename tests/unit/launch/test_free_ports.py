@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import socket
 
-from scripts.replica_process import free_port_run, free_ports
+from pdcluster.cluster.replica_process import free_port_run, free_ports
 from transfer.ports import ephemeral_start
 
 

@@ -9,8 +9,16 @@ from pathlib import Path
 
 import pytest
 
-from scripts.launch import Launch, LaunchConfig, pdcluster_command
-from scripts.launch_plan import Node, Transport, assign, parse_hosts, rank_table, remote_script, wrap
+from pdcluster.cluster.launch import Launch, LaunchConfig, pdcluster_command
+from pdcluster.cluster.launch_plan import (
+    Node,
+    Transport,
+    assign,
+    parse_hosts,
+    rank_table,
+    remote_script,
+    wrap,
+)
 from transfer.ranktable import parse_rank_table
 
 HOSTS = """
@@ -114,5 +122,5 @@ def test_config_needs_exactly_one_node_source_and_default_command(tmp_path: Path
         LaunchConfig(model=Path("m"))
     with pytest.raises(ValueError):
         LaunchConfig(model=Path("m"), hosts=tmp_path, slurm=True)
-    assert pdcluster_command("python -m scripts.cli") == ["python", "-m", "scripts.cli"]
+    assert pdcluster_command("python -m pdcluster") == ["python", "-m", "pdcluster"]
     assert pdcluster_command("")[0].endswith(("pdcluster", "python", "python3"))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from scripts.bench_migration import BenchMigrationConfig, _summary
+from pdcluster.bench.migration import BenchMigrationConfig, _summary
 
 
 def test_shapes_within_the_token_budget_smallest_first() -> None:

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from scripts.local_cluster import LocalCluster, Placement, UpConfig
+from pdcluster.cluster.local import LocalCluster, Placement, UpConfig
 from transfer.ranktable import load_rank_table
 
 

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from scripts.bench_serving import BenchServingConfig
-from scripts.serving_stats import (
+from pdcluster.bench.serving.bench import BenchServingConfig
+from pdcluster.bench.serving.stats import (
     RequestRecord,
     cluster_decode_rate,
     mean_concurrency,
@@ -18,7 +18,7 @@ from scripts.serving_stats import (
     steady_decode_rate,
     summarize,
 )
-from scripts.serving_workload import Arrival, clip, load_trace, poisson_arrivals
+from pdcluster.bench.serving.workload import Arrival, clip, load_trace, poisson_arrivals
 
 
 def _record(i: int, start: float, ttft: float, latency: float, out: int, ok: bool = True) -> RequestRecord:
@@ -126,7 +126,7 @@ def test_config_needs_a_target_and_sane_values() -> None:
 def test_stream_timer_times_compact_and_spaced_token_chunks_alike() -> None:
     """The load generator skips parsing the router's compact token chunks; any other server's
     chunks (here with spaces, and text that quotes the marker) are parsed, with the same result."""
-    from scripts.serving_client import StreamTimer
+    from pdcluster.bench.serving.client import StreamTimer
 
     compact = b'{"id":"c","choices":[{"index":0,"logprobs":null,"text":"a","finish_reason":null}]}'
     spaced = (b'{"id": "c", "choices": [{"index": 0, "text": "\\"finish_reason\\":null}]",'

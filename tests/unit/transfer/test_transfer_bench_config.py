@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from scripts.bench_transfer import BenchTransferConfig, parse_size
+from pdcluster.bench.transfer import BenchTransferConfig, parse_size
 
 
 def test_sizes() -> None:

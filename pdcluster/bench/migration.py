@@ -32,7 +32,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from scripts.replica_process import ReplicaProcess, free_ports, write_loopback_ranks
+from pdcluster.cluster.replica_process import ReplicaProcess, free_ports, write_loopback_ranks
 
 _CALL_S = 300.0
 
@@ -85,7 +85,7 @@ class BenchMigrationConfig:
 
 # ---------------------------------------------------------------------------------- setup
 def _make_model(config: BenchMigrationConfig, out: Path) -> Path:
-    from scripts.tiny_model import TinyModelConfig, make_tiny_model
+    from pdcluster.tools.tiny_model import TinyModelConfig, make_tiny_model
 
     longest = max(config.tokens) + 8
     make_tiny_model(

@@ -23,11 +23,12 @@ from pathlib import Path
 from types import TracebackType
 from typing import IO
 
+from pdcluster import SOURCE_ROOT
 from transfer.ports import free_port_run, free_ports
 
 __all__ = ["ReplicaProcess", "free_port_run", "free_ports", "write_loopback_ranks"]
 
-REPO = Path(__file__).resolve().parents[1]  # the folder holding the `scripts` package
+REPO = SOURCE_ROOT  # where the replica starts: relative paths in its arguments mean the same as here
 READY_PREFIX = "pdcluster replica serving on"
 
 
@@ -47,7 +48,7 @@ class ReplicaProcess:
 
         The replica's log lines are kept in `stderr_lines` and, with `log`, also written to that file.
         """
-        cmd = [sys.executable, "-m", "scripts.cli", "replica", "--model", str(model), "--port", "0", *args]
+        cmd = [sys.executable, "-m", "pdcluster", "replica", "--model", str(model), "--port", "0", *args]
         proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         lines: queue.Queue[str | None] = queue.Queue()
         stderr: list[str] = []

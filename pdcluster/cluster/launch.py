@@ -5,8 +5,8 @@
                    ├─ srun --nodelist=node2 bash -c '…; exec pdcluster replica …' ─┤ "…serving on H:P"
                    └─ pdcluster router --replica H:P … --role …  (here)  "pdcluster router ready: …"
 ```
-Placement, the rank table and the commands are pure data (`scripts.launch_plan`); the process
-wrapper, ready-line waiting and stop logic are `scripts.local_cluster`'s. On Ctrl-C / SIGTERM the
+Placement, the rank table and the commands are pure data (`pdcluster.cluster.launch_plan`); the process
+wrapper, ready-line waiting and stop logic are `pdcluster.cluster.local`'s. On Ctrl-C / SIGTERM the
 router stops first, then every ssh/srun/local process: killing `ssh -tt` hangs up the remote
 terminal (the replica, exec'd as the session's process, gets SIGHUP); SIGTERM to srun is forwarded
 to its step.
@@ -23,8 +23,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from router.config import Strategy
-from scripts.launch_plan import (
+from pdcluster import SOURCE_ROOT
+from pdcluster.cluster.launch_plan import (
     Node,
     Placement,
     Transport,
@@ -36,7 +36,7 @@ from scripts.launch_plan import (
     router_args,
     wrap,
 )
-from scripts.local_cluster import (
+from pdcluster.cluster.local import (
     REPLICA_READY,
     ROUTER_READY,
     Proc,
@@ -45,8 +45,9 @@ from scripts.local_cluster import (
     stop_procs,
     supervise,
 )
+from router.config import Strategy
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = SOURCE_ROOT
 
 
 @dataclass
@@ -112,7 +113,7 @@ def pdcluster_command(python: str) -> list[str]:
     if python:
         return shlex.split(python)
     script = Path(sys.executable).parent / "pdcluster"
-    return [str(script)] if script.exists() else [sys.executable, "-m", "scripts.cli"]
+    return [str(script)] if script.exists() else [sys.executable, "-m", "pdcluster"]
 
 
 class Launch:
@@ -179,7 +180,7 @@ class Launch:
             proc.address = proc.wait_line(REPLICA_READY, deadline)[len(REPLICA_READY):].strip()
         args = router_args(self.placements, [p.address for p in self.replicas], c.model, c.router_host,
                            c.http_port, c.admin_port, c.strategy.value)
-        self.router = spawn("router", "router", [sys.executable, "-m", "scripts.cli", *args],
+        self.router = spawn("router", "router", [sys.executable, "-m", "pdcluster", *args],
                             self.log_dir / "router.log")
         line = self.router.wait_line(ROUTER_READY, time.monotonic() + c.ready_timeout)
         self.http_url, self.admin_address = parse_router_ready(line)

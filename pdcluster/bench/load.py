@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from scripts.replica_process import ReplicaProcess, free_ports, write_loopback_ranks
+from pdcluster.cluster.replica_process import ReplicaProcess, free_ports, write_loopback_ranks
 
 
 @dataclass
@@ -58,7 +58,7 @@ class BenchLoadConfig:
 
 # ------------------------------------------------------------------------------------- load
 def _make_checkpoint(config: BenchLoadConfig, folder: Path) -> Path:
-    from scripts.tiny_model import TinyModelConfig, make_tiny_model
+    from pdcluster.tools.tiny_model import TinyModelConfig, make_tiny_model
 
     heads = max(config.hidden // 64, 1)
     tiny = TinyModelConfig(

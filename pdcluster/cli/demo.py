@@ -1,7 +1,7 @@
 """`pdcluster demo` (what `make demo` runs): a tiny model, a 1 prefill + 1 decode cluster, a few
 streaming requests through the OpenAI API with each answer's route, then a clean shutdown.
 
-The model is trained for a few hundred steps on the built-in English text (scripts/tiny_train.py,
+The model is trained for a few hundred steps on the built-in English text (pdcluster/tools/tiny_train.py,
 under a minute on 2 cores, once per workdir), so each prompt, taken from that text, is answered with
 the words that follow it there.
 
@@ -19,8 +19,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from pdcluster.cluster.local import LocalCluster, UpConfig
 from router.config import Strategy
-from scripts.local_cluster import LocalCluster, UpConfig
 
 PROMPTS = (
     "Once upon a time",
@@ -51,7 +51,7 @@ def ensure_model(workdir: Path) -> Path:
     `workdir/model.json` records the settings the folder was built with, so a folder left by an
     older demo (e.g. random weights) or one whose build was interrupted is built again.
     """
-    from scripts.tiny_model import TinyModelConfig, make_tiny_model
+    from pdcluster.tools.tiny_model import TinyModelConfig, make_tiny_model
 
     out = workdir / "model"
     # a little larger than the tests' default checkpoint, so it learns the text in the time given

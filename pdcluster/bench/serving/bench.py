@@ -36,10 +36,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from scripts.local_cluster import Placement
-from scripts.replica_process import free_ports
-from scripts.serving_client import get_json, stream_completion
-from scripts.serving_stats import (
+from pdcluster.bench.serving.client import get_json, stream_completion
+from pdcluster.bench.serving.stats import (
     RequestRecord,
     cluster_decode_rate,
     mean_concurrency,
@@ -47,7 +45,9 @@ from scripts.serving_stats import (
     steady_decode_rate,
     summarize,
 )
-from scripts.serving_workload import Arrival, clip, load_trace, poisson_arrivals
+from pdcluster.bench.serving.workload import Arrival, clip, load_trace, poisson_arrivals
+from pdcluster.cluster.local import Placement
+from pdcluster.cluster.replica_process import free_ports
 
 DECODE_GOAL = 0.80  # cluster decode tokens/s ÷ in-process, the issue's goal
 
@@ -247,7 +247,7 @@ async def _one(
 # ------------------------------------------------------------------------- in-process comparison
 def _compare_in_process(config: BenchServingConfig, records: list[RequestRecord], duration: float) -> dict:
     """The engine alone at the batch size the cluster ran (all requests, or the mean concurrency)."""
-    from scripts.engine_baseline import run_engine_baseline
+    from pdcluster.bench.engine_baseline import run_engine_baseline
 
     assert config.model is not None
     done = [r for r in records if r.success]
@@ -323,7 +323,7 @@ class LocalCluster:
     def command(self) -> list[str]:
         """The `pdcluster up` command line."""
         c = self.config
-        cmd = [sys.executable, "-m", "scripts.cli", "up", "--model", str(c.model)]
+        cmd = [sys.executable, "-m", "pdcluster", "up", "--model", str(c.model)]
         cmd += ["--prefill", str(c.prefill), "--decode", str(c.decode), "--http-port", str(self.port)]
         cmd += ["--admin-port", "0", "--torch-threads", str(threads_per_replica(c))] + (
             ["--num-blocks", str(c.num_blocks)] if c.num_blocks else []

@@ -29,8 +29,9 @@ from pathlib import Path
 from types import FrameType, TracebackType
 from typing import Protocol
 
+from pdcluster import SOURCE_ROOT
+from pdcluster.cluster.replica_process import free_ports
 from router.config import Strategy
-from scripts.replica_process import free_ports
 
 REPLICA_READY = "pdcluster replica serving on "
 ROUTER_READY = "pdcluster router ready:"
@@ -156,7 +157,7 @@ class LocalCluster:
         self.stop()
 
     def _spawn(self, name: str, role: str, args: list[str], cpus: frozenset[int] | None = None) -> Proc:
-        argv = [sys.executable, "-m", "scripts.cli", *args]
+        argv = [sys.executable, "-m", "pdcluster", *args]
         return spawn(name, role, argv, self.log_dir / f"{name}.log", cpus)
 
     def _cpus(self, role: str, decode_index: int) -> frozenset[int] | None:
@@ -243,7 +244,7 @@ def spawn(name: str, role: str, argv: list[str], log: Path, cpus: frozenset[int]
     popen = subprocess.Popen(
         argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=log.open("w"), text=True,
         preexec_fn=before_exec,
-        cwd=Path(__file__).resolve().parent.parent,
+        cwd=SOURCE_ROOT,
     )
     proc = Proc(name, role, popen, log)
     threading.Thread(target=proc.pump, daemon=True, name=f"pump-{name}").start()

@@ -20,7 +20,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from scripts.replica_process import free_ports
+from pdcluster.cluster.replica_process import free_ports
 
 _UNITS = {"": 1, "b": 1, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30,
           "kb": 10**3, "mb": 10**6, "gb": 10**9}
@@ -82,7 +82,7 @@ def _table_json(config: BenchTransferConfig, ports: list[int]) -> str:
 
 
 def _jobs(config: BenchTransferConfig, kind: str, algo: str, n: int) -> list[Any]:
-    from scripts.bench_transfer_ranks import Job
+    from pdcluster.bench.transfer_ranks import Job
 
     size, gloo_port, ports = parse_size(config.size), free_ports(1)[0], free_ports(n)
     table = _table_json(config, ports)
@@ -96,7 +96,7 @@ def _jobs(config: BenchTransferConfig, kind: str, algo: str, n: int) -> list[Any
 
 def _measure(config: BenchTransferConfig, kind: str, algo: str, n: int, show: bool) -> float:
     """Run one measurement with `n` processes; return the median over repeats of the slowest rank."""
-    from scripts import bench_transfer_ranks as ranks
+    from pdcluster.bench import transfer_ranks as ranks
 
     ctx = mp.get_context("spawn")
     barrier, results, progress = ctx.Barrier(n), ctx.Queue(), ctx.Queue()

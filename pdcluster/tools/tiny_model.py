@@ -8,7 +8,7 @@ and written by a small safetensors writer (no torch import: the command runs in 
 second); tokenizers is imported only when a model is made, so `--help` stays fast.
 
 Weights are random by default. With `--train-steps N` the model is instead trained briefly on the
-built-in English text (`CORPUS` + `STORIES`, see scripts/tiny_train.py: torch and transformers,
+built-in English text (`CORPUS` + `STORIES`, see pdcluster/tools/tiny_train.py: torch and transformers,
 imported only then), so greedy continuations of prompts from that text read as English. The folder
 layout and the tokenizer (always learnt from `CORPUS` alone) are the same either way.
 """
@@ -213,7 +213,7 @@ def _random_weights(cfg: TinyModelConfig) -> dict[str, np.ndarray]:
 
 def _trained_weights(cfg: TinyModelConfig, log: Callable[[str], None] | None) -> dict[str, np.ndarray]:
     """Tensors of a model trained on CORPUS + STORIES, by HF name, encoded in the checkpoint dtype."""
-    from scripts.tiny_train import TrainSettings, train_on_corpus
+    from pdcluster.tools.tiny_train import TrainSettings, train_on_corpus
 
     settings = TrainSettings(steps=cfg.train_steps, seconds=cfg.train_seconds, lr=cfg.train_lr, seed=cfg.seed)
     trained, _ = train_on_corpus(hf_config(cfg), _train_tokenizer(cfg.vocab), CORPUS + STORIES, settings, log)

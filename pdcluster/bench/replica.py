@@ -33,9 +33,10 @@ from pathlib import Path
 from statistics import median
 from typing import Any
 
+from pdcluster import SOURCE_ROOT
 from router.loops import PIPELINE_DEPTH, PREFILL_DEPTH
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = SOURCE_ROOT
 
 
 @dataclass(frozen=True)
@@ -261,7 +262,7 @@ def _replica(config: BenchReplicaConfig, model: Path, cores: Cores | None) -> It
     cmd = [
         sys.executable,
         "-m",
-        "scripts.cli",
+        "pdcluster",
         "replica",
         "--model",
         str(model),
@@ -453,7 +454,7 @@ def run(config: BenchReplicaConfig) -> int:
     with tempfile.TemporaryDirectory(prefix="bench-replica-") as tmp:
         model = config.model
         if model is None:
-            from scripts.tiny_model import TinyModelConfig, make_tiny_model
+            from pdcluster.tools.tiny_model import TinyModelConfig, make_tiny_model
 
             model = make_tiny_model(TinyModelConfig(out=Path(tmp) / "tiny", arch="llama"))
         import grpc

@@ -25,7 +25,7 @@ from urllib.parse import urlsplit
 
 import httptools
 
-from scripts.serving_stats import RequestRecord
+from pdcluster.bench.serving.stats import RequestRecord
 
 
 def get_json(url: str, timeout: float = 30.0) -> Any:

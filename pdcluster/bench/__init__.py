@@ -1,0 +1,1 @@
+"""The benchmarks behind `pdcluster bench ...` and the serving load generator."""

@@ -1,0 +1,1 @@
+"""`pdcluster bench serving`: the benchmark, its load generator (workload, client) and its statistics."""
