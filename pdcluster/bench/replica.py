@@ -21,22 +21,19 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 from statistics import median
 from typing import Any
 
-from pdcluster import SOURCE_ROOT
+from pdcluster.cluster.replica_process import ReplicaProcess
 from router.loops import PIPELINE_DEPTH, PREFILL_DEPTH
 
-REPO = SOURCE_ROOT
+REPLICA_READY_TIMEOUT = 300.0  # seconds (a)'s replica may take to load the model and serve
 
 
 @dataclass(frozen=True)
@@ -257,37 +254,14 @@ def _grpc_run(
     return prefill, decode
 
 
-@contextmanager
-def _replica(config: BenchReplicaConfig, model: Path, cores: Cores | None) -> Iterator[str]:
-    cmd = [
-        sys.executable,
-        "-m",
-        "pdcluster",
-        "replica",
-        "--model",
-        str(model),
-        "--port",
-        "0",
-        "--num-blocks",
-        str(_blocks(config)),
-        "--block-size",
-        str(config.block_size),
-        "--torch-threads",
-        str(config.torch_threads),
-        "--grpc-frontend" if config.grpc_frontend else "--no-grpc-frontend",
-    ]
+def _replica(config: BenchReplicaConfig, model: Path, cores: Cores | None) -> ReplicaProcess:
+    """(a)'s replica subprocess, serving once this returns (stopped by leaving its `with`)."""
+    args = ["--num-blocks", str(_blocks(config)), "--block-size", str(config.block_size),
+            "--torch-threads", str(config.torch_threads),
+            "--grpc-frontend" if config.grpc_frontend else "--no-grpc-frontend"]
     if cores is not None:
-        cmd += ["--engine-cpus", *map(str, sorted(cores.engine))]
-    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-    try:
-        assert proc.stdout is not None
-        line = proc.stdout.readline()  # the replica prints its address once ready (or exits)
-        if not line.strip():
-            raise RuntimeError("the replica subprocess exited before serving")
-        yield line.split()[-1]
-    finally:
-        proc.terminate()
-        proc.wait(30)
+        args += ["--engine-cpus", *map(str, sorted(cores.engine))]
+    return ReplicaProcess.start(model, *args, timeout=REPLICA_READY_TIMEOUT)
 
 
 # ----------------------------------------------------------------------------------------- (c)
@@ -467,7 +441,7 @@ def run(config: BenchReplicaConfig) -> int:
         allowed = os.sched_getaffinity(0)
         cores = Cores.plan(config.pin, allowed)
         try:
-            with _replica(config, model, cores) as address, grpc.insecure_channel(address) as channel:
+            with _replica(config, model, cores) as replica, grpc.insecure_channel(replica.address) as channel:
                 stub = pb_grpc.TextGenerationServiceStub(channel)
                 paths: dict[str, Runner] = {
                     "grpc": partial(_grpc_run, stub, config.prefill_rounds, 1, 1),

@@ -6,7 +6,7 @@
                    └─ pdcluster router --replica H:P … --role …  (here)  "pdcluster router ready: …"
 ```
 Placement, the rank table and the commands are pure data (`pdcluster.cluster.launch_plan`); the process
-wrapper, ready-line waiting and stop logic are `pdcluster.cluster.local`'s. On Ctrl-C / SIGTERM the
+wrapper, ready-line waiting and stop logic are `pdcluster.cluster.processes`'s. On Ctrl-C / SIGTERM the
 router stops first, then every ssh/srun/local process: killing `ssh -tt` hangs up the remote
 terminal (the replica, exec'd as the session's process, gets SIGHUP); SIGTERM to srun is forwarded
 to its step.
@@ -36,11 +36,12 @@ from pdcluster.cluster.launch_plan import (
     router_args,
     wrap,
 )
-from pdcluster.cluster.local import (
+from pdcluster.cluster.processes import (
     REPLICA_READY,
     ROUTER_READY,
     Proc,
     parse_router_ready,
+    pdcluster_argv,
     spawn,
     stop_procs,
     supervise,
@@ -113,7 +114,7 @@ def pdcluster_command(python: str) -> list[str]:
     if python:
         return shlex.split(python)
     script = Path(sys.executable).parent / "pdcluster"
-    return [str(script)] if script.exists() else [sys.executable, "-m", "pdcluster"]
+    return [str(script)] if script.exists() else pdcluster_argv()
 
 
 class Launch:
@@ -180,7 +181,7 @@ class Launch:
             proc.address = proc.wait_line(REPLICA_READY, deadline)[len(REPLICA_READY):].strip()
         args = router_args(self.placements, [p.address for p in self.replicas], c.model, c.router_host,
                            c.http_port, c.admin_port, c.strategy.value)
-        self.router = spawn("router", "router", [sys.executable, "-m", "pdcluster", *args],
+        self.router = spawn("router", "router", pdcluster_argv(*args),
                             self.log_dir / "router.log")
         line = self.router.wait_line(ROUTER_READY, time.monotonic() + c.ready_timeout)
         self.http_url, self.admin_address = parse_router_ready(line)

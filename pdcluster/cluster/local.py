@@ -8,34 +8,33 @@ processes and a router — with one ready line, and a clean stop of everything i
 ```
 Children get SIGTERM when this process dies (Linux parent-death signal), so none is orphaned even
 if `pdcluster up` itself is killed; on Ctrl-C / SIGTERM the router stops first, then the replicas.
-`LocalCluster` is the same thing as a context manager (used by the demo and the cluster tests).
+`LocalCluster` is the same thing as a context manager: the one local cluster of the demo, the
+serving benchmark and the cluster tests. Processes and their stop: `pdcluster.cluster.processes`.
 """
 
 from __future__ import annotations
 
-import contextlib
-import ctypes
 import dataclasses
 import os
-import queue
-import signal
-import subprocess
-import sys
 import tempfile
-import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import FrameType, TracebackType
-from typing import Protocol
+from types import TracebackType
 
-from pdcluster import SOURCE_ROOT
+from pdcluster.cluster.placement import Placement
+from pdcluster.cluster.processes import (
+    REPLICA_READY,
+    ROUTER_READY,
+    Proc,
+    parse_router_ready,
+    pdcluster_argv,
+    spawn,
+    stop_procs,
+    supervise,
+)
 from pdcluster.cluster.replica_process import free_ports
 from router.config import Strategy
-
-REPLICA_READY = "pdcluster replica serving on "
-ROUTER_READY = "pdcluster router ready:"
-_PR_SET_PDEATHSIG = 1
 
 
 @dataclass
@@ -69,67 +68,6 @@ class UpConfig:
             raise ValueError("need at least one prefill or decode replica, and no negative counts")
 
 
-def _die_with_parent() -> None:
-    """In the child before exec: get SIGTERM when the parent dies (Linux)."""
-    with contextlib.suppress(OSError):
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
-
-
-@dataclass(frozen=True)
-class Placement:
-    """CPU cores of a local cluster: a core of its own for each decode replica's engine thread."""
-
-    decode: tuple[frozenset[int], ...]  # engine thread of each decode replica, in rank order
-    shared: frozenset[int]  # everything else (the decode replicas' other threads and fronts too)
-
-    @classmethod
-    def plan(cls, decode: int, cores: set[int] | None = None) -> Placement:
-        """The last `decode` cores go one to each decode replica; at least one core stays shared."""
-        ordered = sorted(cores if cores is not None else os.sched_getaffinity(0))
-        if decode >= len(ordered):
-            raise ValueError(f"--pin-decode: {decode} decode replica(s) need more than {len(ordered)} cores")
-        own = ordered[len(ordered) - decode:]
-        return cls(tuple(frozenset([c]) for c in own), frozenset(ordered[: len(ordered) - decode]))
-
-    def describe(self) -> str:
-        """A short text for logs and benchmark summaries."""
-        decode = ",".join(str(min(c)) for c in self.decode)
-        return f"decode engine threads on cores [{decode}], everything else on {sorted(self.shared)}"
-
-
-@dataclass
-class Proc:
-    """One started process: its role, its ready address, its log."""
-
-    name: str
-    role: str
-    popen: subprocess.Popen[str]
-    log: Path
-    address: str = ""
-    lines: queue.Queue[str] = field(default_factory=queue.Queue)
-
-    def pump(self) -> None:
-        """Forward stdout lines to the queue (a thread; keeps the pipe drained)."""
-        assert self.popen.stdout is not None
-        for line in self.popen.stdout:
-            self.lines.put(line.rstrip("\n"))
-
-    def wait_line(self, prefix: str, deadline: float) -> str:
-        """The first stdout line starting with `prefix` (RuntimeError on exit or past the deadline)."""
-        while True:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise RuntimeError(f"{self.name} printed no ready line in time (log: {self.log})")
-            try:
-                line = self.lines.get(timeout=min(left, 0.2))
-            except queue.Empty:
-                if self.popen.poll() is not None and self.lines.empty():
-                    raise RuntimeError(f"{self.name} exited with {self.popen.returncode} (log: {self.log})"
-                                       ) from None
-                continue
-            if line.startswith(prefix):
-                return line
-
 
 class LocalCluster:
     """Start replicas and a router as subprocesses; `stop()` ends every one of them."""
@@ -157,8 +95,7 @@ class LocalCluster:
         self.stop()
 
     def _spawn(self, name: str, role: str, args: list[str], cpus: frozenset[int] | None = None) -> Proc:
-        argv = [sys.executable, "-m", "pdcluster", *args]
-        return spawn(name, role, argv, self.log_dir / f"{name}.log", cpus)
+        return spawn(name, role, pdcluster_argv(*args), self.log_dir / f"{name}.log", cpus)
 
     def _cpus(self, role: str, decode_index: int) -> frozenset[int] | None:
         """The cores of one process (None: not pinned); a decode replica puts its engine thread on its
@@ -227,90 +164,6 @@ class LocalCluster:
     def stop(self, timeout: float = 10.0) -> None:
         """SIGTERM the router, then the replicas; SIGKILL whatever is still alive after `timeout`."""
         stop_procs([self.router] if self.router else [], self.replicas, timeout=timeout)
-
-
-def spawn(name: str, role: str, argv: list[str], log: Path, cpus: frozenset[int] | None = None) -> Proc:
-    """Start `argv` (stdout piped and pumped into `Proc.lines`, stderr to `log`), dying with us.
-
-    stdin is /dev/null: a child (e.g. `ssh -tt`) must never take over this process's terminal.
-    `cpus`: the cores it (and every thread it starts) may run on.
-    """
-
-    def before_exec() -> None:
-        _die_with_parent()
-        if cpus is not None:
-            os.sched_setaffinity(0, cpus)
-
-    popen = subprocess.Popen(
-        argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=log.open("w"), text=True,
-        preexec_fn=before_exec,
-        cwd=SOURCE_ROOT,
-    )
-    proc = Proc(name, role, popen, log)
-    threading.Thread(target=proc.pump, daemon=True, name=f"pump-{name}").start()
-    return proc
-
-
-def stop_procs(*groups: list[Proc], timeout: float = 10.0) -> None:
-    """SIGTERM each group in turn (waiting for it before the next); SIGKILL what outlives `timeout`."""
-    for group in groups:
-        for proc in group:
-            if proc.popen.poll() is None:
-                proc.popen.terminate()
-        for proc in group:
-            try:
-                proc.popen.wait(timeout)
-            except subprocess.TimeoutExpired:
-                proc.popen.kill()
-                proc.popen.wait(timeout)
-
-
-def parse_router_ready(line: str) -> tuple[str, str]:
-    """(http URL, admin address) from the router's ready line."""
-    fields = dict(part.split("=", 1) for part in line[len(ROUTER_READY):].split() if "=" in part)
-    return fields["http"], fields["admin"]
-
-
-class Supervised(Protocol):
-    """What `supervise` runs: a set of started processes with a router (LocalCluster, Launch)."""
-
-    replicas: list[Proc]
-    router: Proc | None
-
-    def start(self) -> None: ...
-    def ready_line(self) -> str: ...
-    def stop(self) -> None: ...
-
-
-def supervise(tool: str, cluster: Supervised) -> int:
-    """Start `cluster`, print its ready line, report each process that exits, and stop everything on
-    Ctrl-C / SIGTERM (exit 0) or once the router has exited (exit 1)."""
-    stop = threading.Event()
-
-    def on_signal(signum: int, frame: FrameType | None) -> None:
-        stop.set()
-
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
-    try:
-        cluster.start()
-        print(cluster.ready_line(), flush=True)
-        reported: set[str] = set()
-        while not stop.wait(0.5):
-            procs = [*cluster.replicas, *([cluster.router] if cluster.router else [])]
-            for proc in procs:
-                if proc.popen.poll() is not None and proc.name not in reported:
-                    reported.add(proc.name)
-                    print(f"{tool}: {proc.name} exited with {proc.popen.returncode} (log: {proc.log})",
-                          file=sys.stderr, flush=True)
-            if cluster.router is not None and cluster.router.popen.poll() is not None:
-                return 1
-    except RuntimeError as exc:
-        print(f"{tool}: {exc}", file=sys.stderr)
-        return 1
-    finally:
-        cluster.stop()
-    return 0
 
 
 def run(config: UpConfig) -> int:

@@ -15,7 +15,6 @@ import json
 import queue
 import signal
 import subprocess
-import sys
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -24,6 +23,7 @@ from types import TracebackType
 from typing import IO
 
 from pdcluster import SOURCE_ROOT
+from pdcluster.cluster.processes import pdcluster_argv
 from transfer.ports import free_port_run, free_ports
 
 __all__ = ["ReplicaProcess", "free_port_run", "free_ports", "write_loopback_ranks"]
@@ -48,7 +48,7 @@ class ReplicaProcess:
 
         The replica's log lines are kept in `stderr_lines` and, with `log`, also written to that file.
         """
-        cmd = [sys.executable, "-m", "pdcluster", "replica", "--model", str(model), "--port", "0", *args]
+        cmd = pdcluster_argv("replica", "--model", str(model), "--port", "0", *args)
         proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         lines: queue.Queue[str | None] = queue.Queue()
         stderr: list[str] = []

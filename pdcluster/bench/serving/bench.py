@@ -1,7 +1,7 @@
 """`pdcluster bench serving`: end-to-end serving benchmark through the OpenAI API, vLLM's metric names.
 
 ```
- workload (Poisson at --rate, or --trace) ──► serving_client (uvloop + httptools)  ──► router (--url,
+ workload (Poisson at --rate, or --trace) ──► client (uvloop + httptools)          ──► router (--url,
         │                                     streamed /v1/completions, token-id prompts or `pdcluster up`)
         ▼
  OUT.jsonl (one line per request) + OUT (summary: throughput, TTFT/TPOT/ITL/E2EL, goodput)
@@ -10,7 +10,7 @@
 
 The goal's ratio (`decode_ratio`), for a burst (`--rate inf`): the cluster's decode tokens/s while
 every request is in a decode batch (from the last request's first decoded token to the first
-finish, `serving_stats.steady_decode_rate`) over the engine in-process decoding a batch of all
+finish, `stats.steady_decode_rate`) over the engine in-process decoding a batch of all
 of them. `decode_ratio_whole_span` divides the decode tokens from the first first-token to the
 last finish instead, which also counts later batches' prefills and migrations while earlier ones
 decode; with paced arrivals (no such window) that is the ratio, against the mean concurrency.
@@ -28,9 +28,7 @@ import math
 import os
 import random
 import signal
-import subprocess
 import sys
-import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -46,8 +44,9 @@ from pdcluster.bench.serving.stats import (
     summarize,
 )
 from pdcluster.bench.serving.workload import Arrival, clip, load_trace, poisson_arrivals
-from pdcluster.cluster.local import Placement
-from pdcluster.cluster.replica_process import free_ports
+from pdcluster.cluster.local import LocalCluster, UpConfig
+from pdcluster.cluster.placement import Placement
+from router.config import Strategy
 
 DECODE_GOAL = 0.80  # cluster decode tokens/s ÷ in-process, the issue's goal
 
@@ -129,10 +128,13 @@ def run(config: BenchServingConfig) -> int:
         if config.url:
             summary = _run_client(config, config.url.rstrip("/"))
         else:
-            with LocalCluster(config) as url:
+            cluster = local_cluster(config)
+            print(f"bench serving: local cluster starting, logs in {cluster.log_dir}", file=sys.stderr,
+                  flush=True)
+            with cluster:
                 if placement is not None:  # the load generator stays off the decode replicas' cores
                     os.sched_setaffinity(0, placement.shared)
-                summary = _run_client(config, url)
+                summary = _run_client(config, cluster.http_url)
         summary["placement"] = placement.describe() if placement else None
         records = summary.pop("_records")
         if config.in_process and config.model is not None:
@@ -311,64 +313,19 @@ def threads_per_replica(config: BenchServingConfig) -> int:
     return max(1, (os.cpu_count() or 1) // max(1, config.prefill + config.decode))
 
 
-class LocalCluster:
-    """`pdcluster up` in a subprocess for the duration of a `with` block; yields its HTTP URL."""
-
-    def __init__(self, config: BenchServingConfig) -> None:
-        self.config = config
-        self.port = free_ports(1)[0]
-        self.log = tempfile.NamedTemporaryFile(prefix="pdcluster-up-", suffix=".log", delete=False)  # noqa: SIM115
-        self.proc: subprocess.Popen[bytes] | None = None
-
-    def command(self) -> list[str]:
-        """The `pdcluster up` command line."""
-        c = self.config
-        cmd = [sys.executable, "-m", "pdcluster", "up", "--model", str(c.model)]
-        cmd += ["--prefill", str(c.prefill), "--decode", str(c.decode), "--http-port", str(self.port)]
-        cmd += ["--admin-port", "0", "--torch-threads", str(threads_per_replica(c))] + (
-            ["--num-blocks", str(c.num_blocks)] if c.num_blocks else []
-        )
-        cmd += ["--pin-decode"] if placement_of(c) is not None else []
-        return cmd + (["--strategy", c.strategy] if c.strategy else [])
-
-    def __enter__(self) -> str:
-        self.proc = subprocess.Popen(self.command(), stdout=self.log, stderr=subprocess.STDOUT)
-        print(f"bench serving: local cluster starting, log {self.log.name}", file=sys.stderr, flush=True)
-        url = f"http://127.0.0.1:{self.port}"
-        try:
-            self._wait_healthy(url)
-        except BaseException:
-            self.__exit__()
-            raise
-        return url
-
-    def _wait_healthy(self, url: str) -> None:
-        import httpx
-
-        deadline = time.monotonic() + self.config.startup_timeout
-        assert self.proc is not None
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"pdcluster up exited with {self.proc.returncode}; log: {self.log.name}")
-            try:
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    return
-            except httpx.TransportError:
-                pass
-            time.sleep(0.5)
-        raise TimeoutError(
-            f"the local cluster was not healthy within {self.config.startup_timeout}s; log: {self.log.name}"
-        )
-
-    def __exit__(self, *exc: object) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
-        self.log.close()
+def local_cluster(config: BenchServingConfig) -> LocalCluster:
+    """`pdcluster up`'s cluster on --model for this run: free ports, logs in a temp folder."""
+    assert config.model is not None
+    up = UpConfig(
+        model=config.model, prefill=config.prefill, decode=config.decode, http_port=0, admin_port=0,
+        torch_threads=threads_per_replica(config), pin_decode=placement_of(config) is not None,
+        ready_timeout=config.startup_timeout,
+    )
+    if config.strategy:
+        up.strategy = Strategy(config.strategy)
+    if config.num_blocks:
+        up.num_blocks = config.num_blocks
+    return LocalCluster(up)
 
 
 # -------------------------------------------------------------------------------------- output

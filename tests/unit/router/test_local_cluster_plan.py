@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from pdcluster.cluster.local import LocalCluster, Placement, UpConfig
+from pdcluster.cluster.local import LocalCluster, UpConfig
+from pdcluster.cluster.placement import Placement
 from transfer.ranktable import load_rank_table
 
 
