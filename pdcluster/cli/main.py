@@ -1,221 +1,114 @@
-"""The `pdcluster` command: one subcommand per process or tool, each generated from a config dataclass.
+"""The `pdcluster` command: subcommands from `commands.COMMANDS`, flags from their config dataclasses.
 
-Every subcommand is a pair (config dataclass, runner). The parser is built from the dataclass's
-fields: the field name is the flag (`num_blocks` → `--num-blocks`), its type the parser, its
-default the default, and its ``metadata["help"]`` the help text. A runner takes the filled-in
-config and returns the process exit code. Modules are imported only when their subcommand runs,
-so `pdcluster --help` stays fast and a missing optional extra breaks only its own subcommand.
+tyro builds the parser from each config dataclass: the field name is the flag (`num_blocks` →
+`--num-blocks`), its type the parser (a bool gives `--x/--no-x`, a list takes several values, an
+enum takes its values), its default the default and its ``metadata["help"]`` the help text. Three
+more metadata keys are turned into tyro's annotations here, so the config classes import no CLI
+library (`replica/config.py` and `router/config.py` stay pure Python):
 
-Field metadata understood here:
-- ``help``: the help text (required on every field);
-- ``positional``: the field is a positional argument;
-- ``choices``: the allowed values;
-- ``nargs``: argparse's nargs for list fields (default ``"*"``);
-- ``flag``: an explicit flag name instead of the one derived from the field name.
+- ``positional``: the field is a positional argument, shown as the field's name in upper case;
+- ``choices``: the values allowed;
+- ``flag``: the flag's name when it is not the field's (``"--json"`` for a field `json_out`).
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
-import enum
 import importlib
-import importlib.util
-import sys
-import types
 import typing
-from collections.abc import Callable, Sequence
-from pathlib import Path
-from typing import Any
+from collections.abc import Sequence
+from typing import Annotated, Any, Literal, Union
 
-# subcommand -> (help, "module:ConfigClass", "module:runner"); a name with a space is "group sub".
-COMMANDS: dict[str, tuple[str, str, str]] = {
-    "replica": (
-        "run one replica server process",
-        "replica.config:ReplicaConfig",
-        "replica.server.main:serve",
-    ),
-    "router": (
-        "run the router (HTTP front end + admin gRPC)",
-        "router.config:RouterConfig",
-        "router.main:serve",
-    ),
-    "up": (
-        "start a whole cluster on this machine",
-        "pdcluster.cluster.local:UpConfig",
-        "pdcluster.cluster.local:run",
-    ),
-    "launch": (
-        "start replicas across nodes over ssh or Slurm srun, then the router",
-        "pdcluster.cluster.launch:LaunchConfig",
-        "pdcluster.cluster.launch:run",
-    ),
-    "demo": (
-        "set up a tiny model and cluster, serve a few requests",
-        "pdcluster.cli.demo:DemoConfig",
-        "pdcluster.cli.demo:run",
-    ),
-    "make-tiny-model": (
-        "write a random-weight Hugging Face checkpoint with a locally trained tokenizer",
-        "pdcluster.tools.tiny_model:TinyModelConfig",
-        "pdcluster.tools.tiny_model:run",
-    ),
-    "bench replica": (
-        "prefill/decode tokens/s over gRPC, in-process and with transformers",
-        "pdcluster.bench.replica:BenchReplicaConfig",
-        "pdcluster.bench.replica:run",
-    ),
-    "bench transfer": (
-        "transfer-layer GB/s against raw sockets and gloo ceilings",
-        "pdcluster.bench.transfer:BenchTransferConfig",
-        "pdcluster.bench.transfer:run",
-    ),
-    "bench migration": (
-        "KV migration bytes/s against the fabric's p2p",
-        "pdcluster.bench.migration:BenchMigrationConfig",
-        "pdcluster.bench.migration:run",
-    ),
-    "bench load": (
-        "checkpoint loading and weight multicast against raw reads and p2p",
-        "pdcluster.bench.load:BenchLoadConfig",
-        "pdcluster.bench.load:run",
-    ),
-    "bench serving": (
-        "end-to-end serving benchmark (TTFT, TPOT, ITL, goodput)",
-        "pdcluster.bench.serving.bench:BenchServingConfig",
-        "pdcluster.bench.serving.bench:run",
-    ),
-}
+import tyro
+from tyro.constructors import ConstructorRegistry, StructConstructorSpec, StructFieldSpec, StructTypeInfo
+
+from pdcluster.cli.commands import COMMANDS, GROUPS
+
+DESCRIPTION = (
+    "The `pdcluster` command: one subcommand per process or tool, each generated from a config dataclass."
+)
+
+REGISTRY = ConstructorRegistry()
 
 
-def _resolve(path: str) -> Any:
+def resolve(path: str) -> Any:
+    """The object named by "module:name"."""
     module, _, name = path.partition(":")
     return getattr(importlib.import_module(module), name)
 
 
-def _available(path: str) -> bool:
-    module = path.partition(":")[0]
-    try:
-        return importlib.util.find_spec(module) is not None
-    except ModuleNotFoundError:
-        return False
+@REGISTRY.struct_rule
+def config_fields(info: StructTypeInfo) -> StructConstructorSpec | None:
+    """The fields of a config dataclass (one whose fields carry help), their metadata as annotations."""
+    cls = info.type
+    if not (isinstance(cls, type) and dataclasses.is_dataclass(cls)):
+        return None
+    fields = [f for f in dataclasses.fields(cls) if f.init]
+    if not any("help" in f.metadata for f in fields):
+        return None  # not one of ours: tyro's own rules
+    hints = typing.get_type_hints(cls, include_extras=True)
+    specs = [
+        StructFieldSpec(name=f.name, type=_annotated(f, hints[f.name]), default=_default(f),
+                        helptext=f.metadata.get("help"))
+        for f in fields
+    ]
+    return StructConstructorSpec(instantiate=cls, fields=tuple(specs))
 
 
-def _unwrap_optional(tp: Any) -> Any:
-    origin = typing.get_origin(tp)
-    if origin in (typing.Union, types.UnionType):
-        args = [a for a in typing.get_args(tp) if a is not type(None)]
-        if len(args) == 1:
-            return args[0]
-    return tp
+def _annotated(f: dataclasses.Field[Any], tp: Any) -> Any:
+    """The field's type with its `positional`, `choices` and `flag` metadata as tyro annotations."""
+    meta = f.metadata
+    if "choices" in meta:
+        tp = Literal[tuple(meta["choices"])]
+    marks: list[Any] = []
+    if meta.get("positional"):
+        marks += [tyro.conf.Positional, tyro.conf.arg(metavar=f.name.upper())]
+    if "flag" in meta:
+        marks.append(tyro.conf.arg(name=meta["flag"].removeprefix("--")))
+    return Annotated[(tp, *marks)] if marks else tp
 
 
-def _scalar_parser(tp: Any) -> Callable[[str], Any]:
-    if isinstance(tp, type) and issubclass(tp, enum.Enum):
-        return lambda text: tp(text) if not text.isdigit() else tp(int(text))
-    if tp is Path:
-        return Path
-    if tp in (int, float, str):
-        return typing.cast(Callable[[str], Any], tp)
-    raise TypeError(f"unsupported config field type {tp!r}")
+def _default(f: dataclasses.Field[Any]) -> Any:
+    if f.default is not dataclasses.MISSING:
+        return f.default
+    if f.default_factory is not dataclasses.MISSING:
+        return f.default_factory()
+    return tyro.MISSING_NONPROP  # a required flag
 
 
-def add_dataclass_arguments(parser: argparse.ArgumentParser, cls: type) -> None:
-    """Add one argument per field of the config dataclass `cls`."""
-    hints = typing.get_type_hints(cls)
-    for f in dataclasses.fields(cls):
-        if not f.init:
-            continue
-        meta = f.metadata
-        tp = _unwrap_optional(hints[f.name])
-        kwargs: dict[str, Any] = {"help": meta.get("help", "")}
-        if f.default is not dataclasses.MISSING:
-            default = f.default
-        elif f.default_factory is not dataclasses.MISSING:
-            default = f.default_factory()
-        else:
-            default = None
-        flag = meta.get("flag", "--" + f.name.replace("_", "-"))
-        if meta.get("positional"):
-            names = [f.name]
-            kwargs["metavar"] = f.name.upper()
-        else:
-            names = [flag]
-            kwargs["dest"] = f.name
-            kwargs["default"] = default
-            if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
-                kwargs["required"] = True
-        if tp is bool:
-            kwargs["action"] = argparse.BooleanOptionalAction
-        elif typing.get_origin(tp) in (list, tuple):
-            (item,) = typing.get_args(tp)[:1]
-            kwargs["type"] = _scalar_parser(item)
-            kwargs["nargs"] = meta.get("nargs", "*")
-        else:
-            kwargs["type"] = _scalar_parser(tp)
-        if "choices" in meta:
-            kwargs["choices"] = meta["choices"]
-        elif isinstance(tp, type) and issubclass(tp, enum.Enum):
-            kwargs["choices"] = list(tp)
-            kwargs["metavar"] = "{" + ",".join(str(m.value) for m in tp) + "}"
-        if default is not None and not meta.get("positional") and tp is not bool:
-            kwargs["help"] += f" (default: {_show(default)})"
-        parser.add_argument(*names, **kwargs)
-
-
-def _show(value: Any) -> str:
-    if isinstance(value, enum.Enum):
-        return str(value.value)
-    if isinstance(value, list | tuple):
-        return " ".join(map(str, value)) or "none"
-    return str(value)
-
-
-def config_from_namespace(cls: type, ns: argparse.Namespace) -> Any:
-    """Build the config dataclass from parsed arguments (its __post_init__ validates)."""
-    values = {f.name: getattr(ns, f.name) for f in dataclasses.fields(cls) if f.init and hasattr(ns, f.name)}
-    for f in dataclasses.fields(cls):
-        if isinstance(values.get(f.name), list) and not isinstance(f.default, list):
-            tp = typing.get_origin(typing.get_type_hints(cls)[f.name])
-            if tp is tuple:
-                values[f.name] = tuple(values[f.name])
-    return cls(**values)
-
-
-def build_parser(load_configs: bool = True) -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="pdcluster", description=__doc__.splitlines()[0])
-    groups = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    nested: dict[str, argparse._SubParsersAction[argparse.ArgumentParser]] = {}
-    for name, (help_text, config_path, runner_path) in COMMANDS.items():
-        if not (_available(config_path) and _available(runner_path)):
-            continue
+def command_type() -> Any:
+    """Every subcommand as one union of tyro subcommands; a group's (`bench`) is a union of its own."""
+    top: list[Any] = []
+    groups: dict[str, list[Any]] = {}
+    for name, command in COMMANDS.items():
         group, _, sub = name.partition(" ")
-        if sub:
-            if group not in nested:
-                holder = groups.add_parser(group, help=f"{group} tools")
-                nested[group] = holder.add_subparsers(dest="subcommand", metavar="TOOL", required=True)
-            sub_parser = nested[group].add_parser(sub, help=help_text, description=help_text)
-        else:
-            sub_parser = groups.add_parser(name, help=help_text, description=help_text)
-        sub_parser.set_defaults(_entry=(config_path, runner_path))
-        if load_configs:
-            add_dataclass_arguments(sub_parser, _resolve(config_path))
-    return parser
+        marker = tyro.conf.subcommand(sub or name, description=command.help)
+        entry: Any = Annotated[resolve(command.config), marker]
+        (groups.setdefault(group, []) if sub else top).append(entry)
+    for group, entries in groups.items():
+        union: Any = Union[tuple(entries)]  # noqa: UP007
+        top.append(Annotated[union, tyro.conf.subcommand(group, description=GROUPS[group])])
+    return Union[tuple(top)]  # noqa: UP007
+
+
+def runner_of(config: object) -> Any:
+    """The runner of the subcommand whose config this is."""
+    for command in COMMANDS.values():
+        if type(config) is resolve(command.config):
+            return resolve(command.runner)
+    raise LookupError(f"no subcommand takes a {type(config).__name__}")
+
+
+def parse(argv: Sequence[str] | None = None) -> object:
+    """The filled-in config of the subcommand `argv` names (SystemExit on --help or bad arguments)."""
+    return tyro.cli(command_type(), prog="pdcluster", description=DESCRIPTION, args=argv, registry=REGISTRY,
+                    config=(tyro.conf.EnumChoicesFromValues,))
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of the `pdcluster` console script."""
-    args = build_parser().parse_args(argv)
-    config_path, runner_path = args._entry
-    config_cls = _resolve(config_path)
+    """Entry point of the `pdcluster` console script: the subcommand's exit code (2: bad arguments)."""
     try:
-        config = config_from_namespace(config_cls, args)
-    except ValueError as exc:
-        print(f"pdcluster: invalid arguments: {exc}", file=sys.stderr)
-        return 2
-    result = _resolve(runner_path)(config)
-    return int(result or 0)
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+        config = parse(argv)
+    except SystemExit as done:  # --help (0), or arguments refused, by the parser or a config's check (2)
+        return done.code if isinstance(done.code, int) else int(done.code is not None)
+    return int(runner_of(config)(config) or 0)

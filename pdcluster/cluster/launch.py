@@ -81,7 +81,7 @@ class LaunchConfig:
     num_blocks: int = field(default=512, metadata={"help": "KV pages per replica"})
     torch_threads: int = field(default=0, metadata={"help": (
         "torch threads per replica (0 = the replica's default)")})
-    log_dir: Path | None = field(default=None, metadata={"help": "folder of process logs (default: temp)"})
+    log_dir: Path | None = field(default=None, metadata={"help": "folder of process logs; unset = temp"})
     ready_timeout: float = field(default=300.0, metadata={"help": "seconds to wait for all ready lines"})
     dry_run: bool = field(default=False, metadata={"help": (
         "print the rank table and every command; start nothing")})

@@ -51,7 +51,7 @@ class UpConfig:
     host: str = field(default="127.0.0.1", metadata={"help": "address every process binds"})
     num_blocks: int = field(default=512, metadata={"help": "KV pages per replica"})
     admin_token: str = field(default="", metadata={"help": "admin token of the router (empty = none)"})
-    log_dir: Path | None = field(default=None, metadata={"help": "folder of process logs (default: temp)"})
+    log_dir: Path | None = field(default=None, metadata={"help": "folder of process logs; unset = temp"})
     ready_timeout: float = field(default=180.0, metadata={"help": "seconds to wait for each ready line"})
     torch_threads: int = field(default=0, metadata={"help": (
         "torch threads per replica; 0 = this machine's cores shared among the replicas (at least 1)")})

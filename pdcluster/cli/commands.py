@@ -1,0 +1,78 @@
+"""What `pdcluster` offers: one subcommand per process or tool, each a config dataclass and a runner.
+
+A runner takes the filled-in config and returns the process exit code. Both are named by import path
+("module:name"): the config classes are imported to build the parser (they are plain dataclasses),
+a runner only when its subcommand runs, so `pdcluster --help` stays fast and a missing optional
+extra breaks only its own subcommand. A name with a space is "group subcommand".
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Command:
+    """One subcommand: its one-line help, its config dataclass and its runner."""
+
+    help: str
+    config: str
+    runner: str
+
+
+COMMANDS: dict[str, Command] = {
+    "replica": Command(
+        "run one replica server process", "replica.config:ReplicaConfig", "replica.server.main:serve"
+    ),
+    "router": Command(
+        "run the router (HTTP front end + admin gRPC)", "router.config:RouterConfig", "router.main:serve"
+    ),
+    "up": Command(
+        "start a whole cluster on this machine",
+        "pdcluster.cluster.local:UpConfig",
+        "pdcluster.cluster.local:run",
+    ),
+    "launch": Command(
+        "start replicas across nodes over ssh or Slurm srun, then the router",
+        "pdcluster.cluster.launch:LaunchConfig",
+        "pdcluster.cluster.launch:run",
+    ),
+    "demo": Command(
+        "set up a tiny model and cluster, serve a few requests",
+        "pdcluster.cli.demo:DemoConfig",
+        "pdcluster.cli.demo:run",
+    ),
+    "make-tiny-model": Command(
+        "write a random-weight Hugging Face checkpoint with a locally trained tokenizer",
+        "pdcluster.tools.tiny_model:TinyModelConfig",
+        "pdcluster.tools.tiny_model:run",
+    ),
+    "bench replica": Command(
+        "prefill/decode tokens/s over gRPC, in-process and with transformers",
+        "pdcluster.bench.replica:BenchReplicaConfig",
+        "pdcluster.bench.replica:run",
+    ),
+    "bench transfer": Command(
+        "transfer-layer GB/s against raw sockets and gloo ceilings",
+        "pdcluster.bench.transfer:BenchTransferConfig",
+        "pdcluster.bench.transfer:run",
+    ),
+    "bench migration": Command(
+        "KV migration bytes/s against the fabric's p2p",
+        "pdcluster.bench.migration:BenchMigrationConfig",
+        "pdcluster.bench.migration:run",
+    ),
+    "bench load": Command(
+        "checkpoint loading and weight multicast against raw reads and p2p",
+        "pdcluster.bench.load:BenchLoadConfig",
+        "pdcluster.bench.load:run",
+    ),
+    "bench serving": Command(
+        "end-to-end serving benchmark (TTFT, TPOT, ITL, goodput)",
+        "pdcluster.bench.serving.bench:BenchServingConfig",
+        "pdcluster.bench.serving.bench:run",
+    ),
+}
+
+GROUPS: dict[str, str] = {"bench": "benchmarks; JSON results with --json"}
+"""The one-line help of each command group."""
