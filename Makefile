@@ -14,7 +14,7 @@ BENCH_OUT ?= bench-results
 help:
 	@echo "make demo   - set up, build a tiny model, start a local cluster, serve requests"
 	@echo "make test   - set up, then the whole test suite"
-	@echo "make lint   - ruff and mypy"
+	@echo "make lint   - ruff, mypy and the import rules (import-linter)"
 	@echo "make proto  - regenerate the gRPC stubs from protos/*.proto"
 	@echo "make bench  - benchmarks, JSON under $(BENCH_OUT)/"
 
@@ -37,6 +37,7 @@ proto-check: $(STAMP)
 lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/mypy protos replica transfer router pdcluster scripts tests
+	$(BIN)/lint-imports
 
 test: $(STAMP) proto-check
 	$(BIN)/pytest -q $(PYTEST_ARGS)
