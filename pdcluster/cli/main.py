@@ -14,7 +14,9 @@ library (`replica/config.py` and `router/config.py` stay pure Python):
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib
+import sys
 import typing
 from collections.abc import Sequence
 from typing import Annotated, Any, Literal, Union
@@ -52,7 +54,22 @@ def config_fields(info: StructTypeInfo) -> StructConstructorSpec | None:
                         helptext=f.metadata.get("help"))
         for f in fields
     ]
-    return StructConstructorSpec(instantiate=cls, fields=tuple(specs))
+    return StructConstructorSpec(instantiate=functools.partial(_checked, cls), fields=tuple(specs))
+
+
+@dataclasses.dataclass(frozen=True)
+class Refused:
+    """What parsing gives when a config's own check (`__post_init__`) refused the values."""
+
+    reason: str
+
+
+def _checked(cls: type, **values: Any) -> object:
+    """The config, or `Refused`: its message is printed as ours, not inside the parser's error box."""
+    try:
+        return cls(**values)
+    except ValueError as exc:
+        return Refused(str(exc))
 
 
 def _annotated(f: dataclasses.Field[Any], tp: Any) -> Any:
@@ -100,7 +117,7 @@ def runner_of(config: object) -> Any:
 
 
 def parse(argv: Sequence[str] | None = None) -> object:
-    """The filled-in config of the subcommand `argv` names (SystemExit on --help or bad arguments)."""
+    """The filled-in config of the subcommand `argv` names, or `Refused` (SystemExit: --help, bad flags)."""
     return tyro.cli(command_type(), prog="pdcluster", description=DESCRIPTION, args=argv, registry=REGISTRY,
                     config=(tyro.conf.EnumChoicesFromValues,))
 
@@ -109,6 +126,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `pdcluster` console script: the subcommand's exit code (2: bad arguments)."""
     try:
         config = parse(argv)
-    except SystemExit as done:  # --help (0), or arguments refused, by the parser or a config's check (2)
+    except SystemExit as done:  # --help (0), or arguments the parser refused (2)
         return done.code if isinstance(done.code, int) else int(done.code is not None)
+    if isinstance(config, Refused):
+        print(f"pdcluster: invalid arguments: {config.reason}", file=sys.stderr)
+        return 2
     return int(runner_of(config)(config) or 0)

@@ -77,7 +77,6 @@ def test_bench_group_and_explicit_flag_name() -> None:
 @pytest.mark.parametrize(
     "argv",
     [
-        ["up", "--model", "/m", "--prefill", "0", "--decode", "0"],  # the config's own check
         ["up", "--modle", "/m"],  # unknown flag
         ["make-tiny-model", "/tmp/x", "--arch", "gpt9"],  # not a choice
         ["router", "--model", "/m", "--strategy", "FULL"],  # enum flags take values, not names
@@ -88,3 +87,8 @@ def test_bench_group_and_explicit_flag_name() -> None:
 def test_refused_arguments_exit_2(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
     assert main(argv) == 2
     capsys.readouterr()
+
+
+def test_config_check_refuses_in_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["up", "--model", "/m", "--prefill", "0", "--decode", "0"]) == 2
+    assert capsys.readouterr().err.startswith("pdcluster: invalid arguments: need at least one prefill")
