@@ -8,9 +8,9 @@ import threading
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
-from pdcluster.cluster.replica_process import free_ports
 from transfer.fabric import Fabric
 from transfer.fake import FakeFabric, FakeFaults, FakeNetwork
+from transfer.ports import free_ports
 from transfer.ranktable import RankTable
 from transfer.tcp.fabric import TcpFabric
 
