@@ -14,11 +14,8 @@ import itertools
 from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import NewType
 
-from router.types import GenerateRequest, RequestId
-
-BatchId = NewType("BatchId", int)
+from router.types import BatchId, GenerateRequest, RequestId
 
 
 def blocks_for(tokens: int, block_size: int) -> int:

@@ -43,7 +43,7 @@ def test_admin_calls_token_list_stats_strategy_and_roles() -> None:
                     prev = await stub.SetMigrationStrategy(pb.SetMigrationStrategyRequest(
                         strategy=pb.MIGRATION_STRATEGY_RECOMPUTE), metadata=TOKEN)
                     assert prev.previous == pb.MIGRATION_STRATEGY_FULL
-                    assert sched.strategy is Strategy.RECOMPUTE
+                    assert sched.strategy.name == Strategy.RECOMPUTE.value
                     events = await collect(sched.submit(request([1, 2], 3)))
                     assert finish_of(events).route.strategy == "recompute"
                     with pytest.raises(grpc.aio.AioRpcError) as missing:

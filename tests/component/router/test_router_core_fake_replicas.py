@@ -7,6 +7,7 @@ import dataclasses
 
 import pytest
 
+from router import strategies
 from router.config import Strategy
 from router.replicas import Role
 from tests.helpers.fake_replica import expected_tokens
@@ -15,8 +16,8 @@ from tests.helpers.router_core import collect, fake_cluster, finish_of, request,
 PD = (Role.PREFILL, Role.DECODE)
 
 
-@pytest.mark.parametrize("strategy", list(Strategy))
-def test_every_strategy_generates_the_model_tokens_and_frees_pages(strategy: Strategy) -> None:
+@pytest.mark.parametrize("strategy", strategies.names())
+def test_every_strategy_generates_the_model_tokens_and_frees_pages(strategy: str) -> None:
     async def body() -> None:
         async with fake_cluster(PD, strategy) as (sched, fakes):
             prompts = [[5 + i] * (3 + i) for i in range(6)]
@@ -71,8 +72,8 @@ def test_progressive_unimplemented_falls_back() -> None:
     run(body())
 
 
-@pytest.mark.parametrize("strategy", list(Strategy))
-def test_scarce_pages_requests_wait_and_all_complete(strategy: Strategy) -> None:
+@pytest.mark.parametrize("strategy", strategies.names())
+def test_scarce_pages_requests_wait_and_all_complete(strategy: str) -> None:
     async def body() -> None:
         async with fake_cluster(PD, strategy, num_blocks=6) as (sched, fakes):
             prompts = [[20 + i] * 9 for i in range(12)]  # 9 + 12 tokens = 2 pages each: 3 at a time
