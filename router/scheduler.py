@@ -18,6 +18,7 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
 
 from router import strategies
 from router.batches import Member
@@ -38,6 +39,17 @@ from router.types import BatchId, GenerateRequest, ReplicaId, RequestId, StepRes
 from router.wakeup import Wakeup
 
 log = logging.getLogger("pdcluster.router")
+
+
+@dataclass(frozen=True)
+class ClusterView:
+    """The cluster at one instant, as a planner reads it: O(replicas) to take."""
+
+    replicas: tuple[ReplicaView, ...]
+    queued_requests: int
+    queued_prompt_tokens: int
+    active_requests: int
+    strategy: str
 
 
 class ClusterScheduler:
@@ -211,9 +223,11 @@ class ClusterScheduler:
         if not self.replicas.can_serve():
             self.requests.fail_queued(f"no replica is left to serve it (the last one, {rid}, died)")
 
-    def snapshot(self) -> tuple[ReplicaView, ...]:
-        """Every replica's state now, frozen (what a planner reads)."""
-        return self.replicas.snapshot()
+    def snapshot(self) -> ClusterView:
+        """The replicas' states and the queue now, frozen."""
+        queue = self.requests.queue
+        return ClusterView(self.replicas.snapshot(), len(queue), queue.waiting_prompt_tokens(),
+                           len(self.requests), self._strategy.name)
 
     # ---- start, stop, liveness ---------------------------------------------------------------------
 

@@ -128,3 +128,21 @@ def test_truncate_keeps_the_last_prompt_tokens() -> None:
             assert tokens_of(events) == expected_tokens(long[-8:], 5)
             assert finish_of(events).prompt_tokens == 8
     run(body())
+
+
+def test_a_snapshot_shows_roles_pages_and_the_queue() -> None:
+    async def body() -> None:
+        async with fake_cluster(PD, Strategy.FULL, num_blocks=6) as (sched, fakes):
+            fakes[1].step_delay = 0.02
+            tasks = [asyncio.create_task(collect(sched.submit(request([60 + i] * 9, 12)))) for i in range(5)]
+            while "DecodeV2" not in fakes[1].calls:
+                await asyncio.sleep(0.005)
+            view = sched.snapshot()
+            assert [(r.id, r.role) for r in view.replicas] == [(0, Role.PREFILL), (1, Role.DECODE)]
+            assert view.replicas[1].used_blocks > 0 and view.replicas[1].requests > 0
+            assert view.active_requests == 5 and view.strategy == "full"
+            assert view.queued_prompt_tokens == 9 * view.queued_requests
+            await asyncio.gather(*tasks)
+            done = sched.snapshot()
+            assert (done.active_requests, done.queued_requests, done.queued_prompt_tokens) == (0, 0, 0)
+    run(body())
