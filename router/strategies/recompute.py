@@ -21,12 +21,14 @@ NAME = "recompute"
 class Reprefill:
     """Requests to prefill again on the decode replica: prompt + tokens so far (an `Arrival`).
 
-    `promised` pages were reserved for them on that replica by the hand-off that sent them.
+    `promised` pages were reserved for them on that replica by the hand-off that sent them;
+    `label` names the move in routes and metrics.
     """
 
     members: tuple[Member, ...]
     promised: int
     sent_at: float
+    label: str = NAME
 
     async def take(self, side: DecodeSide) -> list[Arrived]:
         """Prefill the requests still wanted here; their batches merge like migrated ones."""
@@ -40,7 +42,7 @@ class Reprefill:
         for m in members:
             m.state.sent_to(side.replica.id, elapsed)
         sent = sum(TOKEN_ID_BYTES * len(m.request.input_ids) for m in members)
-        side.record_migration(NAME, sent, elapsed)
+        side.record_migration(self.label, sent, elapsed)
         return arrived
 
 
@@ -53,8 +55,10 @@ class Recompute(MigrationStrategy):
         await send_tokens(moves, src, live, self)
 
 
-async def send_tokens(moves: Migrations, src: ReplicaHandle, live: LiveBatch, via: MigrationStrategy) -> None:
-    """Free the batch on `src`; a destination chosen by `via` prefills its requests again."""
+async def send_tokens(moves: Migrations, src: ReplicaHandle, live: LiveBatch, via: MigrationStrategy,
+                      label: str = NAME) -> None:
+    """Free the batch on `src`; a destination chosen by `via` prefills its requests again (routes
+    and metrics name the move `label`)."""
     members = [m for m in live.members.values() if m.wanted]
     await moves.clear(src, live.id)
     src.state.release(live.members)
@@ -62,7 +66,7 @@ async def send_tokens(moves: Migrations, src: ReplicaHandle, live: LiveBatch, vi
         return
     fresh = []
     for m in members:
-        m.state.resent(NAME)
+        m.state.resent(label)
         fresh.append(Member.now(m.state))
     need = sum(member_blocks(m, live.block_size) for m in fresh)
     try:
@@ -73,7 +77,7 @@ async def send_tokens(moves: Migrations, src: ReplicaHandle, live: LiveBatch, vi
     target = dst or src
     for m in fresh:
         m.state.sent_to(target.id)
-    target.inbox.append(Reprefill(tuple(fresh), need if dst else 0, moves.now()))
+    target.inbox.append(Reprefill(tuple(fresh), need if dst else 0, moves.now(), label))
     moves.wakeup.notify()
 
 
