@@ -86,8 +86,8 @@ def config(strategy: Strategy | str = Strategy.FULL, **overrides: Any) -> Router
 
 
 @contextlib.asynccontextmanager
-async def fake_cluster(roles: Sequence[Role], strategy: Strategy | str = Strategy.FULL, kv_bytes_per_token: int = 8,
-                       num_blocks: int = 256, **overrides: Any
+async def fake_cluster(roles: Sequence[Role], strategy: Strategy | str = Strategy.FULL,
+                       kv_bytes_per_token: int = 8, num_blocks: int = 256, **overrides: Any
                        ) -> AsyncIterator[tuple[ClusterScheduler, list[FakeReplica]]]:
     """Fake replicas (ranks 0..n-1) with the given roles behind a started scheduler."""
     fabric = FakeFabric()

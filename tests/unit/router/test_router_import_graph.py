@@ -101,7 +101,8 @@ def test_protobuf_and_grpc_only_at_the_edges_and_nothing_reaches_them() -> None:
     assert wire <= EDGES, f"imports protobuf/grpc outside the edges: {sorted(wire - EDGES)}"
     edges = graph()
     for name in sorted(set(modules) - EDGES):
-        reach, todo = set(), [name]
+        reach: set[str] = set()
+        todo = [name]
         while todo:
             for dep in edges[todo.pop()] - reach:
                 reach.add(dep)

@@ -106,7 +106,7 @@ def test_router_config_roles_and_validation() -> None:
     assert RouterConfig(model="m", replica=["a:1", "b:2", "c:3"]).roles() == [  # type: ignore[arg-type]
         "prefill", "decode", "decode"]
     cfg = RouterConfig(model="m", replica=["a:1", "b:2"], role=["decode", "prefill"],  # type: ignore[arg-type]
-                       strategy="mutate")  # type: ignore[arg-type]
+                       strategy="mutate")
     assert cfg.roles() == ["decode", "prefill"] and cfg.strategy == Strategy.MUTATE.value
     with pytest.raises(ValueError):
         RouterConfig(model="m", replica=["a:1"], role=["decode", "decode"])  # type: ignore[arg-type]
