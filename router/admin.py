@@ -38,14 +38,14 @@ _ROLES = {
 }
 _ROLES_BACK: dict[int, Role] = {int(v): k for k, v in _ROLES.items()}
 # The built-in strategies have enum values; a plug-in goes by its name only (UNSPECIFIED here).
-_STRATEGIES: dict[str, int] = {
+_STRATEGIES: dict[str, pb.MigrationStrategy] = {
     Strategy.FULL.value: pb.MIGRATION_STRATEGY_FULL,
     Strategy.PROGRESSIVE.value: pb.MIGRATION_STRATEGY_PROGRESSIVE,
     Strategy.MUTATE.value: pb.MIGRATION_STRATEGY_MUTATE,
     Strategy.RECOMPUTE.value: pb.MIGRATION_STRATEGY_RECOMPUTE,
     Strategy.COLOCATED.value: pb.MIGRATION_STRATEGY_COLOCATED,
 }
-_STRATEGIES_BACK: dict[int, str] = {v: k for k, v in _STRATEGIES.items()}
+_STRATEGIES_BACK: dict[int, str] = {int(v): k for k, v in _STRATEGIES.items()}
 _METHODS: dict[int, control.ActivationMethod] = {pb.ACTIVATION_METHOD_P2P: control.ActivationMethod.P2P,
             pb.ACTIVATION_METHOD_CHAIN: control.ActivationMethod.CHAIN}
 
@@ -130,7 +130,7 @@ class AdminService(pb_grpc.RouterAdminServicer):
         migrations = sum(total("pdcluster_migrations_total", {"strategy": s}) for s in names)
         nbytes = sum(total("pdcluster_migration_bytes_total", {"strategy": s}) for s in names)
         return pb.StatsResponse(
-            strategy=_STRATEGIES.get(hub.strategy.name, pb.MIGRATION_STRATEGY_UNSPECIFIED),  # type: ignore[arg-type]
+            strategy=_STRATEGIES.get(hub.strategy.name, pb.MIGRATION_STRATEGY_UNSPECIFIED),
             strategy_name=hub.strategy.name, queue_depth=len(hub.queue),
             queue_prompt_tokens=hub.queue.waiting_prompt_tokens(), active_requests=len(hub.requests),
             requests_finished=total("pdcluster_requests_total", {"outcome": "finished"}),
@@ -187,7 +187,7 @@ class AdminService(pb_grpc.RouterAdminServicer):
             raise ValueError(f"invalid strategy {request.strategy}")
         previous = self.hub.set_strategy(name).name  # ValueError for an unknown name
         return pb.SetMigrationStrategyResponse(
-            previous=_STRATEGIES.get(previous, pb.MIGRATION_STRATEGY_UNSPECIFIED),  # type: ignore[arg-type]
+            previous=_STRATEGIES.get(previous, pb.MIGRATION_STRATEGY_UNSPECIFIED),
             previous_name=previous)
 
 
