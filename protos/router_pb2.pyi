@@ -97,7 +97,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("strategy", "queue_depth", "queue_prompt_tokens", "active_requests", "requests_finished", "requests_failed", "requests_cancelled", "generated_tokens", "migrations", "migration_bytes", "requests_requeued")
+    __slots__ = ("strategy", "queue_depth", "queue_prompt_tokens", "active_requests", "requests_finished", "requests_failed", "requests_cancelled", "generated_tokens", "migrations", "migration_bytes", "requests_requeued", "strategy_name")
     STRATEGY_FIELD_NUMBER: _ClassVar[int]
     QUEUE_DEPTH_FIELD_NUMBER: _ClassVar[int]
     QUEUE_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -109,6 +109,7 @@ class StatsResponse(_message.Message):
     MIGRATIONS_FIELD_NUMBER: _ClassVar[int]
     MIGRATION_BYTES_FIELD_NUMBER: _ClassVar[int]
     REQUESTS_REQUEUED_FIELD_NUMBER: _ClassVar[int]
+    STRATEGY_NAME_FIELD_NUMBER: _ClassVar[int]
     strategy: MigrationStrategy
     queue_depth: int
     queue_prompt_tokens: int
@@ -120,7 +121,8 @@ class StatsResponse(_message.Message):
     migrations: int
     migration_bytes: int
     requests_requeued: int
-    def __init__(self, strategy: _Optional[_Union[MigrationStrategy, str]] = ..., queue_depth: _Optional[int] = ..., queue_prompt_tokens: _Optional[int] = ..., active_requests: _Optional[int] = ..., requests_finished: _Optional[int] = ..., requests_failed: _Optional[int] = ..., requests_cancelled: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., migrations: _Optional[int] = ..., migration_bytes: _Optional[int] = ..., requests_requeued: _Optional[int] = ...) -> None: ...
+    strategy_name: str
+    def __init__(self, strategy: _Optional[_Union[MigrationStrategy, str]] = ..., queue_depth: _Optional[int] = ..., queue_prompt_tokens: _Optional[int] = ..., active_requests: _Optional[int] = ..., requests_finished: _Optional[int] = ..., requests_failed: _Optional[int] = ..., requests_cancelled: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., migrations: _Optional[int] = ..., migration_bytes: _Optional[int] = ..., requests_requeued: _Optional[int] = ..., strategy_name: _Optional[str] = ...) -> None: ...
 
 class RegisterReplicaRequest(_message.Message):
     __slots__ = ("address", "role")
@@ -199,13 +201,17 @@ class ActivateReplicaResponse(_message.Message):
     def __init__(self, replicas: _Optional[_Iterable[_Union[ReplicaStatus, _Mapping]]] = ..., seconds: _Optional[float] = ...) -> None: ...
 
 class SetMigrationStrategyRequest(_message.Message):
-    __slots__ = ("strategy",)
+    __slots__ = ("strategy", "name")
     STRATEGY_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
     strategy: MigrationStrategy
-    def __init__(self, strategy: _Optional[_Union[MigrationStrategy, str]] = ...) -> None: ...
+    name: str
+    def __init__(self, strategy: _Optional[_Union[MigrationStrategy, str]] = ..., name: _Optional[str] = ...) -> None: ...
 
 class SetMigrationStrategyResponse(_message.Message):
-    __slots__ = ("previous",)
+    __slots__ = ("previous", "previous_name")
     PREVIOUS_FIELD_NUMBER: _ClassVar[int]
+    PREVIOUS_NAME_FIELD_NUMBER: _ClassVar[int]
     previous: MigrationStrategy
-    def __init__(self, previous: _Optional[_Union[MigrationStrategy, str]] = ...) -> None: ...
+    previous_name: str
+    def __init__(self, previous: _Optional[_Union[MigrationStrategy, str]] = ..., previous_name: _Optional[str] = ...) -> None: ...

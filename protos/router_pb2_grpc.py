@@ -129,7 +129,7 @@ class RouterAdminServicer:
         raise NotImplementedError('Method not implemented!')
 
     def SetMigrationStrategy(self, request, context):
-        """Switch the migration strategy for batches prefilled from now on.
+        """Switch the migration strategy for batches prefilled from now on (by enum value or registered name).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -18,11 +18,12 @@ from grpc_reflection.v1alpha import reflection
 
 from protos import router_pb2 as pb
 from protos import router_pb2_grpc as pb_grpc
-from router import control
-from router.client import ReplicaCallError
-from router.config import Strategy
+from router import control, strategies
+from router.errors import ReplicaCallError
+from router.registry import ReplicaHandle
 from router.replicas import Role, TransitionError
-from router.scheduler import ClusterScheduler, ReplicaHandle
+from router.scheduler import ClusterScheduler
+from router.strategies import Strategy
 
 log = logging.getLogger("pdcluster.router")
 
@@ -36,12 +37,15 @@ _ROLES = {
     Role.DEAD: pb.REPLICA_ROLE_DEAD,
 }
 _ROLES_BACK: dict[int, Role] = {int(v): k for k, v in _ROLES.items()}
-_STRATEGIES = {
-    Strategy.FULL: pb.MIGRATION_STRATEGY_FULL, Strategy.PROGRESSIVE: pb.MIGRATION_STRATEGY_PROGRESSIVE,
-    Strategy.MUTATE: pb.MIGRATION_STRATEGY_MUTATE, Strategy.RECOMPUTE: pb.MIGRATION_STRATEGY_RECOMPUTE,
-    Strategy.COLOCATED: pb.MIGRATION_STRATEGY_COLOCATED,
+# The built-in strategies have enum values; a plug-in goes by its name only (UNSPECIFIED here).
+_STRATEGIES: dict[str, pb.MigrationStrategy] = {
+    Strategy.FULL.value: pb.MIGRATION_STRATEGY_FULL,
+    Strategy.PROGRESSIVE.value: pb.MIGRATION_STRATEGY_PROGRESSIVE,
+    Strategy.MUTATE.value: pb.MIGRATION_STRATEGY_MUTATE,
+    Strategy.RECOMPUTE.value: pb.MIGRATION_STRATEGY_RECOMPUTE,
+    Strategy.COLOCATED.value: pb.MIGRATION_STRATEGY_COLOCATED,
 }
-_STRATEGIES_BACK: dict[int, Strategy] = {int(v): k for k, v in _STRATEGIES.items()}
+_STRATEGIES_BACK: dict[int, str] = {int(v): k for k, v in _STRATEGIES.items()}
 _METHODS: dict[int, control.ActivationMethod] = {pb.ACTIVATION_METHOD_P2P: control.ActivationMethod.P2P,
             pb.ACTIVATION_METHOD_CHAIN: control.ActivationMethod.CHAIN}
 
@@ -122,10 +126,12 @@ class AdminService(pb_grpc.RouterAdminServicer):
         def total(name: str, labels: dict[str, str] | None = None) -> int:
             return int(sample(name, labels or {}) or 0)
 
-        migrations = sum(total("pdcluster_migrations_total", {"strategy": s.value}) for s in Strategy)
-        nbytes = sum(total("pdcluster_migration_bytes_total", {"strategy": s.value}) for s in Strategy)
+        names = strategies.names()
+        migrations = sum(total("pdcluster_migrations_total", {"strategy": s}) for s in names)
+        nbytes = sum(total("pdcluster_migration_bytes_total", {"strategy": s}) for s in names)
         return pb.StatsResponse(
-            strategy=_STRATEGIES[hub.strategy], queue_depth=len(hub.queue),
+            strategy=_STRATEGIES.get(hub.strategy.name, pb.MIGRATION_STRATEGY_UNSPECIFIED),
+            strategy_name=hub.strategy.name, queue_depth=len(hub.queue),
             queue_prompt_tokens=hub.queue.waiting_prompt_tokens(), active_requests=len(hub.requests),
             requests_finished=total("pdcluster_requests_total", {"outcome": "finished"}),
             requests_failed=total("pdcluster_requests_total", {"outcome": "failed"}),
@@ -176,11 +182,13 @@ class AdminService(pb_grpc.RouterAdminServicer):
     @rpc(mutating=True)
     async def SetMigrationStrategy(self, request: pb.SetMigrationStrategyRequest,
                                    context: grpc.aio.ServicerContext) -> pb.SetMigrationStrategyResponse:
-        if request.strategy not in _STRATEGIES_BACK:
+        name = request.name or _STRATEGIES_BACK.get(request.strategy)
+        if name is None:
             raise ValueError(f"invalid strategy {request.strategy}")
-        previous = self.hub.strategy
-        self.hub.set_strategy(_STRATEGIES_BACK[request.strategy])
-        return pb.SetMigrationStrategyResponse(previous=_STRATEGIES[previous])
+        previous = self.hub.set_strategy(name).name  # ValueError for an unknown name
+        return pb.SetMigrationStrategyResponse(
+            previous=_STRATEGIES.get(previous, pb.MIGRATION_STRATEGY_UNSPECIFIED),
+            previous_name=previous)
 
 
 async def start_admin_server(hub: ClusterScheduler, host: str, port: int, token: str = ""

@@ -1,14 +1,14 @@
 """The replica client edge: the only router module that touches `generate_pb2`.
 
-Every call converts plain dataclasses to protobuf and back, carries a deadline, and turns a gRPC
-status into a typed `ReplicaCallError` subclass so the loops can decide: a dead replica
-(`ReplicaUnavailable`) re-queues its requests elsewhere, a replica that answered that its transfer
-peer failed (`PeerFailed`) is alive and the batch runs again, anything else fails only that batch.
+Every call converts the dataclasses of `router/types.py` to protobuf and back, carries a deadline,
+and turns a gRPC status into a typed `ReplicaCallError` subclass (`router/errors.py`) so the loops
+can decide: a dead replica (`ReplicaUnavailable`) re-queues its requests elsewhere, a replica that
+answered that its transfer peer failed (`PeerFailed`) is alive and the batch runs again, anything
+else fails only that batch. `ReplicaClient` implements `router.replica_api.ReplicaApi`.
 """
 
 from __future__ import annotations
 
-import enum
 from collections.abc import Coroutine, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -18,138 +18,35 @@ import grpc.aio
 
 from protos import generate_pb2 as pb
 from protos import generate_pb2_grpc as pb_grpc
-from router.queue import BatchId
-from router.types import FinishReason, GenerateRequest, RequestId, TokenInfo, TopToken
+from router.errors import (
+    PeerFailed,
+    ReplicaCallError,
+    ReplicaInternal,
+    ReplicaRejected,
+    ReplicaTimeout,
+    ReplicaUnavailable,
+    ReplicaUnimplemented,
+)
+from router.types import (
+    BatchId,
+    BatchSpec,
+    CachedBatch,
+    Finished,
+    FinishReason,
+    Generation,
+    PrefillCase,
+    ReplicaInfo,
+    RequestId,
+    StepResult,
+    TokenInfo,
+    TopToken,
+    WireRequest,
+)
 
 # gRPC metadata of pipelined DecodeV2 calls (replica/server/ordering.py reads them).
 CAUSE_KEY, PEER_CAUSE = "x-pdcluster-cause", "peer"  # replica/errors.py: another replica failed
 CALL_KEY = "x-pdcluster-call"
 AFTER_KEY = "x-pdcluster-after"
-
-
-class PrefillCase(enum.IntFlag):
-    """`PrefillV2Request.forward_case` flags."""
-
-    NORMAL = 0
-    MIGRATE = 1
-    MIGRATE_PROGRESSIVE = 2
-    NAIVE_PP = 4
-    IMMIGRATE = 8
-
-
-@dataclass(frozen=True)
-class WireRequest:
-    """One request of a batch as sent to a replica."""
-
-    id: RequestId
-    request: GenerateRequest
-
-
-@dataclass(frozen=True)
-class BatchSpec:
-    """A new batch for a prefill (or the `Batch` named by a migration)."""
-
-    id: BatchId
-    requests: tuple[WireRequest, ...]
-    max_tokens: int
-
-
-@dataclass(frozen=True)
-class CachedBatch:
-    """A batch cached on a replica."""
-
-    id: BatchId
-    request_ids: tuple[RequestId, ...]
-    max_tokens: int = 0
-
-
-@dataclass(frozen=True)
-class Finished:
-    """A request finished in this step."""
-
-    text: str
-    generated_tokens: int
-    reason: FinishReason
-    seed: int | None = None
-
-
-@dataclass(frozen=True)
-class Generation:
-    """One request's output of one step."""
-
-    request_id: RequestId
-    tokens: tuple[TokenInfo, ...]
-    prefill_tokens: tuple[TokenInfo, ...] = ()
-    finished: Finished | None = None
-
-
-@dataclass(frozen=True)
-class StepResult:
-    """A prefill or decode step: generations and the cached batch (None when all finished)."""
-
-    generations: tuple[Generation, ...]
-    batch: CachedBatch | None
-
-
-@dataclass(frozen=True)
-class ReplicaInfo:
-    """The replica's Info facts the router uses."""
-
-    model_id: str
-    dtype: str
-    num_layers: int
-    block_size: int
-    num_blocks_total: int
-    num_blocks_free: int
-    rank: int
-    max_input_tokens: int
-    max_total_tokens: int
-    num_layers_loaded: int = 0
-    embed_ready: bool = False
-    lm_head_ready: bool = False
-    num_cached_batches: int = 0
-    device_type: str = "cpu"
-
-    @property
-    def loaded(self) -> bool:
-        """Every weight region has arrived: the replica can run a full forward."""
-        return self.embed_ready and self.lm_head_ready and self.num_layers_loaded >= self.num_layers
-
-
-class ReplicaCallError(Exception):
-    """A replica call failed; `code` is the gRPC status name."""
-
-    def __init__(self, address: str, method: str, code: str, details: str) -> None:
-        super().__init__(f"replica {address} {method}: {code}: {details}")
-        self.address = address
-        self.method = method
-        self.code = code
-        self.details = details
-
-
-class ReplicaUnavailable(ReplicaCallError):
-    """The replica cannot be reached: treat it as dead."""
-
-
-class PeerFailed(ReplicaCallError):
-    """The replica answered UNAVAILABLE for another replica (a transfer peer went away or refused):
-    the replica called is alive; the batch can run again."""
-
-
-class ReplicaTimeout(ReplicaCallError):
-    """The call's deadline passed."""
-
-
-class ReplicaUnimplemented(ReplicaCallError):
-    """The replica does not implement this RPC (yet)."""
-
-
-class ReplicaRejected(ReplicaCallError):
-    """The replica refused the call (bad arguments, no pages, wrong state...)."""
-
-
-class ReplicaInternal(ReplicaCallError):
-    """The replica failed internally."""
 
 
 _ERRORS: dict[grpc.StatusCode, type[ReplicaCallError]] = {

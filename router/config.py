@@ -5,20 +5,13 @@ Imports neither grpc nor torch (it loads for `--help`).
 
 from __future__ import annotations
 
-import enum
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from router import strategies
+from router.strategies import Strategy
 
-class Strategy(enum.Enum):
-    """How a prefilled batch reaches its decode replica."""
-
-    FULL = "full"
-    PROGRESSIVE = "progressive"
-    MUTATE = "mutate"
-    RECOMPUTE = "recompute"
-    COLOCATED = "colocated"
-
+__all__ = ["ROLE_NAMES", "RouterConfig", "Strategy"]
 
 ROLE_NAMES = ("prefill", "decode", "colocated", "inactive")
 
@@ -39,7 +32,9 @@ class RouterConfig:
     host: str = field(default="127.0.0.1", metadata=_help("address the HTTP and admin servers bind"))
     http_port: int = field(default=8080, metadata=_help("HTTP port (0 = pick a free one)"))
     admin_port: int = field(default=50100, metadata=_help("admin gRPC port (0 = pick a free one)"))
-    strategy: Strategy = field(default=Strategy.FULL, metadata=_help("migration strategy"))
+    strategy: str = field(default=Strategy.FULL.value, metadata=_help(
+        "migration strategy: a name registered in router/strategies/ (built in: "
+        + ", ".join(s.value for s in Strategy) + ")"))
     admin_token: str = field(default="", metadata=_help(
         "token required in the `x-admin-token` metadata of mutating admin calls (empty = none)"))
     model_id: str = field(default="", metadata=_help("model name served (default: the folder name)"))
@@ -61,8 +56,7 @@ class RouterConfig:
 
     def __post_init__(self) -> None:
         self.model = Path(self.model)
-        if isinstance(self.strategy, str):
-            self.strategy = Strategy(self.strategy)
+        self.strategy = strategies.get(self.strategy).name  # a `Strategy` or a name; unknown → ValueError
         if self.role and len(self.role) != len(self.replica):
             raise ValueError("--role needs one entry per --replica")
         bad = [r for r in self.role if r not in ROLE_NAMES]

@@ -12,12 +12,13 @@ import logging
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from router.client import ReplicaCallError
+from router.errors import ReplicaCallError
+from router.registry import ReplicaHandle
 from router.replicas import SERVING, Role, TransitionError
 from router.types import ReplicaId
 
 if TYPE_CHECKING:
-    from router.scheduler import ClusterScheduler, ReplicaHandle
+    from router.scheduler import ClusterScheduler
 
 log = logging.getLogger("pdcluster.router")
 
@@ -31,10 +32,7 @@ class ActivationMethod(enum.Enum):
 
 def handle_of(hub: ClusterScheduler, rid: int) -> ReplicaHandle:
     """The replica with this id (KeyError when unknown)."""
-    handle = hub.replicas.get(ReplicaId(rid))
-    if handle is None:
-        raise KeyError(f"no replica with id {rid}")
-    return handle
+    return hub.replicas[ReplicaId(rid)]
 
 
 async def set_role(hub: ClusterScheduler, rid: int, role: Role) -> None:
@@ -58,7 +56,7 @@ def drain(hub: ClusterScheduler, rid: int) -> None:
     """Give the replica no new work; its loop finishes what it holds, then it becomes IDLE."""
     handle = handle_of(hub, rid)
     handle.state.set_role(Role.DRAINING)
-    hub.ensure_roles()
+    hub.settle_roles()
     hub.notify()
 
 

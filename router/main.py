@@ -24,10 +24,12 @@ import uvicorn
 import uvloop
 
 from router.admin import start_admin_server
-from router.client import ReplicaCallError
+from router.client import ReplicaClient
 from router.config import RouterConfig
+from router.errors import ReplicaCallError
 from router.http import ServingInfo, create_app
 from router.metrics import RouterMetrics
+from router.replica_api import Connect
 from router.replicas import SERVING, Role
 from router.scheduler import ClusterScheduler
 from router.tokenizer import Tokenizer
@@ -62,6 +64,11 @@ def serving_info(config: RouterConfig, sched: ClusterScheduler) -> ServingInfo:
         default_max_new_tokens=config.max_new_tokens, model_dtype=dtype, model_device_type=device,
         max_batch_total_tokens=config.max_batch_total_tokens,
     )
+
+
+def connector(config: RouterConfig) -> Connect:
+    """The gRPC client of a replica address, with the config's deadlines."""
+    return lambda address: ReplicaClient(address, config.rpc_timeout, config.transfer_timeout)
 
 
 def run_loop(main: Coroutine[Any, Any, None]) -> None:
@@ -108,7 +115,7 @@ async def run_router(config: RouterConfig, stop: asyncio.Event) -> None:
     """Run until `stop` is set; prints one ready line."""
     tokenizer = Tokenizer.from_model_dir(config.model)
     metrics = RouterMetrics()
-    sched = ClusterScheduler(config, metrics)
+    sched = ClusterScheduler(config, tokenizer, connector(config), metrics)
     deadline = asyncio.get_running_loop().time() + 30
     for address, role in zip(config.replica, config.roles(), strict=True):
         await _connect(sched, address, Role(role), deadline)
@@ -124,7 +131,7 @@ async def run_router(config: RouterConfig, stop: asyncio.Event) -> None:
         await asyncio.sleep(0.05)
     http_port = sock.getsockname()[1]
     print(f"pdcluster router ready: http=http://{config.host}:{http_port} admin={config.host}:{admin_port} "
-          f"strategy={sched.strategy.value} replicas={len(sched.replicas)}", flush=True)
+          f"strategy={sched.strategy.name} replicas={len(sched.replicas)}", flush=True)
     try:
         stopped = asyncio.ensure_future(stop.wait())
         await asyncio.wait([stopped, http_task], return_when=asyncio.FIRST_COMPLETED)

@@ -1,5 +1,9 @@
 """Replica roles, the role state machine, page accounting and heartbeat expiry (pure Python).
 
+Every role change goes through `ReplicaState.set_role`, checked against the one table `_ALLOWED`
+(a dead replica comes back only through `revive`); `snapshot()` is a frozen copy of the state for
+readers that must not change it (the admin service, a planner).
+
 ```
  INACTIVE ─► LOADING ─► PREFILL ─► MUTATING_TO_DECODE ─► DECODE
                  │         │  ▲                            │ ▲
@@ -16,8 +20,7 @@ import enum
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from router.client import ReplicaInfo
-from router.types import ReplicaId, RequestId
+from router.types import ReplicaId, ReplicaInfo, RequestId
 
 
 class Role(enum.Enum):
@@ -64,6 +67,23 @@ def check_transition(old: Role, new: Role) -> None:
         raise TransitionError(f"replica cannot go from {old.value} to {new.value}")
 
 
+@dataclass(frozen=True)
+class ReplicaView:
+    """A replica's state at one instant (cheap to take: no per-request data)."""
+
+    id: ReplicaId
+    address: str
+    role: Role
+    rank: int
+    registered: bool
+    num_blocks_total: int
+    num_blocks_free: int  # as the replica last reported it
+    used_blocks: int  # as the router accounts them
+    requests: int
+    inbound: int
+    outbound: int
+
+
 @dataclass
 class ReplicaState:
     """The router's view of one replica: role, facts from Info, and the pages it holds for us."""
@@ -71,18 +91,24 @@ class ReplicaState:
     id: ReplicaId
     address: str
     info: ReplicaInfo
-    role: Role
+    _role: Role
     registered: bool = False
     held: dict[RequestId, int] = field(default_factory=dict)
     promised: int = 0
     inbound: int = 0
     outbound: int = 0
     last_role: Role | None = None  # the role it had when it was declared dead
+    page_sync: bool = False  # it refused pages the router counted free: check its count first
+
+    @property
+    def role(self) -> Role:
+        """The current role (changed only by `set_role` and `revive`)."""
+        return self._role
 
     def set_role(self, new: Role) -> Role:
         """Move to `new` (validated); returns the old role."""
-        check_transition(self.role, new)
-        old, self.role = self.role, new
+        check_transition(self._role, new)
+        old, self._role = self._role, new
         if new is Role.DEAD:
             self.last_role = old
         return old
@@ -91,15 +117,15 @@ class ReplicaState:
         """A dead replica answers again: the role it had (settled: a mutation or a load it was in the
         middle of is over), decode if it was prefill and another replica has taken that role, and
         inactive if its weights are not loaded (its `info` is fresh)."""
-        if self.role is not Role.DEAD:
-            raise TransitionError(f"replica {self.id} is {self.role.value}, not dead")
+        if self._role is not Role.DEAD:
+            raise TransitionError(f"replica {self.id} is {self._role.value}, not dead")
         last = self.last_role or Role.DECODE
         role = _REVIVED.get(last, last)
         if role is Role.PREFILL and Role.PREFILL in set(others):
             role = Role.DECODE
         if role in SERVING and not self.info.loaded:
             role = Role.INACTIVE
-        self.role = role
+        self._role = role
         return role
 
     @property
@@ -124,7 +150,14 @@ class ReplicaState:
     @property
     def alive(self) -> bool:
         """Not dead."""
-        return self.role is not Role.DEAD
+        return self._role is not Role.DEAD
+
+    def snapshot(self) -> ReplicaView:
+        """This replica's state now, frozen."""
+        info = self.info
+        return ReplicaView(self.id, self.address, self._role, info.rank, self.registered,
+                           info.num_blocks_total, info.num_blocks_free, self.used_blocks, len(self.held),
+                           self.inbound, self.outbound)
 
 
 class Heartbeats:

@@ -78,6 +78,10 @@ class FakeReplica(pb_grpc.TextGenerationServiceServicer):
         self.migrate = migrate
         self.step_delay = 0.0
         self.immigrate_delay = 0.0
+        # A replica frees a migrated batch's pages on its engine thread after answering Migrate; a
+        # call sent after that answer can overtake the free there. Seconds the fake lags by.
+        self.free_after_migrate = 0.0
+        self.refused_pages = 0  # PrefillV2 calls refused for want of pages
         self.immigrating = 0
         self.max_immigrating = 0
         self.cancelled: list[str] = []  # calls whose caller cancelled them while they waited
@@ -169,7 +173,10 @@ class FakeReplica(pb_grpc.TextGenerationServiceServicer):
                               max_tokens=sum(r.pages for r in reqs) * self.block_size)
 
     def _free(self, batch_id: int) -> None:
-        for r in self.batches.pop(batch_id, []):
+        self._give_back(self.batches.pop(batch_id, []))
+
+    def _give_back(self, reqs: list[FakeRequest]) -> None:
+        for r in reqs:
             self.free += r.pages
 
     async def PrefillV2(self, request: pb.PrefillV2Request, context: grpc.aio.ServicerContext
@@ -182,6 +189,7 @@ class FakeReplica(pb_grpc.TextGenerationServiceServicer):
         try:
             reqs = self._admit(request.batch)
         except ValueError:
+            self.refused_pages += 1
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "not enough pages")
         self.prefilling += 1
         self.max_prefilling = max(self.max_prefilling, self.prefilling)
@@ -268,7 +276,11 @@ class FakeReplica(pb_grpc.TextGenerationServiceServicer):
         sent = [FakeRequest(r.id, r.tokens[:-1], r.max_new, r.pages) for r in reqs]
         self.fabric.slot(self.rank, request.dst[0], request.batch.id).set_result(sent)
         cached = self._cached(request.batch.id)
-        self._free(request.batch.id)
+        gone = self.batches.pop(request.batch.id, [])
+        if self.free_after_migrate:
+            asyncio.get_running_loop().call_later(self.free_after_migrate, self._give_back, gone)
+        else:
+            self._give_back(gone)
         return pb.MigrateResponse(batch=cached)
 
     async def Immigrate(self, request: pb.ImmigrateRequest, context: grpc.aio.ServicerContext

@@ -43,7 +43,7 @@ def test_admin_calls_token_list_stats_strategy_and_roles() -> None:
                     prev = await stub.SetMigrationStrategy(pb.SetMigrationStrategyRequest(
                         strategy=pb.MIGRATION_STRATEGY_RECOMPUTE), metadata=TOKEN)
                     assert prev.previous == pb.MIGRATION_STRATEGY_FULL
-                    assert sched.strategy is Strategy.RECOMPUTE
+                    assert sched.strategy.name == Strategy.RECOMPUTE.value
                     events = await collect(sched.submit(request([1, 2], 3)))
                     assert finish_of(events).route.strategy == "recompute"
                     with pytest.raises(grpc.aio.AioRpcError) as missing:
@@ -92,4 +92,26 @@ def test_self_registration_heartbeats_and_expiry() -> None:
                 await asyncio.to_thread(reg.stop)
                 await server.stop(None)
                 await extra.stop()
+    run(body())
+
+
+def test_strategies_are_set_and_reported_by_their_registered_name() -> None:
+    # a plug-in strategy has no enum value: the name fields carry it (enum UNSPECIFIED)
+    async def body() -> None:
+        async with fake_cluster((Role.PREFILL, Role.DECODE), Strategy.FULL) as (sched, _):
+            server, port = await start_admin_server(sched, "127.0.0.1", 0)
+            try:
+                async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+                    stub = pb_grpc.RouterAdminStub(channel)
+                    prev = await stub.SetMigrationStrategy(pb.SetMigrationStrategyRequest(name="progressive"))
+                    assert (prev.previous, prev.previous_name) == (pb.MIGRATION_STRATEGY_FULL, "full")
+                    stats = await stub.Stats(pb.StatsRequest())
+                    assert stats.strategy == pb.MIGRATION_STRATEGY_PROGRESSIVE
+                    assert stats.strategy_name == "progressive"
+                    with pytest.raises(grpc.aio.AioRpcError) as unknown:
+                        await stub.SetMigrationStrategy(pb.SetMigrationStrategyRequest(name="teleport"))
+                    assert unknown.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+                    assert "teleport" in str(unknown.value.details()) and sched.strategy.name == "progressive"
+            finally:
+                await server.stop(None)
     run(body())

@@ -5,23 +5,25 @@ from __future__ import annotations
 
 import asyncio
 
-from router.client import Finished, Generation
 from router.queue import request_blocks
 from router.requests import RequestState
 from router.types import (
+    Finished,
     FinishEvent,
     FinishReason,
     GenerateRequest,
+    Generation,
     RequestId,
     SamplingParams,
     StoppingParams,
     TokenInfo,
 )
+from tests.helpers.router_core import FakeDecoder
 
 
 def state(max_new: int = 10, seed: int | None = 7, do_sample: bool = True) -> RequestState:
     req = GenerateRequest((1, 2, 3), SamplingParams(do_sample=do_sample, seed=seed), StoppingParams(max_new))
-    return RequestState(RequestId(1), req, lambda: 0.0)
+    return RequestState(RequestId(1), req, lambda: 0.0, FakeDecoder())
 
 
 def token(i: int) -> Generation:

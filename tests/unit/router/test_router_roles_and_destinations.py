@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import pytest
 
-from router.client import ReplicaInfo
+from router import strategies
 from router.config import RouterConfig, Strategy
-from router.loops import Mode, effective_mode
-from router.migration import choose_destination
 from router.replicas import Heartbeats, ReplicaState, Role, TransitionError, check_transition
-from router.types import ReplicaId, RequestId
+from router.strategies.base import Mode
+from router.strategies.base import most_free_pages as choose_destination
+from router.types import ReplicaId, ReplicaInfo, RequestId
 
 
 def info(total: int = 100) -> ReplicaInfo:
@@ -71,7 +71,7 @@ def test_page_accounting() -> None:
 ])
 def test_loop_mode_per_role_and_strategy(role: Role, strategy: Strategy, has_decode: bool, mode: Mode
                                          ) -> None:
-    assert effective_mode(role, strategy, has_decode) is mode
+    assert strategies.get(strategy).mode(role, has_decode) is mode
 
 
 def test_destination_is_the_decode_replica_with_most_free_pages() -> None:
@@ -106,8 +106,8 @@ def test_router_config_roles_and_validation() -> None:
     assert RouterConfig(model="m", replica=["a:1", "b:2", "c:3"]).roles() == [  # type: ignore[arg-type]
         "prefill", "decode", "decode"]
     cfg = RouterConfig(model="m", replica=["a:1", "b:2"], role=["decode", "prefill"],  # type: ignore[arg-type]
-                       strategy="mutate")  # type: ignore[arg-type]
-    assert cfg.roles() == ["decode", "prefill"] and cfg.strategy is Strategy.MUTATE
+                       strategy="mutate")
+    assert cfg.roles() == ["decode", "prefill"] and cfg.strategy == Strategy.MUTATE.value
     with pytest.raises(ValueError):
         RouterConfig(model="m", replica=["a:1"], role=["decode", "decode"])  # type: ignore[arg-type]
     with pytest.raises(ValueError):
