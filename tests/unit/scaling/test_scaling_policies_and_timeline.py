@@ -23,7 +23,7 @@ def test_the_five_policies_are_registered_in_order() -> None:
 
 
 def test_an_unknown_policy_names_the_known_ones() -> None:
-    with pytest.raises(ValueError, match="unknown scaling policy 'fast'.*static, multicast, live"):
+    with pytest.raises(ValueError, match=r"unknown scaling policy 'fast'.*static, multicast, live"):
         policies.get("fast")
 
 
