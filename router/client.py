@@ -41,6 +41,7 @@ from router.types import (
     TokenInfo,
     TopToken,
     WireRequest,
+    ZagOutcome,
 )
 
 # gRPC metadata of pipelined DecodeV2 calls (replica/server/ordering.py reads them).
@@ -177,6 +178,21 @@ def _step(generations: Sequence[pb.Generation], batch: pb.CachedBatch | None) ->
     return StepResult(tuple(_generation(g) for g in generations), _cached(batch) if batch else None)
 
 
+def _set_resume(info: pb.PipeParaInfo, layer: int) -> None:
+    """Where a relayed prefill resumes: the embedding (0) or transformer layer `layer`."""
+    if layer == 0:
+        info.embedding_layer = 1
+    else:
+        info.tfm_layer = layer
+        info.num_layer_per_rank.append(layer)
+
+
+def _partial(message: Any, batch: BatchSpec, first: bool, split: int, src: Sequence[int],
+             dst: Sequence[int]) -> Any:
+    half = pb.PARTIAL_CASE_FIRST if first else pb.PARTIAL_CASE_SECOND
+    return message(batch=batch_pb(batch), fst_or_snd=half, num_layer=split, src=list(src), dst=list(dst))
+
+
 def _info(msg: pb.InfoResponse) -> ReplicaInfo:
     return ReplicaInfo(
         model_id=msg.model_id, dtype=msg.dtype, num_layers=msg.num_layers, block_size=msg.block_size,
@@ -233,13 +249,48 @@ class ReplicaClient:
         return str(resp.state)
 
     async def prefill(
-        self, batch: BatchSpec, case: PrefillCase = PrefillCase.NORMAL, pipe_peer: Sequence[int] = ()
+        self, batch: BatchSpec, case: PrefillCase = PrefillCase.NORMAL, pipe_peer: Sequence[int] = (),
+        resume: int | None = None,
     ) -> StepResult:
-        """PrefillV2 of a new batch (with migration flags when `case` asks for them)."""
+        """PrefillV2 of a new batch (with migration flags when `case` asks for them); `resume`: a
+        relayed batch's layer (NAIVE_PP|IMMIGRATE from `pipe_peer`; 0 = at the embedding)."""
         req = pb.PrefillV2Request(batch=batch_pb(batch), forward_case=int(case), pipe_peer=list(pipe_peer))
+        if resume is not None:
+            _set_resume(req.pp_info, resume)
         timeout = self.transfer_timeout if case else None
         resp = await self._call("PrefillV2", req, timeout)
         return _step(resp.generations, resp.batch if resp.HasField("batch") else None)
+
+    async def zag_prefill(self, batch: BatchSpec, seq: int) -> ZagOutcome:
+        """Layer-by-layer prefill on a replica still receiving weights, admitted in `seq` order."""
+        req = pb.ZagPrefillRequest(batch=batch_pb(batch), forward_case=int(PrefillCase.NAIVE_PP),
+                                   zag_layers=1, zag_seq_num=seq)
+        req.pp_info.embedding_layer = 1
+        resp = await self._call("ZagPrefill", req, self.transfer_timeout)
+        step = _step(resp.generations, resp.batch if resp.HasField("batch") else None)
+        if not resp.HasField("pp_info"):
+            return ZagOutcome(step, None)
+        where = resp.pp_info.WhichOneof("start_layer")
+        return ZagOutcome(step, resp.pp_info.tfm_layer if where == "tfm_layer" else 0)
+
+    async def relay(self, old_rank: int, relax_not_head: bool) -> tuple[BatchId, int] | None:
+        """Hand a queued layer-by-layer prefill to `old_rank`: (batch id, seq), or None."""
+        resp = await self._call("Relay", pb.RelayRequest(rank=old_rank, relax_not_head=relax_not_head))
+        if not resp.HasField("batch_id"):
+            return None
+        return BatchId(resp.batch_id), int(resp.seq_num)
+
+    async def migrate_partial(self, batch: BatchSpec, first: bool, split: int, src: Sequence[int],
+                              dst: Sequence[int]) -> CachedBatch:
+        """Sender side of one half of a split KV: layers [0, split) (first) or [split, L)."""
+        req = _partial(pb.MigratePartialRequest, batch, first, split, src, dst)
+        return _cached((await self._call("MigratePartial", req, self.transfer_timeout)).batch)
+
+    async def immigrate_partial(self, batch: BatchSpec, first: bool, split: int, src: Sequence[int],
+                                dst: Sequence[int]) -> CachedBatch:
+        """Receiver side of one half; the second half's answer is the decode-ready batch."""
+        req = _partial(pb.ImmigratePartialRequest, batch, first, split, src, dst)
+        return _cached((await self._call("ImmigratePartial", req, self.transfer_timeout)).batch)
 
     async def decode(self, batches: Sequence[CachedBatch], last_tokens: Sequence[Sequence[int]]
                      ) -> StepResult:
@@ -304,6 +355,19 @@ class ReplicaClient:
         """Start this member's part of a chain multicast of the weights."""
         req = pb.BroadcastRequest(src_ranks=list(src_ranks), dst_ranks=list(dst_ranks))
         await self._call("RdmaBroadcast", req)
+
+    async def tanz_broadcast(self, src_ranks: Sequence[int], dst_ranks: Sequence[int]) -> None:
+        """This member's part of a Tanz broadcast of the weights (blocks until it is done)."""
+        req = pb.BroadcastRequest(src_ranks=list(src_ranks), dst_ranks=list(dst_ranks))
+        await self._call("TanzBroadcast", req, self.transfer_timeout)
+
+    async def load_params(self, from_host: bool, model: str = "") -> None:
+        """Fill the weights from the model root (`model`: a folder under it) or the host-memory copy."""
+        if from_host:
+            req = pb.LoadParamsRequest(load_case=pb.LOAD_FROM_HOST_MEM)
+        else:
+            req = pb.LoadParamsRequest(load_case=pb.LOAD_FROM_DISK, model_name=model)
+        await self._call("LoadParams", req, self.transfer_timeout)
 
     async def wait_rdma_done(self) -> None:
         """Join the background weight transfer; raises its error."""

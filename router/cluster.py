@@ -7,6 +7,7 @@ requests as a whole goes through this protocol, which `scheduler.ClusterSchedule
  ReplicaWorker ── take_batch / deliver / on_error ──► requests (queue, streams)
                ── strategy / has_decode / settle_roles ──► roles and the strategy in use
                ── moves ──► the migration queue (hand-offs of prefilled batches)
+               ── zigzag_replicas ──► new prefill replicas an old one takes batches over from
 ```
 """
 
@@ -72,4 +73,12 @@ class Cluster(Protocol):
 
     def settle_roles(self) -> None:
         """Keep the roles the cluster needs (an empty decode replica may have to become prefill)."""
+        ...
+
+    def prefilled(self, tokens: int, seconds: float) -> None:
+        """A prefill call of `tokens` prompt tokens took `seconds` (measured for the planner)."""
+        ...
+
+    def zigzag_replicas(self) -> list[ReplicaHandle]:
+        """Replicas prefilling layer by layer while (or just after) their weights arrive."""
         ...

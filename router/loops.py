@@ -9,6 +9,8 @@
 | DRAIN                   | decode what it has, wait for its outbound migrations, then IDLE          |
 | IDLE                    | nothing                                                                  |
 
+New, refractory and old prefill replicas (live scaling) step by `zigzag.py` instead.
+
 A loop drives its own replica only; it asks the cluster through `cluster.Cluster`. A replica error
 fails only the requests of the batch it hit; an unreachable replica is declared dead and its
 requests re-run elsewhere; a replica out of pages gets the batch again once it freed them.
@@ -18,14 +20,16 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 
+from router import strategies, zigzag
 from router.batches import Arrived, LiveBatch, Member, member_blocks, spec_for
 from router.cluster import Cluster, LoopLimits
 from router.decoding import PIPELINE_DEPTH, DecodeLoop
 from router.errors import ReplicaCallError
 from router.migration import Migrations
 from router.registry import ReplicaHandle
-from router.replicas import Role
+from router.replicas import State, Trigger
 from router.strategies.base import MigrationStrategy, Mode
 from router.types import BatchId, PrefillCase
 from router.wakeup import Wakeup
@@ -38,6 +42,7 @@ log = logging.getLogger("pdcluster.router")
 # (cut from what queued meanwhile) is already waiting on the replica, so the engine does not idle
 # for the round trip and the router's hand-off between two prefills.
 PREFILL_DEPTH = 2
+ZIGZAG_STATES = frozenset({State.NEW_PREFILL, State.REFRACTORY_PREFILL, State.OLD_PREFILL})
 
 # After a page refusal: how long a loop waits for its replica to free what the router released
 # (a free queued on the replica's engine thread behind a call that overtook it), polling its Info.
@@ -86,7 +91,10 @@ class ReplicaWorker:
         """One iteration; True when it did work."""
         if self.decode.in_flight:  # steps sent ahead are collected first, whatever the mode
             return await self.decode.step()
-        mode = self.cluster.strategy.mode(self.h.state.role, self.cluster.has_decode())
+        role = self.h.state.role
+        if role in ZIGZAG_STATES:
+            return await self._zigzag(role)
+        mode = self.cluster.strategy.mode(role, self.cluster.has_decode())
         if mode is Mode.PREFILL:
             # A batch left here by an earlier mode (colocated, or no decode replica then) still decodes here.
             prefilled = await self.prefill_for_migration()
@@ -102,6 +110,18 @@ class ReplicaWorker:
             return await self.drain_once()
         return False
 
+    async def _zigzag(self, role: State) -> bool:
+        """Live scaling (zigzag.py): a new replica prefills layer by layer, an old one takes over."""
+        handoff = zigzag.hand_off_strategy(self.cluster.strategy, strategies.get(strategies.Strategy.FULL))
+        moves = self.cluster.moves
+        if role is State.OLD_PREFILL:
+            did = await zigzag.relay_step(self, moves, handoff)
+        else:
+            did = await zigzag.zig_step(self, moves, handoff)
+        # a batch left here by an earlier role still decodes here
+        stepped = await self.decode_once() if self.h.running or self.h.inbox else False
+        return did or stepped
+
     # ---- prefill -----------------------------------------------------------------------------------
 
     async def prefill_for_migration(self) -> bool:
@@ -115,7 +135,7 @@ class ReplicaWorker:
         pending = self.h.state.outbound + len(self._prefills)
         if len(self._prefills) >= PREFILL_DEPTH or pending >= self.limits.max_pending_migrations:
             return False
-        taken = await self._take_batch()
+        taken = await self.take_batch()
         if taken is None:
             return False
         strategy = self.cluster.strategy
@@ -138,7 +158,7 @@ class ReplicaWorker:
 
     async def prefill_local(self) -> bool:
         """COLOCATED mode: one batch from the queue, prefilled here and joined to the running batch."""
-        taken = await self._take_batch()
+        taken = await self.take_batch()
         if taken is None:
             return False
         batch_id, members = taken
@@ -149,7 +169,9 @@ class ReplicaWorker:
             self.h.inbox.append(Arrived(live, {}))
         return True
 
-    async def _take_batch(self) -> tuple[BatchId, list[Member]] | None:
+    async def take_batch(self) -> tuple[BatchId, list[Member]] | None:
+        """The next batch from the queue that fits this replica (after a page refusal, once the
+        replica's own count caught up)."""
         if self.h.state.page_sync:
             await self._sync_pages()
         return self.cluster.take_batch(self.h)
@@ -172,7 +194,8 @@ class ReplicaWorker:
 
     async def run_prefill(self, members: list[Member], batch_id: BatchId,
                           case: PrefillCase = PrefillCase.NORMAL, peer: ReplicaHandle | None = None,
-                          raise_errors: bool = False, from_queue: bool = True) -> LiveBatch | None:
+                          raise_errors: bool = False, from_queue: bool = True,
+                          resume: int | None = None) -> LiveBatch | None:
         """Prefill `members` here; stream their first tokens; return the cached batch, pruned (a
         migrating case's batch as the replica reported it: it is cached on its receiver, not here).
 
@@ -185,14 +208,16 @@ class ReplicaWorker:
         for m in members:
             m.state.prefilling(self.h.id, from_queue)
         pipe_peer = (peer.rank,) if peer is not None else ()
+        start = time.monotonic()
         try:
-            result = await self.h.client.prefill(spec, case, pipe_peer)
+            result = await self.h.client.prefill(spec, case, pipe_peer, resume)
         except ReplicaCallError as exc:
             self.h.state.release(pages)
             if raise_errors:
                 raise
             self.cluster.on_error(self.h, exc, members)
             return None
+        self.cluster.prefilled(sum(len(m.request.input_ids) for m in members), time.monotonic() - start)
         self.cluster.deliver(result, {m.id: m for m in members})
         if result.batch is None:
             self.h.state.release(pages)
@@ -212,7 +237,7 @@ class ReplicaWorker:
     async def decode_once(self) -> bool:
         """One decode step (see `decoding.py`); an empty decode replica may take the prefill role."""
         did = await self.decode.step()
-        if not did and self.h.state.role is Role.DECODE and self.h.empty:
+        if not did and self.h.state.role is State.DECODE and self.h.empty:
             self.cluster.settle_roles()
         return did
 
@@ -220,7 +245,7 @@ class ReplicaWorker:
         """Decode what is left; once nothing is held or in flight, the replica is IDLE."""
         did = await self.decode.step()
         if not did and self.h.empty:
-            self.h.state.set_role(Role.IDLE)
+            self.h.state.move(State.IDLE, Trigger.DRAINED)
             log.info("replica %s drained", self.h.id)
             self.wakeup.notify()
         return did

@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import math
 import signal
 import socket
 import sys
@@ -30,7 +31,7 @@ from router.errors import ReplicaCallError
 from router.http import ServingInfo, create_app
 from router.metrics import RouterMetrics
 from router.replica_api import Connect
-from router.replicas import SERVING, Role
+from router.replicas import SERVING, State
 from router.scheduler import ClusterScheduler
 from router.tokenizer import Tokenizer
 
@@ -46,6 +47,20 @@ def kv_bytes_per_token(model_dir: Path, dtype: str) -> int:
     kv_heads = int(cfg.get("num_key_value_heads") or heads)
     head_dim = int(cfg.get("head_dim") or cfg["hidden_size"] // heads)
     return 2 * int(cfg["num_hidden_layers"]) * kv_heads * head_dim * _DTYPE_BYTES.get(dtype, 4)
+
+
+def weight_bytes(model_dir: Path, dtype: str) -> int:
+    """Bytes of one replica's weights in `dtype`: the checkpoint's parameter count (from its
+    safetensors headers) times the dtype's size (what a scale-up moves per new replica)."""
+    numel = 0
+    for path in sorted(model_dir.glob("*.safetensors")):
+        with path.open("rb") as f:
+            size = int.from_bytes(f.read(8), "little")
+            header = json.loads(f.read(size))
+        for name, entry in header.items():
+            if name != "__metadata__":
+                numel += math.prod(entry["shape"])
+    return numel * _DTYPE_BYTES.get(dtype, 4)
 
 
 def serving_info(config: RouterConfig, sched: ClusterScheduler) -> ServingInfo:
@@ -89,7 +104,7 @@ class _Server(uvicorn.Server):
         yield
 
 
-async def _connect(sched: ClusterScheduler, address: str, role: Role, deadline: float) -> None:
+async def _connect(sched: ClusterScheduler, address: str, role: State, deadline: float) -> None:
     """Add a replica, retrying while it is still starting (until `deadline`, loop time)."""
     loop = asyncio.get_running_loop()
     while True:
@@ -118,9 +133,10 @@ async def run_router(config: RouterConfig, stop: asyncio.Event) -> None:
     sched = ClusterScheduler(config, tokenizer, connector(config), metrics)
     deadline = asyncio.get_running_loop().time() + 30
     for address, role in zip(config.replica, config.roles(), strict=True):
-        await _connect(sched, address, Role(role), deadline)
+        await _connect(sched, address, State(role), deadline)
     dtype = next((h.state.info.dtype for h in sched.replicas.values()), "float32")
     sched.kv_bytes_per_token = kv_bytes_per_token(config.model, dtype)
+    sched.weight_bytes = weight_bytes(config.model, dtype)
     await sched.start()
     admin, admin_port = await start_admin_server(sched, config.host, config.admin_port, config.admin_token)
     sock = _bind(config.host, config.http_port)
@@ -131,7 +147,8 @@ async def run_router(config: RouterConfig, stop: asyncio.Event) -> None:
         await asyncio.sleep(0.05)
     http_port = sock.getsockname()[1]
     print(f"pdcluster router ready: http=http://{config.host}:{http_port} admin={config.host}:{admin_port} "
-          f"strategy={sched.strategy.name} replicas={len(sched.replicas)}", flush=True)
+          f"strategy={sched.strategy.name} scaling={sched.scaling.policy.name} "
+          f"replicas={len(sched.replicas)}", flush=True)
     try:
         stopped = asyncio.ensure_future(stop.wait())
         await asyncio.wait([stopped, http_task], return_when=asyncio.FIRST_COMPLETED)

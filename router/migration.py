@@ -16,23 +16,25 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 from collections.abc import Awaitable, Callable, Coroutine, Iterable, Sequence
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 from router.batches import Arrived, LiveBatch, Member
 from router.errors import ReplicaCallError, ReplicaUnavailable
 from router.lifecycle import Requests
 from router.metrics import RouterMetrics
 from router.registry import ReplicaHandle, Replicas
-from router.replicas import ReplicaState, Role
+from router.replicas import ReplicaState, State
+from router.scaling.rates import Rates
 from router.types import BatchId, CachedBatch, ReplicaId
 from router.wakeup import Wakeup
 
 log = logging.getLogger("pdcluster.router")
 
 # Roles in which a replica decodes the batches it prefilled itself.
-LOCAL_ROLES = (Role.DECODE, Role.MUTATING_TO_DECODE, Role.COLOCATED)
+LOCAL_ROLES = (State.DECODE, State.MUTATING_TO_DECODE, State.COLOCATED)
 
 Chooser = Callable[[Sequence[ReplicaState], int, int], "ReplicaState | None"]
 """(candidates, pages needed, inbound bound) → the destination, or None while none fits."""
@@ -71,7 +73,7 @@ class Migrations:
 
     def __init__(self, host: Host, replicas: Replicas, requests: Requests, wakeup: Wakeup,
                  metrics: RouterMetrics, clock: Callable[[], float], max_inbound: int,
-                 kv_bytes_per_token: int = 0) -> None:
+                 kv_bytes_per_token: int = 0, rates: Rates | None = None) -> None:
         self.host = host
         self.replicas = replicas
         self.requests = requests
@@ -80,6 +82,7 @@ class Migrations:
         self.clock = clock
         self.max_inbound = max_inbound
         self.kv_bytes_per_token = kv_bytes_per_token
+        self.rates = rates or Rates()
         self.tasks: set[asyncio.Task[None]] = set()
         self._warned: set[str] = set()
 
@@ -138,7 +141,7 @@ class Migrations:
 
     def decode_here(self, src: ReplicaHandle, live: LiveBatch) -> None:
         """Decode the batch where it is: `src` became a decode replica, or there is no other."""
-        local = "mutate" if src.state.role is not Role.PREFILL else "colocated"
+        local = "mutate" if src.state.role is not State.PREFILL else "colocated"
         for m in live.members.values():
             m.state.decoding(src.id, local)
         src.inbox.append(Arrived(live, {}))
@@ -160,6 +163,27 @@ class Migrations:
             raise MigrationFailed([e for e in (sent, got) if isinstance(e, Exception)])
         return got
 
+    async def transfer_halves(self, first: ReplicaHandle, second: ReplicaHandle, dst: ReplicaHandle,
+                              live: LiveBatch, split: int) -> CachedBatch:
+        """Layers [0, split) from `first` and [split, L) from `second` into one batch on `dst`
+        (MigratePartial ‖ ImmigratePartial for each half); the decode-ready batch, or `MigrationFailed`."""
+        spec = live.spec()
+        calls = [
+            first.client.migrate_partial(spec, True, split, [first.rank], [dst.rank]),
+            dst.client.immigrate_partial(spec, True, split, [first.rank], [dst.rank]),
+            second.client.migrate_partial(spec, False, split, [second.rank], [dst.rank]),
+            dst.client.immigrate_partial(spec, False, split, [second.rank], [dst.rank]),
+        ]
+        tasks = [asyncio.ensure_future(c) for c in calls]
+        for sender, receiver in ((tasks[0], tasks[1]), (tasks[2], tasks[3])):
+            sender.add_done_callback(functools.partial(_cancel_if_gone, receiver=receiver))
+        tasks[3].add_done_callback(lambda done: self.mark_dead_if_gone(dst, done))
+        results = await asyncio.gather(*tasks, return_exceptions=True)
+        errors = [r for r in results if isinstance(r, Exception)]
+        if errors or any(isinstance(r, BaseException) for r in results):
+            raise MigrationFailed(errors)
+        return cast(CachedBatch, results[3])
+
     def arrive(self, dst: ReplicaHandle, live: LiveBatch, strategy: str, seconds: float) -> None:
         """A batch's KV is on `dst`: account its pages, record the routes, hand it to its loop.
 
@@ -174,6 +198,7 @@ class Migrations:
             if m.state.generated:
                 lasts[rid] = m.state.generated[-1]
         self.metrics.migration(strategy, sum(pages.values()) * page_bytes, seconds)
+        self.rates.migrated(sum(len(m.request.input_ids) for m in live.members.values()), seconds)
         dst.inbox.append(Arrived(live, lasts))
         self.wakeup.notify()
 

@@ -15,15 +15,16 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 
 from router.batches import InboxItem, LiveBatch
+from router.episode import Episode
 from router.errors import ReplicaCallError
 from router.replica_api import ReplicaApi
-from router.replicas import SERVING, ReplicaState, ReplicaView, Role
+from router.replicas import SERVING, ReplicaState, ReplicaView, State, Trigger
 from router.types import ReplicaId, ReplicaInfo
 
 log = logging.getLogger("pdcluster.router")
 
-_CANNOT_SERVE = frozenset({Role.DEAD, Role.INACTIVE})  # no loop runs a request without an admin call
-_DECODING = (Role.DECODE, Role.MUTATING_TO_DECODE)
+_CANNOT_SERVE = frozenset({State.DEAD, State.INACTIVE})  # no loop runs a request without an admin call
+_DECODING = (State.DECODE, State.MUTATING_TO_DECODE)
 
 
 @dataclass
@@ -35,6 +36,7 @@ class ReplicaHandle:
     inbox: list[InboxItem] = field(default_factory=list)
     running: LiveBatch | None = None
     task: asyncio.Task[None] | None = None
+    zigzag: Episode | None = None  # its layer-by-layer prefills while it loads (live scaling)
 
     @property
     def id(self) -> ReplicaId:
@@ -45,6 +47,11 @@ class ReplicaHandle:
     def rank(self) -> int:
         """Its global rank (for Migrate src/dst)."""
         return self.state.info.rank
+
+    @property
+    def alive(self) -> bool:
+        """Not declared dead."""
+        return self.state.alive
 
     @property
     def block_size(self) -> int:
@@ -104,7 +111,7 @@ class Replicas(Mapping[ReplicaId, ReplicaHandle]):
     def __len__(self) -> int:
         return len(self._handles)
 
-    def add(self, address: str, info: ReplicaInfo, role: Role, client: ReplicaApi,
+    def add(self, address: str, info: ReplicaInfo, role: State, client: ReplicaApi,
             registered: bool = False) -> ReplicaHandle:
         """Register a replica under the next id."""
         state = ReplicaState(ReplicaId(next(self._ids)), address, info, role, registered)
@@ -134,11 +141,11 @@ class Replicas(Mapping[ReplicaId, ReplicaHandle]):
         Returns the replica that became prefill, if one did.
         """
         roles = {h.state.role for h in self._handles.values()}
-        if Role.PREFILL in roles or Role.COLOCATED in roles:
+        if State.PREFILL in roles or State.COLOCATED in roles:
             return None
         for handle in self._handles.values():
-            if handle.state.role is Role.DECODE and handle.empty:
-                handle.state.set_role(Role.PREFILL)
+            if handle.state.role is State.DECODE and handle.empty:
+                handle.state.move(State.PREFILL, Trigger.TAKE_PREFILL)
                 log.info("replica %s becomes a prefill replica", handle.id)
                 return handle
         return None

@@ -10,7 +10,16 @@ from __future__ import annotations
 from collections.abc import Callable, Coroutine, Sequence
 from typing import Any, Protocol
 
-from router.types import BatchId, BatchSpec, CachedBatch, PrefillCase, ReplicaInfo, RequestId, StepResult
+from router.types import (
+    BatchId,
+    BatchSpec,
+    CachedBatch,
+    PrefillCase,
+    ReplicaInfo,
+    RequestId,
+    StepResult,
+    ZagOutcome,
+)
 
 
 class ReplicaApi(Protocol):
@@ -23,9 +32,29 @@ class ReplicaApi(Protocol):
         ...
 
     async def prefill(
-        self, batch: BatchSpec, case: PrefillCase = PrefillCase.NORMAL, pipe_peer: Sequence[int] = ()
+        self, batch: BatchSpec, case: PrefillCase = PrefillCase.NORMAL, pipe_peer: Sequence[int] = (),
+        resume: int | None = None,
     ) -> StepResult:
-        """PrefillV2 of a new batch (with migration flags when `case` asks for them)."""
+        """PrefillV2 of a new batch (with migration flags when `case` asks for them); `resume`: a
+        relayed batch's layer (NAIVE_PP|IMMIGRATE from `pipe_peer`; 0 = at the embedding)."""
+        ...
+
+    async def zag_prefill(self, batch: BatchSpec, seq: int) -> ZagOutcome:
+        """Layer-by-layer prefill on a replica still receiving weights, admitted in `seq` order."""
+        ...
+
+    async def relay(self, old_rank: int, relax_not_head: bool) -> tuple[BatchId, int] | None:
+        """Hand a queued layer-by-layer prefill to `old_rank`: (batch id, seq), or None."""
+        ...
+
+    async def migrate_partial(self, batch: BatchSpec, first: bool, split: int, src: Sequence[int],
+                              dst: Sequence[int]) -> CachedBatch:
+        """Sender side of one half of a split KV: layers [0, split) (first) or [split, L)."""
+        ...
+
+    async def immigrate_partial(self, batch: BatchSpec, first: bool, split: int, src: Sequence[int],
+                                dst: Sequence[int]) -> CachedBatch:
+        """Receiver side of one half; the second half's answer is the decode-ready batch."""
         ...
 
     def start_decode(self, batches: Sequence[CachedBatch], last_tokens: Sequence[Sequence[int]],
@@ -59,6 +88,14 @@ class ReplicaApi(Protocol):
 
     async def rdma_broadcast(self, src_ranks: Sequence[int], dst_ranks: Sequence[int]) -> None:
         """Start this member's part of a chain multicast of the weights."""
+        ...
+
+    async def tanz_broadcast(self, src_ranks: Sequence[int], dst_ranks: Sequence[int]) -> None:
+        """This member's part of a Tanz broadcast of the weights (blocks until it is done)."""
+        ...
+
+    async def load_params(self, from_host: bool, model: str = "") -> None:
+        """Fill the weights from the model root (`model`: a folder under it) or the host-memory copy."""
         ...
 
     async def wait_rdma_done(self) -> None:

@@ -48,6 +48,8 @@ class RouteRecord:
     strategy: str = ""
     migration_bytes: int = 0
     migration_seconds: float = 0.0
+    loading_prefill: bool = False
+    relay_replica: ReplicaId | None = None
 
     def freeze(self) -> Route:
         """The client-facing route."""
@@ -118,6 +120,16 @@ class RequestState:
         self.replica = replica
         if from_queue:
             self.route.prefill_replica = replica
+
+    def zigzag(self, replica: ReplicaId) -> None:
+        """Its live run is prefilled layer by layer on `replica`, which is still receiving weights."""
+        self.prefilling(replica)
+        self.route.loading_prefill = True
+
+    def relayed(self, replica: ReplicaId) -> None:
+        """The loaded `replica` took its layer-by-layer prefill over and finishes it."""
+        self.replica = replica
+        self.route.relay_replica = replica
 
     def decoding(self, replica: ReplicaId, strategy: str = "") -> None:
         """Its live run decodes on `replica` (by `strategy`, when that decides the route's name)."""

@@ -32,8 +32,11 @@ from router.migration import Migrations
 from router.queue import Budgets, RequestQueue
 from router.registry import ReplicaHandle, Replicas
 from router.replica_api import Connect
-from router.replicas import SERVING, Heartbeats, ReplicaView, Role
+from router.replicas import SERVING, Heartbeats, ReplicaState, ReplicaView, State, Trigger
 from router.requests import RequestStream, now
+from router.scaling.autoscaler import Autoscaler
+from router.scaling.rates import Rates
+from router.scaling.timeline import Timeline
 from router.strategies.base import MigrationStrategy
 from router.types import BatchId, GenerateRequest, ReplicaId, RequestId, StepResult, TokenDecoder
 from router.wakeup import Wakeup
@@ -66,12 +69,17 @@ class ClusterScheduler:
         self.requests = Requests(self.metrics, clock, decoder, self.wakeup, config.max_requeues)
         self.heartbeats = Heartbeats(config.heartbeat_timeout)
         self._strategy = strategies.get(config.strategy)
+        self.rates = Rates(config.prefill_tokens_per_s, config.migration_tokens_per_s)
+        self.timeline = Timeline(config.timeline, clock)
         self._moves = Migrations(self, self.replicas, self.requests, self.wakeup, self.metrics, clock,
-                                 config.max_inbound_migrations, kv_bytes_per_token)
+                                 config.max_inbound_migrations, kv_bytes_per_token, self.rates)
         self._connect = connect
         self._limits = LoopLimits(config.max_pending_migrations, config.max_batch_prefill_tokens)
         self._monitor: asyncio.Task[None] | None = None
         self._stopping = False
+        self.weight_bytes = 0  # one replica's weights (main.py sets it from the checkpoint)
+        self.scaling = Autoscaler(self, config.scaling, config.bounds(), config.plan_interval, self.rates,
+                                  self.timeline, self.metrics.scaling_action)
 
     @property
     def queue(self) -> RequestQueue:
@@ -91,7 +99,9 @@ class ClusterScheduler:
 
     def submit(self, request: GenerateRequest) -> RequestStream:
         """Validate against the replicas' limits, queue, and return the request's event stream."""
-        return self.requests.submit(request, self.replicas.serving())
+        stream = self.requests.submit(request, self.replicas.serving())
+        self.rates.arrived(len(request.input_ids), self.clock())
+        return stream
 
     def is_healthy(self) -> bool:
         """True when at least one live replica serves."""
@@ -117,6 +127,24 @@ class ClusterScheduler:
     def has_decode(self) -> bool:
         """A live decode replica exists."""
         return self.replicas.has_decode()
+
+    def zigzag_replicas(self) -> list[ReplicaHandle]:
+        """Replicas prefilling layer by layer while (or just after) their weights arrive."""
+        return [h for h in self.replicas.values()
+                if h.state.role in (State.NEW_PREFILL, State.REFRACTORY_PREFILL)]
+
+    def prefilled(self, tokens: int, seconds: float) -> None:
+        """A prefill call of `tokens` prompt tokens took `seconds` (the planner's prefill speed)."""
+        self.rates.prefilled(tokens, seconds)
+
+    def queued(self) -> tuple[int, int]:
+        """Requests and prompt tokens waiting for a prefill."""
+        return len(self.queue), self.queue.waiting_prompt_tokens()
+
+    @property
+    def model_name(self) -> str:
+        """The checkpoint's folder name (what LoadParams loads under a replica's model root)."""
+        return self.config.model.name
 
     def take_batch(self, replica: ReplicaHandle) -> tuple[BatchId, list[Member]] | None:
         """The next batch from the queue that fits `replica`."""
@@ -161,7 +189,7 @@ class ClusterScheduler:
 
     # ---- replicas ----------------------------------------------------------------------------------
 
-    async def add_replica(self, address: str, role: Role, registered: bool = False) -> ReplicaId:
+    async def add_replica(self, address: str, role: State, registered: bool = False) -> ReplicaId:
         """Connect to a replica, read its Info and start its loop."""
         client = self._connect(address)
         # Whatever a joining replica holds is nobody's: this router has sent it nothing yet. It may
@@ -173,10 +201,21 @@ class ClusterScheduler:
         info = await client.info()
         if role in SERVING and not info.loaded:
             log.warning("replica %s has no weights loaded: registering it inactive", address)
-            role = Role.INACTIVE
+            role = State.INACTIVE
         handle = self.replicas.add(address, info, role, client, registered)
+        handle.state.since = self.clock()
+        handle.state.observer = self._moved
+        self.timeline.write("replica", replica=handle.id, address=address, state=role, rank=info.rank)
         self._start_loop(handle)
         return handle.id
+
+    def _moved(self, state: ReplicaState, old: State, new: State, trigger: Trigger) -> None:
+        """Every replica state change: stamp it, log it, write it to the timeline and the gauges."""
+        state.since = self.clock()
+        log.info("replica %s: %s -> %s (%s)", state.id, old.value, new.value, trigger.value)
+        self.timeline.write("transition", replica=state.id, source=old, target=new, trigger=trigger)
+        self.metrics.update_replicas([state])
+        self.metrics.count_states(h.state.role for h in self.replicas.values())
 
     def _start_loop(self, handle: ReplicaHandle) -> None:
         self.heartbeats.beat(handle.id, self.clock())
@@ -211,7 +250,7 @@ class ClusterScheduler:
         if handle is None or not handle.state.alive:
             return
         log.warning("replica %s (%s) is dead: %s", rid, handle.state.address, reason)
-        handle.state.set_role(Role.DEAD)
+        handle.state.move(State.DEAD, Trigger.DIED)
         self.heartbeats.forget(rid)
         if handle.task is not None and handle.task is not asyncio.current_task():
             handle.task.cancel()
@@ -234,10 +273,13 @@ class ClusterScheduler:
     async def start(self) -> None:
         """Start the liveness monitor."""
         self._monitor = asyncio.create_task(self._watch(), name="replica-monitor")
+        self.metrics.count_states(h.state.role for h in self.replicas.values())
+        self.scaling.start()
 
     async def stop(self) -> None:
         """Stop every loop and close the clients; requests still running fail."""
         self._stopping = True
+        await self.scaling.stop()
         tasks = [t for t in [self._monitor, *(h.task for h in self.replicas.values())] if t is not None]
         tasks += list(self._moves.tasks)
         for task in tasks:
@@ -247,6 +289,7 @@ class ClusterScheduler:
         self.requests.fail_all("the router is shutting down")
         for handle in self.replicas.values():
             await handle.client.close()
+        self.timeline.close()
 
     async def _watch(self) -> None:
         while not self._stopping:

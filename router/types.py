@@ -97,6 +97,8 @@ class Route:
     strategy: str = ""
     migration_bytes: int = 0
     migration_seconds: float = 0.0
+    loading_prefill: bool = False  # prefilled (at least its first layers) by a replica still loading
+    relay_replica: ReplicaId | None = None  # the loaded replica that finished such a prefill
 
 
 @dataclass(frozen=True)
@@ -173,6 +175,19 @@ class PrefillCase(enum.IntFlag):
     MIGRATE_PROGRESSIVE = 2
     NAIVE_PP = 4
     IMMIGRATE = 8
+
+
+@dataclass(frozen=True)
+class ZagOutcome:
+    """How a layer-by-layer prefill (ZagPrefill) ended.
+
+    `resume` is None when it finished here (`result` has the first tokens and the cached batch);
+    else another replica took it over (Relay) and resumes at transformer layer `resume` (0: before
+    any layer, at the embedding), and `result.batch` is the batch kept here (the KV of its layers).
+    """
+
+    result: StepResult
+    resume: int | None
 
 
 @dataclass(frozen=True)

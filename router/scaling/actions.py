@@ -23,18 +23,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from router.scaling.planner import Plan, ReplicaSample, Snapshot
-from router.scaling.states import HOLDS_WEIGHTS, State
+from router.states import HOLDS_WEIGHTS, State
 from router.types import ReplicaId
-
-
-class Method(enum.Enum):
-    """How weights reach replicas that have none."""
-
-    TANZ = "tanz"
-    CHAIN = "chain"
-    P2P = "p2p"
-    LOAD_DISK = "load_disk"  # LoadParams from the model root
-    LOAD_HOST = "load_host"  # LoadParams from the node's host-memory cache
+from router.weights import TRANSFER_METHODS, Method
 
 
 class Kind(enum.Enum):
@@ -93,8 +84,6 @@ class Expire:
 
 
 Action = Revive | Reactivate | Mutate | Load | Drain | Expire
-
-TRANSFER_METHODS = (Method.TANZ, Method.CHAIN, Method.P2P)
 
 
 @dataclass(frozen=True)
@@ -208,7 +197,7 @@ def _load(kind: Kind, free: dict[ReplicaId, ReplicaSample], need: dict[Kind, int
 def _fit(method: Method, sources: list[ReplicaSample], targets: list[ReplicaSample]
          ) -> tuple[list[ReplicaSample], list[ReplicaSample]] | None:
     """The sources and targets `method` would use, or None when it does not apply."""
-    if method in (Method.LOAD_DISK, Method.LOAD_HOST):
+    if method not in TRANSFER_METHODS:
         return [], targets
     if not sources:
         return None

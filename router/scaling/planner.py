@@ -32,7 +32,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from router.scaling.states import DECODE_LIKE, PREFILL_LIKE, State
+from router.states import DECODE_LIKE, PREFILL_LIKE, State
 from router.types import ReplicaId
 
 

@@ -22,7 +22,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from router.scaling.actions import Capabilities, Method
+from router.scaling.actions import Capabilities
+from router.weights import Method
 
 
 @dataclass(frozen=True)

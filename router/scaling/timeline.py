@@ -7,7 +7,7 @@ line runs up with other logs) and `kind`, plus the kind's fields:
 |--------------|---------------------------------------------------------------------------------|
 | `plan`       | `loads` (measured), `prefill`/`decode` (current, low, high, delta), `expire`, `actions` |
 | `transition` | `replica`, `source`, `target`, `trigger`                                        |
-| `transfer`   | `method`, `sources`, `targets`, `bytes`, `seconds`, `ok`, `error`               |
+| `transfer`   | `method`, `sources`, `targets`, `role`, `live`, `bytes`, `seconds`, `ok`, `error` |
 | `relay`      | `new`, `old`, `batch`, `layer` (the layer the old replica resumed at)           |
 | `request`    | `event` (arrival / first_token / finish) with the request's numbers              |
 

@@ -24,7 +24,8 @@ from typing import ClassVar, Protocol
 from router.batches import LiveBatch, Member
 from router.migration import Migrations
 from router.registry import ReplicaHandle
-from router.replicas import ReplicaState, Role
+from router.replicas import ReplicaState, State
+from router.states import DRAINING
 from router.types import BatchId, PrefillCase
 
 
@@ -76,7 +77,7 @@ def most_free_pages(candidates: Sequence[ReplicaState], need_blocks: int, max_in
     """The decode replica with the most free pages that fits `need_blocks` and has an inbound slot."""
     eligible = [
         r for r in candidates
-        if r.role is Role.DECODE and r.inbound < max_inbound and r.free_blocks >= need_blocks
+        if r.role is State.DECODE and r.inbound < max_inbound and r.free_blocks >= need_blocks
     ]
     if not eligible:
         return None
@@ -95,16 +96,16 @@ class MigrationStrategy(ABC):
     #: replica still disaggregates (else its prefill replicas decode their own batches meanwhile)
     makes_decode_replicas: ClassVar[bool] = False
 
-    def mode(self, role: Role, has_decode: bool) -> Mode:
+    def mode(self, role: State, has_decode: bool) -> Mode:
         """The loop mode of a replica in `role` under this strategy."""
-        if role is Role.COLOCATED:
+        if role is State.COLOCATED:
             return Mode.COLOCATED
-        if role is Role.PREFILL:
+        if role is State.PREFILL:
             alone = not has_decode and not self.makes_decode_replicas
             return Mode.COLOCATED if self.colocates or alone else Mode.PREFILL
-        if role in (Role.DECODE, Role.MUTATING_TO_DECODE):
+        if role in (State.DECODE, State.MUTATING_TO_DECODE):
             return Mode.COLOCATED if self.colocates else Mode.DECODE
-        if role is Role.DRAINING:
+        if role in DRAINING:
             return Mode.DRAIN
         return Mode.IDLE
 

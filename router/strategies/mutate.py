@@ -9,7 +9,7 @@ import logging
 from router.batches import LiveBatch
 from router.migration import Migrations
 from router.registry import ReplicaHandle
-from router.replicas import Role
+from router.replicas import State, Trigger
 from router.strategies.base import MigrationStrategy
 
 log = logging.getLogger("pdcluster.router")
@@ -22,9 +22,9 @@ class Mutate(MigrationStrategy):
     makes_decode_replicas = True
 
     async def hand_off(self, moves: Migrations, src: ReplicaHandle, live: LiveBatch) -> None:
-        if src.state.role is Role.PREFILL:
-            src.state.set_role(Role.MUTATING_TO_DECODE)
-            src.state.set_role(Role.DECODE)
+        if src.state.role is State.PREFILL:
+            src.state.move(State.MUTATING_TO_DECODE, Trigger.MUTATE)
+            src.state.move(State.DECODE, Trigger.MUTATED)
             log.info("replica %s mutated to decode", src.id)
         moves.decode_here(src, live)
         moves.host.settle_roles()

@@ -11,7 +11,7 @@ from typing import Any
 from router.client import ReplicaClient
 from router.config import RouterConfig, Strategy
 from router.replica_api import ReplicaApi
-from router.replicas import Role
+from router.replicas import State
 from router.requests import now
 from router.scheduler import ClusterScheduler
 from router.types import (
@@ -86,7 +86,7 @@ def config(strategy: Strategy | str = Strategy.FULL, **overrides: Any) -> Router
 
 
 @contextlib.asynccontextmanager
-async def fake_cluster(roles: Sequence[Role], strategy: Strategy | str = Strategy.FULL,
+async def fake_cluster(roles: Sequence[State], strategy: Strategy | str = Strategy.FULL,
                        kv_bytes_per_token: int = 8, num_blocks: int = 256, **overrides: Any
                        ) -> AsyncIterator[tuple[ClusterScheduler, list[FakeReplica]]]:
     """Fake replicas (ranks 0..n-1) with the given roles behind a started scheduler."""

@@ -9,11 +9,11 @@ import pytest
 
 from router import strategies
 from router.config import Strategy
-from router.replicas import Role
+from router.replicas import State
 from tests.helpers.fake_replica import expected_tokens
 from tests.helpers.router_core import collect, fake_cluster, finish_of, request, run, tokens_of
 
-PD = (Role.PREFILL, Role.DECODE)
+PD = (State.PREFILL, State.DECODE)
 
 
 @pytest.mark.parametrize("strategy", strategies.names())
@@ -88,7 +88,7 @@ def test_scarce_pages_requests_wait_and_all_complete(strategy: str) -> None:
 @pytest.mark.parametrize("bound", [1, 2])
 def test_inbound_migrations_per_decode_replica_are_bounded(bound: int) -> None:
     async def body() -> None:
-        roles = (Role.PREFILL, Role.PREFILL, Role.PREFILL, Role.DECODE)
+        roles = (State.PREFILL, State.PREFILL, State.PREFILL, State.DECODE)
         async with fake_cluster(roles, Strategy.FULL, max_inbound_migrations=bound,
                                 max_batch_size=1) as (sched, fakes):
             fakes[3].immigrate_delay = 0.05
@@ -138,7 +138,7 @@ def test_a_snapshot_shows_roles_pages_and_the_queue() -> None:
             while "DecodeV2" not in fakes[1].calls:
                 await asyncio.sleep(0.005)
             view = sched.snapshot()
-            assert [(r.id, r.role) for r in view.replicas] == [(0, Role.PREFILL), (1, Role.DECODE)]
+            assert [(r.id, r.role) for r in view.replicas] == [(0, State.PREFILL), (1, State.DECODE)]
             assert view.replicas[1].used_blocks > 0 and view.replicas[1].requests > 0
             assert view.active_requests == 5 and view.strategy == "full"
             assert view.queued_prompt_tokens == 9 * view.queued_requests

@@ -48,7 +48,7 @@ def test_router_lists_and_enum_values() -> None:
                     "--strategy", "progressive", "--http-port", "0"])
     assert isinstance(config, RouterConfig)
     assert config.replica == ["a:1", "b:2"] and config.role == ["prefill", "decode"]
-    assert config.strategy is Strategy.PROGRESSIVE and config.http_port == 0
+    assert config.strategy == Strategy.PROGRESSIVE.value and config.http_port == 0
 
 
 def test_up_and_launch_booleans() -> None:

@@ -8,15 +8,15 @@ from router.scaling.actions import (
     Expire,
     Kind,
     Load,
-    Method,
     Mutate,
     Reactivate,
     Revive,
     choose,
 )
 from router.scaling.planner import KindPlan, Plan, ReplicaSample, Snapshot
-from router.scaling.states import State
+from router.states import State
 from router.types import ReplicaId
+from router.weights import Method
 
 MULTICAST = Capabilities((Method.TANZ, Method.CHAIN, Method.P2P, Method.LOAD_DISK))
 LIVE = Capabilities(MULTICAST.methods, live=True)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from router.scaling.planner import Bounds, Direction, ReplicaSample, Snapshot, plan
-from router.scaling.states import State
+from router.states import State
 from router.types import ReplicaId
 
 PAGES = 100

@@ -8,10 +8,10 @@ from pathlib import Path
 import pytest
 
 from router.scaling import policies
-from router.scaling.actions import Method
 from router.scaling.planner import Bounds, KindPlan, Plan
-from router.scaling.states import State, Trigger
 from router.scaling.timeline import Timeline, read
+from router.states import State, Trigger
+from router.weights import Method
 
 
 def test_the_five_policies_are_registered_in_order() -> None:

@@ -12,7 +12,7 @@
 ```
 
 Every state change of a replica goes through `move` (or `ReplicaStateMachine.move`): a change the
-table does not list is a bug and raises `IllegalTransition`. The table is data, so it is printed by
+table does not list is a bug and raises `TransitionError`. The table is data, so it is printed by
 `describe()`, unit-tested row by row, and shown to operators (ListReplicas, `/metrics`).
 """
 
@@ -135,7 +135,7 @@ SERVING = frozenset({S.PREFILL, S.DECODE, S.COLOCATED, S.REFRACTORY_PREFILL, S.O
 HOLDS_WEIGHTS = SERVING | {S.MUTATING_TO_DECODE, S.DRAINING_PREFILL, S.DRAINING_DECODE, S.IDLE}
 
 
-class IllegalTransition(ValueError):
+class TransitionError(ValueError):
     """A state change the table does not allow (a bug of the caller, or a refused operator call)."""
 
 
@@ -145,11 +145,11 @@ def triggers(source: State, target: State) -> frozenset[Trigger]:
 
 
 def check(source: State, target: State, trigger: Trigger) -> None:
-    """Raise `IllegalTransition` unless the table allows `source` → `target` on `trigger`."""
+    """Raise `TransitionError` unless the table allows `source` → `target` on `trigger`."""
     if trigger not in triggers(source, target):
         allowed = sorted(t.value for t in triggers(source, target))
         hint = f" (allowed on: {', '.join(allowed)})" if allowed else ""
-        raise IllegalTransition(
+        raise TransitionError(
             f"replica cannot go from {source.value} to {target.value} on {trigger.value}{hint}")
 
 

@@ -6,10 +6,10 @@ import itertools
 
 import pytest
 
-from router.scaling.states import (
+from router.states import (
     TRANSITIONS,
-    IllegalTransition,
     State,
+    TransitionError,
     Trigger,
     check,
     describe,
@@ -92,12 +92,12 @@ def test_every_allowed_row_passes(source: State, target: State, trigger: Trigger
     (S.DECODE, S.IDLE, T.DRAINED),  # drained only from draining
 ])
 def test_forbidden_changes_raise(source: State, target: State, trigger: Trigger) -> None:
-    with pytest.raises(IllegalTransition, match=f"from {source.value} to {target.value}"):
+    with pytest.raises(TransitionError, match=f"from {source.value} to {target.value}"):
         check(source, target, trigger)
 
 
 def test_a_known_pair_with_the_wrong_trigger_names_the_right_one() -> None:
-    with pytest.raises(IllegalTransition, match="allowed on: revive"):
+    with pytest.raises(TransitionError, match="allowed on: revive"):
         check(S.DRAINING_PREFILL, S.PREFILL, T.ASSIGN)
 
 
