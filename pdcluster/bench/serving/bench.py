@@ -46,7 +46,6 @@ from pdcluster.bench.serving.stats import (
 from pdcluster.bench.serving.workload import Arrival, clip, load_trace, poisson_arrivals
 from pdcluster.cluster.local import LocalCluster, UpConfig
 from pdcluster.cluster.placement import Placement
-from router.config import Strategy
 
 DECODE_GOAL = 0.80  # cluster decode tokens/s ÷ in-process, the goal
 
@@ -322,7 +321,7 @@ def local_cluster(config: BenchServingConfig) -> LocalCluster:
         ready_timeout=config.startup_timeout,
     )
     if config.strategy:
-        up.strategy = Strategy(config.strategy)
+        up.strategy = config.strategy
     if config.num_blocks:
         up.num_blocks = config.num_blocks
     return LocalCluster(up)

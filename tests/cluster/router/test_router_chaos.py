@@ -48,8 +48,8 @@ class Tally:
 @pytest.fixture(scope="module")
 def cluster(tiny_model_factory: Callable[..., Path], tmp_path_factory: pytest.TempPathFactory
             ) -> Iterator[LocalCluster]:
-    config = UpConfig(model=tiny_model_factory(), prefill=1, decode=2, strategy=Strategy.FULL, http_port=0,
-                      admin_port=0, num_blocks=128, admin_token=TOKEN,
+    config = UpConfig(model=tiny_model_factory(), prefill=1, decode=2, strategy=Strategy.FULL.value,
+                      http_port=0, admin_port=0, num_blocks=128, admin_token=TOKEN,
                       log_dir=tmp_path_factory.mktemp("chaos-logs"), ready_timeout=120)
     with LocalCluster(config) as running:
         yield running

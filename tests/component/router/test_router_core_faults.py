@@ -10,9 +10,9 @@ import grpc
 from router import control
 from router.config import Strategy
 from router.replicas import State, Trigger
-from router.weights import Method
 from router.scheduler import ClusterScheduler
 from router.types import ErrorEvent, ReplicaId, TokenEvent
+from router.weights import Method
 from tests.helpers.fake_replica import FakeFabric, FakeReplica, FakeRequest, expected_tokens
 from tests.helpers.router_core import (
     collect,

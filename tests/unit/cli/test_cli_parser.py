@@ -54,7 +54,7 @@ def test_router_lists_and_enum_values() -> None:
 def test_up_and_launch_booleans() -> None:
     up = parse(["up", "--model", "/m", "--prefill", "2", "--strategy", "recompute", "--pin-decode"])
     assert isinstance(up, UpConfig) and up.pin_decode and up.prefill == 2
-    assert up.strategy is Strategy.RECOMPUTE
+    assert up.strategy == Strategy.RECOMPUTE.value
     launch = parse(["launch", "--hosts", "h.txt", "--model", "/m", "--transport", "local", "--dry-run"])
     assert isinstance(launch, LaunchConfig) and launch.dry_run and launch.transport is Transport.LOCAL
 

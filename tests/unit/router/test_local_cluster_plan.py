@@ -32,7 +32,7 @@ def test_bad_flags_are_refused_at_start(tmp_path: Path, fields: dict[str, object
 
 
 def test_inactive_replicas_need_a_checkpoint_they_can_load(tmp_path: Path) -> None:
-    with pytest.raises(ValueError, match="no config.json"):
+    with pytest.raises(ValueError, match=r"no config\.json"):
         UpConfig(model=tmp_path / "missing", inactive=2)
 
 
