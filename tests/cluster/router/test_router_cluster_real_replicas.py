@@ -37,8 +37,8 @@ def model_dir(tiny_model_factory: Callable[..., Path]) -> Path:
 @pytest.fixture(scope="module")
 def cluster(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
     config = UpConfig(model=model_dir, prefill=1, decode=2, strategy=Strategy.FULL.value, http_port=0,
-                      admin_port=0, num_blocks=256, admin_token=TOKEN, log_dir=tmp_path_factory.mktemp("up-logs"),
-                      ready_timeout=120)
+                      admin_port=0, num_blocks=256, admin_token=TOKEN,
+                      log_dir=tmp_path_factory.mktemp("up-logs"), ready_timeout=120)
     with LocalCluster(config) as running:
         yield running
 
