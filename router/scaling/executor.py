@@ -24,7 +24,7 @@ from collections.abc import Callable, Iterable
 from typing import Protocol
 
 from router import weights, zigzag
-from router.errors import ReplicaCallError
+from router.errors import ReplicaCallError, ReplicaUnavailable
 from router.migration import Migrations
 from router.registry import ReplicaHandle, Replicas
 from router.replicas import State, TransitionError, Trigger
@@ -160,12 +160,20 @@ class Executor:
             await self._ready(targets, loading, action.kind)
         except BaseException as exc:
             error = repr(exc)
+            self._bury([*sources, *targets], exc)
             await self._roll_back(targets, loading)
             raise
         finally:
             self.timeline.write("transfer", method=action.method, sources=action.sources,
                                 targets=action.targets, role=action.kind, live=action.live, bytes=nbytes,
                                 seconds=round(self.host.clock() - t0, 6), ok=not error, error=error)
+
+    def _bury(self, members: list[ReplicaHandle], exc: BaseException) -> None:
+        """A member that could not be reached (not one whose peer failed) is dead."""
+        if isinstance(exc, ReplicaUnavailable):
+            for member in members:
+                if member.state.address == exc.address:
+                    self.host.mark_dead(member.id, f"unreachable during a weight transfer: {exc}")
 
     async def _ready(self, targets: list[ReplicaHandle], loading: State, kind: Kind) -> None:
         """Targets whose weights are complete take their job (a new prefill replica goes on with

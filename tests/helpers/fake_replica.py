@@ -86,6 +86,8 @@ class FakeReplica(pb_grpc.TextGenerationServiceServicer):
         self.max_immigrating = 0
         self.cancelled: list[str] = []  # calls whose caller cancelled them while they waited
         self.param_op = ""  # the parameter operation in the background (one at a time, as on a replica)
+        self.param_delay = 0.0  # seconds a blocking weight transfer (Tanz, LoadParams) takes
+        self.host_copy = True  # LoadParams from host memory finds a copy
         self.prefilling = 0  # PrefillV2 calls being served now, and the most at once
         self.max_prefilling = 0
         self.server: grpc.aio.Server | None = None
@@ -339,6 +341,31 @@ class FakeReplica(pb_grpc.TextGenerationServiceServicer):
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                                 f"{name}: another parameter operation ({self.param_op}) is in flight")
         self.param_op = name
+
+    async def TanzBroadcast(self, request: pb.BroadcastRequest, context: grpc.aio.ServicerContext
+                            ) -> pb.BroadcastResponse:
+        await self._enter("TanzBroadcast", context)
+        await self._start_param_op("TanzBroadcast", context)
+        try:
+            await asyncio.sleep(self.param_delay)
+        finally:
+            self.param_op = ""  # blocking: nothing left in the background
+        if self.rank in request.dst_ranks:
+            self.loaded = True
+        return pb.BroadcastResponse()
+
+    async def LoadParams(self, request: pb.LoadParamsRequest, context: grpc.aio.ServicerContext
+                         ) -> pb.LoadParamsResponse:
+        await self._enter("LoadParams", context)
+        if request.load_case == pb.LOAD_FROM_HOST_MEM and not self.host_copy:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "no host-memory copy")
+        await self._start_param_op("LoadParams", context)
+        try:
+            await asyncio.sleep(self.param_delay)
+        finally:
+            self.param_op = ""
+        self.loaded = True
+        return pb.LoadParamsResponse()
 
     async def ResetStatus(self, request: pb.ResetStatusRequest, context: grpc.aio.ServicerContext
                           ) -> pb.ResetStatusResponse:
