@@ -86,7 +86,7 @@ class FakeReplica(pb_grpc.TextGenerationServiceServicer):
         self.max_immigrating = 0
         self.cancelled: list[str] = []  # calls whose caller cancelled them while they waited
         self.param_op = ""  # the parameter operation in the background (one at a time, as on a replica)
-        self.param_delay = 0.0  # seconds a blocking weight transfer (Tanz, LoadParams) takes
+        self.param_delay = 0.0  # seconds a weight transfer takes (blocking ones, or until WaitRdmaDone)
         self.host_copy = True  # LoadParams from host memory finds a copy
         self.prefilling = 0  # PrefillV2 calls being served now, and the most at once
         self.max_prefilling = 0
@@ -333,6 +333,8 @@ class FakeReplica(pb_grpc.TextGenerationServiceServicer):
     async def WaitRdmaDone(self, request: pb.WaitRdmaDoneRequest, context: grpc.aio.ServicerContext
                            ) -> pb.WaitRdmaDoneResponse:
         await self._enter("WaitRdmaDone", context)
+        if self.param_op:
+            await asyncio.sleep(self.param_delay)  # the background transfer's time
         self.param_op = ""  # joined: the next operation may start
         return pb.WaitRdmaDoneResponse()
 
