@@ -79,6 +79,10 @@ class Cluster(Protocol):
         """A prefill call of `tokens` prompt tokens took `seconds` (measured for the planner)."""
         ...
 
+    def record(self, kind: str, **fields: object) -> None:
+        """Write a record to the router's timeline (`--timeline`)."""
+        ...
+
     def zigzag_replicas(self) -> list[ReplicaHandle]:
         """Replicas prefilling layer by layer while (or just after) their weights arrive."""
         ...

@@ -115,7 +115,10 @@ class ReplicaWorker:
         handoff = zigzag.hand_off_strategy(self.cluster.strategy, strategies.get(strategies.Strategy.FULL))
         moves = self.cluster.moves
         if role is State.OLD_PREFILL:
+            # relay a new replica's batch if there is one; else prefill from the queue as usual
             did = await zigzag.relay_step(self, moves, handoff)
+            if not did and self.h.state.role is State.OLD_PREFILL:
+                did = await self.prefill_for_migration()
         else:
             did = await zigzag.zig_step(self, moves, handoff)
         # a batch left here by an earlier role still decodes here

@@ -133,6 +133,10 @@ class ClusterScheduler:
         return [h for h in self.replicas.values()
                 if h.state.role in (State.NEW_PREFILL, State.REFRACTORY_PREFILL)]
 
+    def record(self, kind: str, **fields: object) -> None:
+        """Write a record to the router's timeline (`--timeline`)."""
+        self.timeline.write(kind, **fields)
+
     def prefilled(self, tokens: int, seconds: float) -> None:
         """A prefill call of `tokens` prompt tokens took `seconds` (the planner's prefill speed)."""
         self.rates.prefilled(tokens, seconds)

@@ -125,12 +125,20 @@ async def _admit(worker: ReplicaWorker, episode: Episode, now: float) -> bool:
 
 async def _collect(worker: ReplicaWorker, episode: Episode, moves: Migrations,
                    handoff: MigrationStrategy) -> bool:
-    """Finish the tasks whose ZagPrefill answered (those an old replica took are finished there)."""
-    done = [t for t in episode.tasks if t.call.done() and not t.taken]
+    """Finish the tasks whose ZagPrefill answered (those an old replica took are finished there; a
+    relayed outcome can arrive before the Relay call's answer marks its task taken: it is left to
+    the old replica that asked for it)."""
+    done = [t for t in episode.tasks if t.call.done() and not t.taken and not _relayed(t)]
     for task in done:
         episode.tasks.remove(task)
         await _finished_here(worker, task, moves, handoff)
     return bool(done)
+
+
+def _relayed(task: ZagTask) -> bool:
+    """The task's ZagPrefill answered that another replica took the batch over."""
+    call = task.call
+    return not call.cancelled() and call.exception() is None and call.result().resume is not None
 
 
 async def _finished_here(worker: ReplicaWorker, task: ZagTask, moves: Migrations,
@@ -228,6 +236,8 @@ async def _take_over(worker: ReplicaWorker, new: ReplicaHandle, task: ZagTask, o
                      moves: Migrations, handoff: MigrationStrategy) -> None:
     """Finish a relayed batch on the old replica and send its KV on."""
     old = worker.h
+    worker.cluster.record("relay", new=new.id, old=old.id, batch=task.batch_id, seq=task.seq,
+                          layer=outcome.resume, requests=len(task.members))
     if outcome.resume is None:  # it finished before the relay took effect
         live = _delivered(worker, new, task.members, outcome)
         if live is not None:

@@ -7,6 +7,7 @@
  Drain       PREFILL / DECODE ─drain─► DRAINING_* (its loop: ─drained─► IDLE once empty)
  Expire      IDLE ─expire─► INACTIVE after ResetStatus
  Load        INACTIVE ─load_prefill / load_decode / live_load─► LOADING_* / NEW_PREFILL
+               (live: as many loaded PREFILL replicas ─relay_start─► OLD_PREFILL)
                weights.move(method) ─► Info says loaded ─loaded─► PREFILL / DECODE / REFRACTORY_PREFILL
                failure: every target still loading ─load_failed─► INACTIVE (its zigzag prefills
                cancelled and re-run), an unreachable one is dead; sources keep serving
@@ -151,6 +152,8 @@ class Executor:
         loading, trigger = _loading(action)
         for t in targets:
             t.state.move(loading, trigger)
+        if action.live:
+            self._relayers(len(targets))
         self.host.notify()  # a new prefill replica's loop starts its layer-by-layer prefills now
         t0 = self.host.clock()
         nbytes = self.host.weight_bytes * len(targets)
@@ -167,6 +170,14 @@ class Executor:
             self.timeline.write("transfer", method=action.method, sources=action.sources,
                                 targets=action.targets, role=action.kind, live=action.live, bytes=nbytes,
                                 seconds=round(self.host.clock() - t0, 6), ok=not error, error=error)
+
+    def _relayers(self, n: int) -> None:
+        """As many loaded prefill replicas as new ones (the least loaded first) take relayed batches
+        over while the new ones load; each goes back to PREFILL once no new replica is left."""
+        prefills = sorted((h for h in self.host.replicas.values() if h.state.role is State.PREFILL
+                           and h.id not in self.busy), key=lambda h: (h.state.used_blocks, h.id))
+        for handle in prefills[:n]:
+            handle.state.move(State.OLD_PREFILL, Trigger.RELAY_START)
 
     def _bury(self, members: list[ReplicaHandle], exc: BaseException) -> None:
         """A member that could not be reached (not one whose peer failed) is dead."""
