@@ -74,6 +74,7 @@ class _Services:
     worker: EngineWorker
     placement: Placement
     cluster: ReplicaCluster | None = None  # the fabric, once the model is loaded
+    stopped: bool = False
 
     @property
     def port(self) -> int:
@@ -81,6 +82,10 @@ class _Services:
         return self.placement.port
 
     def stop(self) -> None:
+        """Stop serving, close the fabric, end the engine thread (once; later calls do nothing)."""
+        if self.stopped:
+            return
+        self.stopped = True
         self.placement.set_serving(False)
         self.placement.stop()  # first: no new calls reach the engine
         if self.cluster is not None:
