@@ -1,6 +1,6 @@
 """The engine's messages: plain frozen dataclasses and NamedTuples (protobuf stops at the server's edge).
 
-The servicer converts `generate_pb2` messages into these and back; tests hand-build them.
+The gRPC edge converts `generate_pb2` messages into these and back; tests hand-build them.
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@
                                                       (failure: free what was allocated)
 ```
 Only the engine thread allocates, frees and touches the batch store (work items through
-`EngineWorker`); transfers run on the fabric's threads and this (gRPC handler) thread waits for
+`EngineWorker`); transfers run on the fabric's threads and the call's own thread waits for
 them with a deadline: the smaller of `--transfer-timeout` and the call's own deadline.
 
 The sender's batch leaves the store when its migration starts (so no decode, filter or clear can

@@ -10,7 +10,7 @@
 ```
 The same core serves both placements: in the replica process the edge's gRPC threads call it
 directly (`local.py`); behind the front process the engine thread and the channel's threads call
-it with the calls they read (`channel.py`). Nothing here knows about protobuf or grpc.
+it with the calls they read (`lanes.py`). Nothing here knows about protobuf or grpc.
 """
 
 from __future__ import annotations

@@ -29,7 +29,10 @@ class GrpcServer:
         self.server = grpc.server(
             ThreadPoolExecutor(max_workers=workers, thread_name_prefix="grpc"), options=options
         )
-        self.port = self.server.add_insecure_port(address)
+        try:
+            self.port = self.server.add_insecure_port(address)
+        except RuntimeError as exc:  # grpc raises where older versions returned 0
+            raise OSError(f"cannot listen on {address}: {exc}") from exc
         if self.port == 0:
             raise OSError(f"cannot listen on {address}")
         self.health = health.HealthServicer()

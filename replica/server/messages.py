@@ -5,9 +5,9 @@ Every RPC of `generate.v2.TextGenerationService` becomes one of these messages a
 plain value: an engine type (`StepResult`, `CachedBatchInfo`, ...) or one of the replies below.
 The same objects travel whatever the placement: handed over as they are when the edge runs in
 the replica process, encoded with msgspec (msgpack) between the front process and the replica
-(`channel.py`). msgspec because its encoder and typed decoder run in C: a batch-32 decode step
-costs the engine thread ~4 µs to encode instead of ~60 µs for the tuples + pickle it replaces,
-and the edge gets the engine's own types back (no second, positional encoding of a step).
+(`frames.py`). msgspec because its encoder and typed decoder run in C: encoding a decode step on
+the engine thread costs a fraction of building tuples and pickling them, and the edge gets the
+engine's own types back (no second, positional encoding of a step).
 
 ```
  Call (tagged union, one per engine / service operation)   lane    reply
