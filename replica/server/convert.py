@@ -128,24 +128,31 @@ def generation_to_pb(gen: Generation) -> pb.Generation:
 
 def fill_step(response: Any, result: StepResult) -> None:
     """Write generations and the cached batch (left unset when every request finished) into a
-    response. The edge does this for every step: a decode step's single token is appended
-    (cheaper than extend), the rest as `fill_generation`."""
+    response. The edge does this for every step, so it unpacks the NamedTuples (Generation,
+    TokenList) instead of reading them field by field and appends a decode step's single token
+    (cheaper than extend)."""
     add = response.generations.add
     for gen in result.generations:
-        msg = add(request_id=gen.request_id)
-        tokens = gen.tokens
-        if len(tokens.ids) == 1:
-            out = msg.tokens
-            out.ids.append(tokens.ids[0])
-            out.logprobs.append(tokens.logprobs[0])
-            out.texts.append(tokens.texts[0])
-            out.is_special.append(tokens.is_special[0])
+        rid, tokens, prefill, done, tops = gen
+        msg = add(request_id=rid)
+        ids, logprobs, texts, special = tokens
+        out = msg.tokens
+        if len(ids) == 1:
+            out.ids.append(ids[0])
+            out.logprobs.append(logprobs[0])
+            out.texts.append(texts[0])
+            out.is_special.append(special[0])
         else:
-            fill_tokens(msg.tokens, tokens)
-        if gen.prefill_tokens is not None or gen.generated_text is not None or gen.top_tokens:
+            fill_tokens(out, tokens)
+        if prefill is not None or done is not None or tops:
             _fill_rest(msg, gen)
-    if result.batch is not None:
-        fill_cached_batch(response.batch, result.batch)
+    batch = result.batch
+    if batch is not None:
+        out_batch = response.batch
+        out_batch.id = batch.id
+        out_batch.request_ids.extend(batch.request_ids)
+        out_batch.size = len(batch.request_ids)
+        out_batch.max_tokens = batch.max_tokens
 
 
 def _fill_rest(msg: pb.Generation, gen: Generation) -> None:
