@@ -43,6 +43,18 @@ def failure(exc: ReplicaError) -> Failure:
     return Failure(exc.status.value, str(exc) or type(exc).__name__, exc.cause)
 
 
+def send_reply(wire: FrameSocket, reply: Reply) -> None:
+    """Answer a call; a value that does not encode (a bug of ours) is answered INTERNAL instead."""
+    try:
+        wire.send(reply)
+    except OSError:
+        pass  # the front is gone; the next read sees EOF
+    except Exception as exc:
+        log.exception("the reply to call %d could not be encoded", reply.call_id)
+        with contextlib.suppress(OSError):
+            wire.send(Reply(reply.call_id, failure=Failure("INTERNAL", f"{type(exc).__name__}: {exc}")))
+
+
 class EngineLane:
     """The hot socket, read and answered by the engine thread itself, until EOF."""
 
@@ -97,8 +109,7 @@ class EngineLane:
             self._send(Reply(call_id, failure=failure(as_replica_error(exc))))
 
     def _send(self, reply: Reply) -> None:
-        with contextlib.suppress(OSError):  # the front is gone; the next read sees EOF
-            self.wire.send(reply)
+        send_reply(self.wire, reply)
 
 
 @dataclass(frozen=True)
@@ -161,7 +172,11 @@ class ServiceLane:
     def _loop(self) -> None:
         while True:
             with self._read_lock:
-                message = None if self._ended.is_set() else self.wire.recv()
+                try:
+                    message = None if self._ended.is_set() else self.wire.recv()
+                except Exception:  # a frame that does not decode: drop it, keep serving
+                    log.exception("a frame of the service socket could not be read")
+                    continue
                 if message is None:
                     self._end()
                     return
@@ -228,7 +243,6 @@ class ServiceLane:
         finally:
             with self._lock:
                 self._calls.pop(request.call_id, None)
-            with contextlib.suppress(OSError):  # the front is gone; the reader sees EOF
-                self.wire.send(reply)
+            send_reply(self.wire, reply)
             call.ctx.finish()
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import logging
 from collections.abc import Callable
 from typing import Any, cast
 
@@ -25,6 +26,8 @@ from replica.errors import ReplicaError, ShuttingDown, Status
 from replica.server.client import CoreClient, Pending
 from replica.server.frames import Cancel, Failure, FrameSocket, Request, Serving
 from replica.server.messages import AnyCall, Call, Lane
+
+log = logging.getLogger(__name__)
 
 
 class RemoteError(ReplicaError):
@@ -58,10 +61,12 @@ class RemoteCore(CoreClient):
             self._slots[lane][call_id] = pending
         try:
             self._wires[lane].send(Request(call_id, deadline, cast(AnyCall, call)))
-        except OSError:
+        except BaseException as exc:
             with self._lock:
                 self._slots[lane].pop(call_id, None)
-            raise ShuttingDown("the replica closed the connection") from None
+            if isinstance(exc, OSError):
+                raise ShuttingDown("the replica closed the connection") from None
+            raise
         return pending
 
     def _abandon(self, pending: Pending) -> None:
@@ -79,7 +84,7 @@ class RemoteCore(CoreClient):
     def read_replies(self, lane: Lane) -> None:
         """Deliver the replies of `lane` until the replica closes its socket; then fail what waits."""
         wire, slots = self._wires[lane], self._slots[lane]
-        while (message := wire.recv()) is not None:
+        while (message := self._next(wire)) is not None:
             if isinstance(message, Serving):
                 self._on_serving(message.serving)
                 continue
@@ -95,3 +100,13 @@ class RemoteCore(CoreClient):
             self._closed.add(lane)
             waiting, self._slots[lane] = list(slots.values()), {}
         self.fail_all(waiting, ShuttingDown("the replica closed the connection"))
+
+    @staticmethod
+    def _next(wire: FrameSocket) -> Any:
+        """The next frame (None at EOF); one that does not decode is dropped (its call then ends at
+        its deadline) rather than ending the reader and with it every call."""
+        while True:
+            try:
+                return wire.recv()
+            except msgspec.DecodeError:
+                log.exception("a frame from the replica could not be decoded")

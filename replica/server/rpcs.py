@@ -8,10 +8,9 @@
                   errors: interceptor.guard (ReplicaError → its status, + x-pdcluster-cause)
 ```
 The table and the handlers are the same in both placements: `--no-grpc-frontend` only changes
-the client they call. A call whose abandonment matters (a SERVICE call, whose waits and senders
-stop when its caller goes; a call with an `orphan`, whose result must be undone) is watched
-with a grpc callback: the RPC ending unanswered gives it up, and a result that arrives for a
-caller who just left is undone.
+the client they call. A SERVICE call is watched with a grpc callback: the RPC ending unanswered
+cancels it in the core (its waits and senders stop). A call with an `orphan` whose caller left
+(deadline or cancel) has its result undone when it arrives.
 """
 
 from __future__ import annotations
@@ -214,11 +213,11 @@ RPCS: dict[str, Rpc] = {
 
 
 # ------------------------------------------------------------------------------------ handlers
-# Calls whose abandonment matters: a SERVICE call (its waits and senders stop when its caller
-# goes) or one with an `orphan` (its result must be undone when nobody takes it).
-_WATCHED: dict[type[m.Call], bool] = {
-    kind: kind.lane is m.Lane.SERVICE or kind.orphan is not m.Call.orphan for kind in m.CALLS
-}
+# A SERVICE call learns at once that its caller is gone (a grpc callback cancels its context: its
+# waits and senders stop). An ENGINE call always ends soon, so it is not watched (a callback per
+# call costs the hot path); one with an `orphan` has its result undone if its caller left meanwhile.
+_CANCELLABLE: dict[type[m.Call], bool] = {kind: kind.lane is m.Lane.SERVICE for kind in m.CALLS}
+_UNDOABLE: dict[type[m.Call], bool] = {kind: kind.orphan is not m.Call.orphan for kind in m.CALLS}
 
 
 def _deadline(context: grpc.ServicerContext) -> float | None:
@@ -242,12 +241,12 @@ class Edge:
         def handle(request: Any, context: grpc.ServicerContext) -> Message:
             deadline = _deadline(context)
             call, pending = self._start(rpc, request, deadline, context)
-            watched = _WATCHED[type(call)]
-            if watched and not context.add_callback(lambda: self.client.ended(pending)):
+            kind = type(call)
+            if _CANCELLABLE[kind] and not context.add_callback(lambda: self.client.ended(pending)):
                 self.client.give_up(pending)  # the RPC has ended already (the caller cancelled)
             timeout = None if deadline is None else max(deadline - time.monotonic(), 0.0)
             reply = self.client.wait(pending, timeout)
-            if watched and not context.is_active():  # the caller left as the answer came
+            if _UNDOABLE[kind] and not context.is_active():  # the caller left while it ran
                 self.client.discard(call, reply)
             return rpc.to_pb(reply)
 

@@ -269,6 +269,20 @@ def test_a_prefill_whose_caller_gave_up_is_cleared(wired: _Wired) -> None:
     _wait_for(lambda: wired.engine.store == set())  # cached after the caller left, then cleared
 
 
+def test_a_prefill_whose_caller_cancelled_is_cleared(wired: _Wired) -> None:
+    wired.engine.release.clear()
+    context = _Context(timeout=None)
+    request = pb.PrefillV2Request(batch=pb.Batch(id=6, requests=[pb.Request(id=1, input_tokens=[1])]))
+    handler = wired.edge.handler(RPCS["PrefillV2"])
+    thread = threading.Thread(target=lambda: handler(request, context), daemon=True)
+    thread.start()
+    _wait_for(lambda: wired.engine.prefilled == [6])
+    context.end()  # the client cancelled while the engine ran the prefill
+    wired.engine.release.set()
+    thread.join(5)
+    _wait_for(lambda: wired.engine.store == set())
+
+
 def _migrate_in_background(wired: _Wired, context: _Context) -> list[BaseException]:
     outcome: list[BaseException] = []
 
