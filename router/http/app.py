@@ -14,6 +14,7 @@ from router.http.common import Backend, backend_of, json_response
 from router.http.errors import APIError, Flavor, error_body
 from router.http.info import ServingInfo
 from router.http.keys import KeyTable
+from router.http.openapi import build_openapi
 from router.tokenizer import Tokenizer
 from router.types import Scheduler
 
@@ -43,6 +44,8 @@ def create_app(
     app.add_exception_handler(Exception, _unexpected)
     if access is not None:
         app.add_middleware(ApiKeyMiddleware, access=access)
+    document = build_openapi(app.title, info, tokenizer.vocab_size, keys=access is not None)
+    app.openapi = lambda: document  # type: ignore[method-assign]  # the routes parse bodies themselves
     return app
 
 
