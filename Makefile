@@ -63,7 +63,7 @@ bench: $(STAMP)
 
 # The suite runs these fuzz tests briefly; this is the long run (PDCLUSTER_FUZZ_SEED=S to replay one).
 fuzz: $(STAMP)
-	PDCLUSTER_FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) $(BIN)/pytest -q -s -p no:randomly --timeout 3600 \
+	PDCLUSTER_FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) $(BIN)/pytest -q -s --timeout 3600 \
 		tests/component/router_http/test_router_http_schemathesis.py tests/cluster/fuzz $(PYTEST_ARGS)
 
 clean:
