@@ -210,7 +210,7 @@ def test_replica_rpcs_answer_documented_statuses_and_leak_nothing(
     assert settle_pages(live, start) == start, "pages leaked"
     assert_no_leak(live, baseline)
     assert set(live.codes) == set(strategies)
-    print(f"replica fuzz: {sum(1 for _ in live.codes)} RPCs, codes {summary(live)}")
+    print(f"replica fuzz: {live.calls} calls of {len(live.codes)} RPCs, codes {summary(live)}")
 
 
 def summary(live: Live) -> dict[str, list[str]]:
@@ -276,4 +276,4 @@ def test_router_admin_answers_documented_statuses(replica: tuple[ReplicaProcess,
     replica_stub(replica_live).SetStatusReady(pb.SetStatusReadyRequest(), timeout=30)
     assert settle_pages(replica_live, start) == start, "pages leaked on the replica"
     assert set(router.codes) == set(strategies)
-    print(f"router admin fuzz: codes {summary(router)}")
+    print(f"router admin fuzz: {router.calls} calls of {len(router.codes)} RPCs, codes {summary(router)}")
