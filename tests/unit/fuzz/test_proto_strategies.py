@@ -28,7 +28,8 @@ def test_every_field_of_every_request_is_drawn(name: str) -> None:
     seen: set[str] = set()
     request = st.sampled_from(sorted(strategies)).flatmap(lambda m: strategies[m])
 
-    @settings(max_examples=600, database=None, deadline=None, suppress_health_check=list(HealthCheck))
+    @settings(max_examples=1500, database=None, deadline=None, derandomize=True,
+              suppress_health_check=list(HealthCheck))
     @given(request)
     def draw(msg: Message) -> None:
         fields_set(msg, seen)
