@@ -8,8 +8,9 @@ STAMP  := $(VENV)/.installed
 TORCH_SPEC ?= torch==2.13.0
 PYTEST_ARGS ?=
 BENCH_OUT ?= bench-results
+FUZZ_EXAMPLES ?= 200
 
-.PHONY: help venv demo test test-unit test-component test-cluster proto proto-check lint bench clean
+.PHONY: help venv demo test test-unit test-component test-cluster proto proto-check lint bench fuzz clean
 
 help:
 	@echo "make demo   - set up, build a tiny model, start a local cluster, serve requests"
@@ -17,6 +18,7 @@ help:
 	@echo "make lint   - ruff, mypy and the import rules (import-linter)"
 	@echo "make proto  - regenerate the gRPC stubs from protos/*.proto"
 	@echo "make bench  - benchmarks, JSON under $(BENCH_OUT)/"
+	@echo "make fuzz   - the HTTP schema and gRPC fuzz tests with FUZZ_EXAMPLES examples (a long run)"
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -59,6 +61,11 @@ bench: $(STAMP)
 	$(BIN)/pdcluster bench replica --json $(BENCH_OUT)/replica.json
 	$(BIN)/pdcluster bench transfer --algo p2p --size 256MiB --ranks 2 --json $(BENCH_OUT)/transfer-p2p.json
 	$(BIN)/pdcluster bench transfer --algo chain --size 256MiB --ranks 4 --json $(BENCH_OUT)/transfer-chain.json
+
+# The suite runs these fuzz tests briefly; this is the long run (PDCLUSTER_FUZZ_SEED=S to replay one).
+fuzz: $(STAMP)
+	PDCLUSTER_FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) $(BIN)/pytest -q -s --timeout 3600 \
+		tests/component/router_http/test_router_http_schemathesis.py tests/cluster/fuzz $(PYTEST_ARGS)
 
 clean:
 	rm -rf $(VENV) .demo $(BENCH_OUT) .pytest_cache .mypy_cache .ruff_cache build *.egg-info

@@ -40,6 +40,9 @@ class RouterConfig:
         + ", ".join(s.value for s in Strategy) + ")"))
     admin_token: str = field(default="", metadata=_help(
         "token required in the `x-admin-token` metadata of mutating admin calls (empty = none)"))
+    api_keys: Path | None = field(default=None, metadata=_help(
+        "API key file: one `KEY [name=N] [rpm=N] [concurrent=N] [tpm=N]` per line, # comments "
+        "(router/http/README.md); /v1/* and TGI routes then need `Authorization: Bearer KEY` (unset = open)"))
     model_id: str = field(default="", metadata=_help("model name served (default: the folder name)"))
     max_batch_prefill_tokens: int = field(default=4096, metadata=_help("prompt tokens per prefill batch"))
     max_batch_total_tokens: int = field(default=65536, metadata=_help(
@@ -85,6 +88,8 @@ class RouterConfig:
     def __post_init__(self) -> None:
         self.model = Path(self.model)
         self.strategy = strategies.get(self.strategy).name  # a `Strategy` or a name; unknown → ValueError
+        if self.api_keys is not None:
+            self.api_keys = Path(self.api_keys)
         if self.role and len(self.role) != len(self.replica):
             raise ValueError("--role needs one entry per --replica")
         bad = [r for r in self.role if r not in ROLE_NAMES]

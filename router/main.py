@@ -29,6 +29,7 @@ from router.client import ReplicaClient
 from router.config import RouterConfig
 from router.errors import ReplicaCallError
 from router.http import ServingInfo, create_app
+from router.http.keys import KeyFileError, KeyTable, load_key_file
 from router.metrics import RouterMetrics
 from router.replica_api import Connect
 from router.replicas import SERVING, State
@@ -126,8 +127,10 @@ def _bind(host: str, port: int) -> socket.socket:
     return sock
 
 
-async def run_router(config: RouterConfig, stop: asyncio.Event) -> None:
-    """Run until `stop` is set; prints one ready line."""
+async def run_router(config: RouterConfig, stop: asyncio.Event, api_keys: KeyTable | None = None) -> None:
+    """Run until `stop` is set; prints one ready line. `api_keys`: read from `config.api_keys` if None."""
+    if api_keys is None and config.api_keys is not None:
+        api_keys = load_key_file(config.api_keys)
     tokenizer = Tokenizer.from_model_dir(config.model)
     metrics = RouterMetrics()
     sched = ClusterScheduler(config, tokenizer, connector(config), metrics)
@@ -140,7 +143,7 @@ async def run_router(config: RouterConfig, stop: asyncio.Event) -> None:
     await sched.start()
     admin, admin_port = await start_admin_server(sched, config.host, config.admin_port, config.admin_token)
     sock = _bind(config.host, config.http_port)
-    app = create_app(sched, tokenizer, serving_info(config, sched), metrics.render)
+    app = create_app(sched, tokenizer, serving_info(config, sched), metrics.render, api_keys)
     http = _Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=2))
     http_task = asyncio.create_task(http.serve(sockets=[sock]))
     while not http.started and not http_task.done():
@@ -168,12 +171,18 @@ def serve(config: RouterConfig) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s",
                         stream=sys.stderr)
 
+    try:  # a bad key file stops the router before it touches any replica
+        api_keys = load_key_file(config.api_keys) if config.api_keys is not None else None
+    except KeyFileError as exc:
+        print(f"pdcluster router: {exc}", file=sys.stderr)
+        return 2
+
     async def main() -> None:
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
-        await run_router(config, stop)
+        await run_router(config, stop, api_keys)
 
     try:
         run_loop(main())

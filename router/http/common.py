@@ -6,7 +6,7 @@ import json
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from starlette.requests import Request
 from starlette.responses import Response
@@ -16,6 +16,9 @@ from router.http.events import EventFeed, collect, submit, unless_disconnected
 from router.http.info import ServingInfo
 from router.tokenizer import Tokenizer
 from router.types import ErrorEvent, Event, FinishEvent, GenerateRequest, Scheduler
+
+if TYPE_CHECKING:  # access.py imports this module
+    from router.http.access import Access
 
 CLIENT_CLOSED_REQUEST = 499  # nginx's status for "the client went away first"; never seen by a client
 
@@ -28,6 +31,7 @@ class Backend:
     tokenizer: Tokenizer
     info: ServingInfo
     render_metrics: Callable[[], tuple[bytes, str]]
+    access: Access | None = None  # API keys and limits; None = open
 
 
 def backend_of(request: Request) -> Backend:
@@ -57,9 +61,17 @@ def new_request_id(prefix: str) -> str:
 async def start(request: Request, req: GenerateRequest, flavor: Flavor) -> tuple[EventFeed, Event]:
     """Submit and wait for the first event, so a rejection or an early failure gets a proper HTTP status.
 
-    Raises `ClientGone` when the client leaves while the request waits (the feed is closed).
+    Raises `ClientGone` when the client leaves while the request waits (the feed is closed). With
+    API keys, the request's tokens are charged to its key first (429 or 400 over its tpm).
     """
-    feed = submit(backend_of(request).scheduler, req, flavor)
+    backend = backend_of(request)
+    lease = backend.access.charge_tokens(request, req, flavor) if backend.access is not None else None
+    try:
+        feed = submit(backend.scheduler, req, flavor, lease.observe if lease is not None else None)
+    except APIError:
+        if lease is not None:
+            lease.refund()  # never queued: nothing to charge
+        raise
     first = await unless_disconnected(feed.next(), request.receive, feed)
     if first is None:
         await feed.close()

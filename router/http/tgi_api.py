@@ -125,11 +125,12 @@ def _prepare(request: Request, raw: bytes) -> _Prepared:
     top_n = params.top_n_tokens or 0
     req = generate_request(
         prompt,
-        tgi_sampling(params),
+        tgi_sampling(params, backend.tokenizer.vocab_size),
         stopping,
         prefill_logprobs=params.decoder_input_details,
         top_n_tokens=top_n,
-        truncate=params.truncate,
+        # the prompt is already cut; the replica is told no more than it can hold (a 32-bit count)
+        truncate=None if params.truncate is None else min(params.truncate, len(prompt)),
     )
     ctx = TGIContext(
         details=params.details,

@@ -1,5 +1,5 @@
 """The admin gRPC service in-process over fake replicas: token, list, stats, strategy, roles,
-and self-registration with heartbeats (replica/registration.py)."""
+and self-registration with heartbeats (replica/server/registration.py)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import pytest
 
 from protos import router_pb2 as pb
 from protos import router_pb2_grpc as pb_grpc
-from replica.registration import RouterRegistration
+from replica.server.registration import RouterRegistration
 from router.admin import start_admin_server
 from router.config import Strategy
 from router.replicas import State
