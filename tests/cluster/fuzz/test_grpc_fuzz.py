@@ -30,11 +30,11 @@ from google.protobuf.message import Message
 from hypothesis import HealthCheck, given, seed, settings
 from hypothesis import strategies as st
 
+from pdcluster.cluster.replica_process import ReplicaProcess
 from protos import generate_pb2 as pb
 from protos import generate_pb2_grpc as pb_grpc
 from protos import router_pb2 as rpb
 from protos import router_pb2_grpc as rpb_grpc
-from scripts.replica_process import ReplicaProcess
 from tests.helpers.fuzz import fuzz_examples, fuzz_seed
 from tests.helpers.processes import alive, descendants
 from tests.helpers.proto_strategies import Hints, rpc_requests
@@ -223,7 +223,7 @@ def router(replica: tuple[ReplicaProcess, Live], tiny_model_factory: Callable[..
     model = tiny_model_factory()
     log = (tmp_path_factory.mktemp("fuzz-router") / "router.log").open("w")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "scripts.cli", "router", "--model", str(model),
+        [sys.executable, "-m", "pdcluster", "router", "--model", str(model),
          "--replica", replica[0].address, "--http-port", "0", "--admin-port", "0",
          "--admin-token", TOKEN, "--rpc-timeout", "5",
          "--transfer-timeout", "3", "--heartbeat-interval", "0.5", "--heartbeat-timeout", "3"],
