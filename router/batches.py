@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from router.client import BatchSpec, CachedBatch, WireRequest
-from router.queue import BatchId, request_blocks
+from router.queue import BatchId, blocks_for, request_blocks
 from router.requests import RequestState
 from router.types import GenerateRequest, RequestId
 
@@ -79,6 +79,12 @@ class LiveBatch:
 def member_blocks(member: Member, block_size: int) -> int:
     """Pages one member's run reserves on a replica."""
     return request_blocks(member.request, block_size)
+
+
+def migrated_blocks(member: Member, block_size: int) -> int:
+    """Pages a migration moves for one member: those holding its run's prompt (replica/migration/
+    plan.py); the rest of its reservation holds nothing yet."""
+    return blocks_for(len(member.request.input_ids), block_size)
 
 
 def spec_for(batch_id: BatchId, members: list[Member], block_size: int) -> BatchSpec:

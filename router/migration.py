@@ -22,7 +22,7 @@ import logging
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from router.batches import Arrived, LiveBatch, Member, Reprefill, member_blocks, spec_for
+from router.batches import Arrived, LiveBatch, Member, Reprefill, member_blocks, migrated_blocks, spec_for
 from router.client import (
     PeerFailed,
     PrefillCase,
@@ -183,7 +183,8 @@ class Migrations:
             m.state.replica = dst.id
             m.state.route.decode_replica = dst.id
             m.state.route.strategy = strategy.value
-            m.state.route.migration_bytes += pages[rid] * live.block_size * self.hub.kv_bytes_per_token
+            m.state.route.migration_bytes += (migrated_blocks(m, live.block_size) * live.block_size
+                                              * self.hub.kv_bytes_per_token)
             m.state.route.migration_seconds += seconds
             if m.state.generated:
                 lasts[rid] = m.state.generated[-1]

@@ -40,9 +40,9 @@ class RouteRecord:
     migration_bytes: int = 0
     migration_seconds: float = 0.0
 
-    def freeze(self) -> Route:
-        """The client-facing route."""
-        return Route(**dataclasses.asdict(self))
+    def freeze(self, requeues: int = 0) -> Route:
+        """The client-facing route (`requeues`: the request's re-runs after replica failures)."""
+        return Route(**dataclasses.asdict(self), requeues=requeues)
 
 
 class RequestState:
@@ -116,7 +116,7 @@ class RequestState:
         self.events.put_nowait(FinishEvent(
             text=self.text_before_run + gen.finished.text, reason=gen.finished.reason,
             generated_tokens=len(self.generated), prompt_tokens=len(self.original.input_ids),
-            seed=self._reported_seed(gen.finished.seed), route=self.route.freeze(),
+            seed=self._reported_seed(gen.finished.seed), route=self.route.freeze(self.requeues),
         ))
         return True
 

@@ -20,7 +20,7 @@ import logging
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
-from router.batches import Arrived, LiveBatch, Member, Reprefill
+from router.batches import Arrived, LiveBatch, Member, Reprefill, migrated_blocks
 from router.client import PeerFailed, ReplicaCallError, ReplicaClient, ReplicaUnavailable, StepResult
 from router.config import RouterConfig, Strategy
 from router.loops import ReplicaWorker
@@ -277,8 +277,9 @@ class ClusterScheduler:
         return any(h.state.role in (Role.DECODE, Role.MUTATING_TO_DECODE) for h in self.replicas.values())
 
     def kv_bytes(self, live: LiveBatch) -> int:
-        """Bytes of KV a migration of this batch moves (all layers, whole pages)."""
-        return sum(live.pages().values()) * live.block_size * self.kv_bytes_per_token
+        """Bytes of KV a migration of this batch moves (all layers, whole pages of the prompts)."""
+        moved = sum(migrated_blocks(m, live.block_size) for m in live.members.values())
+        return moved * live.block_size * self.kv_bytes_per_token
 
     # ---- replicas ----------------------------------------------------------------------------------
 

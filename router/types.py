@@ -93,6 +93,7 @@ class Route:
     strategy: str = ""
     migration_bytes: int = 0
     migration_seconds: float = 0.0
+    requeues: int = 0  # times it was re-run elsewhere after a replica failed
 
 
 @dataclass(frozen=True)

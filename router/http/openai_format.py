@@ -50,6 +50,7 @@ def route_dict(route: Route) -> dict[str, Any]:
         "strategy": route.strategy,
         "migration_bytes": route.migration_bytes,
         "migration_seconds": route.migration_seconds,
+        "requeues": route.requeues,
     }
 
 

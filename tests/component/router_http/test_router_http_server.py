@@ -29,6 +29,7 @@ ROUTE = {
     "strategy": "full",
     "migration_bytes": 4096,
     "migration_seconds": 0.002,
+    "requeues": 0,
 }
 
 
