@@ -35,7 +35,7 @@ from pdcluster.experiment.spec import (
 )
 
 T = TypeVar("T")
-_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._@-]*$")  # @: a workload of a rate sweep (chat@4)
 
 
 class ExperimentError(ValueError):
@@ -78,7 +78,7 @@ class Table:
         """A list of names (strings)."""
         value = self.get(key, list, default)
         if not all(isinstance(v, str) and _NAME.match(v) for v in value):
-            raise self.fail(f"{key} must be a list of names (letters, digits, '.', '_', '-'), got {value!r}")
+            raise self.fail(f"{key} must be a list of names (letters, digits, '.', '_', '-', '@'), got {value!r}")
         return tuple(value)
 
     def tables(self, key: str) -> list[Table]:
@@ -263,7 +263,8 @@ def _endpoint(t: Table) -> EndpointSpec:
         url=t.get("url", str, check=lambda v: v.startswith(("http://", "https://")), need="is not an http URL"),
         launch=tuple(launch), requires=tuple(requires), env=dict(env),
         ready_timeout=t.get("ready_timeout", float, 900.0, lambda v: v > 0, "must be > 0"),
-        max_model_len=t.get("max_model_len", int, 0, lambda v: v >= 0, "must be >= 0"))
+        max_model_len=t.get("max_model_len", int, 0, lambda v: v >= 0, "must be >= 0"),
+        workloads=t.names("workloads", []))
     t.done()
     return spec
 

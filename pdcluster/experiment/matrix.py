@@ -97,7 +97,8 @@ def expand(experiment: Experiment) -> list[Cell]:
                 e.clusters, e.strategies, e.policies, e.topologies, e.workloads, reps)
         ]
         cells += [Cell(workload, seed, rep, endpoint=endpoint)
-                  for endpoint, workload, (rep, seed) in product(e.endpoints, e.workloads, reps)]
+                  for endpoint, workload, (rep, seed) in product(e.endpoints, e.workloads, reps)
+                  if not endpoint.workloads or {workload.name, workload.family} & set(endpoint.workloads)]
     keys = [c.key for c in cells]
     if len(set(keys)) != len(keys):
         raise ValueError("two cells of the matrix are the same (a [[cells]] entry given twice?)")

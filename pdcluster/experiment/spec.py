@@ -151,6 +151,7 @@ class EndpointSpec:
     env: dict[str, str] = field(default_factory=dict)
     ready_timeout: float = 900.0
     max_model_len: int = 0  # when the server tells none
+    workloads: tuple[str, ...] = ()  # workloads (names or families) it runs in the product; () = all
 
 
 @dataclass(frozen=True)

@@ -29,7 +29,6 @@ class RequestRecord:
     index: int
     input_len: int
     output_len: int = 0
-    scheduled: float = 0.0  # when the workload said to send it (`start` is when it was sent)
     success: bool = False
     error: str = ""
     start: float = 0.0
@@ -37,6 +36,7 @@ class RequestRecord:
     latency: float = 0.0
     itl: list[float] = field(default_factory=list)
     route: dict[str, Any] | None = None
+    scheduled: float = 0.0  # when the workload said to send it (`start` is when it was sent)
 
     @property
     def tpot(self) -> float | None:

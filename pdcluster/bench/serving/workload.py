@@ -107,8 +107,8 @@ def replay(
         raise ValueError("no trace requests in the chosen window")
     first, span = rows[0].at, rows[-1].at - rows[0].at
     if rate > 0:
-        # n requests over `span` seconds arrive at (n - 1) / span per second; scale to `rate`
-        speed = (len(rows) - 1) / (span * rate) if span > 0 and len(rows) > 1 else 1.0
+        # n requests over `span` seconds arrive at (n - 1) / span per second; scale that to `rate`
+        speed = rate * span / (len(rows) - 1) if span > 0 and len(rows) > 1 else 1.0
     if not speed > 0:
         raise ValueError(f"trace speed must be > 0, got {speed}")
     return [Arrival((r.at - first) / speed, r.input_len, r.output_len, r.hash_ids) for r in rows]
