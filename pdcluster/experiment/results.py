@@ -119,7 +119,7 @@ def load_results(out: Path) -> list[CellResult]:
 def _label(results: list[CellResult]) -> None:
     """Legend labels: the parts of the system that differ between cells (the strategy at least)."""
     parts = ("cluster", "strategy", "policy", "topology")
-    local = [r for r in results if not r.part("endpoint")]
+    local = [r for r in results if r.cell and not r.part("endpoint")]
     varying = [p for p in parts if len({r.part(p) for r in local}) > 1] or ["strategy"]
     for r in results:
         endpoint = r.part("endpoint")
