@@ -21,12 +21,14 @@ from pathlib import Path
 from typing import Any
 
 
-
 def router_default(name: str) -> int:
     """The default of a `pdcluster router` flag (the budgets its batcher cuts prefill batches by)."""
     from router.config import RouterConfig
 
-    return int(next(f.default for f in dataclasses.fields(RouterConfig) if f.name == name))
+    default = next(f.default for f in dataclasses.fields(RouterConfig) if f.name == name)
+    if not isinstance(default, int):
+        raise TypeError(f"router flag {name} has no integer default")
+    return default
 
 
 @dataclass(frozen=True)
@@ -87,7 +89,7 @@ def run_engine_baseline(
 
     if threads:
         torch.set_num_threads(threads)  # as many as one replica of the cluster gets
-    from replica.engine.types import BatchId, RequestId, RequestSpec, StoppingParams
+    from replica.engine.types import RequestId, RequestSpec, StoppingParams
 
     pages_per_request = -(-(input_len + output_len) // block_size)
     config = ReplicaConfig(
@@ -106,7 +108,8 @@ def run_engine_baseline(
     )
     _warm_up(engine, requests[0])
     budget = min(engine.limits.max_prefill_tokens, router_default("max_batch_prefill_tokens"))
-    groups = prefill_groups([input_len] * batch_size, budget, max_batch_size or router_default("max_batch_size"))
+    per_batch = max_batch_size or router_default("max_batch_size")
+    groups = prefill_groups([input_len] * batch_size, budget, per_batch)
     batches = [tuple(requests[i] for i in group) for group in groups]
     runs = [_measure(engine, batches, 2 + r * len(batches)) for r in range(max(1, repeats))]
     # The best run is the ceiling: the others lost time to whatever else shares the CPU.

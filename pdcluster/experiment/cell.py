@@ -9,6 +9,7 @@
       resources.jsonl  CPU, RSS of every process; KV pages, roles, queue from the router (every second)
       summary.json     TTFT/TPOT/ITL/E2EL stats, throughput, goodput, SLO attainment, migration
       logs/            every process's log
+      network.json     kernel topology: the run id, namespaces and addresses
       status.json      written last: {"state": done | failed | skipped, "error", "fingerprint", ...}
 ```
 """
@@ -27,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from pdcluster.bench.serving.prompts import PromptMaker
-from pdcluster.bench.serving.sender import model_vocab_size, probe, send_all
+from pdcluster.bench.serving.sender import model_vocab_size, probe, send_all, warm_up
 from pdcluster.bench.serving.stats import RequestRecord
 from pdcluster.bench.serving.workload import Arrival
 from pdcluster.experiment import netns
@@ -72,7 +73,8 @@ def run_cell(experiment: Experiment, cell: Cell, folder: Path, progress: Progres
     shutil.rmtree(folder, ignore_errors=True)
     folder.mkdir(parents=True)
     stamp = fingerprint(cell, experiment)
-    _write_json(folder / "cell.json", {**cell.describe(), "fingerprint": stamp, "experiment": experiment.name})
+    _write_json(folder / "cell.json",
+                {**cell.describe(), "fingerprint": stamp, "experiment": experiment.name})
     began = time.monotonic()
     reason = _skip_reason(cell)
     if reason:
@@ -103,6 +105,9 @@ def _run(experiment: Experiment, cell: Cell, folder: Path, progress: Progress | 
         network = None
         if cell.topology.backend == "kernel":
             network = stack.enter_context(netns.Network(cell.topology.nodes))
+            _write_json(folder / "network.json", {
+                "run_id": network.run_id, "head": network.head.namespace, "switch": network.switch,
+                "nodes": {n.name: {"namespace": n.namespace, "address": n.address} for n in network.nodes}})
         system: CellCluster | Endpoint
         if cell.endpoint is not None:
             system = Endpoint(cell.endpoint, experiment.model.path, folder)
@@ -129,6 +134,7 @@ def _load(experiment: Experiment, cell: Cell, folder: Path, url: str, watched: l
     served = probe(url, max_len, model_vocab_size(experiment.model.path))
     requests = build(cell.workload, cell.seed, served)
     prompts = PromptMaker(cell.seed, served.vocab_size).prompts(requests)
+    asyncio.run(warm_up(url, served.model_id, prompts[0], experiment.startup_timeout))
     t0, wall0 = time.perf_counter(), time.time()
     sampler = Sampler(folder / "resources.jsonl", watched, f"{url}/metrics" if cell.endpoint is None else "",
                       t0, (lambda: netns.enter(namespace)) if namespace else None)
@@ -142,7 +148,8 @@ def _load(experiment: Experiment, cell: Cell, folder: Path, url: str, watched: l
     _write_records(folder / "requests.jsonl", records)
     summary = cell_summary(records, duration, experiment.slo.limits(), requests)
     summary.update({"system": cell.system, "workload": cell.workload.name, "seed": cell.seed,
-                    "model_id": served.model_id, "wall_start": wall0, "max_total_tokens": served.max_total_tokens})
+                    "model_id": served.model_id, "wall_start": wall0,
+                    "max_total_tokens": served.max_total_tokens})
     _write_json(folder / "summary.json", summary)
 
 

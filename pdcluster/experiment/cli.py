@@ -50,7 +50,8 @@ def run(config: ExperimentRunConfig) -> int:
     result = run_experiment(experiment, config.out, config.force, config.only)
     states = [o.state for o in result.ran.values()]
     print(f"pdcluster experiment: {states.count('done')} cells done, {states.count('failed')} failed, "
-          f"{states.count('skipped')} skipped, {len(result.reused)} already finished; report: {result.report}")
+          f"{states.count('skipped')} skipped, {len(result.reused)} already finished; "
+          f"report: {result.report}")
     return 1 if "failed" in states else 0
 
 

@@ -88,7 +88,8 @@ class CellCluster:
             args = ["replica", "--model", str(self.model.path), "--host", entry.host, "--port", "0",
                     "--rank", str(rank), "--num-blocks", str(self.model.num_blocks),
                     "--torch-threads", str(self._threads()), "--cluster", str(self.folder / "ranks.json"),
-                    "--fabric", "tcp", *(["--inactive"] if role == "inactive" else [])]
+                    "--fabric", "tcp", *(["--inactive"] if role == "inactive" else []),
+                    *self.shape.replica_args]
             self.replicas.append(self._spawn(f"replica-{rank}-{role}", role, args, logs, self.nodes[rank]))
         for proc in self.replicas:
             proc.address = self._ready(proc, REPLICA_READY, deadline)[len(REPLICA_READY):].strip()
@@ -97,10 +98,12 @@ class CellCluster:
 
     def _router_args(self, flags: set[str]) -> list[str]:
         host = HEAD_ADDRESS if self.network else "127.0.0.1"
-        ports = ["--http-port", str(ROUTER_HTTP_PORT), "--admin-port", str(ROUTER_ADMIN_PORT)] if self.network \
-            else ["--http-port", "0", "--admin-port", "0"]
-        args = ["router", "--model", str(self.model.path), "--host", host, *ports, "--strategy", self.strategy,
+        # fixed ports in the head's own namespace; free ones on the host's loopback
+        http, admin = (ROUTER_HTTP_PORT, ROUTER_ADMIN_PORT) if self.network else (0, 0)
+        args = ["router", "--model", str(self.model.path), "--host", host, "--http-port", str(http),
+                "--admin-port", str(admin), "--strategy", self.strategy,
                 "--replica", *[p.address for p in self.replicas], "--role", *self.roles]
+        args += self.shape.router_args
         if "scaling" in flags:
             args += ["--scaling", self.policy]
         if "timeline" in flags:

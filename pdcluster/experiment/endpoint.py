@@ -60,7 +60,8 @@ class Endpoint:
                 raise RuntimeError(f"{self.spec.name} exited with {self.proc.popen.returncode}\n"
                                    f"{log_tail(self.proc.log)}")
             if time.monotonic() > deadline:
-                raise RuntimeError(f"{self.http_url}/v1/models did not answer within {self.spec.ready_timeout} s")
+                raise RuntimeError(f"{self.http_url}/v1/models did not answer within "
+                                   f"{self.spec.ready_timeout} s")
             time.sleep(1.0)
 
     def _answers(self) -> bool:

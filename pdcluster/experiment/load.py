@@ -38,6 +38,13 @@ T = TypeVar("T")
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._@-]*$")  # @: a workload of a rate sweep (chat@4)
 
 
+_NEED_0 = "must be >= 0"
+
+
+def _at_least_0(value: float) -> bool:
+    return value >= 0
+
+
 class ExperimentError(ValueError):
     """The experiment file is malformed; the message names the file and the place."""
 
@@ -67,7 +74,7 @@ class Table:
         kinds = kind if isinstance(kind, tuple) else (kind,)
         if float in kinds and isinstance(value, int) and not isinstance(value, bool):
             value = float(value)
-        if isinstance(value, bool) and bool not in kinds or not isinstance(value, kinds):
+        if (isinstance(value, bool) and bool not in kinds) or not isinstance(value, kinds):
             names = " or ".join(k.__name__ for k in kinds)
             raise self.fail(f"{key} = {value!r} must be {names}")
         if check is not None and not check(value):
@@ -78,7 +85,8 @@ class Table:
         """A list of names (strings)."""
         value = self.get(key, list, default)
         if not all(isinstance(v, str) and _NAME.match(v) for v in value):
-            raise self.fail(f"{key} must be a list of names (letters, digits, '.', '_', '-', '@'), got {value!r}")
+            raise self.fail(f"{key} must be a list of names (letters, digits, '.', '_', '-', '@'), "
+                            f"got {value!r}")
         return tuple(value)
 
     def tables(self, key: str) -> list[Table]:
@@ -148,14 +156,22 @@ def _model(t: Table) -> ModelSpec:
 
 
 def _cluster(t: Table) -> ClusterShape:
-    count = {"check": lambda v: v >= 0, "need": "must be >= 0"}
     shape = ClusterShape(t.get("name", str, check=lambda v: bool(_NAME.match(v)), need="is not a name"),
-                         t.get("prefill", int, 1, **count),
-                         t.get("decode", int, 1, **count), t.get("inactive", int, 0, **count))
+                         t.get("prefill", int, 1, _at_least_0, _NEED_0),
+                         t.get("decode", int, 1, _at_least_0, _NEED_0),
+                         t.get("inactive", int, 0, _at_least_0, _NEED_0),
+                         _strings(t, "router_args"), _strings(t, "replica_args"))
     t.done()
     if shape.prefill + shape.decode < 1:
         raise t.fail("a cluster needs at least one prefill or decode replica")
     return shape
+
+
+def _strings(t: Table, key: str) -> tuple[str, ...]:
+    value = t.get(key, list, [])
+    if not all(isinstance(v, str) for v in value):
+        raise t.fail(f"{key} must be a list of strings (command-line words), got {value!r}")
+    return tuple(value)
 
 
 def _lengths(t: Table, key: str, default: int) -> LengthSpec:
@@ -171,8 +187,10 @@ def _rates(t: Table, arrival: str) -> list[float]:
     """`rate` or `rates`: numbers, or "inf" (all at once); a trace's 0 keeps its own pace."""
     if "rate" in t.data and "rates" in t.data:
         raise t.fail("give rate or rates, not both")
-    raw = t.get("rates", list) if "rates" in t.data else [t.get("rate", (float, str), 0.0 if arrival == "trace"
-                                                                 else ...)]
+    if "rates" in t.data:
+        raw = t.get("rates", list)
+    else:  # a trace keeps its own pace without a rate; synthetic arrivals need one
+        raw = [t.get("rate", (float, str), 0.0 if arrival == "trace" else ...)]
     rates = []
     for value in raw:
         rate = math.inf if value == "inf" else value
@@ -204,7 +222,8 @@ def _workloads(t: Table) -> list[WorkloadSpec]:
     }
     window = t.get("window", list, None)
     if window is not None:
-        if len(window) != 2 or not all(isinstance(w, int | float) for w in window) or not window[0] < window[1]:
+        numbers = len(window) == 2 and all(isinstance(w, int | float) for w in window)
+        if not numbers or not window[0] < window[1]:
             raise t.fail(f"window must be [start, end] seconds with start < end, got {window!r}")
         common["window"] = (float(window[0]), float(window[1]))
     t.done()
@@ -244,10 +263,10 @@ def _node(t: Table) -> NodeSpec:
         replicas = tuple(replicas)
     elif replicas < 0:
         raise t.fail("replicas must be >= 0")
-    positive = {"check": lambda v: v >= 0, "need": "must be >= 0"}
     node = NodeSpec(t.get("name", str, check=lambda v: bool(_NAME.match(v)), need="is not a name"), replicas,
-                    t.get("nic_gbps", float, 0.0, **positive), t.get("intra_gbps", float, 0.0, **positive),
-                    t.get("latency_ms", float, 0.0, **positive))
+                    t.get("nic_gbps", float, 0.0, _at_least_0, _NEED_0),
+                    t.get("intra_gbps", float, 0.0, _at_least_0, _NEED_0),
+                    t.get("latency_ms", float, 0.0, _at_least_0, _NEED_0))
     t.done()
     return node
 
@@ -260,7 +279,8 @@ def _endpoint(t: Table) -> EndpointSpec:
         raise t.fail("launch, requires and env values must be strings")
     spec = EndpointSpec(
         name=t.get("name", str, check=lambda v: bool(_NAME.match(v)), need="is not a name"),
-        url=t.get("url", str, check=lambda v: v.startswith(("http://", "https://")), need="is not an http URL"),
+        url=t.get("url", str, check=lambda v: v.startswith(("http://", "https://")),
+                  need="is not an http URL"),
         launch=tuple(launch), requires=tuple(requires), env=dict(env),
         ready_timeout=t.get("ready_timeout", float, 900.0, lambda v: v > 0, "must be > 0"),
         max_model_len=t.get("max_model_len", int, 0, lambda v: v >= 0, "must be >= 0"),
@@ -300,7 +320,8 @@ def _check_matrix(e: Experiment, top: Table) -> None:
     if not e.cells and not local and not e.endpoints:
         missing = [k for k, v in (("[[clusters]]", e.clusters), ("strategies", e.strategies),
                                   ("policies", e.policies)) if not v]
-        raise top.fail(f"the matrix is empty: no [[endpoints]], and no local cells for want of {', '.join(missing)}")
+        raise top.fail(f"the matrix is empty: no [[endpoints]], and no local cells for want of "
+                       f"{', '.join(missing)}")
     for topology in e.topologies:
         for shape in e.clusters:
             try:

@@ -122,7 +122,8 @@ def _one(items: tuple[Any, ...], name: str, kind: str) -> Any:
 def _chosen(e: Experiment, choice: CellChoice, reps: list[tuple[int, int]]) -> list[Cell]:
     workloads = [w for w in e.workloads if choice.workload in (w.name, w.family)]
     if not workloads:
-        raise ValueError(f"a [[cells]] entry names workload {choice.workload!r}, which the file does not define")
+        raise ValueError(f"a [[cells]] entry names workload {choice.workload!r}, which the file does not "
+                         "define")
     if choice.endpoint:
         endpoint = _one(e.endpoints, choice.endpoint, "endpoint")
         return [Cell(w, seed, rep, endpoint=endpoint) for w in workloads for rep, seed in reps]

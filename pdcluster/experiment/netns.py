@@ -1,11 +1,11 @@
 """The kernel topology backend: each node a network namespace, its links shaped by `tc`.
 
 ```
-  pdcx-<run>-h  (router, load generator)        pdcx-<run>-sw (the switch)        pdcx-<run>-n0 (node 0)
-  eth0 198.18.0.1 ──────── veth ─────── port-h ┐                               ┌ n0 ─── veth ─── eth0 198.18.0.2
-                                                ├── br0 (bridge) ───────────────┤        netem delay + tbf rate (TX)
-                                                │                               └ tbf rate (RX side of node 0)
-                                                └ n1 ── … ── eth0 198.18.0.3 (node 1)   lo: tbf at the intra-node rate
+ pdcx-<run>-h (router, load gen.)   pdcx-<run>-sw (the switch)            pdcx-<run>-n0 (node 0)
+ eth0 198.18.0.1 ── veth ── port-h ┐                       ┌ port-n0 ── veth ── eth0 198.18.0.2
+                                   ├──── br0 (bridge) ─────┤  tbf (RX)         netem + tbf (TX)
+                                   │                       └ port-n1 ── … node 1 (198.18.0.3)
+                                   └ (head: not shaped)        lo of a node: tbf at the intra-node rate
 ```
 Every interface is created inside a namespace of the run (never in the host's), so the addresses
 (198.18.0.0/24, the benchmarking range) exist only there and no packet to them leaves the run's
@@ -98,6 +98,13 @@ def namespaces() -> list[str]:
     """Names of the network namespaces on this machine."""
     out = _run("ip", "netns", "list", check=False).stdout
     return [line.split()[0] for line in out.splitlines() if line.strip()]
+
+
+def host_addresses() -> list[str]:
+    """Addresses of the runs' subnet in the namespace of this process (the host's): always none,
+    since every interface of a run is made inside the run's namespaces."""
+    out = _run("ip", "-o", "addr", "show", check=False).stdout
+    return [word for word in out.split() if word.startswith(f"{SUBNET}.")]
 
 
 def _alive(pid: int) -> bool:

@@ -1,12 +1,11 @@
 """The report's figures, drawn with matplotlib's Agg backend into PNG files (no display needed).
 
-| file                         | shows                                                                 |
-|------------------------------|-----------------------------------------------------------------------|
-| `ttft_cdf.png`, `tpot_cdf.png` | per workload, the CDF of TTFT / TPOT of each system (all repetitions) |
-| `slo_vs_rate.png`            | per workload family, the share of requests meeting every SLO against the offered rate |
-| `p99_ttft_vs_rate.png`       | per workload family, P99 TTFT against the offered rate                 |
-| `replicas_timeline.png`      | per cell (first repetition), replicas in each state over time, and requests/s sent |
-| `migration_vs_bytes.png`     | per migrated request, its migration time against its KV bytes, by system |
+- `ttft_cdf.png`, `tpot_cdf.png`: per workload, the CDF of TTFT / TPOT of each system (all repetitions);
+- `slo_vs_rate.png`: per workload family, the share of requests meeting every SLO against the offered
+  rate; `p99_ttft_vs_rate.png`: P99 TTFT against it;
+- `replicas_timeline.png`: per cell (first repetition), replicas in each state over time, and the
+  requests sent per second;
+- `migration_vs_bytes.png`: per migrated request, its migration time against its KV bytes, by system.
 
 Each function returns the file it wrote, or None when the cells hold nothing to draw (the report
 then draws `placeholder`, so every figure file exists).
@@ -23,11 +22,12 @@ from typing import Any
 import matplotlib
 
 matplotlib.use("Agg")  # files only; must precede pyplot's import
-import matplotlib.pyplot as plt  # noqa: E402
-from matplotlib.axes import Axes  # noqa: E402
-from matplotlib.figure import Figure  # noqa: E402
+import matplotlib.pyplot as plt
+from matplotlib.axes import Axes
+from matplotlib.figure import Figure
+from matplotlib.ticker import MaxNLocator
 
-from pdcluster.experiment.results import CellResult  # noqa: E402
+from pdcluster.experiment.results import CellResult
 
 MAX_PANELS = 12
 
@@ -93,7 +93,8 @@ def cdf(results: Sequence[CellResult], metric: str, path: Path) -> Path | None:
         for label, cells in sorted(by_label.items()):
             values = sorted(_values(cells, metric))
             if values:
-                ax.step(values, [(i + 1) / len(values) for i in range(len(values))], where="post", label=label)
+                shares = [(i + 1) / len(values) for i in range(len(values))]
+                ax.step(values, shares, where="post", label=label)
                 spread += [values[0], values[-1]]
         if spread and min(spread) > 0 and max(spread) / min(spread) > 50:
             ax.set_xscale("log")
@@ -162,7 +163,8 @@ def replica_states(cell: CellResult) -> dict[str, list[tuple[float, int]]]:
     return {s: [(t, counts[t].get(s, 0)) for t in sorted(counts)] for s in states}
 
 
-def _from_transitions(cell: CellResult, transitions: list[dict[str, Any]]) -> dict[str, list[tuple[float, int]]]:
+def _from_transitions(cell: CellResult, transitions: list[dict[str, Any]]
+                      ) -> dict[str, list[tuple[float, int]]]:
     """Replay transitions (router wall clock) on the load's clock (`wall_start` of the summary)."""
     wall0 = float(cell.summary.get("wall_start", transitions[0].get("wall", 0.0)))
     where: dict[str, str] = {}
@@ -197,7 +199,7 @@ def replicas_timeline(results: Sequence[CellResult], path: Path) -> Path | None:
             ax.step([p[0] for p in points], [p[1] for p in points], where="post", label=state)
         ax.set(title=f"{cell.label} · {cell.workload}", xlabel="time since the load started (s)",
                ylabel="replicas")
-        ax.yaxis.get_major_locator().set_params(integer=True)
+        ax.yaxis.set_major_locator(MaxNLocator(integer=True))
         rate = ax.twinx()
         per_second = arrivals_per_second(cell)
         rate.bar([p[0] + 0.5 for p in per_second], [p[1] for p in per_second], width=1.0, alpha=0.15,
@@ -216,7 +218,8 @@ def migration_vs_bytes(results: Sequence[CellResult], path: Path) -> Path | None
         for q in r.requests():
             route = q.get("route") or {}
             if route.get("migration_bytes"):
-                points[r.label].append((route["migration_bytes"] / 2**20, 1000.0 * route["migration_seconds"]))
+                mib, ms = route["migration_bytes"] / 2**20, 1000.0 * route["migration_seconds"]
+                points[r.label].append((mib, ms))
     if not points:
         return None
     fig, axes = _grid(1, width=6.4, height=4.4)

@@ -69,7 +69,7 @@ class CellResult:
 
     @property
     def rate(self) -> float:
-        """The workload's requests/s: the spec's rate, else the offered (measured) one; inf when all at once."""
+        """The workload's requests/s: the spec's, else the offered one (inf: all at once)."""
         value = self.cell.get("workload", {}).get("rate", "inf")
         rate = math.inf if value == "inf" else float(value)
         if rate == 0 or math.isinf(rate):

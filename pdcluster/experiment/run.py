@@ -56,7 +56,8 @@ def ensure_model(model: ModelSpec) -> None:
     if (model.path / "config.json").is_file():
         return
     if not model.tiny:
-        raise FileNotFoundError(f"model {model.path} has no config.json (give [model] tiny = {{…}} to build one)")
+        raise FileNotFoundError(f"model {model.path} has no config.json (give [model] tiny = {{…}} to "
+                                "build one)")
     from pdcluster.tools.tiny_model import TinyModelConfig, make_tiny_model
 
     make_tiny_model(TinyModelConfig(out=model.path, **model.tiny))
@@ -65,7 +66,8 @@ def ensure_model(model: ModelSpec) -> None:
 def run_experiment(experiment: Experiment, out: Path, force: bool = False, only: Sequence[str] = (),
                    report: bool = True) -> RunResult:
     """Run the cells that are not finished (those whose key contains one of `only`, when given)."""
-    plan = [(c, must) for c, must in to_run(experiment, out, force) if not only or any(o in c.key for o in only)]
+    plan = [(c, must) for c, must in to_run(experiment, out, force)
+            if not only or any(o in c.key for o in only)]
     out.mkdir(parents=True, exist_ok=True)
     shutil.copyfile(experiment.source, out / "experiment.toml")
     ensure_model(experiment.model)

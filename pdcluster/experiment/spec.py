@@ -46,6 +46,8 @@ class ClusterShape:
     prefill: int = 1
     decode: int = 1
     inactive: int = 0
+    router_args: tuple[str, ...] = ()  # more `pdcluster router` flags (batch budgets, migration bounds)
+    replica_args: tuple[str, ...] = ()  # more `pdcluster replica` flags, for every replica
 
     def roles(self) -> list[str]:
         """The role of each replica, by rank (prefill first, then decode, then inactive)."""

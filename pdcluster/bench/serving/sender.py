@@ -94,6 +94,16 @@ async def _report(tasks: list[asyncio.Task[RequestRecord]],
         progress(tasks)
 
 
+async def warm_up(url: str, model: str, prompt: list[int], timeout: float) -> RequestRecord:
+    """One short request before the measured ones, as vLLM's benchmark sends its test prompt: a
+    server's first request pays its lazy start-up (compilation, allocation), which no measured
+    request should."""
+    record = await _one(url, model, -1, Arrival(0.0, len(prompt), 2), prompt, time.perf_counter(), timeout)
+    if not record.success:
+        raise RuntimeError(f"the warm-up request failed: {record.error}")
+    return record
+
+
 async def _one(
     url: str, model: str, index: int, arrival: Arrival, prompt: list[int], t0: float, timeout: float
 ) -> RequestRecord:

@@ -1,10 +1,10 @@
 """Public LLM-serving traces read into rows of (arrival, input tokens, output tokens, prefix blocks) (pure).
 
-| format     | file                     | arrival                          | lengths                               |
-|------------|--------------------------|----------------------------------|---------------------------------------|
-| `mooncake` | JSONL `{"timestamp", "input_length", "output_length", "hash_ids"}` | ms from the trace start | `hash_ids`: one id per 512-token block |
-| `azure`    | CSV `TIMESTAMP,ContextTokens,GeneratedTokens` | wall time, 7 fractional digits | context / generated tokens |
-| `burstgpt` | CSV `Timestamp,Model,Request tokens,Response tokens,Total tokens,Log Type` | s from the trace start | request / response tokens |
+- `mooncake`: JSONL `{"timestamp", "input_length", "output_length", "hash_ids"}`; timestamps in ms from
+  the trace start; `hash_ids`: one id per 512-token prompt block;
+- `azure`: CSV `TIMESTAMP,ContextTokens,GeneratedTokens`; wall time with 7 fractional digits;
+- `burstgpt`: CSV `Timestamp,Model,Request tokens,Response tokens,Total tokens,Log Type`; seconds from
+  the trace start.
 
 (Formats as described in `../shared/data/traces/README.md`; BurstGPT's as its upstream repository
 publishes `BurstGPT_*.csv`.) Arrivals come back in seconds from the first row. Rows whose output is 0
@@ -140,7 +140,8 @@ def _azure(path: Path) -> Iterator[TraceRow]:
         try:  # 7 fractional digits (100 ns): datetime keeps 6
             when = datetime.datetime.fromisoformat(f"{stamp}.{frac[:6]:0<6}")
         except ValueError:
-            raise _fail(path, number, f"TIMESTAMP {cells[0]!r} is not 'YYYY-MM-DD HH:MM:SS.fffffff'") from None
+            raise _fail(path, number, f"TIMESTAMP {cells[0]!r} is not 'YYYY-MM-DD HH:MM:SS.fffffff'"
+                        ) from None
         # the trace gives no time zone; only differences matter, so read it as UTC
         at = when.replace(tzinfo=datetime.UTC).timestamp()
         yield TraceRow(at, _count(path, number, cells[1], "ContextTokens"),

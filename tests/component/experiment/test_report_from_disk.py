@@ -44,13 +44,15 @@ def test_report_tables_winners_and_figures(tmp_path: Path) -> None:
     ]))
     failed = out / "cells" / "e"
     failed.mkdir()
-    (failed / "status.json").write_text(json.dumps({"state": "failed", "error": "RuntimeError: router exited"}))
+    (failed / "status.json").write_text(json.dumps({"state": "failed",
+                                                    "error": "RuntimeError: router exited"}))
     assert report(ExperimentReportConfig(out)) == 0
     text = (out / "report.md").read_text()
     assert "| chat@2 | **full** | 100 % | 100 | progressive |" in text  # tie on SLOs: lower P99 TTFT
     assert "| chat@8 | **progressive** | 60 % | 250 | full |" in text
     assert "| e | failed | RuntimeError: router exited |" in text
-    names = ["ttft_cdf", "tpot_cdf", "slo_vs_rate", "p99_ttft_vs_rate", "replicas_timeline", "migration_vs_bytes"]
+    names = ["ttft_cdf", "tpot_cdf", "slo_vs_rate", "p99_ttft_vs_rate", "replicas_timeline",
+             "migration_vs_bytes"]
     for name in names:
         data = (out / "plots" / f"{name}.png").read_bytes()
         assert data.startswith(PNG) and len(data) > 2000, name

@@ -62,7 +62,8 @@ workloads = ["chat@4"]
 """
     cells = expand(load_experiment(write(tmp_path, text)))
     assert len(cells) == 2 * 2 * 2 + 2
-    assert [(c.key, c.seed) for c in cells if c.endpoint] == [("vllm__chat@4__r0", 7), ("vllm__chat@4__r1", 9)]
+    endpoint_cells = [(c.key, c.seed) for c in cells if c.endpoint]
+    assert endpoint_cells == [("vllm__chat@4__r0", 7), ("vllm__chat@4__r1", 9)]
     listed = BASE.replace('name = "t"', 'name = "t"\nmatrix = "list"') + """
 [[cells]]
 strategy = "progressive"
@@ -103,7 +104,8 @@ latency_ms = 0.5
     (('strategies = ["full", "progressive"]', "strategies = []"), "the matrix is empty"),
     (("[[workloads]]", "[[unused]]"), "unknown key(s) unused"),
 ])
-def test_refusals_name_the_place_and_the_reason(tmp_path: Path, change: tuple[str, str], message: str) -> None:
+def test_refusals_name_the_place_and_the_reason(tmp_path: Path, change: tuple[str, str],
+                                                message: str) -> None:
     assert message in refused(tmp_path, BASE.replace(*change))
 
 
