@@ -5,7 +5,7 @@
   rate; `p99_ttft_vs_rate.png`: P99 TTFT against it;
 - `replicas_timeline.png`: per cell (first repetition), replicas in each state over time, and the
   requests sent per second;
-- `migration_vs_bytes.png`: per migrated request, its migration time against its KV bytes, by system.
+- `migration_vs_bytes.png`: per migrated batch, its migration time against its KV bytes, by system.
 
 Each function returns the file it wrote, or None when the cells hold nothing to draw (the report
 then draws `placeholder`, so every figure file exists).
@@ -177,6 +177,21 @@ def _from_transitions(cell: CellResult, transitions: list[dict[str, Any]]
     return dict(series)
 
 
+def aligned(series: dict[str, list[tuple[float, int]]]) -> tuple[list[float], dict[str, list[int]]]:
+    """The states' step series on one time grid: each count holds until its next point (0 before
+    its first), so they can be stacked."""
+    times = sorted({t for points in series.values() for t, _ in points})
+    counts: dict[str, list[int]] = {}
+    for state, points in series.items():
+        at = dict(points)  # the last point of a time wins
+        value, column = 0, []
+        for t in times:
+            value = at.get(t, value)
+            column.append(value)
+        counts[state] = column
+    return times, counts
+
+
 def arrivals_per_second(cell: CellResult) -> list[tuple[float, int]]:
     """(second, requests sent in it) over the cell's run."""
     starts = [q.get("start", 0.0) for q in cell.requests()]
@@ -190,20 +205,23 @@ def arrivals_per_second(cell: CellResult) -> list[tuple[float, int]]:
 
 def replicas_timeline(results: Sequence[CellResult], path: Path) -> Path | None:
     """Replicas per state over time, with the request rate on a second axis; one panel per cell."""
-    cells = [r for r in _done(results) if r.rep == 0 and replica_states(r)][:MAX_PANELS]
+    cells = sorted((r for r in _done(results) if r.rep == 0 and replica_states(r)),
+                   key=lambda r: (r.label, r.family, r.rate))[:MAX_PANELS]
     if not cells:
         return None
     fig, axes = _grid(len(cells), width=5.2)
     for ax, cell in zip(axes, cells, strict=True):
-        for state, points in sorted(replica_states(cell).items()):
-            ax.step([p[0] for p in points], [p[1] for p in points], where="post", label=state)
+        times, counts = aligned(replica_states(cell))
+        states = sorted(counts)
+        ax.stackplot(times, *(counts[s] for s in states), labels=states, step="post", alpha=0.8)
+        top = max((sum(c[i] for c in counts.values()) for i in range(len(times))), default=1)
         ax.set(title=f"{cell.label} · {cell.workload}", xlabel="time since the load started (s)",
-               ylabel="replicas")
+               ylabel="replicas (stacked by state)", ylim=(0, top + 0.5))
         ax.yaxis.set_major_locator(MaxNLocator(integer=True))
         rate = ax.twinx()
         per_second = arrivals_per_second(cell)
-        rate.bar([p[0] + 0.5 for p in per_second], [p[1] for p in per_second], width=1.0, alpha=0.15,
-                 color="grey", label="requests sent")
+        rate.step([p[0] for p in per_second] + [len(per_second)], [p[1] for p in per_second] + [0],
+                  where="post", color="black", linewidth=1.2, label="requests sent per s")
         rate.set_ylabel("requests sent (per s)")
         lines, labels = ax.get_legend_handles_labels()
         more, more_labels = rate.get_legend_handles_labels()
@@ -211,23 +229,32 @@ def replicas_timeline(results: Sequence[CellResult], path: Path) -> Path | None:
     return _save(fig, path)
 
 
+def migrated_batches(cell: CellResult) -> list[tuple[int, float]]:
+    """(KV bytes, seconds) of each migrated batch: a batch's requests report its migration time, each
+    its own bytes, so requests with the same route replicas and time are one batch."""
+    batches: dict[tuple[Any, Any, float], int] = defaultdict(int)
+    for q in cell.requests():
+        route = q.get("route") or {}
+        if route.get("migration_bytes"):
+            key = (route.get("prefill_replica"), route.get("decode_replica"), route["migration_seconds"])
+            batches[key] += int(route["migration_bytes"])
+    return [(nbytes, key[2]) for key, nbytes in batches.items()]
+
+
 def migration_vs_bytes(results: Sequence[CellResult], path: Path) -> Path | None:
-    """Each migrated request: its migration seconds against its KV bytes, by system."""
+    """Each migrated batch: its migration time against its KV bytes, by system."""
     points: dict[str, list[tuple[float, float]]] = defaultdict(list)
     for r in _done(results):
-        for q in r.requests():
-            route = q.get("route") or {}
-            if route.get("migration_bytes"):
-                mib, ms = route["migration_bytes"] / 2**20, 1000.0 * route["migration_seconds"]
-                points[r.label].append((mib, ms))
-    if not points:
+        points[r.label] += [(nbytes / 2**20, 1000.0 * seconds) for nbytes, seconds in migrated_batches(r)]
+    if not any(points.values()):
         return None
     fig, axes = _grid(1, width=6.4, height=4.4)
     ax = axes[0]
     for label, xy in sorted(points.items()):
-        ax.scatter([p[0] for p in xy], [p[1] for p in xy], s=14, alpha=0.7, label=label)
-    ax.set(xlabel="KV bytes moved for the request (MiB)", ylabel="migration time of its batch (ms)",
-           title="migration time vs KV bytes")
+        if xy:
+            ax.scatter([p[0] for p in xy], [p[1] for p in xy], s=14, alpha=0.7, label=label)
+    ax.set(xlabel="KV bytes of the batch (MiB)", ylabel="migration time of the batch (ms)",
+           title="migration time vs KV bytes (one point per migrated batch)")
     ax.grid(alpha=0.3)
     ax.legend(fontsize="small")
     return _save(fig, path)

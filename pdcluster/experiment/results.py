@@ -24,6 +24,13 @@ def _lines(path: Path) -> list[dict[str, Any]]:
     return rows
 
 
+def _keys(path: Path) -> list[str]:
+    try:
+        return [str(k) for k in json.loads(path.read_text())]
+    except (OSError, ValueError, TypeError):
+        return []
+
+
 def _json(path: Path) -> dict[str, Any]:
     try:
         return dict(json.loads(path.read_text()))
@@ -107,9 +114,16 @@ class CellResult:
         return self._cache[name]
 
 
+MATRIX = "matrix.json"
+
+
 def load_results(out: Path) -> list[CellResult]:
-    """Every cell folder under `out/cells`, each labelled by the parts that vary across the experiment."""
+    """The cell folders under `out/cells` of the last run's matrix (all of them without its
+    `matrix.json`), each labelled by the parts that vary across the experiment."""
     folders = sorted(p for p in (out / "cells").glob("*") if p.is_dir()) if (out / "cells").is_dir() else []
+    current = set(_keys(out / MATRIX))
+    if current:
+        folders = [f for f in folders if f.name in current]
     results = [CellResult(f, _json(f / "cell.json"), _json(f / "status.json"), _json(f / "summary.json"))
                for f in folders]
     _label(results)

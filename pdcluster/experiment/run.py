@@ -2,6 +2,7 @@
 
 ```
  DIR/experiment.toml     a copy of the file that was run
+     matrix.json         the keys of its cells (what the report shows)
      cells/<key>/        one folder per cell (cell.py)
      report.md, plots/   rebuilt from the cells on disk (report.py)
 ```
@@ -12,6 +13,7 @@ the running cell's requests and how long it may still take.
 
 from __future__ import annotations
 
+import json
 import shutil
 import sys
 from collections.abc import Sequence
@@ -22,6 +24,7 @@ from tqdm import tqdm
 
 from pdcluster.experiment.cell import Outcome, read_status, run_cell
 from pdcluster.experiment.matrix import Cell, expand, fingerprint
+from pdcluster.experiment.results import MATRIX
 from pdcluster.experiment.spec import Experiment, ModelSpec
 
 
@@ -70,6 +73,8 @@ def run_experiment(experiment: Experiment, out: Path, force: bool = False, only:
             if not only or any(o in c.key for o in only)]
     out.mkdir(parents=True, exist_ok=True)
     shutil.copyfile(experiment.source, out / "experiment.toml")
+    # the report shows these cells only (folders of an earlier version of the file stay on disk)
+    (out / MATRIX).write_text(json.dumps([cell.key for cell in expand(experiment)], indent=1) + "\n")
     ensure_model(experiment.model)
     ran: dict[str, Outcome] = {}
     reused = []

@@ -59,3 +59,11 @@ def test_report_tables_winners_and_figures(tmp_path: Path) -> None:
         assert f"plots/{name}.png" in text
     states = replica_states(next(r for r in load_results(out) if r.key == "d"))
     assert states["decode"] == [(0.0, 1), (2.0, 2)] and states["prefill"][-1] == (2.0, 1)
+
+
+def test_the_report_shows_the_cells_of_the_last_matrix_only(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    cell(out, "kept", "full", 2.0, 100.0, 1.0)
+    cell(out, "old", "progressive", 2.0, 150.0, 1.0)  # a cell of an earlier version of the file
+    (out / "matrix.json").write_text(json.dumps(["kept"]))
+    assert [r.key for r in load_results(out)] == ["kept"]
