@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import math
 import shutil
 import time
 import traceback
@@ -41,7 +42,7 @@ from pdcluster.experiment.summary import cell_summary
 
 STATUS = "status.json"
 Progress = Callable[[int, int, float], None]
-"""(requests done, requests in all, seconds the cell may still take)."""
+"""(requests done, requests in all, seconds the cell may still take: NaN while unknown)."""
 
 
 @dataclass(frozen=True)
@@ -162,7 +163,8 @@ def _reporter(requests: list[Arrival], progress: Progress | None) -> Callable[[l
     def report(tasks: list[Any]) -> None:
         done = [t.result() for t in tasks if t.done()]
         elapsed = time.monotonic() - begun
-        typical = sum(r.latency for r in done) / len(done) if done else 0.0
+        # what is left to send, then a typical request's time (unknown before the first answer)
+        typical = sum(r.latency for r in done) / len(done) if done else math.nan
         progress(len(done), len(tasks), max(0.0, last_arrival - elapsed) + typical)
 
     return report

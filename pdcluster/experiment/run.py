@@ -14,6 +14,7 @@ the running cell's requests and how long it may still take.
 from __future__ import annotations
 
 import json
+import math
 import shutil
 import sys
 from collections.abc import Sequence
@@ -87,7 +88,8 @@ def run_experiment(experiment: Experiment, out: Path, force: bool = False, only:
             bar.set_postfix_str(cell.key)
 
             def progress(done: int, total: int, eta: float, key: str = cell.key) -> None:
-                bar.set_postfix_str(f"{key}: {done}/{total} requests, cell ETA {eta:.0f} s")
+                left = f"{eta:.0f} s" if math.isfinite(eta) else "?"
+                bar.set_postfix_str(f"{key}: {done}/{total} requests, cell ETA {left}")
 
             outcome = run_cell(experiment, cell, cell_folder(out, cell), progress)
             ran[cell.key] = outcome
