@@ -9,8 +9,9 @@ TORCH_SPEC ?= torch==2.13.0
 PYTEST_ARGS ?=
 BENCH_OUT ?= bench-results
 FUZZ_EXAMPLES ?= 200
+EXPERIMENT_OUT ?= experiment-results/demo
 
-.PHONY: help venv demo test test-unit test-component test-cluster proto proto-check lint bench fuzz clean
+.PHONY: help venv demo test test-unit test-component test-cluster proto proto-check lint bench fuzz experiment-demo clean
 
 help:
 	@echo "make demo   - set up, build a tiny model, start a local cluster, serve requests"
@@ -19,6 +20,7 @@ help:
 	@echo "make proto  - regenerate the gRPC stubs from protos/*.proto"
 	@echo "make bench  - benchmarks, JSON under $(BENCH_OUT)/"
 	@echo "make fuzz   - the HTTP schema and gRPC fuzz tests with FUZZ_EXAMPLES examples (a long run)"
+	@echo "make experiment-demo - a small experiment matrix and its report under $(EXPERIMENT_OUT)/"
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -66,6 +68,9 @@ bench: $(STAMP)
 fuzz: $(STAMP)
 	PDCLUSTER_FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) $(BIN)/pytest -q -s --timeout 3600 \
 		tests/component/router_http/test_router_http_schemathesis.py tests/cluster/fuzz $(PYTEST_ARGS)
+# Resumable: run it again and only unfinished cells run (FORCE=--force runs them all).
+experiment-demo: $(STAMP)
+	$(BIN)/pdcluster experiment run examples/experiment-demo.toml --out $(EXPERIMENT_OUT) $(FORCE)
 
 clean:
-	rm -rf $(VENV) .demo $(BENCH_OUT) .pytest_cache .mypy_cache .ruff_cache build *.egg-info
+	rm -rf $(VENV) .demo .experiment experiment-results $(BENCH_OUT) .pytest_cache .mypy_cache .ruff_cache build *.egg-info

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
-from router.queue import request_blocks
+from router.queue import blocks_for, request_blocks
 from router.replicas import ReplicaState
 from router.requests import RequestState
 from router.types import BatchId, BatchSpec, CachedBatch, GenerateRequest, RequestId, WireRequest
@@ -81,6 +81,12 @@ class LiveBatch:
 def member_blocks(member: Member, block_size: int) -> int:
     """Pages one member's run reserves on a replica."""
     return request_blocks(member.request, block_size)
+
+
+def migrated_blocks(member: Member, block_size: int) -> int:
+    """Pages a migration moves for one member: those holding its run's prompt (replica/migration/
+    plan.py); the rest of its reservation holds nothing yet."""
+    return blocks_for(len(member.request.input_ids), block_size)
 
 
 def spec_for(batch_id: BatchId, members: list[Member], block_size: int) -> BatchSpec:

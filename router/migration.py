@@ -21,7 +21,7 @@ import logging
 from collections.abc import Awaitable, Callable, Coroutine, Iterable, Sequence
 from typing import Any, Protocol, cast
 
-from router.batches import Arrived, LiveBatch, Member
+from router.batches import Arrived, LiveBatch, Member, migrated_blocks
 from router.errors import ReplicaCallError, ReplicaUnavailable
 from router.lifecycle import Requests
 from router.metrics import RouterMetrics
@@ -187,17 +187,20 @@ class Migrations:
     def arrive(self, dst: ReplicaHandle, live: LiveBatch, strategy: str, seconds: float) -> None:
         """A batch's KV is on `dst`: account its pages, record the routes, hand it to its loop.
 
-        Each route gets its own request's KV bytes and the batch's transfer time.
+        Each route gets its own request's KV bytes (the pages of its prompt: the rest of its
+        reservation holds nothing yet) and the batch's transfer time.
         """
-        pages = live.pages()
-        dst.state.hold(pages)
+        dst.state.hold(live.pages())
         lasts = {}
         page_bytes = live.block_size * self.kv_bytes_per_token
+        moved = 0
         for rid, m in live.members.items():
-            m.state.migrated(dst.id, strategy, pages[rid] * page_bytes, seconds)
+            nbytes = migrated_blocks(m, live.block_size) * page_bytes
+            moved += nbytes
+            m.state.migrated(dst.id, strategy, nbytes, seconds)
             if m.state.generated:
                 lasts[rid] = m.state.generated[-1]
-        self.metrics.migration(strategy, sum(pages.values()) * page_bytes, seconds)
+        self.metrics.migration(strategy, moved, seconds)
         self.rates.migrated(sum(len(m.request.input_ids) for m in live.members.values()), seconds)
         dst.inbox.append(Arrived(live, lasts))
         self.wakeup.notify()

@@ -51,9 +51,9 @@ class RouteRecord:
     loading_prefill: bool = False
     relay_replica: ReplicaId | None = None
 
-    def freeze(self) -> Route:
-        """The client-facing route."""
-        return Route(**dataclasses.asdict(self))
+    def freeze(self, requeues: int = 0) -> Route:
+        """The client-facing route (`requeues`: the request's re-runs after replica failures)."""
+        return Route(**dataclasses.asdict(self), requeues=requeues)
 
 
 class RequestState:
@@ -179,7 +179,7 @@ class RequestState:
         self.events.put_nowait(FinishEvent(
             text=text, reason=gen.finished.reason,
             generated_tokens=len(self.generated), prompt_tokens=len(self.original.input_ids),
-            seed=self._reported_seed(gen.finished.seed), route=self.route.freeze(),
+            seed=self._reported_seed(gen.finished.seed), route=self.route.freeze(self.requeues),
         ))
         return True
 

@@ -99,6 +99,7 @@ class Route:
     migration_seconds: float = 0.0
     loading_prefill: bool = False  # prefilled (at least its first layers) by a replica still loading
     relay_replica: ReplicaId | None = None  # the loaded replica that finished such a prefill
+    requeues: int = 0  # times it was re-run elsewhere after a replica failed
 
 
 @dataclass(frozen=True)

@@ -20,10 +20,10 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 from starlette.requests import Request
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from router.http.common import json_response
 from router.http.errors import APIError, Flavor
 from router.http.keys import LIMIT_FIELDS, ApiKey, KeyTable
 from router.http.limits import Lease, RateLimiter, Refusal, TooLarge
+from router.http.responses import json_response
 from router.types import GenerateRequest
 
 TGI_GUARDED = frozenset({"/generate", "/generate_stream", "/"})

@@ -24,6 +24,10 @@ class Route(_Answer):
     strategy: str
     migration_bytes: int
     migration_seconds: float
+    loading_prefill: bool = Field(description="prefilled (at least its first layers) by a replica still "
+                                              "receiving its weights (live scaling)")
+    relay_replica: int | None = Field(description="the loaded replica that finished such a prefill")
+    requeues: int = Field(description="times it ran again on another replica after a replica failed")
 
 
 class Usage(_Answer):

@@ -10,11 +10,12 @@ from starlette.responses import Response
 
 from router.http import openai_api, tgi_api
 from router.http.access import Access, ApiKeyMiddleware
-from router.http.common import Backend, backend_of, json_response
+from router.http.common import Backend, backend_of
 from router.http.errors import APIError, Flavor, error_body
 from router.http.info import ServingInfo
 from router.http.keys import KeyTable
 from router.http.openapi import build_openapi
+from router.http.responses import json_response
 from router.tokenizer import Tokenizer
 from router.types import Scheduler
 

@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import json
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from starlette.requests import Request
 from starlette.responses import Response
@@ -17,7 +16,7 @@ from router.http.info import ServingInfo
 from router.tokenizer import Tokenizer
 from router.types import ErrorEvent, Event, FinishEvent, GenerateRequest, Scheduler
 
-if TYPE_CHECKING:  # access.py imports this module
+if TYPE_CHECKING:
     from router.http.access import Access
 
 CLIENT_CLOSED_REQUEST = 499  # nginx's status for "the client went away first"; never seen by a client
@@ -38,19 +37,6 @@ def backend_of(request: Request) -> Backend:
     """The app's backend."""
     backend: Backend = request.app.state.backend
     return backend
-
-
-_ENCODER = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"))  # built once, not per call
-
-
-def dumps(obj: Any) -> str:
-    """Compact JSON text (non-ASCII kept as is)."""
-    return _ENCODER.encode(obj)
-
-
-def json_response(obj: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
-    """A JSON response from a plain object."""
-    return Response(dumps(obj), status_code=status, media_type="application/json", headers=headers)
 
 
 def new_request_id(prefix: str) -> str:

@@ -11,16 +11,15 @@ from starlette.responses import Response
 
 from router.http.common import (
     backend_of,
-    dumps,
     finish_all,
     gone_response,
-    json_response,
     new_request_id,
     start,
 )
 from router.http.errors import APIError, Flavor, error_body
 from router.http.events import ClientGone, EventFeed, EventStreamResponse, failed_event, sse
 from router.http.openai_format import OpenAIAnswer, OpenAIContext
+from router.http.responses import dumps, json_response
 from router.http.schemas import ChatCompletionRequest, CompletionRequest
 from router.http.validation import (
     check_max_new_range,

@@ -52,6 +52,7 @@ def route_dict(route: Route) -> dict[str, Any]:
         "migration_seconds": route.migration_seconds,
         "loading_prefill": route.loading_prefill,
         "relay_replica": route.relay_replica,
+        "requeues": route.requeues,
     }
 
 

@@ -11,15 +11,14 @@ from starlette.responses import Response
 
 from router.http.common import (
     backend_of,
-    dumps,
     finish_all,
     gone_response,
-    json_response,
     new_request_id,
     start,
 )
 from router.http.errors import APIError, Flavor, error_body
 from router.http.events import ClientGone, EventFeed, EventStreamResponse, failed_event, sse
+from router.http.responses import dumps, json_response
 from router.http.schemas import TGIRequest
 from router.http.tgi_format import TGIContext, Timeline, generate_object, stream_object
 from router.http.validation import (

@@ -46,6 +46,16 @@ def test_full_migration_route_and_call_sequence() -> None:
     run(body())
 
 
+def test_route_migration_bytes_count_the_prompt_pages_that_move_not_the_reservation() -> None:
+    """A 3-token prompt with 30 new tokens reserves 3 pages but a migration moves 1 (the prompt's):
+    the route said 3 pages' bytes."""
+    async def body() -> None:
+        async with fake_cluster(PD, Strategy.FULL) as (sched, _):
+            events = await collect(sched.submit(request([1, 2, 3], 30)))
+            assert finish_of(events).route.migration_bytes == 16 * 8  # one page of 16 tokens, 8 B each
+    run(body())
+
+
 def test_migration_unimplemented_falls_back_to_recompute() -> None:
     async def body() -> None:
         async with fake_cluster(PD, Strategy.FULL) as (sched, fakes):

@@ -31,6 +31,7 @@ ROUTE = {
     "migration_seconds": 0.002,
     "loading_prefill": False,
     "relay_replica": None,
+    "requeues": 0,
 }
 
 
