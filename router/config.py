@@ -76,6 +76,8 @@ class RouterConfig:
     max_prefill: int = field(default=_BOUNDS.max_prefill, metadata=_help("most prefill replicas"))
     min_decode: int = field(default=_BOUNDS.min_decode, metadata=_help("fewest decode replicas"))
     max_decode: int = field(default=_BOUNDS.max_decode, metadata=_help("most decode replicas"))
+    cooldown: float = field(default=_BOUNDS.cooldown, metadata=_help(
+        "seconds after a kind of replica scaled up during which it does not scale down"))
     keep_alive: float = field(default=_BOUNDS.keep_alive, metadata=_help(
         "seconds a drained replica keeps its weights (idle) before it is reset to inactive"))
     prefill_tokens_per_s: float = field(default=0.0, metadata=_help(
@@ -115,7 +117,7 @@ class RouterConfig:
             decode_lower=self.decode_lower, decode_upper=self.decode_upper,
             migration_upper=self.migration_upper, min_prefill=self.min_prefill,
             max_prefill=self.max_prefill, min_decode=self.min_decode, max_decode=self.max_decode,
-            keep_alive=self.keep_alive,
+            keep_alive=self.keep_alive, cooldown=self.cooldown,
         )
 
     def roles(self) -> list[str]:

@@ -45,6 +45,7 @@ class Autoscaler:
         self.executor = Executor(host, timeline, on_action or (lambda _name, _ok: None))
         self.tasks: set[asyncio.Task[bool]] = set()
         self.rounds = 0
+        self.up_at: dict[Kind, float] = {}  # when each kind last scaled up (the planner's cooldown)
         self._task: asyncio.Task[None] | None = None
 
     def set_policy(self, name: str) -> str:
@@ -89,6 +90,7 @@ class Autoscaler:
             waiting_requests=waiting_requests, migrating_tokens=migrating,
             arriving_tokens_per_s=self.rates.arrivals.rate(now),
             prefill_tokens_per_s=self.rates.prefill.value, migration_tokens_per_s=self.rates.migration.value,
+            prefill_up_at=self.up_at.get(Kind.PREFILL), decode_up_at=self.up_at.get(Kind.DECODE),
         )
 
     def _sample(self, h: ReplicaHandle) -> ReplicaSample:
@@ -104,6 +106,9 @@ class Autoscaler:
         actions = choose(decided, snapshot, self.policy.caps)
         self.rounds += 1
         self._record(decided, actions)
+        for kind, delta in ((Kind.PREFILL, decided.prefill.delta), (Kind.DECODE, decided.decode.delta)):
+            if delta > 0 and actions:
+                self.up_at[kind] = snapshot.now
         for action in actions:
             task = asyncio.create_task(self.executor.run(action), name=f"scale-{action_name(action)}")
             self.tasks.add(task)

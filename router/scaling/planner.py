@@ -10,7 +10,10 @@ Each kind has a *band* [needed at the upper bound, needed at the lower bound]: b
 scales up (to the band's middle), above it the kind scales down by one replica per round, inside it
 nothing happens — a load that sits between the bounds never causes an action, so the planner does
 not oscillate. Replicas already loading count as the kind they will be, so a scale-up in flight is
-not asked for twice. The counts always stay in [min, max] of each kind.
+not asked for twice. The counts always stay in [min, max] of each kind. A kind never scales down
+while one of its replicas is still loading or changing, within `cooldown` seconds of its last
+scale-up (a burst that dips between two rounds does not undo the scale-up it caused), or below
+`min` replicas that serve now.
 
 Load measures (as in the reference system, with its bug of using the migration upper bound twice
 fixed):
@@ -27,6 +30,7 @@ fixed):
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import math
 from collections.abc import Sequence
@@ -34,6 +38,10 @@ from dataclasses import dataclass, field
 
 from router.states import DECODE_LIKE, PREFILL_LIKE, State
 from router.types import ReplicaId
+
+# Replicas of each kind that serve now (the others of the kind are loading or changing).
+PREFILL_SERVES = frozenset({State.PREFILL, State.OLD_PREFILL, State.REFRACTORY_PREFILL})
+DECODE_SERVES = frozenset({State.DECODE})
 
 
 class Direction(enum.Enum):
@@ -68,6 +76,8 @@ class Snapshot:
     arriving_tokens_per_s: float = 0.0  # prompt tokens submitted per second (running average)
     prefill_tokens_per_s: float = 0.0  # one prefill replica's measured rate (running average)
     migration_tokens_per_s: float = 0.0  # one decode replica's measured intake (running average)
+    prefill_up_at: float | None = None  # when the prefill kind last scaled up
+    decode_up_at: float | None = None  # when the decode kind last scaled up
 
     def count(self, kind: frozenset[State]) -> int:
         """Replicas in any of these states."""
@@ -90,6 +100,7 @@ class Bounds:
     min_decode: int = 1
     max_decode: int = 8
     keep_alive: float = 10.0
+    cooldown: float = 5.0
 
     def __post_init__(self) -> None:
         pairs = (("prefill", self.prefill_lower, self.prefill_upper),
@@ -107,8 +118,8 @@ class Bounds:
                                 ("decode", self.min_decode, self.max_decode)):
             if not 0 <= low <= high:
                 raise ValueError(f"replica counts need 0 <= min_{name} <= max_{name} (got {low}, {high})")
-        if self.keep_alive < 0:
-            raise ValueError(f"keep_alive must be >= 0 (got {self.keep_alive})")
+        if self.keep_alive < 0 or self.cooldown < 0:
+            raise ValueError(f"keep_alive and cooldown must be >= 0 (got {self.keep_alive}, {self.cooldown})")
 
 
 @dataclass(frozen=True)
@@ -148,7 +159,23 @@ def plan(snapshot: Snapshot, bounds: Bounds) -> Plan:
     d_low, d_high = _decode_band(snapshot, bounds)
     prefill = _decide(n_prefill, p_low, p_high, bounds.min_prefill, bounds.max_prefill)
     decode = _decide(n_decode, d_low, d_high, bounds.min_decode, bounds.max_decode)
+    prefill = _hold(prefill, snapshot, PREFILL_LIKE, PREFILL_SERVES, snapshot.prefill_up_at,
+                    bounds.min_prefill, bounds.cooldown)
+    decode = _hold(decode, snapshot, DECODE_LIKE, DECODE_SERVES, snapshot.decode_up_at,
+                   bounds.min_decode, bounds.cooldown)
     return Plan(prefill, decode, _expired(snapshot, bounds, prefill, decode), _loads(snapshot))
+
+
+def _hold(decided: KindPlan, s: Snapshot, kind: frozenset[State], serves: frozenset[State],
+          up_at: float | None, minimum: int, cooldown: float) -> KindPlan:
+    """No scale-down while the kind is changing, just after it scaled up, or at its serving minimum."""
+    if decided.delta >= 0:
+        return decided
+    changing = s.count(kind - serves) > 0
+    recent = up_at is not None and s.now - up_at < cooldown
+    if changing or recent or s.count(serves) <= minimum:
+        return dataclasses.replace(decided, delta=0)
+    return decided
 
 
 def _prefill_band(s: Snapshot, b: Bounds) -> tuple[int, int]:

@@ -14,7 +14,7 @@ from typing import TypeVar
 T = TypeVar("T")
 
 
-def eventually(condition: Callable[[], T], timeout: float = 10.0, interval: float = 0.01,
+def eventually(condition: Callable[[], T | None], timeout: float = 10.0, interval: float = 0.01,
                message: str = "condition") -> T:
     """Poll `condition` until it is truthy (at most `timeout` seconds)."""
     deadline = time.monotonic() + timeout
@@ -27,7 +27,7 @@ def eventually(condition: Callable[[], T], timeout: float = 10.0, interval: floa
         time.sleep(interval)
 
 
-async def eventually_async(condition: Callable[[], T], timeout: float = 10.0, interval: float = 0.01,
+async def eventually_async(condition: Callable[[], T | None], timeout: float = 10.0, interval: float = 0.01,
                            message: str = "condition") -> T:
     """`eventually` inside an event loop (the loop runs while it waits)."""
     deadline = time.monotonic() + timeout

@@ -79,10 +79,11 @@ def up(model: Path, tmp_path: Path) -> Iterator[Callable[[str], LocalCluster]]:
             cluster.stop()
 
 
-def burst(cluster: LocalCluster, n: int, seconds: float) -> list[dict[str, Any]]:
-    """`n` greedy completions arriving evenly over `seconds`; every answer must be 200."""
+def burst(cluster: LocalCluster, n: int, seconds: float, spike: int = 30) -> list[dict[str, Any]]:
+    """`spike` greedy completions at once (the planner's next round sees a queue), then the rest of
+    `n` arriving evenly over `seconds`; every answer must be 200."""
     async def one(client: httpx.AsyncClient, i: int, prompt: list[int]) -> dict[str, Any]:
-        await asyncio.sleep(i * seconds / n)
+        await asyncio.sleep(max(0, i - spike) * seconds / max(1, n - spike))
         r = await client.post(f"{cluster.http_url}/v1/completions", json={
             "model": cluster.config.model.name, "prompt": [prompt], "max_tokens": MAX_NEW, "temperature": 0})
         assert r.status_code == 200, r.text
@@ -102,13 +103,26 @@ def check_tokens(bodies: list[dict[str, Any]], model: Path, greedy: Callable[[li
     from router.tokenizer import Tokenizer
 
     tokenizer = Tokenizer.from_model_dir(model)
-    wrong = [(body["choices"][0]["text"], tokenizer.decode(greedy(body["prompt_ids"])), body["pdcluster_route"])
-             for body in bodies if body["choices"][0]["text"] != tokenizer.decode(greedy(body["prompt_ids"]))]
+    expected = [tokenizer.decode(greedy(body["prompt_ids"])) for body in bodies]
+    wrong = [(body["choices"][0]["text"], want, body["pdcluster_route"])
+             for body, want in zip(bodies, expected, strict=True) if body["choices"][0]["text"] != want]
     assert not wrong, f"{len(wrong)} of {len(bodies)} differ from transformers: {wrong[:3]}"
 
 
 def states(admin: str) -> list[str]:
     return [r.get("state", "") for r in grpcurl(admin, "ListReplicas").get("replicas", [])]
+
+
+def finished_loads(timeline: Path) -> list[dict[str, Any]]:
+    """The timeline's transfer records, once every load that started has one (loads outlive a burst)."""
+    def done() -> list[dict[str, Any]] | None:
+        records = read(timeline)
+        plans = [r for r in records if r["kind"] == "plan"]
+        started = sum(1 for r in plans for a in r["actions"] if a["action"] == "load")
+        transfers = [r for r in records if r["kind"] == "transfer"]
+        return transfers if started and len(transfers) == started else None
+
+    return eventually(done, timeout=60, interval=0.5, message="every started load finished")
 
 
 def back_to_minimum(cluster: LocalCluster) -> None:
@@ -130,9 +144,9 @@ def test_live_scaling_serves_while_loading_and_relays_with_exact_tokens(
     bodies = burst(cluster, 90, 6.0)
     check_tokens(bodies, model, reference)
     routes = [b["pdcluster_route"] for b in bodies]
+    loads = finished_loads(tmp_path / "timeline.jsonl")
     records = read(tmp_path / "timeline.jsonl")
-    loads = [r for r in records if r["kind"] == "transfer"]
-    assert loads and all(r["ok"] for r in loads) and {r["method"] for r in loads} <= {"p2p", "chain", "tanz"}
+    assert all(r["ok"] for r in loads) and {r["method"] for r in loads} <= {"p2p", "chain", "tanz"}
     assert any(r["live"] for r in loads)
     assert any(r["loading_prefill"] for r in routes), "no request was prefilled by a loading replica"
     assert any(r["relay_replica"] is not None for r in routes), "no batch was relayed"
@@ -147,7 +161,7 @@ def test_multicast_and_stop_the_world_scale_up_and_back(
     cluster = up(policy)
     bodies = burst(cluster, 60, 4.0)
     check_tokens(bodies, model, reference)
-    loads = [r for r in read(tmp_path / "timeline.jsonl") if r["kind"] == "transfer"]
+    loads = finished_loads(tmp_path / "timeline.jsonl")
     methods = {r["method"] for r in loads if r["ok"]}
     assert methods and methods <= ({"load_disk"} if policy == "stop-the-world" else {"p2p", "chain", "tanz"})
     assert not any(r["live"] for r in loads)
@@ -169,7 +183,7 @@ def test_a_target_killed_during_a_scale_up_fails_no_request(
 
     async def run() -> list[dict[str, Any]]:
         loop = asyncio.get_running_loop()
-        requests = loop.run_in_executor(None, burst, cluster.http_url, 60, 5.0)
+        requests = loop.run_in_executor(None, burst, cluster, 60, 5.0)
         victim = await loop.run_in_executor(None, lambda: eventually(loading_target, 30, 0.05))
         assert victim is not None
         cluster.replicas[victim].popen.kill()

@@ -133,3 +133,16 @@ def test_the_plan_records_the_loads_it_came_from() -> None:
 def test_contradicting_bounds_are_refused(kwargs: dict[str, float]) -> None:
     with pytest.raises(ValueError):
         Bounds(**kwargs)  # type: ignore[arg-type]
+
+
+def test_no_scale_down_while_a_replica_of_the_kind_is_still_loading() -> None:
+    # the load dipped right after a scale-up: the loading replica must not make the serving one drain
+    loading = cluster(State.PREFILL, State.LOADING_PREFILL, State.DECODE, State.NEW_PREFILL)
+    assert plan(snap(loading), BOUNDS).prefill.delta == 0
+
+
+def test_no_scale_down_within_the_cooldown_of_the_last_scale_up() -> None:
+    two = cluster(State.PREFILL, State.PREFILL, State.DECODE)
+    assert plan(snap(two, prefill_up_at=98.0), BOUNDS).prefill.delta == 0  # 2 s ago, cooldown 5 s
+    assert plan(snap(two, prefill_up_at=90.0), BOUNDS).prefill.delta == -1
+
