@@ -35,7 +35,9 @@ def _greedy(hf: Any, prompt: Sequence[int], max_new: int) -> list[int]:
 
 
 @pytest.mark.parametrize("arch", sorted(ARCHS))
-def test_engine_on_cuda_matches_transformers_on_cuda(tiny_model_factory: Callable[..., Path], arch: str) -> None:
+def test_engine_on_cuda_matches_transformers_on_cuda(
+    tiny_model_factory: Callable[..., Path], arch: str,
+) -> None:
     from transformers import AutoModelForCausalLM
 
     torch.backends.cuda.matmul.allow_tf32 = False
