@@ -58,7 +58,8 @@ def test_engine_on_cuda_matches_transformers_on_cuda(
     driver.decode(20)
     assert driver.running is None and engine.blocks.num_free == total_free
 
-    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to("cuda").eval()
+    hf: Any = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    hf = hf.to("cuda").eval()
     with torch.no_grad():
         for rid, (prompt, max_new) in enumerate(work):
             assert driver.tokens[rid] == _greedy(hf, prompt, max_new), f"{arch} request {rid}"
