@@ -4,6 +4,7 @@ checks and the loopback test behind the plaintext warning (replica and router si
 from __future__ import annotations
 
 import logging
+import stat
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -11,6 +12,8 @@ from pathlib import Path
 import grpc
 import pytest
 
+from pdcluster.cli.main import Refused, parse
+from pdcluster.cluster.local import LocalCluster, UpConfig
 from replica.config import ReplicaConfig
 from replica.server.rpcs import RPCS, SERVICE
 from replica.server.security import TOKEN_KEY, TlsFiles, TokenInterceptor, is_loopback, read_token
@@ -107,3 +110,27 @@ def test_which_addresses_warn_without_tls(host: str, loopback: bool, caplog: pyt
     assert len(caplog.records) == (0 if loopback else 1)
     if not loopback:
         assert "without TLS" in caplog.records[0].getMessage()
+
+
+def test_the_commands_take_the_flags(tmp_path: Path) -> None:
+    files = ["--tls-cert", "c.crt", "--tls-key", "c.key", "--tls-ca", "ca.crt", "--tls-client-ca", "ca.crt"]
+    replica = parse(["replica", "--model", "/m", "--port", "0", *files, "--cluster-token-file", "t"])
+    assert isinstance(replica, ReplicaConfig)
+    assert (replica.tls_cert, replica.tls_client_ca, replica.cluster_token_file) == (
+        Path("c.crt"), Path("ca.crt"), Path("t"))
+    router = parse(["router", "--model", "/m", *files, "--cluster-token", "abc"])
+    assert isinstance(router, RouterConfig)
+    assert router.cluster_token == "abc" and router.tls_ca == Path("ca.crt")
+    up = parse(["up", "--model", str(tmp_path), *files, "--cluster-token", "abc"])
+    assert isinstance(up, UpConfig)
+    assert up.tls_args() == [arg if arg.startswith("--") else str(Path(arg).resolve()) for arg in files]
+    refused = parse(["up", "--model", str(tmp_path), "--tls-cert", "c.crt", "--tls-key", "c.key"])
+    assert isinstance(refused, Refused) and "--tls-ca" in refused.reason
+
+
+def test_pdcluster_up_hands_the_token_over_in_an_owner_only_file(tmp_path: Path) -> None:
+    cluster = LocalCluster(UpConfig(model=tmp_path, cluster_token="s3cret", log_dir=tmp_path / "logs"))
+    flag, path = cluster._token_args()
+    assert flag == "--cluster-token-file" and Path(path).read_text().strip() == "s3cret"
+    assert stat.S_IMODE(Path(path).stat().st_mode) == 0o600
+    assert LocalCluster(UpConfig(model=tmp_path, log_dir=tmp_path / "l2"))._token_args() == []
