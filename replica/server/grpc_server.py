@@ -40,7 +40,7 @@ class GrpcServer:
         serves_tls = tls is not None and tls.serves
         warn_if_exposed(log, "the replica's gRPC server", address.rsplit(":", 1)[0], serves_tls)
         try:
-            if tls is not None and tls.serves:
+            if tls is not None and serves_tls:
                 self.port = self.server.add_secure_port(address, tls.server_credentials())
             else:
                 self.port = self.server.add_insecure_port(address)

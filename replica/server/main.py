@@ -157,7 +157,7 @@ def serve(config: ReplicaConfig) -> int:
     try:
         placement = _placement(config)
         security = EdgeSecurity.of(config)
-    except (PlacementError, ValueError) as exc:
+    except (PlacementError, ValueError, OSError) as exc:  # OSError: an unreadable token file
         log.error("%s", exc)
         return 2
     threads = placement.torch_threads(config.torch_threads) if placement else config.torch_threads

@@ -16,7 +16,14 @@ from pdcluster.cli.main import Refused, parse
 from pdcluster.cluster.local import LocalCluster, UpConfig
 from replica.config import ReplicaConfig
 from replica.server.rpcs import RPCS, SERVICE
-from replica.server.security import TOKEN_KEY, TlsFiles, TokenInterceptor, is_loopback, read_token
+from replica.server.security import (
+    TOKEN_KEY,
+    TlsFiles,
+    TokenInterceptor,
+    is_loopback,
+    read_token,
+    warn_if_exposed,
+)
 from router import security as router_security
 from router.config import RouterConfig
 
@@ -107,9 +114,10 @@ def test_which_addresses_warn_without_tls(host: str, loopback: bool, caplog: pyt
     log = logging.getLogger("test-security")
     router_security.warn_if_exposed(log, host, tls=False)
     router_security.warn_if_exposed(log, host, tls=True)
-    assert len(caplog.records) == (0 if loopback else 1)
-    if not loopback:
-        assert "without TLS" in caplog.records[0].getMessage()
+    warn_if_exposed(log, "the replica's gRPC server", host, tls=False)
+    warn_if_exposed(log, "the replica's gRPC server", host, tls=True)
+    assert len(caplog.records) == (0 if loopback else 2)
+    assert all("without TLS" in record.getMessage() for record in caplog.records)
 
 
 def test_the_commands_take_the_flags(tmp_path: Path) -> None:
