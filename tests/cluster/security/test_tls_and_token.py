@@ -97,11 +97,12 @@ def test_openai_client_over_https(cluster: LocalCluster, certs: Path, model_dir:
 
 
 def test_https_refuses_a_client_without_certificate_or_tls(cluster: LocalCluster, certs: Path) -> None:
+    # refused in the TLS handshake (or on the first read, under TLS 1.3): no HTTP answer at all
     with httpx.Client(verify=client_context(certs, with_cert=False), timeout=30) as http, \
-            pytest.raises((httpx.ConnectError, httpx.ReadError, httpx.RemoteProtocolError)):
+            pytest.raises(httpx.TransportError):
         http.get(f"{cluster.http_url}/health")
     plain = cluster.http_url.replace("https://", "http://")
-    with pytest.raises((httpx.RemoteProtocolError, httpx.ReadError, httpx.ConnectError)):
+    with pytest.raises(httpx.TransportError):
         httpx.get(f"{plain}/health", timeout=30)
     with httpx.Client(verify=client_context(certs), timeout=30) as http:
         assert http.get(f"{cluster.http_url}/health").status_code == 200
