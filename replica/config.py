@@ -70,6 +70,26 @@ class ReplicaConfig:
     router_token: str = field(
         default="", metadata={"help": "admin token for the router's registration calls"}
     )
+    tls_cert: Path | None = field(
+        default=None, metadata={"help": "PEM certificate: serve gRPC over TLS (`pdcluster make-certs`)"}
+    )
+    tls_key: Path | None = field(default=None, metadata={"help": "PEM private key of --tls-cert"})
+    tls_ca: Path | None = field(
+        default=None,
+        metadata={"help": "PEM CA that signed the router's certificate: register with it over TLS"},
+    )
+    tls_client_ca: Path | None = field(
+        default=None,
+        metadata={"help": "PEM CA: callers must present a certificate it signed (mutual TLS)"},
+    )
+    cluster_token: str = field(
+        default="",
+        metadata={"help": "secret every state-changing RPC must carry as `x-cluster-token` metadata "
+                          "(all but Health, Info, ServiceDiscovery); empty = none"},
+    )
+    cluster_token_file: Path | None = field(
+        default=None, metadata={"help": "file holding the cluster token (kept out of the process list)"}
+    )
     torch_threads: int = field(
         default=0,
         metadata={
@@ -151,6 +171,12 @@ class ReplicaConfig:
             raise ValueError(f"--transfer-timeout must be positive, got {self.transfer_timeout}")
         if self.grpc_workers <= 0:
             raise ValueError(f"--grpc-workers must be positive, got {self.grpc_workers}")
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ValueError("--tls-cert and --tls-key go together")
+        if self.tls_client_ca is not None and self.tls_cert is None:
+            raise ValueError("--tls-client-ca needs --tls-cert and --tls-key")
+        if self.cluster_token and self.cluster_token_file is not None:
+            raise ValueError("give --cluster-token or --cluster-token-file, not both")
 
     @property
     def name(self) -> str:

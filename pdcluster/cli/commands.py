@@ -47,6 +47,11 @@ COMMANDS: dict[str, Command] = {
         "pdcluster.tools.tiny_model:TinyModelConfig",
         "pdcluster.tools.tiny_model:run",
     ),
+    "make-certs": Command(
+        "write a private CA and a TLS certificate per host (and client) into a folder",
+        "pdcluster.tools.certs:MakeCertsConfig",
+        "pdcluster.tools.certs:run",
+    ),
     "bench replica": Command(
         "prefill/decode tokens/s over gRPC, in-process and with transformers",
         "pdcluster.bench.replica:BenchReplicaConfig",

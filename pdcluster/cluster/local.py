@@ -76,6 +76,18 @@ class UpConfig:
         "emulated host-memory bandwidth of LoadParams from host memory, Gbit/s (0 = unpaced)")})
     host_cache: bool = field(default=False, metadata={"help": (
         "inactive replicas keep the checkpoint in host memory from the start (the host-cache baseline)")})
+    tls_cert: Path | None = field(default=None, metadata={"help": (
+        "PEM certificate of --host for every process: TLS on every gRPC port and HTTPS "
+        "(`pdcluster make-certs DIR --host HOST`)")})
+    tls_key: Path | None = field(default=None, metadata={"help": "PEM private key of --tls-cert"})
+    tls_ca: Path | None = field(default=None, metadata={"help": (
+        "PEM CA the processes verify each other with (DIR/ca.crt)")})
+    tls_client_ca: Path | None = field(default=None, metadata={"help": (
+        "PEM CA every server requires client certificates from (mutual TLS)")})
+    cluster_token: str = field(default="", metadata={"help": (
+        "cluster token of the replicas, passed to them and the router in a file (empty = none)")})
+    cluster_token_file: Path | None = field(default=None, metadata={"help": (
+        "file holding the cluster token")})
 
     def __post_init__(self) -> None:
         self.model = Path(self.model)
@@ -86,6 +98,13 @@ class UpConfig:
         bad = [f for f in self.router_flag if "=" not in f or f.startswith("-")]
         if bad:
             raise ValueError(f"--router-flag takes NAME=VALUE (without dashes), got {bad}")
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ValueError("--tls-cert and --tls-key go together")
+        if (self.tls_cert is not None or self.tls_client_ca is not None) and self.tls_ca is None:
+            raise ValueError("--tls-cert and --tls-client-ca need --tls-ca: the router verifies the "
+                             "replicas with it")
+        if self.cluster_token and self.cluster_token_file is not None:
+            raise ValueError("give --cluster-token or --cluster-token-file, not both")
         if self.inactive and not (self.model / "config.json").is_file():
             raise ValueError(f"--inactive replicas load from the model root, but {self.model} has no "
                              "config.json the replicas can read")
@@ -96,6 +115,15 @@ class UpConfig:
         for flag in self.router_flag:
             name, _, value = flag.partition("=")
             args += [f"--{name}", value]
+        return args
+
+    def tls_args(self) -> list[str]:
+        """The TLS flags every process gets (same certificate: they all run on --host)."""
+        args: list[str] = []
+        for name in ("tls_cert", "tls_key", "tls_ca", "tls_client_ca"):
+            path = getattr(self, name)
+            if path is not None:
+                args += [f"--{name.replace('_', '-')}", str(Path(path).resolve())]
         return args
 
     def replica_args(self) -> list[str]:
@@ -165,10 +193,11 @@ class LocalCluster:
         shared = max(1, (os.cpu_count() or 1) // len(self.roles()))
         threads = c.torch_threads or (1 if self.placement else shared)
         fabric = self._fabric_args()
+        security = c.tls_args() + self._token_args()
         for rank, role in enumerate(self.roles()):
             args = ["replica", "--model", str(c.model), "--host", c.host, "--port", "0", "--rank", str(rank),
                     "--num-blocks", str(c.num_blocks), "--torch-threads", str(threads), *fabric]
-            args += c.replica_args()
+            args += c.replica_args() + security
             if role == "inactive":
                 args += ["--inactive", *(["--host-cache"] if c.host_cache else [])]
             args += self._engine_args(role, rank - c.prefill)
@@ -179,12 +208,26 @@ class LocalCluster:
             proc.address = proc.wait_line(REPLICA_READY, deadline)[len(REPLICA_READY):].strip()
         args = ["router", "--model", str(c.model), "--host", c.host, "--http-port", str(c.http_port),
                 "--admin-port", str(c.admin_port), "--strategy", c.strategy, *c.router_args(),
-                "--replica", *[p.address for p in self.replicas], "--role", *self.roles()]
+                "--replica", *[p.address for p in self.replicas], "--role", *self.roles(), *security]
         if c.admin_token:
             args += ["--admin-token", c.admin_token]
         self.router = self._spawn("router", "router", args, self._cpus("router", 0))
         line = self.router.wait_line(ROUTER_READY, time.monotonic() + c.ready_timeout)
         self.http_url, self.admin_address = parse_router_ready(line)
+
+    def _token_args(self) -> list[str]:
+        """`--cluster-token-file FILE` (a --cluster-token is written to an owner-only file in the log
+        folder, so it never shows in the process list); nothing without a token."""
+        c = self.config
+        if c.cluster_token_file is not None:
+            return ["--cluster-token-file", str(Path(c.cluster_token_file).resolve())]
+        if not c.cluster_token:
+            return []
+        path = self.log_dir / "cluster-token"
+        path.unlink(missing_ok=True)
+        with os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w") as out:
+            out.write(c.cluster_token + "\n")
+        return ["--cluster-token-file", str(path.resolve())]
 
     def _fabric_args(self) -> list[str]:
         """`--cluster RANKS --fabric tcp`: a rank table of this machine, one free port per replica."""
