@@ -74,8 +74,8 @@ COMMANDS: dict[str, Command] = {
     ),
     "bench scaling": Command(
         "every scaling policy against one burst (P99 TTFT, replica-seconds, reaction time, bytes moved)",
-        "pdcluster.bench.scaling.bench:BenchScalingConfig",
-        "pdcluster.bench.scaling.bench:run",
+        "pdcluster.experiment.scaling.bench:BenchScalingConfig",
+        "pdcluster.experiment.scaling.bench:run",
     ),
     "experiment run": Command(
         "run an experiment file's matrix of cells (resumable), then write its report",

@@ -119,8 +119,9 @@ def policy_of(system: str) -> str:
 
 def burst_start(phases: tuple[tuple[float, float], ...]) -> float:
     """When the burst begins: the start of the busiest phase (the first, on a tie)."""
-    busiest = max(range(len(phases)), key=lambda i: (phases[i][1], -i))
-    return sum(seconds for seconds, _ in phases[:busiest])
+    from pdcluster.experiment.scaling.metrics import burst_window
+
+    return burst_window(phases)[0]
 
 
 def _toml(value: Any) -> str:

@@ -21,6 +21,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from pdcluster.bench.serving.stats import RequestRecord, attainment, percentile
+
 FREE = frozenset({"inactive", "dead"})
 """States that hold no weights and cost nothing."""
 SERVING = frozenset({"prefill", "decode", "colocated", "new_prefill", "refractory_prefill", "old_prefill"})
@@ -132,3 +134,36 @@ def weights_moved(timeline: Iterable[Record]) -> dict[str, Moved]:
 def kv_bytes(requests: Sequence[Record]) -> int:
     """KV bytes the routes of successful requests report moved (prefill → decode migrations)."""
     return sum(int((q.get("route") or {}).get("migration_bytes") or 0) for q in requests if q.get("success"))
+
+
+def burst_window(phases: Sequence[tuple[float, float]]) -> tuple[float, float]:
+    """(start, end) of the busiest phase, seconds from the load's start (the first, on a tie)."""
+    busiest = max(range(len(phases)), key=lambda i: (phases[i][1], -i))
+    start = sum(seconds for seconds, _ in phases[:busiest])
+    return start, start + phases[busiest][0]
+
+
+def arrived_within(requests: Iterable[Record], begin: float, end: float) -> list[Record]:
+    """The requests the workload sent within [begin, end) (their `arrival`, load clock)."""
+    return [q for q in requests if begin <= float(q.get("arrival") or q.get("start") or 0.0) < end]
+
+
+def _record(q: Record) -> RequestRecord:
+    return RequestRecord(index=int(q.get("index", 0)), input_len=int(q.get("input_len", 0)),
+                         output_len=int(q.get("output_len", 0)), success=bool(q.get("success")),
+                         start=float(q.get("start", 0.0)), ttft=float(q.get("ttft", 0.0)),
+                         latency=float(q.get("e2el", 0.0)), itl=list(q.get("itl") or []))
+
+
+def latency_figures(requests: Sequence[Record], slos: dict[str, float]) -> dict[str, Any]:
+    """Of these requests: how many, P50/P90/P99 TTFT and TPOT (ms, None without samples) and SLO
+    attainment (failed requests count as missing), by the serving benchmark's definitions."""
+    records = [_record(q) for q in requests]
+    done = [r for r in records if r.success]
+    samples = {"ttft": [1000.0 * r.ttft for r in done],
+               "tpot": [1000.0 * t for r in done if (t := r.tpot) is not None]}
+    return {"requests": len(records), "completed": len(done),
+            **{f"{metric}_ms": {f"p{q}": round(percentile(values, q), 1) if values else None
+                                for q in (50, 90, 99)}
+               for metric, values in samples.items()},
+            "slo_attainment": attainment(records, slos)}

@@ -9,8 +9,10 @@ from typing import Any
 
 import pytest
 
-from pdcluster.bench.scaling import metrics
-from pdcluster.bench.scaling.design import (
+from pdcluster.experiment.load import load_experiment
+from pdcluster.experiment.matrix import expand
+from pdcluster.experiment.scaling import metrics
+from pdcluster.experiment.scaling.design import (
     PEAK,
     SYSTEMS,
     Bandwidths,
@@ -19,9 +21,7 @@ from pdcluster.bench.scaling.design import (
     burst_start,
     experiment_toml,
 )
-from pdcluster.bench.scaling.figures import goals
-from pdcluster.experiment.load import load_experiment
-from pdcluster.experiment.matrix import expand
+from pdcluster.experiment.scaling.figures import goals, ratios
 
 T0 = 1000.0  # the load's start, wall clock
 
@@ -95,6 +95,44 @@ def test_goals_are_ratios_to_baselines_of_the_same_run() -> None:
     assert [(g["ratio"], g["met"]) for g in got] == [(0.15, True), (1.2, True), (0.625, False)]
     missing = goals({"live": figures["live"]})
     assert all(g["ratio"] is None and g["met"] is None for g in missing)
+
+
+def timed(arrival: float, ttft: float, e2el: float, output_len: int = 5, ok: bool = True) -> dict[str, Any]:
+    return {"index": 0, "input_len": 8, "output_len": output_len, "success": ok, "arrival": arrival,
+            "start": arrival, "ttft": ttft, "e2el": e2el, "itl": []}
+
+
+def test_latencies_of_the_requests_sent_during_the_burst() -> None:
+    phases = ((30.0, 0.4), (20.0, 2.0), (60.0, 0.4))
+    assert metrics.burst_window(phases) == (30.0, 50.0)
+    assert metrics.burst_window(((5.0, 1.0), (5.0, 3.0), (5.0, 3.0))) == (5.0, 10.0)  # the first on a tie
+    requests = [timed(10.0, 0.1, 0.5), timed(30.0, 1.0, 2.0), timed(40.0, 3.0, 3.4), timed(49.9, 2.0, 6.0),
+                timed(45.0, 0.0, 0.0, ok=False), timed(50.0, 0.1, 0.2)]
+    burst = metrics.arrived_within(requests, *metrics.burst_window(phases))
+    assert [q["arrival"] for q in burst] == [30.0, 40.0, 49.9, 45.0]
+    got = metrics.latency_figures(burst, {"ttft": 2500.0, "tpot": 500.0})
+    assert (got["requests"], got["completed"]) == (4, 3)
+    # TTFTs 1000, 3000, 2000 ms; TPOTs (E2EL - TTFT) / 4: 250, 100, 1000 ms
+    assert got["ttft_ms"] == {"p50": 2000.0, "p90": 2800.0, "p99": 2980.0}
+    assert got["tpot_ms"]["p50"] == 250.0
+    # within both: the first only; the failed request counts as missing
+    assert got["slo_attainment"] == {"ttft": 0.5, "tpot": 0.5, "all": 0.25}
+    empty = metrics.latency_figures([], {"ttft": 1.0})
+    assert empty["ttft_ms"] == {"p50": None, "p90": None, "p99": None} and empty["slo_attainment"] == {}
+
+
+def test_ratios_against_every_baseline_that_ran() -> None:
+    def f(p99: float, burst_p99: float | None, cost: float) -> dict[str, Any]:
+        return {"ttft_ms": {"p99": p99}, "replica_seconds": cost,
+                "during_burst": {"ttft_ms": {"p99": burst_p99}, "tpot_ms": {"p99": 100.0}}}
+
+    got = ratios({"live": f(300.0, 600.0, 150.0), "static": f(600.0, 1200.0, 100.0),
+                  PEAK: f(200.0, None, 250.0)})
+    assert set(got) == {"live", "static", PEAK}
+    assert got["live"]["static"] == {"ttft_ms.p99": 0.5, "during_burst.ttft_ms.p99": 0.5,
+                                     "during_burst.tpot_ms.p99": 1.0, "replica_seconds": 1.5}
+    assert got["live"][PEAK]["ttft_ms.p99"] == 1.5 and got["live"][PEAK]["during_burst.ttft_ms.p99"] is None
+    assert "stop-the-world" not in got["live"] and PEAK not in got[PEAK] and "static" not in got["static"]
 
 
 def test_bandwidths_keep_the_reference_clusters_load_times() -> None:

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pdcluster.bench.scaling.design import SYSTEMS, Bandwidths, Design, Reference
+from pdcluster.experiment.scaling.design import SYSTEMS, Bandwidths, Design, Reference
 
 
 @dataclass(frozen=True)
@@ -194,10 +194,10 @@ def _exit_on_sigterm(signum: int, frame: object) -> None:
 
 def run(config: BenchScalingConfig) -> int:
     """Runner of `pdcluster bench scaling`: 0 when every cell ran, 1 when one failed."""
-    from pdcluster.bench.scaling.design import experiment_toml
-    from pdcluster.bench.scaling.results import scaling_results, table
     from pdcluster.experiment.load import load_experiment
     from pdcluster.experiment.run import run_experiment
+    from pdcluster.experiment.scaling.design import experiment_toml
+    from pdcluster.experiment.scaling.results import scaling_results, table
 
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
     design = design_of(config)

@@ -14,9 +14,9 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from pdcluster.bench.scaling import metrics
-from pdcluster.bench.scaling.design import PEAK, burst_start
 from pdcluster.experiment.results import CellResult
+from pdcluster.experiment.scaling import metrics
+from pdcluster.experiment.scaling.design import PEAK
 
 
 def _round(value: float | None, digits: int = 3) -> float | None:
@@ -33,7 +33,7 @@ def system_figures(cell: CellResult, phases: tuple[tuple[float, float], ...]) ->
     timeline, requests = cell.timeline(), cell.requests()
     begin = float(s.get("wall_start", 0.0))
     duration = float(s.get("duration", 0.0))
-    burst = burst_start(phases)
+    burst, burst_end = metrics.burst_window(phases)
     new = metrics.new_replicas(timeline)
     started = metrics.first_change(timeline, new, {"loading_prefill", "loading_decode", "new_prefill"},
                                    begin + burst)
@@ -47,6 +47,9 @@ def system_figures(cell: CellResult, phases: tuple[tuple[float, float], ...]) ->
         "duration_s": _round(duration),
         "ttft_ms": _percentiles(s, "ttft"), "tpot_ms": _percentiles(s, "tpot"),
         "slo_attainment": s.get("slo_attainment", {}),
+        # the requests sent during the busiest phase: what scaling is for
+        "during_burst": metrics.latency_figures(metrics.arrived_within(requests, burst, burst_end),
+                                                dict(s.get("slos_ms") or {})),
         "replica_seconds": _round(cost, 1),
         "mean_replicas": _round(cost / duration if duration else math.nan, 2),
         "burst_at_s": burst,
@@ -101,3 +104,26 @@ GOALS = (
 def goals(figures: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
     """Each goal evaluated on the run's figures."""
     return [g.evaluate(figures) for g in GOALS]
+
+
+RATIO_METRICS = ("ttft_ms.p99", "during_burst.ttft_ms.p99", "during_burst.tpot_ms.p99", "replica_seconds")
+"""What `ratios` divides by a baseline's value: the whole load's and the burst's tails, and the cost."""
+BASELINES = (PEAK, "static", "stop-the-world")
+
+
+def ratios(figures: dict[str, dict[str, Any]]) -> dict[str, dict[str, dict[str, float | None]]]:
+    """system → baseline → metric → the system's value ÷ the baseline's (None where either is missing),
+    for every baseline that ran (the same run's: the machine's load is the same for both)."""
+    out: dict[str, dict[str, dict[str, float | None]]] = {}
+    for system, mine in figures.items():
+        for baseline in BASELINES:
+            theirs = figures.get(baseline)
+            if theirs is None or baseline == system:
+                continue
+            row = {}
+            for metric in RATIO_METRICS:
+                a, b = _value(mine, metric), _value(theirs, metric)
+                row[metric] = _round(a / b if a is not None and b else None)
+            out.setdefault(system, {})[baseline] = row
+    return out
+

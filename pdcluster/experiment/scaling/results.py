@@ -4,7 +4,9 @@
  {"design": {phases, replicas, bandwidths, load seconds, SLOs, checkpoint bytes},
   "systems": {"live": {ttft_ms, tpot_ms, slo_attainment, replica_seconds, burst_to_new_replica_token_s,
                        weight_bytes, …, "timeline_png": "plots/timelines/<cell>.png"}, …},
-  "goals": [{"goal", "ratio", "limit", "met"}, …], "report": "report.md", "missing": [systems not done]}
+  "goals": [{"goal", "ratio", "limit", "met"}, …],
+  "ratios": {"live": {"static-peak": {"ttft_ms.p99": …, "during_burst.ttft_ms.p99": …, …}, …}, …},
+  "report": "report.md", "missing": [systems not done]}
 ```
 """
 
@@ -13,9 +15,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from pdcluster.bench.scaling.design import PEAK, Design, Reference
-from pdcluster.bench.scaling.figures import goals, system_figures
 from pdcluster.experiment.results import CellResult, load_results
+from pdcluster.experiment.scaling.design import PEAK, Design, Reference
+from pdcluster.experiment.scaling.figures import goals, ratios, system_figures
 
 
 def system_of(cell: CellResult) -> str:
@@ -57,6 +59,7 @@ def scaling_results(out: Path, design: Design) -> dict[str, Any]:
             systems[system_of(cell)] = figures
     order = [s for s in design.systems if s in systems]
     return {"design": describe(design), "systems": {s: systems[s] for s in order}, "goals": goals(systems),
+            "ratios": ratios({s: systems[s] for s in order}),
             "report": "report.md", "missing": [s for s in design.systems if s not in systems]}
 
 
@@ -68,20 +71,28 @@ def _s(value: Any) -> str:
     return "—" if value is None else f"{value:.1f}"
 
 
+def _share(attainment: dict[str, float]) -> str:
+    value = attainment.get("all")
+    return "—" if value is None else f"{100 * value:.0f} %"
+
+
 def table(results: dict[str, Any]) -> str:
     """The figures as a Markdown table, then the goals."""
-    head = ("| system | TTFT P50 / P90 / P99 (ms) | TPOT P50 / P90 / P99 (ms) | SLO all | replica-s "
-            "| burst → new replica token (s) | weights moved (MB) | ok/all |")
-    lines = [head, "|---|---|---|---:|---:|---:|---:|---:|"]
+    head = ("| system | TTFT P50 / P90 / P99 (ms) | TPOT P50 / P90 / P99 (ms) | SLO all "
+            "| in the burst: TTFT P50 / P99 (ms), TPOT P99 (ms), SLO all | replica-s "
+            "| burst → scale-up / new replica's token (s) | weights moved (MB) | ok/all |")
+    lines = [head, "|---|---|---|---:|---|---:|---:|---:|---:|"]
     for name, f in results["systems"].items():
-        ttft, tpot = f["ttft_ms"], f["tpot_ms"]
-        attained = f["slo_attainment"].get("all")
+        ttft, tpot, burst = f["ttft_ms"], f["tpot_ms"], f["during_burst"]
         lines.append(
             f"| {name} | {' / '.join(_ms(ttft[q]) for q in ('p50', 'p90', 'p99'))} "
             f"| {' / '.join(_ms(tpot[q]) for q in ('p50', 'p90', 'p99'))} "
-            f"| {'—' if attained is None else f'{100 * attained:.0f} %'} | {_s(f['replica_seconds'])} "
-            f"| {_s(f['burst_to_new_replica_token_s'])} | {f['weight_bytes'] / 1e6:.0f} "
-            f"| {f['completed']}/{f['requests']} |")
+            f"| {_share(f['slo_attainment'])} "
+            f"| {_ms(burst['ttft_ms']['p50'])} / {_ms(burst['ttft_ms']['p99'])}, "
+            f"{_ms(burst['tpot_ms']['p99'])}, "
+            f"{_share(burst['slo_attainment'])} | {_s(f['replica_seconds'])} "
+            f"| {_s(f['burst_to_scale_up_s'])} / {_s(f['burst_to_new_replica_token_s'])} "
+            f"| {f['weight_bytes'] / 1e6:.0f} | {f['completed']}/{f['requests']} |")
     lines.append("")
     for g in results["goals"]:
         verdict = {True: "met", False: "NOT met", None: "not measured"}[g["met"]]
