@@ -145,7 +145,13 @@ def burst_window(phases: Sequence[tuple[float, float]]) -> tuple[float, float]:
 
 def arrived_within(requests: Iterable[Record], begin: float, end: float) -> list[Record]:
     """The requests the workload sent within [begin, end) (their `arrival`, load clock)."""
-    return [q for q in requests if begin <= float(q.get("arrival") or q.get("start") or 0.0) < end]
+    return [q for q in requests if begin <= _sent(q) < end]
+
+
+def _sent(q: Record) -> float:
+    """When the workload sent a request: its scheduled `arrival`, else when it went out (`start`)."""
+    arrival = q.get("arrival")
+    return float(arrival if arrival is not None else q.get("start", 0.0))
 
 
 def _record(q: Record) -> RequestRecord:

@@ -110,6 +110,9 @@ def test_latencies_of_the_requests_sent_during_the_burst() -> None:
                 timed(45.0, 0.0, 0.0, ok=False), timed(50.0, 0.1, 0.2)]
     burst = metrics.arrived_within(requests, *metrics.burst_window(phases))
     assert [q["arrival"] for q in burst] == [30.0, 40.0, 49.9, 45.0]
+    # the schedule decides, not when the request went out (a late send of a quiet-phase request)
+    late = {**timed(29.0, 1.0, 2.0), "start": 31.0}
+    assert metrics.arrived_within([late, timed(0.0, 1.0, 2.0)], 0.0, 30.0) == [late, timed(0.0, 1.0, 2.0)]
     got = metrics.latency_figures(burst, {"ttft": 2500.0, "tpot": 500.0})
     assert (got["requests"], got["completed"]) == (4, 3)
     # TTFTs 1000, 3000, 2000 ms; TPOTs (E2EL - TTFT) / 4: 250, 100, 1000 ms
