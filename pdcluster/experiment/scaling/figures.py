@@ -35,8 +35,9 @@ def system_figures(cell: CellResult, phases: tuple[tuple[float, float], ...]) ->
     duration = float(s.get("duration", 0.0))
     burst, burst_end = metrics.burst_window(phases)
     new = metrics.new_replicas(timeline)
-    started = metrics.first_change(timeline, new, {"loading_prefill", "loading_decode", "new_prefill"},
-                                   begin + burst)
+    loading = {"loading_prefill", "loading_decode", "new_prefill"}
+    started = metrics.first_change(timeline, new, loading, begin + burst)
+    first_load = metrics.first_change(timeline, new, loading, begin)
     serving = metrics.first_change(timeline, new, metrics.SERVING, begin + burst)
     token = metrics.first_token_by(requests, new, burst)
     moved = metrics.weights_moved(timeline)
@@ -53,6 +54,8 @@ def system_figures(cell: CellResult, phases: tuple[tuple[float, float], ...]) ->
         "replica_seconds": _round(cost, 1),
         "mean_replicas": _round(cost / duration if duration else math.nan, 2),
         "burst_at_s": burst,
+        # a cluster that scales up before the burst found even the quiet load too much
+        "first_scale_up_at_s": _round(first_load - begin if first_load is not None else None),
         "burst_to_scale_up_s": _round(started - begin - burst if started is not None else None),
         "burst_to_new_replica_serving_s": _round(serving - begin - burst if serving is not None else None),
         "burst_to_new_replica_token_s": _round(token - burst if token is not None else None),
@@ -116,6 +119,7 @@ def ratios(figures: dict[str, dict[str, Any]]) -> dict[str, dict[str, dict[str, 
     for every baseline that ran (the same run's: the machine's load is the same for both)."""
     out: dict[str, dict[str, dict[str, float | None]]] = {}
     for system, mine in figures.items():
+        out[system] = {}
         for baseline in BASELINES:
             theirs = figures.get(baseline)
             if theirs is None or baseline == system:
@@ -124,6 +128,6 @@ def ratios(figures: dict[str, dict[str, Any]]) -> dict[str, dict[str, dict[str, 
             for metric in RATIO_METRICS:
                 a, b = _value(mine, metric), _value(theirs, metric)
                 row[metric] = _round(a / b if a is not None and b else None)
-            out.setdefault(system, {})[baseline] = row
+            out[system][baseline] = row
     return out
 

@@ -35,6 +35,12 @@ def test_quick_scaling_benchmark_scales_up_and_reports_every_figure(tmp_path: Pa
     # live started with 2 of its 4 replicas serving and scaled up over the emulated links
     assert live["weight_bytes"] > 0 and set(live["weight_transfers"]) <= {"p2p", "chain", "tanz"}
     assert live["requests_served_by_new_replicas"] > 0 and live["burst_to_new_replica_token_s"] is not None
+    assert live["first_scale_up_at_s"] is not None
+    # the spike's requests, a subset of the load's, all answered
+    for figures in (live, peak):
+        burst = figures["during_burst"]
+        assert 0 < burst["requests"] == burst["completed"] < figures["requests"]
+        assert burst["ttft_ms"]["p50"] is not None and set(burst["slo_attainment"]) == {"ttft", "tpot", "all"}
     assert 2 * live["duration_s"] < live["replica_seconds"] < 4 * live["duration_s"]
     # a static cluster costs its replicas times the load's duration, and never moves weights
     assert peak["replica_seconds"] == pytest.approx(4 * peak["duration_s"], rel=0.02)
@@ -44,5 +50,7 @@ def test_quick_scaling_benchmark_scales_up_and_reports_every_figure(tmp_path: Pa
     assert [g["met"] is None for g in results["goals"]] == [True, False, False]  # no stop-the-world cell
     cost = next(g for g in results["goals"] if g["metric"] == "replica_seconds")
     assert cost["ratio"] == pytest.approx(live["replica_seconds"] / peak["replica_seconds"], abs=1e-3)
+    assert results["ratios"]["live"]["static-peak"]["replica_seconds"] == cost["ratio"]
+    assert set(results["ratios"]) == {"live", "static-peak"} and results["ratios"]["static-peak"] == {}
     assert results["design"]["bandwidths_gbps"] == {"link": 0.05, "disk": 0.01, "host": 0.1}
     assert (out / "report.md").is_file() and (out / "scaling.toml").is_file()
