@@ -52,6 +52,10 @@ def system_figures(cell: CellResult, phases: tuple[tuple[float, float], ...]) ->
         "during_burst": metrics.latency_figures(metrics.arrived_within(requests, burst, burst_end),
                                                 dict(s.get("slos_ms") or {})),
         "replica_seconds": _round(cost, 1),
+        # how much CPU the cell itself got: on shared cores, the rest went to other work
+        "cpu_seconds": _round(metrics.cpu_seconds(cell.resources(), 0.0, duration), 1),
+        "cores_busy": _round(metrics.cpu_seconds(cell.resources(), 0.0, duration) / duration
+                             if duration else None, 2),
         "mean_replicas": _round(cost / duration if duration else math.nan, 2),
         "burst_at_s": burst,
         # a cluster that scales up before the burst found even the quiet load too much

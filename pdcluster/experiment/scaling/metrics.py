@@ -173,3 +173,18 @@ def latency_figures(requests: Sequence[Record], slos: dict[str, float]) -> dict[
                                 for q in (50, 90, 99)}
                for metric, values in samples.items()},
             "slo_attainment": attainment(records, slos)}
+
+
+def cpu_seconds(resources: Iterable[Record], begin: float, end: float) -> float:
+    """CPU seconds the cell's own processes (replicas, router) used between `begin` and `end` (load
+    clock), from the sampler's cumulative `cpu_s` per process: the last sample inside the window
+    minus the last one at or before its start (or the first inside it)."""
+    first: dict[str, float] = {}
+    last: dict[str, float] = {}
+    for r in sorted((r for r in resources if r.get("kind") == "process"), key=lambda r: float(r["t"])):
+        t, name, cpu = float(r["t"]), str(r["name"]), float(r["cpu_s"])
+        if t <= begin or name not in first:
+            first[name] = cpu
+        if t <= end:
+            last[name] = cpu
+    return sum(max(0.0, last[name] - first[name]) for name in last)

@@ -71,6 +71,10 @@ def _s(value: Any) -> str:
     return "—" if value is None else f"{value:.1f}"
 
 
+def _cores(value: Any) -> str:
+    return "—" if value is None else f"{value:.2f}"
+
+
 def _share(attainment: dict[str, float]) -> str:
     value = attainment.get("all")
     return "—" if value is None else f"{100 * value:.0f} %"
@@ -80,8 +84,8 @@ def table(results: dict[str, Any]) -> str:
     """The figures as a Markdown table, then the goals."""
     head = ("| system | TTFT P50 / P90 / P99 (ms) | TPOT P50 / P90 / P99 (ms) | SLO all "
             "| in the burst: TTFT P50 / P99 (ms), TPOT P99 (ms), SLO all | replica-s "
-            "| burst → scale-up / new replica's token (s) | weights moved (MB) | ok/all |")
-    lines = [head, "|---|---|---|---:|---|---:|---:|---:|---:|"]
+            "| burst → scale-up / new replica's token (s) | weights moved (MB) | cores used | ok/all |")
+    lines = [head, "|---|---|---|---:|---|---:|---:|---:|---:|---:|"]
     for name, f in results["systems"].items():
         ttft, tpot, burst = f["ttft_ms"], f["tpot_ms"], f["during_burst"]
         lines.append(
@@ -92,7 +96,8 @@ def table(results: dict[str, Any]) -> str:
             f"{_ms(burst['tpot_ms']['p99'])}, "
             f"{_share(burst['slo_attainment'])} | {_s(f['replica_seconds'])} "
             f"| {_s(f['burst_to_scale_up_s'])} / {_s(f['burst_to_new_replica_token_s'])} "
-            f"| {f['weight_bytes'] / 1e6:.0f} | {f['completed']}/{f['requests']} |")
+            f"| {f['weight_bytes'] / 1e6:.0f} | {_cores(f['cores_busy'])} "
+            f"| {f['completed']}/{f['requests']} |")
     lines.append("")
     for g in results["goals"]:
         verdict = {True: "met", False: "NOT met", None: "not measured"}[g["met"]]

@@ -138,6 +138,19 @@ def test_ratios_against_every_baseline_that_ran() -> None:
     assert "stop-the-world" not in got["live"] and PEAK not in got[PEAK] and "static" not in got["static"]
 
 
+def test_cpu_seconds_of_the_cells_own_processes_within_the_load() -> None:
+    def sample(t: float, name: str, cpu: float) -> dict[str, Any]:
+        return {"t": t, "kind": "process", "name": name, "cpu_s": cpu}
+
+    resources = [sample(0.0, "router", 2.0), sample(0.0, "replica-0", 10.0), {"t": 0.5, "kind": "replica"},
+                 sample(5.0, "router", 3.0), sample(5.0, "replica-0", 14.0), sample(11.0, "replica-0", 20.0),
+                 sample(8.0, "replica-1", 1.0), sample(9.0, "replica-1", 1.5)]  # joined late
+    # the whole load (0..10 s): router 1, replica-0 4 (its sample at 11 s is after the end), replica-1 0.5
+    assert metrics.cpu_seconds(resources, 0.0, 10.0) == pytest.approx(5.5)
+    assert metrics.cpu_seconds(resources, 5.0, 12.0) == pytest.approx(0.0 + 6.0 + 0.5)
+    assert metrics.cpu_seconds([], 0.0, 10.0) == 0.0
+
+
 def test_bandwidths_keep_the_reference_clusters_load_times() -> None:
     b = Bandwidths.scaled(200_000_000)  # a 200 MB checkpoint: 1/70 of a 7 B model's 14 GB
     assert (b.link_gbps, b.disk_gbps, b.host_gbps) == pytest.approx((1.4286, 0.2286, 2.8571), abs=1e-4)
