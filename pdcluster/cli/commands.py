@@ -77,6 +77,11 @@ COMMANDS: dict[str, Command] = {
         "pdcluster.bench.serving.bench:BenchServingConfig",
         "pdcluster.bench.serving.bench:run",
     ),
+    "bench scaling": Command(
+        "every scaling policy against one burst (P99 TTFT, replica-seconds, reaction time, bytes moved)",
+        "pdcluster.experiment.scaling.bench:BenchScalingConfig",
+        "pdcluster.experiment.scaling.bench:run",
+    ),
     "experiment run": Command(
         "run an experiment file's matrix of cells (resumable), then write its report",
         "pdcluster.experiment.cli:ExperimentRunConfig",

@@ -207,10 +207,12 @@ def _workloads(t: Table) -> list[WorkloadSpec]:
     name = t.get("name", str, check=lambda v: bool(_NAME.match(v)) and "@" not in v, need="is not a name")
     arrival = t.get("arrival", str, "poisson", lambda v: v in ARRIVALS, f"must be one of {ARRIVALS}")
     sweep = "rates" in t.data  # a rate sweep: each workload is named name@rate
-    rates = _rates(t, arrival)
+    phases = _phases(t, arrival)
+    rates = [_mean_rate(phases)] if phases else _rates(t, arrival)
     common: dict[str, Any] = {
-        "arrival": arrival,
-        "num": t.get("num", int, 0 if arrival == "trace" else ..., lambda v: v >= 0, "must be >= 0"),
+        "arrival": arrival, "phases": phases,
+        "num": t.get("num", int, 0 if arrival in ("trace", "phases") else ..., lambda v: v >= 0,
+                     "must be >= 0"),
         "cv": t.get("cv", float, 1.0, lambda v: v >= 0, "must be >= 0"),
         "input_len": _lengths(t, "input_len", 128), "output_len": _lengths(t, "output_len", 32),
         "lengths_from": t.path("lengths_from", None),
@@ -229,11 +231,38 @@ def _workloads(t: Table) -> list[WorkloadSpec]:
     t.done()
     if arrival == "trace" and common["trace"] is None:
         raise t.fail('arrival = "trace" needs trace = "FILE"')
-    if arrival != "trace" and common["num"] < 1:
+    if arrival not in ("trace", "phases") and common["num"] < 1:
         raise t.fail("num must be >= 1")
     if arrival == "gamma" and common["cv"] == 0:
         raise t.fail("a gamma workload needs cv > 0")
     return [WorkloadSpec(name=f"{name}@{_rate_text(r)}" if sweep else name, rate=r, **common) for r in rates]
+
+
+def _phases(t: Table, arrival: str) -> tuple[tuple[float, float], ...]:
+    """`phases = [[seconds, rate], …]` of a phases workload (rate and rates are refused beside it)."""
+    if arrival != "phases":
+        if "phases" in t.data:
+            raise t.fail('phases needs arrival = "phases"')
+        return ()
+    if "rate" in t.data or "rates" in t.data:
+        raise t.fail("a phases workload takes its rates from phases, not rate or rates")
+    raw = t.get("phases", list)
+    phases = []
+    for item in raw:
+        numbers = isinstance(item, list) and len(item) == 2 and all(
+            isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v) for v in item)
+        if not numbers or not (item[0] > 0 and item[1] >= 0):
+            raise t.fail(f"phases must be [[seconds, rate], …] with seconds > 0 and rate >= 0 "
+                         f"(requests/s), got {item!r}")
+        phases.append((float(item[0]), float(item[1])))
+    if not any(rate > 0 for _, rate in phases):
+        raise t.fail(f"phases need one phase with a rate > 0, got {raw!r}")
+    return tuple(phases)
+
+
+def _mean_rate(phases: tuple[tuple[float, float], ...]) -> float:
+    """The requests/s a phases workload offers on average (its `rate`, for the report's axes)."""
+    return sum(seconds * rate for seconds, rate in phases) / sum(seconds for seconds, _ in phases)
 
 
 def _rate_text(rate: float) -> str:

@@ -4,7 +4,7 @@
 - `slo_vs_rate.png`: per workload family, the share of requests meeting every SLO against the offered
   rate; `p99_ttft_vs_rate.png`: P99 TTFT against it;
 - `replicas_timeline.png`: per cell (first repetition), replicas in each state over time, and the
-  requests sent per second;
+  requests sent per second; `timelines/<cell>.png`: the same, one figure per cell;
 - `migration_vs_bytes.png`: per migrated batch, its migration time against its KV bytes, by system.
 
 Each function returns the file it wrote, or None when the cells hold nothing to draw (the report
@@ -150,11 +150,11 @@ def p99_ttft_vs_rate(results: Sequence[CellResult], path: Path) -> Path | None:
 
 
 def replica_states(cell: CellResult) -> dict[str, list[tuple[float, int]]]:
-    """state → [(t, replicas in that state)], from the router's timeline transitions when it wrote
-    them, else from the sampled roles of /metrics."""
-    transitions = [t for t in cell.timeline() if t.get("kind") == "transition"]
-    if transitions:
-        return _from_transitions(cell, transitions)
+    """state → [(t, replicas in that state)], from the router's timeline (each replica's state when it
+    joined, then its transitions) when it wrote one, else from the sampled roles of /metrics."""
+    changes = [t for t in cell.timeline() if t.get("kind") in ("replica", "transition")]
+    if changes:
+        return _from_transitions(cell, changes)
     counts: dict[float, dict[str, int]] = defaultdict(lambda: defaultdict(int))
     for row in cell.resources():
         if row.get("kind") == "replica" and row.get("role"):
@@ -163,17 +163,18 @@ def replica_states(cell: CellResult) -> dict[str, list[tuple[float, int]]]:
     return {s: [(t, counts[t].get(s, 0)) for t in sorted(counts)] for s in states}
 
 
-def _from_transitions(cell: CellResult, transitions: list[dict[str, Any]]
-                      ) -> dict[str, list[tuple[float, int]]]:
-    """Replay transitions (router wall clock) on the load's clock (`wall_start` of the summary)."""
-    wall0 = float(cell.summary.get("wall_start", transitions[0].get("wall", 0.0)))
+def _from_transitions(cell: CellResult, changes: list[dict[str, Any]]) -> dict[str, list[tuple[float, int]]]:
+    """Replay the timeline's `replica` (joined in a state) and `transition` records (router wall
+    clock) on the load's clock (`wall_start` of the summary)."""
+    wall0 = float(cell.summary.get("wall_start", changes[0].get("wall", 0.0)))
     where: dict[str, str] = {}
     series: dict[str, list[tuple[float, int]]] = defaultdict(list)
-    for record in sorted(transitions, key=lambda t: t.get("wall", 0.0)):
-        where[str(record.get("replica"))] = str(record.get("target"))
+    for record in sorted(changes, key=lambda t: t.get("wall", 0.0)):
+        state = record.get("state") if record.get("kind") == "replica" else record.get("target")
+        where[str(record.get("replica"))] = str(state)
         t = float(record.get("wall", wall0)) - wall0
-        for state in {*where.values(), *series}:
-            series[state].append((t, sum(1 for s in where.values() if s == state)))
+        for name in {*where.values(), *series}:
+            series[name].append((t, sum(1 for s in where.values() if s == name)))
     return dict(series)
 
 
@@ -203,30 +204,70 @@ def arrivals_per_second(cell: CellResult) -> list[tuple[float, int]]:
     return [(float(s), counts.get(s, 0)) for s in range(int(max(starts)) + 1)]
 
 
+STATE_COLOURS = {
+    "prefill": "#1f77b4", "old_prefill": "#6baed6", "new_prefill": "#ff7f0e", "refractory_prefill": "#fdae6b",
+    "loading_prefill": "#ffd92f", "draining_prefill": "#9ecae1", "mutating_to_decode": "#bcbd22",
+    "decode": "#d62728", "loading_decode": "#9467bd", "draining_decode": "#ff9896", "colocated": "#2ca02c",
+    "idle": "#8c564b", "inactive": "#e0e0e0", "dead": "#444444",
+}
+"""The router's replica states (router/states.py), serving ones first: every figure stacks and colours
+them alike (prefill blues and oranges, decode reds and purples); a state not listed goes last, grey."""
+STATE_ORDER = tuple(STATE_COLOURS)
+
+
+def _stacked(states: Sequence[str]) -> list[str]:
+    return sorted(states, key=lambda s: (STATE_ORDER.index(s) if s in STATE_ORDER else len(STATE_ORDER), s))
+
+
+def _timeline_panel(ax: Axes, cell: CellResult, title: str, legend_aside: bool = False) -> None:
+    """Replicas stacked by state against the load's clock; requests sent per second on a twin axis."""
+    times, counts = aligned(replica_states(cell))
+    states = _stacked(list(counts))
+    end = max([*times, *(q.get("start", 0.0) for q in cell.requests())], default=0.0) + 1.0
+    times, counts = [*times, end], {s: [*c, c[-1]] for s, c in counts.items()}  # the last state holds
+    ax.stackplot(times, *(counts[s] for s in states), labels=states, step="post", alpha=0.85,
+                 colors=[STATE_COLOURS.get(s, "#bbbbbb") for s in states])
+    top = max((sum(c[i] for c in counts.values()) for i in range(len(times))), default=1)
+    ax.set(title=title, xlabel="time since the load started (s)", ylabel="replicas (stacked by state)",
+           ylim=(0, top + 0.5), xlim=(0.0, end))  # states before the load: its start
+    ax.yaxis.set_major_locator(MaxNLocator(integer=True))
+    rate = ax.twinx()
+    per_second = arrivals_per_second(cell)
+    rate.step([p[0] for p in per_second] + [len(per_second)], [p[1] for p in per_second] + [0],
+              where="post", color="black", linewidth=1.2, label="requests sent per s")
+    rate.set_ylabel("requests sent (per s)")
+    lines, labels = ax.get_legend_handles_labels()
+    more, more_labels = rate.get_legend_handles_labels()
+    where = {"loc": "upper left", "bbox_to_anchor": (1.08, 1.0)} if legend_aside else {"loc": "upper right"}
+    ax.legend(lines + more, labels + more_labels, fontsize="small", **where)
+
+
+def _timeline_cells(results: Sequence[CellResult]) -> list[CellResult]:
+    """Finished first repetitions with replica states to draw, in label order."""
+    return sorted((r for r in _done(results) if r.rep == 0 and replica_states(r)),
+                  key=lambda r: (r.label, r.family, r.rate))
+
+
 def replicas_timeline(results: Sequence[CellResult], path: Path) -> Path | None:
     """Replicas per state over time, with the request rate on a second axis; one panel per cell."""
-    cells = sorted((r for r in _done(results) if r.rep == 0 and replica_states(r)),
-                   key=lambda r: (r.label, r.family, r.rate))[:MAX_PANELS]
+    cells = _timeline_cells(results)[:MAX_PANELS]
     if not cells:
         return None
     fig, axes = _grid(len(cells), width=5.2)
     for ax, cell in zip(axes, cells, strict=True):
-        times, counts = aligned(replica_states(cell))
-        states = sorted(counts)
-        ax.stackplot(times, *(counts[s] for s in states), labels=states, step="post", alpha=0.8)
-        top = max((sum(c[i] for c in counts.values()) for i in range(len(times))), default=1)
-        ax.set(title=f"{cell.label} · {cell.workload}", xlabel="time since the load started (s)",
-               ylabel="replicas (stacked by state)", ylim=(0, top + 0.5))
-        ax.yaxis.set_major_locator(MaxNLocator(integer=True))
-        rate = ax.twinx()
-        per_second = arrivals_per_second(cell)
-        rate.step([p[0] for p in per_second] + [len(per_second)], [p[1] for p in per_second] + [0],
-                  where="post", color="black", linewidth=1.2, label="requests sent per s")
-        rate.set_ylabel("requests sent (per s)")
-        lines, labels = ax.get_legend_handles_labels()
-        more, more_labels = rate.get_legend_handles_labels()
-        ax.legend(lines + more, labels + more_labels, fontsize="small", loc="upper right")
+        _timeline_panel(ax, cell, f"{cell.label} · {cell.workload}")
     return _save(fig, path)
+
+
+def cell_timelines(results: Sequence[CellResult], folder: Path) -> list[tuple[CellResult, Path]]:
+    """One figure per cell (first repetition): `folder/<cell key>.png`, as a panel of
+    `replicas_timeline` but alone and wider, so a long run's steps can be read."""
+    drawn = []
+    for cell in _timeline_cells(results):
+        fig, axes = _grid(1, width=11.0, height=4.2)
+        _timeline_panel(axes[0], cell, f"{cell.label} · {cell.workload}", legend_aside=True)
+        drawn.append((cell, _save(fig, folder / f"{cell.key}.png")))
+    return drawn
 
 
 def migrated_batches(cell: CellResult) -> list[tuple[int, float]]:

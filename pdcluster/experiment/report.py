@@ -47,11 +47,23 @@ def write_report(out: Path) -> Path:
             lines += [f"- {caption}: nothing to draw in these cells.", ""]
         else:
             lines += [f"**{caption}**", "", f"![{caption}](plots/{path.name})", ""]
+    lines += _timelines(results, out / "plots" / "timelines")
     lines += _problems(results)
     lines += [DEFINITIONS]
     report = out / "report.md"
     report.write_text("\n".join(lines))
     return report
+
+
+def _timelines(results: Sequence[CellResult], folder: Path) -> list[str]:
+    """One replicas-per-state figure per cell, listed under the combined one."""
+    drawn = plots.cell_timelines(results, folder)
+    if not drawn:
+        return []
+    lines = ["### Replicas per state, one figure per cell", ""]
+    for cell, path in drawn:
+        lines += [f"- [{cell.label} · {cell.workload}](plots/timelines/{path.name})"]
+    return [*lines, ""]
 
 
 def _name(out: Path) -> str:

@@ -23,7 +23,7 @@ from typing import Any
 STRATEGIES = ("full", "progressive", "mutate", "recompute", "colocated")
 """The router's built-in migration strategies (others may be registered; names pass through)."""
 STATIC_POLICY = "static"
-ARRIVALS = ("poisson", "gamma", "trace")
+ARRIVALS = ("poisson", "gamma", "trace", "phases")
 BACKENDS = ("pacing", "kernel")
 ROLES = ("prefill", "decode", "inactive")
 
@@ -64,10 +64,11 @@ class LengthSpec:
 
 @dataclass(frozen=True)
 class WorkloadSpec:
-    """What one cell sends: synthetic arrivals at `rate`, or a replayed trace (rate-scaled when given)."""
+    """What one cell sends: synthetic arrivals at `rate`, Poisson phases, or a replayed trace
+    (rate-scaled when given)."""
 
     name: str
-    arrival: str  # poisson | gamma | trace
+    arrival: str  # poisson | gamma | trace | phases
     num: int
     rate: float = math.inf  # requests/s; for a trace, 0 = its own rate (times divided by `speed`)
     cv: float = 1.0
@@ -80,6 +81,7 @@ class WorkloadSpec:
     speed: float = 1.0
     max_input_len: int = 0  # 0: the served model's limit
     max_output_len: int = 0
+    phases: tuple[tuple[float, float], ...] = ()  # phases: (seconds, requests/s), Poisson within each
 
     @property
     def family(self) -> str:

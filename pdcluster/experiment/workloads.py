@@ -1,6 +1,7 @@
 """A workload spec, a seed and the served model's limits → the requests of one cell.
 
     poisson / gamma ─► synthetic(num, rate, CV, lengths | pairs of `lengths_from`)
+    phases          ─► phased([(seconds, rate)], lengths | pairs, the first num)
     trace           ─► replay(rows in window, num, speed | rate)
                   both ─► clip(model positions, max_input_len, max_output_len)
 """
@@ -12,7 +13,7 @@ from pathlib import Path
 
 from pdcluster.bench.serving.sender import Served
 from pdcluster.bench.serving.traces import TraceRow, read_trace
-from pdcluster.bench.serving.workload import Arrival, Lengths, clip, replay, synthetic
+from pdcluster.bench.serving.workload import Arrival, Lengths, Phase, clip, phased, replay, synthetic
 from pdcluster.experiment.spec import WorkloadSpec
 
 
@@ -32,8 +33,12 @@ def arrivals(spec: WorkloadSpec, seed: int, served: Served) -> list[Arrival]:
             raw = [Arrival(0.0, a.input_len, a.output_len, a.hash_ids) for a in raw]
     else:
         pairs = _rows(spec.lengths_from, spec.format) if spec.lengths_from else ()
-        cv = spec.cv if spec.arrival == "gamma" else 1.0
-        raw = synthetic(spec.num, spec.rate, cv, Lengths(spec.input_len.low, spec.input_len.high),
-                        Lengths(spec.output_len.low, spec.output_len.high), seed, pairs)
+        inputs = Lengths(spec.input_len.low, spec.input_len.high)
+        outputs = Lengths(spec.output_len.low, spec.output_len.high)
+        if spec.arrival == "phases":
+            raw = phased([Phase(s, r) for s, r in spec.phases], inputs, outputs, seed, spec.num, pairs)
+        else:
+            cv = spec.cv if spec.arrival == "gamma" else 1.0
+            raw = synthetic(spec.num, spec.rate, cv, inputs, outputs, seed, pairs)
     max_input = min(served.max_input_tokens, spec.max_input_len or served.max_input_tokens)
     return clip(raw, max_input, served.max_total_tokens, spec.max_output_len)

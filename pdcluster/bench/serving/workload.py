@@ -2,6 +2,7 @@
 
 ```
  synthetic: poisson_arrivals / gamma_arrivals (rate, CV) × lengths (fixed, uniform, or pairs of a trace)
+ phased:    Poisson at each phase's rate for its seconds (a quiet phase, a burst, quiet again) × lengths
  trace:     read_trace (traces.py) ─► replay(window, speed | target rate, num) ─► [Arrival]
                                               └──────────► clip(max input, max total) ─► client
 ```
@@ -78,6 +79,53 @@ def synthetic(
             arrivals.append(Arrival(at, inputs.draw(rng), outputs.draw(rng)))
         at += gap
     return arrivals
+
+
+@dataclass(frozen=True)
+class Phase:
+    """A stretch of the load: `seconds` long, Poisson arrivals at `rate` requests/s (0: none)."""
+
+    seconds: float
+    rate: float
+
+    def __post_init__(self) -> None:
+        if not (self.seconds > 0 and math.isfinite(self.seconds)):
+            raise ValueError(f"a phase lasts a finite positive number of seconds, got {self.seconds}")
+        if not (self.rate >= 0 and math.isfinite(self.rate)):
+            raise ValueError(f"a phase's rate is a finite number >= 0 of requests/s, got {self.rate}")
+
+
+def phase_starts(phases: Sequence[Phase]) -> list[float]:
+    """When each phase begins (seconds from the load's start)."""
+    starts, at = [], 0.0
+    for phase in phases:
+        starts.append(at)
+        at += phase.seconds
+    return starts
+
+
+def phased(
+    phases: Sequence[Phase], inputs: Lengths, outputs: Lengths, seed: int = 0, num: int = 0,
+    pairs: Sequence[TraceRow] = (),
+) -> list[Arrival]:
+    """A Poisson process whose rate steps from phase to phase: within each phase, exponential gaps of
+    mean 1/rate from the phase's start, and none past its end (the process is memoryless, so cutting
+    at the boundary and starting afresh is exact). The first `num` requests (0: all); lengths as in
+    `synthetic`."""
+    if not any(p.rate > 0 for p in phases):
+        raise ValueError("phased arrivals need a phase with a rate > 0")
+    rng = random.Random(seed)
+    arrivals = []
+    for phase, start in zip(phases, phase_starts(phases), strict=True):
+        at = start + (rng.expovariate(phase.rate) if phase.rate > 0 else phase.seconds)
+        while at < start + phase.seconds:
+            if pairs:
+                row = pairs[rng.randrange(len(pairs))]
+                arrivals.append(Arrival(at, max(1, row.input_len), max(1, row.output_len)))
+            else:
+                arrivals.append(Arrival(at, inputs.draw(rng), outputs.draw(rng)))
+            at += rng.expovariate(phase.rate)
+    return arrivals[:num] if num else arrivals
 
 
 def poisson_arrivals(num: int, rate: float, input_len: int, output_len: int, seed: int = 0) -> list[Arrival]:
