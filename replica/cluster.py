@@ -119,16 +119,6 @@ class ReplicaCluster:
         self.fabric.close()
 
 
-def weight_buffer_of(model: Any) -> Any:
-    """The flat uint8 weight buffer the model's parameters are views into (its whole storage)."""
-    import torch  # the replica has torch loaded already; kept out of this module's import for --help paths
-
-    param: torch.Tensor = model.embed_tokens
-    storage = param.untyped_storage()
-    flat = torch.empty(0, dtype=torch.uint8, device=param.device)
-    return flat.set_(storage, 0, (storage.nbytes(),), (1,))
-
-
 def kv_layout_of(cache: Any, tp_size: int = 1) -> KvLayout:
     """The `KvLayout` of a `PagedKVCache`."""
     return KvLayout(
@@ -141,15 +131,19 @@ def kv_layout_of(cache: Any, tp_size: int = 1) -> KvLayout:
     )
 
 
-def build_cluster(config: Any, grpc_port: int, engine: Any, **fabric_options: Any) -> ReplicaCluster:
-    """What `serve()` does at start: table, fabric of `--fabric`, KV cache and weights registered."""
+def build_cluster(
+    config: Any, grpc_port: int, engine: Any, weights: Any, **fabric_options: Any
+) -> ReplicaCluster:
+    """What `serve()` does at start: table, fabric of `--fabric`, the engine's KV cache and the flat
+    weight buffer `weights` (the parameter store's: the model's parameters are views into it)
+    registered."""
     table = load_table(config.cluster, config.rank, config.host, grpc_port)
     cluster = ReplicaCluster.start(config.fabric, table, config.rank, f"{config.host}:{grpc_port}",
                                    **fabric_options)
     try:
         cache = engine.runner.cache
         cluster.register_kv(cache.tensor, kv_layout_of(cache))
-        cluster.register_weights(weight_buffer_of(engine.runner.model))
+        cluster.register_weights(weights)
     except BaseException:
         cluster.close()
         raise

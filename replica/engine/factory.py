@@ -10,9 +10,9 @@ import torch
 from replica.config import DType, ReplicaConfig
 from replica.engine.detokenizer import Detokenizer
 from replica.engine.engine import Engine, EngineMeta
+from replica.engine.memory import available_memory_bytes, blocks_for_memory
 from replica.engine.runner import ModelRunner
-from replica.engine.validation import Limits
-from replica.engine.warmup import available_memory_bytes, blocks_for_memory
+from replica.engine.validation import derive_limits
 from replica.model.attention import PagedKVCache
 from replica.model.config import ModelConfig
 from replica.model.layout import WeightLayout
@@ -24,23 +24,6 @@ from replica.params.store import ParamStore
 log = logging.getLogger(__name__)
 
 TORCH_DTYPES = {DType.FLOAT32: torch.float32, DType.BFLOAT16: torch.bfloat16, DType.FLOAT16: torch.float16}
-
-
-def derive_limits(config: ReplicaConfig, model: ModelConfig) -> Limits:
-    """Input/total/prefill limits: configured values, never past the model's positions."""
-    positions = model.max_position_embeddings
-    max_total = min(config.max_total_tokens or positions, positions)
-    max_input = min(config.max_input_tokens or max_total - 1, max_total - 1)
-    if max_input <= 0:
-        raise ValueError(f"max_total_tokens {max_total} leaves no room for a prompt")
-    if config.max_total_tokens and config.max_total_tokens > positions:
-        log.warning("max_total_tokens %d capped at %d positions", config.max_total_tokens, positions)
-    return Limits(
-        vocab_size=model.vocab_size,
-        max_input_tokens=max_input,
-        max_total_tokens=max_total,
-        max_prefill_tokens=max(config.max_batch_prefill_tokens, max_input),
-    )
 
 
 def build_engine(config: ReplicaConfig, device: str = "cpu") -> Engine:

@@ -51,7 +51,8 @@ class FrontProcess:
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(_REPO), env.get("PYTHONPATH", "")) if p)
         cmd = [sys.executable, "-m", "replica.server.frontend", "--fd", str(theirs.fileno()),
                "--service-fd", str(service_theirs.fileno()), "--host", config.host,
-               "--port", str(config.port), "--workers", str(config.grpc_workers)]  # fmt: skip
+               "--port", str(config.port), "--workers", str(config.grpc_workers),
+               "--engine-tag", config.engine_tag]  # fmt: skip
         proc = subprocess.Popen(cmd, pass_fds=(theirs.fileno(), service_theirs.fileno()),
                                 stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, env=env)  # fmt: skip
         theirs.close()

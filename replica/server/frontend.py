@@ -43,6 +43,7 @@ def _parse(argv: Sequence[str]) -> argparse.Namespace:
     parser.add_argument("--host", required=True)
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--workers", type=int, default=16)
+    parser.add_argument("--engine-tag", default="", help="x-pdcluster-engine metadata of every response")
     return parser.parse_args(argv)
 
 
@@ -53,7 +54,7 @@ def serve(args: argparse.Namespace) -> int:
     servers: list[GrpcServer] = []
     client = RemoteCore(hot, service, lambda serving: servers[0].set_serving(serving))
     try:
-        server = GrpcServer(f"{args.host}:{args.port}", args.workers, Edge(client))
+        server = GrpcServer(f"{args.host}:{args.port}", args.workers, Edge(client, args.engine_tag))
     except OSError:
         logging.getLogger(__name__).exception("cannot listen on %s:%s", args.host, args.port)
         hot.send(Hello(0))
