@@ -31,8 +31,8 @@ class ReplicaConfig:
     """Configuration of one replica process (one device, tensor-parallel degree 1)."""
 
     port: int = field(metadata={"help": "gRPC port on --host; 0 picks a free port (printed once ready)"})
-    model: Path = field(
-        default=Path(""),
+    model: Path | None = field(
+        default=None,
         metadata={"help": "checkpoint folder (config.json, *.safetensors, tokenizer.json); with "
                           "--engine simulated only its tokenizer.json is read (optional there)"},
     )
@@ -201,7 +201,7 @@ class ReplicaConfig:
             raise ValueError(f"--transfer-timeout must be positive, got {self.transfer_timeout}")
         if self.grpc_workers <= 0:
             raise ValueError(f"--grpc-workers must be positive, got {self.grpc_workers}")
-        if self.engine is EngineKind.TORCH and not str(self.model):
+        if self.engine is EngineKind.TORCH and self.model is None:
             raise ValueError("--model is required (a checkpoint folder) unless --engine simulated")
         if self.engine is EngineKind.SIMULATED:
             self._check_simulated()
@@ -235,4 +235,4 @@ class ReplicaConfig:
             return self.model_id
         if self.engine is EngineKind.SIMULATED:
             return Path(self.model_card).stem
-        return Path(self.model).name
+        return Path(self.model or "").name

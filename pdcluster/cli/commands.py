@@ -77,6 +77,11 @@ COMMANDS: dict[str, Command] = {
         "pdcluster.experiment.cli:ExperimentRunConfig",
         "pdcluster.experiment.cli:run",
     ),
+    "simulate": Command(
+        "run an experiment file's matrix in virtual time (simulated GPUs, no processes, no sleeping)",
+        "pdcluster.sim.cli:SimulateConfig",
+        "pdcluster.sim.cli:run",
+    ),
     "experiment report": Command(
         "rebuild an experiment's report and plots from its output folder",
         "pdcluster.experiment.cli:ExperimentReportConfig",

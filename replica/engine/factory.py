@@ -37,21 +37,24 @@ def build_engine_and_params(config: ReplicaConfig, device: str = "cpu") -> tuple
     The model's parameters are views into the store's flat buffer in both cases, so weights that
     arrive later (LoadParams, transfers) are the model without any copy.
     """
+    if config.model is None:
+        raise ValueError("the torch engine needs --model (a checkpoint folder)")
+    model_dir = config.model
     dtype = TORCH_DTYPES[config.dtype]
-    model_config = ModelConfig.from_dir(config.model)
+    model_config = ModelConfig.from_dir(model_dir)
     layout = WeightLayout.for_config(model_config, dtype_name(dtype))
     if config.inactive:
         buffer = torch.zeros(layout.total_bytes, dtype=torch.uint8, device=device)
         model = build_model(model_config, layout, buffer, dtype)
         log.info("inactive: weight buffer of %d bytes allocated, nothing loaded", layout.total_bytes)
     else:
-        loaded = load_model(config.model, dtype, device)
+        loaded = load_model(model_dir, dtype, device)
         layout, buffer, model = loaded.layout, loaded.buffer, loaded.model
     readiness = ParamReadiness(model_config.num_layers, loaded=not config.inactive)
-    root = config.model_root or Path(config.model).resolve().parent
+    root = config.model_root or Path(model_dir).resolve().parent
     params = ParamStore(layout, buffer, readiness, root, config.disk_gbps, config.host_gbps)
     if config.host_cache:
-        params.warm_host_copy(Path(config.model))
+        params.warm_host_copy(Path(model_dir))
     if config.num_blocks is not None:
         num_blocks = config.num_blocks
     else:
@@ -61,6 +64,6 @@ def build_engine_and_params(config: ReplicaConfig, device: str = "cpu") -> tuple
     cache = PagedKVCache.for_model(model_config, num_blocks, config.block_size, dtype, device)
     log.info("KV cache: %d pages of %d tokens", num_blocks, config.block_size)
     meta = EngineMeta(model_id=config.name, dtype=config.dtype.value, device_type=torch.device(device).type)
-    detok = Detokenizer.from_model_dir(config.model)
+    detok = Detokenizer.from_model_dir(model_dir)
     limits = derive_limits(config, model_config)
     return Engine(ModelRunner(model, cache), detok, limits, meta, readiness), params

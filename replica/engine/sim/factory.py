@@ -77,13 +77,13 @@ def build_simulated(config: ReplicaConfig, clock: StepClock | None = None) -> tu
     layout = scaled_layout(full, scale)
     buffer = mmap.mmap(-1, layout.total_bytes)
     readiness = ParamReadiness(card.num_layers, loaded=not config.inactive)
-    has_model = bool(str(config.model))
-    root = config.model_root or (Path(config.model).resolve().parent if has_model else Path.cwd())
+    model = config.model
+    root = config.model_root or (Path(model).resolve().parent if model is not None else Path.cwd())
     params = ParamStore(layout, buffer, readiness, root, config.disk_gbps * scale, config.host_gbps * scale,
                         io=CardIO())
     if config.host_cache:
-        params.warm_host_copy(Path(config.model))
-    detok = Detokenizer.from_model_dir(config.model) if has_model else Detokenizer(None)
+        params.warm_host_copy(Path(model or "."))  # the card is the checkpoint: nothing is read
+    detok = Detokenizer.from_model_dir(model) if model is not None else Detokenizer(None)
     cache = SimKvCache(card, num_blocks, config.block_size, dtype, itemsize, scale)
     picker = token_picker(detok, card, detok.vocab_size)
     runner = SimRunner(card, cache, cost_model(config, card, itemsize), clock or SleepClock(), picker,
