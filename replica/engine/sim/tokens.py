@@ -16,22 +16,25 @@ from replica.engine.seeding import step_seed
 from replica.engine.types import Choice, RowInput
 
 _MASK64 = (1 << 64) - 1
-_EDGE = 16  # prompt tokens hashed at each end (with the length): enough to tell prompts apart, O(1)
 
 
 def prompt_key(tokens: Sequence[int], prompt_len: int) -> int:
-    """A 64-bit key of a prompt: its length and its first and last few tokens."""
-    head = tuple(tokens[:min(_EDGE, prompt_len)])
-    tail = tuple(tokens[max(prompt_len - _EDGE, 0):prompt_len])
-    return hash((prompt_len, head, tail)) & _MASK64  # ints and tuples of ints hash the same in every process
+    """A 64-bit key of a prompt: its length and a few of its tokens (first, middle, last ones)."""
+    if prompt_len <= 0:
+        return 0
+    picks = (tokens[0], tokens[1 % prompt_len], tokens[prompt_len // 2], tokens[prompt_len - 2],
+             tokens[prompt_len - 1])
+    return hash((prompt_len, picks)) & _MASK64  # ints and tuples of ints hash the same in every process
 
 
 class TokenPicker:
     """Chooses tokens from the ordinary ids of the vocabulary (no EOS, no special token)."""
 
     def __init__(self, vocab_size: int, excluded: Iterable[int]) -> None:
-        skip = set(excluded)
-        self.ids = array("I", (i for i in range(vocab_size) if i not in skip))
+        ids = array("I", range(vocab_size))
+        for i in sorted({i for i in excluded if 0 <= i < vocab_size}, reverse=True):
+            del ids[i]
+        self.ids = ids
         if not self.ids:
             raise ValueError("the vocabulary has no ordinary token to generate")
 
