@@ -23,7 +23,8 @@ from replica.engine.sim.cards import card_dict
 from replica.engine.sim.gpus import gpu
 
 ENGINES = ("torch", "simulated")
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                   "chat_template.jinja")
 
 
 @dataclass(frozen=True)

@@ -10,8 +10,9 @@
 Names of strategies and scaling policies go to the router as given; it refuses names it does not
 know. A cluster of simulated GPUs (`engine = "simulated"`) gets its engine flags, and the router and
 the replicas read a model folder made in the cell's folder: the card's config.json beside the
-checkpoint's tokenizer (`pdcluster/cluster/engine.py`). `--scaling` and `--timeline` are passed only to a router that has those flags (the router's
-autoscaling adds them); without `--scaling` only the `static` policy runs.
+checkpoint's tokenizer (`pdcluster/cluster/engine.py`). `--scaling` and `--timeline` are passed only
+to a router that has those flags (the router's autoscaling adds them); without `--scaling` only the
+`static` policy runs.
 """
 
 from __future__ import annotations

@@ -38,7 +38,8 @@ class ModelSpec:
     tiny: dict[str, Any] = field(default_factory=dict)  # make-tiny-model options when `path` is missing
     num_blocks: int | None = None  # None: 512 (torch), what the GPU's memory leaves (simulated)
     torch_threads: int = 0  # per replica; 0 = this machine's cores shared by the replicas
-    engine: EngineSpec = EngineSpec()  # every cluster's, unless the cluster names its own
+    # every cluster's, unless the cluster names its own
+    engine: EngineSpec = field(default_factory=EngineSpec)
 
 
 @dataclass(frozen=True)
@@ -51,7 +52,8 @@ class ClusterShape:
     inactive: int = 0
     router_args: tuple[str, ...] = ()  # more `pdcluster router` flags (batch budgets, migration bounds)
     replica_args: tuple[str, ...] = ()  # more `pdcluster replica` flags, for every replica
-    engine: EngineSpec = EngineSpec()  # torch, or the simulated GPU and card (the [model] one by default)
+    # torch, or the simulated GPU and card (the [model] one by default)
+    engine: EngineSpec = field(default_factory=EngineSpec)
 
     def roles(self) -> list[str]:
         """The role of each replica, by rank (prefill first, then decode, then inactive)."""

@@ -52,7 +52,8 @@ def shape_of(experiment: Experiment, cell: Cell) -> VirtualShape:
 def execute(experiment: Experiment, cell: Cell, folder: Path, progress: Progress | None = None) -> None:
     """Run `cell` in virtual time into `folder` (`experiment.cell.Execute`)."""
     began = time.monotonic()
-    cluster = VirtualCluster(shape_of(experiment, cell), cell.strategy, cell.policy, folder / "timeline.jsonl")
+    cluster = VirtualCluster(shape_of(experiment, cell), cell.strategy, cell.policy,
+                             folder / "timeline.jsonl")
     records, duration, served, requests = run_virtual(_run(experiment, cell, cluster, progress))
     write_records(folder / "requests.jsonl", records)
     summary = cell_summary(records, duration, experiment.slo.limits(), requests)

@@ -50,7 +50,8 @@ async def _one(scheduler: Scheduler, index: int, arrival: Arrival, prompt: list[
     await asyncio.sleep(max(0.0, t0 + arrival.at - loop.time()))
     sent = loop.time()
     record = RequestRecord(index=index, input_len=arrival.input_len, scheduled=arrival.at, start=sent - t0)
-    request = GenerateRequest(tuple(prompt), SamplingParams(), StoppingParams(arrival.output_len, ignore_eos=True))
+    stopping = StoppingParams(arrival.output_len, ignore_eos=True)
+    request = GenerateRequest(tuple(prompt), SamplingParams(), stopping)
     try:
         await asyncio.wait_for(_stream(scheduler, request, record, sent), timeout)
     except TimeoutError:

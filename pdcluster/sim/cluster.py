@@ -63,7 +63,8 @@ def replica_config(shape: VirtualShape, rank: int, role: str) -> ReplicaConfig:
     base: dict[str, Any] = {
         "port": 0, "rank": rank, "engine": EngineKind.SIMULATED, "gpu": e.gpu, "model_card": e.model_card,
         "profile": e.profile, "byte_scale": VIRTUAL_BYTE_SCALE, "compute_efficiency": e.compute_efficiency,
-        "memory_efficiency": e.memory_efficiency, "num_blocks": shape.num_blocks, "inactive": role == "inactive",
+        "memory_efficiency": e.memory_efficiency, "num_blocks": shape.num_blocks,
+        "inactive": role == "inactive",
     }
     config = with_flags(ReplicaConfig, base, shape.replica_args)
     return config
@@ -87,7 +88,8 @@ class VirtualCluster:
 
     def __init__(self, shape: VirtualShape, strategy: str, policy: str, timeline: Path | None) -> None:
         self.shape = shape
-        base: dict[str, Any] = {"model": Path(shape.engine.model_card), "strategy": strategy, "scaling": policy,
+        base: dict[str, Any] = {"model": Path(shape.engine.model_card), "strategy": strategy,
+                                "scaling": policy,
                                 "timeline": timeline}
         self.router_config = with_flags(RouterConfig, base, shape.router_args)
         self.hw = Hardware(Network(shape.places), self.router_config.transfer_timeout)
@@ -105,7 +107,8 @@ class VirtualCluster:
         config, dtype = first.engine.runner.config, first.engine.meta.dtype
         loop = asyncio.get_running_loop()
         sched = ClusterScheduler(self.router_config, SilentDecoder(), connect,
-                                 kv_bytes_per_token=kv_bytes_per_token(config, ITEMSIZE[dtype]), clock=loop.time)
+                                 kv_bytes_per_token=kv_bytes_per_token(config, ITEMSIZE[dtype]),
+                                 clock=loop.time)
         sched.weight_bytes = WeightLayout.for_config(config, dtype).total_bytes
         for replica, role in zip(self.replicas, self.shape.roles, strict=True):
             await sched.add_replica(replica.address, State(role))

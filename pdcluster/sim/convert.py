@@ -68,7 +68,7 @@ def _tokens(tokens: e.TokenList, tops: tuple[e.TokenList, ...] = ()) -> tuple[t.
         return tuple(map(t.TokenInfo, tokens.ids, tokens.texts, tokens.logprobs, tokens.is_special))
     out = []
     for i, tid in enumerate(tokens.ids):
-        top = ()
+        top: tuple[t.TopToken, ...] = ()
         if i < len(tops):
             o = tops[i]
             top = tuple(map(t.TopToken, o.ids, o.texts, o.logprobs, o.is_special))

@@ -75,5 +75,6 @@ class Hardware:
         except TimeoutError:
             if self._meetings.get(key) is meeting:
                 del self._meetings[key]
-            raise PeerTimeout(f"the other side of {key} did not come within {self.transfer_timeout} s") from None
+            raise PeerTimeout(
+                f"the other side of {key} did not come within {self.transfer_timeout} s") from None
         return meeting

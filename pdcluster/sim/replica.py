@@ -133,7 +133,8 @@ class VirtualReplica:
 
     async def zag_prefill(self, batch: BatchSpec, seq: int) -> ZagOutcome:
         """Layer-level prefill: not simulated in virtual time."""
-        raise ReplicaUnimplemented(self.address, "ZagPrefill", "UNIMPLEMENTED", "not simulated in virtual time")
+        raise ReplicaUnimplemented(self.address, "ZagPrefill", "UNIMPLEMENTED",
+                                   "not simulated in virtual time")
 
     async def relay(self, old_rank: int, relax_not_head: bool) -> tuple[BatchId, int] | None:
         """Nothing is ever queued layer by layer here."""
@@ -173,7 +174,8 @@ class VirtualReplica:
 
     def _one(self, ranks: Sequence[int], method: str) -> int:
         if len(ranks) != 1:
-            raise ReplicaCallError(self.address, method, "INVALID_ARGUMENT", f"one peer expected, got {ranks}")
+            raise ReplicaCallError(self.address, method, "INVALID_ARGUMENT",
+                                   f"one peer expected, got {ranks}")
         return int(ranks[0])
 
     def _kv_bytes(self, batch: Batch) -> int:
@@ -193,7 +195,8 @@ class VirtualReplica:
         info = taken.info(self.engine.block_size)
         try:
             meeting = await self._meet(("kv", self.rank, peer, int(spec.id)), "Migrate")
-            meeting.end.set_result(self.hw.network.send(self.rank, peer, self._kv_bytes(taken), self.hw.now()))
+            end = self.hw.network.send(self.rank, peer, self._kv_bytes(taken), self.hw.now())
+            meeting.end.set_result(end)
             await meeting.ended(self.hw)
         finally:
             await self.on_engine("Migrate", lambda: self.engine.blocks.free(taken.pages()))

@@ -16,14 +16,27 @@ from host memory needs the host copy (`--host-cache`, or an earlier ResetStatus)
 from __future__ import annotations
 
 import asyncio
-from typing import TYPE_CHECKING
+from collections.abc import Awaitable, Callable
+from itertools import pairwise
+from typing import Protocol
 
+from pdcluster.sim.hardware import Hardware
+from replica.engine.engine import Engine
 from replica.errors import FailedPrecondition, ReplicaError
 from replica.model.layout import WeightLayout
 from replica.params.store import ParamStore
 
-if TYPE_CHECKING:
-    from pdcluster.sim.replica import VirtualReplica
+
+class Owner(Protocol):
+    """The virtual replica whose weights these are (`replica.VirtualReplica`)."""
+
+    rank: int
+    engine: Engine
+    hw: Hardware
+
+    def error(self, method: str, exc: ReplicaError) -> Exception:
+        """The router's error for a replica error of this replica."""
+        ...
 
 CHUNK_BYTES = 4 << 20
 """A chain forwards each chunk once it has it (the transfer layer's default chunk)."""
@@ -32,7 +45,7 @@ CHUNK_BYTES = 4 << 20
 class VirtualWeights:
     """The parameter operations of one virtual replica."""
 
-    def __init__(self, replica: VirtualReplica, params: ParamStore, disk_gbps: float = 0.0,
+    def __init__(self, replica: Owner, params: ParamStore, disk_gbps: float = 0.0,
                  host_gbps: float = 0.0) -> None:
         self.replica = replica
         self.params = params
@@ -54,18 +67,18 @@ class VirtualWeights:
     def _error(self, method: str, exc: ReplicaError) -> Exception:
         return self.replica.error(method, exc)
 
-    def _check(self, method: str, check: object) -> None:
+    def _check(self, method: str, check: Callable[[], object]) -> None:
         try:
-            check()  # type: ignore[operator]
+            check()
         except ReplicaError as exc:
             raise self._error(method, exc) from None
 
-    def _start(self, method: str, part: asyncio.Future[None] | object) -> None:
-        self.background = asyncio.ensure_future(self._run(method, part))  # type: ignore[arg-type]
+    def _start(self, method: str, part: Awaitable[None]) -> None:
+        self.background = asyncio.ensure_future(self._run(method, part))
 
-    async def _run(self, method: str, part: object) -> None:
+    async def _run(self, method: str, part: Awaitable[None]) -> None:
         try:
-            await part  # type: ignore[misc]
+            await part
         except ReplicaError as exc:
             raise self._error(method, exc) from None
 
@@ -84,7 +97,7 @@ class VirtualWeights:
     def _chain(self, chain: list[int]) -> float:
         """Schedule a pipelined chain chain[0] → chain[1] → …; its end."""
         net, now = self.replica.hw.network, self.replica.hw.now()
-        links = [net.link(a, b) for a, b in zip(chain, chain[1:], strict=False)]
+        links = [net.link(a, b) for a, b in pairwise(chain)]
         rate = min((link.rate for link in links if link.rate > 0), default=0.0)
         begin = max([now, *(link.free_at for link in links)])
         hop = CHUNK_BYTES / rate if rate > 0 else 0.0
@@ -130,7 +143,8 @@ class VirtualWeights:
         """WaitRdmaDone: join the background part; its error, if any."""
         task = self.background
         if task is None:
-            raise self._error("WaitRdmaDone", FailedPrecondition("no background parameter operation to wait for"))
+            raise self._error("WaitRdmaDone",
+                              FailedPrecondition("no background parameter operation to wait for"))
         try:
             await task
         finally:
@@ -145,7 +159,8 @@ class VirtualWeights:
         self._fill_or_send("TanzBroadcast", self.replica.rank if self.replica.rank in sources else -1)
         self.blocking = True
         try:
-            meeting = await self.replica.hw.meet(("tanz", tuple(sources), tuple(targets)), len(sources) + len(targets))
+            key = ("tanz", tuple(sources), tuple(targets))
+            meeting = await self.replica.hw.meet(key, len(sources) + len(targets))
             if self.replica.rank == first:
                 lanes = len(sources)
                 ends = [self._chain([src, *targets[j::lanes]]) for j, src in enumerate(sources)]
