@@ -47,6 +47,11 @@ COMMANDS: dict[str, Command] = {
         "pdcluster.tools.tiny_model:TinyModelConfig",
         "pdcluster.tools.tiny_model:run",
     ),
+    "calibrate": Command(
+        "time a model card's forward on this GPU into a profile table for --engine simulated --profile",
+        "pdcluster.tools.calibrate:CalibrateConfig",
+        "pdcluster.tools.calibrate:run",
+    ),
     "bench replica": Command(
         "prefill/decode tokens/s over gRPC, in-process and with transformers",
         "pdcluster.bench.replica:BenchReplicaConfig",
