@@ -58,6 +58,7 @@ class VirtualReplica:
         self.weights = VirtualWeights(self, params, disk_gbps, host_gbps)
         self._lane = asyncio.Lock()  # the engine thread: one call at a time, first come first served
         self._incoming: set[int] = set()  # batch ids being immigrated
+        self._calls: dict[str, asyncio.Future[Any]] = {}  # pipelined DecodeV2 calls not yet ended
         runner = engine.runner
         assert isinstance(runner, SimRunner)
         cache = runner.cache
@@ -152,10 +153,21 @@ class VirtualReplica:
 
     def start_decode(self, batches: Sequence[CachedBatch], last_tokens: Sequence[Sequence[int]],
                      call_id: str = "", after: str = "") -> Coroutine[Any, Any, StepResult]:
-        """DecodeV2, queued on the engine now (in the order of these calls, as `after` asks)."""
+        """DecodeV2. A pipelined call (`after` names the one before it) joins the engine's queue only
+        once that one has ended, as the replica's server holds it (`replica/server/rpcs.py`): a
+        call that comes meanwhile (an Immigrate, a prefill) waits for one step, not for all sent ahead."""
         inputs = convert.decode_inputs(list(batches), [list(t) for t in last_tokens])
-        task = asyncio.ensure_future(self.on_engine("DecodeV2", lambda: self.engine.decode(inputs)))
+        before = self._calls.get(after) if after else None
+        task = asyncio.ensure_future(self._ordered_decode(inputs, before))
+        if call_id:
+            self._calls[call_id] = task
+            task.add_done_callback(lambda _: self._calls.pop(call_id, None))
         return self._decoded(task)
+
+    async def _ordered_decode(self, inputs: list[Any], before: asyncio.Future[Any] | None) -> Any:
+        if before is not None:
+            await asyncio.wait([before])  # its outcome is its own caller's
+        return await self.on_engine("DecodeV2", lambda: self.engine.decode(inputs))
 
     @staticmethod
     async def _decoded(task: asyncio.Future[Any]) -> StepResult:
