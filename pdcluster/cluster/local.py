@@ -8,6 +8,9 @@ processes and a router — with one ready line, and a clean stop of everything i
 ```
 Children get SIGTERM when this process dies (Linux parent-death signal), so none is orphaned even
 if `pdcluster up` itself is killed; on Ctrl-C / SIGTERM the router stops first, then the replicas.
+With `--engine simulated` the replicas behave like `--gpu` running `--model-card` (no torch, one
+process each, no gRPC front process); `--model` then only lends its tokenizer, and every bandwidth
+flag is the emulated cluster's full-scale figure (the replicas pace at it times `--byte-scale`).
 `LocalCluster` is the same thing as a context manager: the one local cluster of the demo, the
 serving benchmark and the cluster tests. Processes and their stop: `pdcluster.cluster.processes`.
 """
@@ -22,6 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
 
+from pdcluster.cluster.engine import ENGINES, EngineSpec
 from pdcluster.cluster.placement import Placement
 from pdcluster.cluster.processes import (
     REPLICA_READY,
@@ -43,7 +47,8 @@ from router.scaling import policies
 class UpConfig:
     """Flags of `pdcluster up`."""
 
-    model: Path = field(metadata={"help": "checkpoint folder"})
+    model: Path = field(metadata={
+        "help": "checkpoint folder (--engine simulated: only its tokenizer is read)"})
     prefill: int = field(default=1, metadata={"help": "prefill replicas"})
     decode: int = field(default=1, metadata={"help": "decode replicas"})
     inactive: int = field(default=0, metadata={"help": "inactive replicas (no weights; scale-up targets)"})
@@ -54,7 +59,9 @@ class UpConfig:
     http_port: int = field(default=8080, metadata={"help": "router HTTP port (0 = free port)"})
     admin_port: int = field(default=50100, metadata={"help": "router admin gRPC port (0 = free port)"})
     host: str = field(default="127.0.0.1", metadata={"help": "address every process binds"})
-    num_blocks: int = field(default=512, metadata={"help": "KV pages per replica"})
+    num_blocks: int | None = field(default=None, metadata={"help": (
+        "KV pages per replica; unset = 512 (torch), what the GPU's memory leaves after the weights "
+        "(simulated)")})
     admin_token: str = field(default="", metadata={"help": "admin token of the router (empty = none)"})
     log_dir: Path | None = field(default=None, metadata={"help": "folder of process logs; unset = temp"})
     ready_timeout: float = field(default=180.0, metadata={"help": "seconds to wait for each ready line"})
@@ -88,6 +95,16 @@ class UpConfig:
         "cluster token of the replicas, passed to them and the router in a file (empty = none)")})
     cluster_token_file: Path | None = field(default=None, metadata={"help": (
         "file holding the cluster token")})
+    engine: str = field(default="torch", metadata={"help": (
+        "torch: replicas run the checkpoint; simulated: they behave like --gpu running --model-card "
+        "(replica/engine/sim/README.md)"), "choices": list(ENGINES)})
+    gpu: str = field(default="a100-80g", metadata={"help": "simulated GPU (replica/engine/sim/gpus.py)"})
+    model_card: str = field(default="llama-2-7b", metadata={"help": (
+        "simulated model: a built-in card (replica/engine/sim/cards.py) or a config.json file")})
+    byte_scale: str = field(default="1/256", metadata={"help": (
+        "simulated weights, KV pages and link rates are the card's and the flags' times this")})
+    profile: Path | None = field(default=None, metadata={"help": (
+        "simulated step times from this profile table (replica/engine/sim/profile.py)")})
 
     def __post_init__(self) -> None:
         self.model = Path(self.model)
@@ -105,7 +122,8 @@ class UpConfig:
                              "replicas with it")
         if self.cluster_token and self.cluster_token_file is not None:
             raise ValueError("give --cluster-token or --cluster-token-file, not both")
-        if self.inactive and not (self.model / "config.json").is_file():
+        self.engine_spec()  # an unknown GPU or card, a bad scale → ValueError naming it
+        if self.inactive and self.engine == "torch" and not (self.model / "config.json").is_file():
             raise ValueError(f"--inactive replicas load from the model root, but {self.model} has no "
                              "config.json the replicas can read")
 
@@ -126,9 +144,15 @@ class UpConfig:
                 args += [f"--{name.replace('_', '-')}", str(Path(path).resolve())]
         return args
 
+    def engine_spec(self) -> EngineSpec:
+        """The replicas' engine."""
+        return EngineSpec(self.engine, self.gpu, self.model_card, self.byte_scale, self.profile)
+
     def replica_args(self) -> list[str]:
-        """The replica flags of the emulated devices."""
-        args: list[str] = []
+        """The replica flags of the engine and the emulated devices."""
+        args: list[str] = self.engine_spec().replica_args()
+        if self.engine == "simulated":
+            args.append("--no-grpc-frontend")  # a sleeping engine holds no GIL: one process is enough
         if self.disk_gbps:
             args += ["--disk-gbps", str(self.disk_gbps)]
         if self.host_gbps:
@@ -148,6 +172,7 @@ class LocalCluster:
         self.router: Proc | None = None
         self.http_url = ""
         self.admin_address = ""
+        self.model_dir = config.model  # the router's --model (a simulated engine's: made by start)
         self.placement = Placement.plan(config.decode) if config.pin_decode else None
 
     def __enter__(self) -> LocalCluster:
@@ -194,9 +219,13 @@ class LocalCluster:
         threads = c.torch_threads or (1 if self.placement else shared)
         fabric = self._fabric_args()
         security = c.tls_args() + self._token_args()
+        engine = c.engine_spec()
+        self.model_dir = engine.model_folder(c.model, self.log_dir / "model" / engine.model_card)
+        pages = c.num_blocks if engine.simulated else (c.num_blocks or 512)
         for rank, role in enumerate(self.roles()):
-            args = ["replica", "--model", str(c.model), "--host", c.host, "--port", "0", "--rank", str(rank),
-                    "--num-blocks", str(c.num_blocks), "--torch-threads", str(threads), *fabric]
+            args = ["replica", "--model", str(self.model_dir), "--host", c.host, "--port", "0",
+                    "--rank", str(rank), *(["--num-blocks", str(pages)] if pages else []),
+                    "--torch-threads", str(threads), *fabric]
             args += c.replica_args() + security
             if role == "inactive":
                 args += ["--inactive", *(["--host-cache"] if c.host_cache else [])]
@@ -206,7 +235,7 @@ class LocalCluster:
         deadline = time.monotonic() + c.ready_timeout
         for proc in self.replicas:
             proc.address = proc.wait_line(REPLICA_READY, deadline)[len(REPLICA_READY):].strip()
-        args = ["router", "--model", str(c.model), "--host", c.host, "--http-port", str(c.http_port),
+        args = ["router", "--model", str(self.model_dir), "--host", c.host, "--http-port", str(c.http_port),
                 "--admin-port", str(c.admin_port), "--strategy", c.strategy, *c.router_args(),
                 "--replica", *[p.address for p in self.replicas], "--role", *self.roles(), *security]
         if c.admin_token:
@@ -246,8 +275,15 @@ class LocalCluster:
         reps = " ".join(f"{p.role}@{p.address}" for p in self.replicas)
         pinned = f" pinned=({self.placement.describe()})" if self.placement else ""
         return (f"pdcluster up ready: http={self.http_url} admin={self.admin_address} "
-                f"strategy={self.config.strategy} scaling={self.config.scaling} replicas=[{reps}] "
+                f"strategy={self.config.strategy} scaling={self.config.scaling}{self._engine_note()} "
+                f"replicas=[{reps}] "
                 f"logs={self.log_dir}{pinned}")
+
+    def _engine_note(self) -> str:
+        engine = self.config.engine_spec()
+        if not engine.simulated:
+            return ""
+        return f" engine=simulated:{engine.gpu}:{engine.model_card}:{engine.byte_scale}"
 
     def stop(self, timeout: float = 10.0) -> None:
         """SIGTERM the router, then the replicas; SIGKILL whatever is still alive after `timeout`."""

@@ -55,7 +55,8 @@ class FrontProcess:
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(_REPO), env.get("PYTHONPATH", "")) if p)
         cmd = [sys.executable, "-m", "replica.server.frontend", "--fd", str(theirs.fileno()),
                "--service-fd", str(service_theirs.fileno()), "--host", config.host,
-               "--port", str(config.port), "--workers", str(config.grpc_workers)]  # fmt: skip
+               "--port", str(config.port), "--workers", str(config.grpc_workers),
+               "--engine-tag", config.engine_tag]  # fmt: skip
         cmd += _tls_args(tls) + (["--token-stdin"] if token else [])
         proc = subprocess.Popen(cmd, pass_fds=(theirs.fileno(), service_theirs.fileno()),
                                 stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, env=env)  # fmt: skip

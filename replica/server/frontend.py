@@ -50,6 +50,7 @@ def _parse(argv: Sequence[str]) -> argparse.Namespace:
     parser.add_argument("--tls-key", type=Path)
     parser.add_argument("--tls-client-ca", type=Path, help="require client certificates from this CA")
     parser.add_argument("--token-stdin", action="store_true", help="read the cluster token from stdin")
+    parser.add_argument("--engine-tag", default="", help="x-pdcluster-engine metadata of every response")
     return parser.parse_args(argv)
 
 
@@ -62,7 +63,8 @@ def serve(args: argparse.Namespace) -> int:
     token = sys.stdin.readline().strip() if args.token_stdin else ""
     try:
         tls = TlsFiles(args.tls_cert, args.tls_key, client_ca=args.tls_client_ca)
-        server = GrpcServer(f"{args.host}:{args.port}", args.workers, Edge(client), tls, token)
+        edge = Edge(client, args.engine_tag)
+        server = GrpcServer(f"{args.host}:{args.port}", args.workers, edge, tls, token)
     except (OSError, ValueError):
         logging.getLogger(__name__).exception("cannot listen on %s:%s", args.host, args.port)
         hot.send(Hello(0))

@@ -17,8 +17,8 @@ from types import FrameType
 from typing import Protocol
 
 from replica.cluster import ReplicaCluster, build_cluster
-from replica.config import ReplicaConfig
-from replica.engine.factory import build_engine_and_params
+from replica.config import EngineKind, ReplicaConfig
+from replica.engine.backends import build_engine_and_params
 from replica.engine.worker import EngineWorker
 from replica.placement import CpuPlacement, PlacementError, allowed_cpus
 from replica.server.core import ReplicaCore
@@ -122,7 +122,7 @@ def _start_services(
             placement: Placement = FrontProcess.start(config, core, on_lost, security.tls, security.token)
         else:
             address = f"{config.host}:{config.port}"
-            edge = Edge(LocalCore(core))
+            edge = Edge(LocalCore(core), config.engine_tag)
             placement = GrpcServer(address, config.grpc_workers, edge, security.tls, security.token)
     except BaseException:
         worker.stop()
@@ -133,7 +133,7 @@ def _start_services(
 def load_and_connect(config: ReplicaConfig, services: _Services) -> None:
     """Load the model on the engine thread, create the fabric (buffers registered), start serving."""
     engine, params = services.worker.call(lambda: build_engine_and_params(config))
-    services.cluster = build_cluster(config, services.port, engine)
+    services.cluster = build_cluster(config, services.port, engine, params.buffer)
     services.core.attach(engine, params, services.cluster)
     services.placement.set_serving(True)
 
@@ -161,7 +161,7 @@ def serve(config: ReplicaConfig) -> int:
         log.error("%s", exc)
         return 2
     threads = placement.torch_threads(config.torch_threads) if placement else config.torch_threads
-    if threads:
+    if threads and config.engine is EngineKind.TORCH:  # a simulated replica never imports torch
         import torch
 
         torch.set_num_threads(threads)
