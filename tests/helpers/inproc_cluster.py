@@ -60,6 +60,7 @@ class InProcReplica:
 
 def write_rank_table(path: Path, n: int, link_gbps: float = 0.0) -> Path:
     """`n` loopback ranks; with `link_gbps` each rank is its own node behind an emulated NIC."""
+    path.parent.mkdir(parents=True, exist_ok=True)
     return write_loopback_ranks(path, free_ports(n), link_gbps, one_node=not link_gbps)
 
 
