@@ -139,8 +139,8 @@ async def batches(rec: Recorder) -> None:
     await rec.info(0)
     await rec.call("ClearCache b1", s.ClearCache(pb.ClearCacheRequest(id=1)))
     await rec.call("ClearCache b1 again", s.ClearCache(pb.ClearCacheRequest(id=1)))
-    for bid in (3, 4):
-        one = pb.PrefillV2Request(batch=batch(bid, request(bid, [7], 4)))
+    for bid, prompt in ((3, [7]), (4, [7] * 12)):  # b4: 12 + 4 tokens fill one page exactly
+        one = pb.PrefillV2Request(batch=batch(bid, request(bid, prompt, 4)))
         await rec.call(f"PrefillV2 b{bid}", s.PrefillV2(one), step_result)
     await rec.info(0)
     await rec.call("ClearCache all", s.ClearCache(pb.ClearCacheRequest()))
@@ -155,6 +155,7 @@ async def refusals(rec: Recorder) -> None:
     refused = {
         "same batch id": batch(5, request(51, [9], 2)),
         "same request id twice": batch(6, request(60, [9], 2), request(60, [8], 2)),
+        "request id of a cached batch": batch(6, request(50, [9], 2)),
         "more pages than free": batch(6, request(60, [9] * 300, 200), request(61, [9] * 300, 200)),
         "prompt over max_input_tokens": batch(6, request(60, [9] * 600, 1)),
         "prompt + max_new over max_total_tokens": batch(6, request(60, [9] * 10, 600)),
