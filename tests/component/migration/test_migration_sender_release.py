@@ -71,7 +71,9 @@ def test_a_cancelled_sender_frees_its_pages_at_once(tiny_llama: Path, tmp_path: 
         batch = make_batch(3, random_prompts(256, [40, 25]), [4, 4])
         _prefill(p, batch)
         call = p.stub.Migrate.future(_migrate(p, batch, d), timeout=CALL_TIMEOUT)  # nobody immigrates
-        time.sleep(0.5)  # the sender waits for its receiver's acknowledgement
+        # the sender took the batch out of its store and waits for its receiver's acknowledgement
+        eventually(lambda: p.stub.Info(pb.InfoRequest(), timeout=CALL_TIMEOUT).num_cached_batches == 0,
+                   message="the Migrate under way")
         assert p.free_blocks() < p.total_blocks()
         call.cancel()
         start = time.monotonic()

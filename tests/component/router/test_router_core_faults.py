@@ -235,9 +235,9 @@ def test_prefill_replica_dying_an_empty_decode_replica_takes_its_role() -> None:
 
 def test_a_prefill_refused_for_pages_the_replica_had_not_freed_yet_runs_again() -> None:
     # A replica answers Migrate before its engine thread has freed the batch's pages, and a prefill
-    # sent after that answer can run before the free (seen once in ~30 serving runs: RESOURCE_EXHAUSTED
-    # "need 168 KV pages, 8 of 512 free", the batch failed with 502). The router retries the batch once
-    # the replica's own count shows the pages free.
+    # sent after that answer can run before the free (RESOURCE_EXHAUSTED "need 168 KV pages, 8 of 512
+    # free": without a retry the batch fails with 502). The router retries the batch once the
+    # replica's own count shows the pages free.
     async def body() -> None:
         async with fake_cluster(PD, Strategy.FULL, num_blocks=6) as (sched, fakes):
             fakes[0].free_after_migrate = 0.05

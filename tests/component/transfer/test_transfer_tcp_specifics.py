@@ -237,7 +237,7 @@ def test_refresh_replaces_a_connection_the_peer_dropped_and_fails_fast_when_it_i
         receiver = TcpFabric(table, 1)
         out[:] = bytes(5)
         receiver.register("x", out)
-        time.sleep(0.1)
+        time.sleep(0.1)  # the old connection's reset reaches the sender's socket (only the kernel sees it)
         sender.refresh(1, 1)
         data[:] = b"again"
         got = receiver.recv(0, "x", [(0, 5)], 1, Deadline.after(10))
@@ -246,7 +246,7 @@ def test_refresh_replaces_a_connection_the_peer_dropped_and_fails_fast_when_it_i
         assert out == b"again"  # not lost in the dead connection
 
         receiver.close()  # gone for good: the next send fails at once, not at its deadline
-        time.sleep(0.1)
+        time.sleep(0.1)  # (as above: the close reaches the sender's socket)
         sender.refresh(1, 1)
         start = time.monotonic()
         with pytest.raises(PeerGone):
