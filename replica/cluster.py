@@ -14,6 +14,7 @@ between incompatible caches (the fabric reports `LayoutMismatch` → FAILED_PREC
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import threading
@@ -21,6 +22,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from replica.config import EngineKind
 from transfer.core import Rank, Stream
 from transfer.fabric import Fabric, create_fabric
 from transfer.ports import free_ports
@@ -119,16 +121,6 @@ class ReplicaCluster:
         self.fabric.close()
 
 
-def weight_buffer_of(model: Any) -> Any:
-    """The flat uint8 weight buffer the model's parameters are views into (its whole storage)."""
-    import torch  # the replica has torch loaded already; kept out of this module's import for --help paths
-
-    param: torch.Tensor = model.embed_tokens
-    storage = param.untyped_storage()
-    flat = torch.empty(0, dtype=torch.uint8, device=param.device)
-    return flat.set_(storage, 0, (storage.nbytes(),), (1,))
-
-
 def kv_layout_of(cache: Any, tp_size: int = 1) -> KvLayout:
     """The `KvLayout` of a `PagedKVCache`."""
     return KvLayout(
@@ -141,15 +133,29 @@ def kv_layout_of(cache: Any, tp_size: int = 1) -> KvLayout:
     )
 
 
-def build_cluster(config: Any, grpc_port: int, engine: Any, **fabric_options: Any) -> ReplicaCluster:
-    """What `serve()` does at start: table, fabric of `--fabric`, KV cache and weights registered."""
+def scaled_links(table: RankTable, scale: float) -> RankTable:
+    """The table with every emulated link's rate times `scale` (a simulated replica moves its card's
+    bytes times the byte scale, so its links are paced at the same scale: transfers take the time
+    the full-size bytes would take on the full-rate links)."""
+    return RankTable(tuple(dataclasses.replace(e, link_gbps=e.link_gbps * scale) for e in table.entries))
+
+
+def build_cluster(
+    config: Any, grpc_port: int, engine: Any, weights: Any, **fabric_options: Any
+) -> ReplicaCluster:
+    """What `serve()` does at start: table, fabric of `--fabric`, the engine's KV cache and the flat
+    weight buffer `weights` (the parameter store's: the model's parameters are views into it)
+    registered. A simulated replica paces the table's links at its byte scale (`scaled_links`);
+    discovery still reports them as given."""
     table = load_table(config.cluster, config.rank, config.host, grpc_port)
-    cluster = ReplicaCluster.start(config.fabric, table, config.rank, f"{config.host}:{grpc_port}",
+    paced = scaled_links(table, config.scale) if config.engine is EngineKind.SIMULATED else table
+    cluster = ReplicaCluster.start(config.fabric, paced, config.rank, f"{config.host}:{grpc_port}",
                                    **fabric_options)
+    cluster.table = table
     try:
         cache = engine.runner.cache
         cluster.register_kv(cache.tensor, kv_layout_of(cache))
-        cluster.register_weights(weight_buffer_of(engine.runner.model))
+        cluster.register_weights(weights)
     except BaseException:
         cluster.close()
         raise

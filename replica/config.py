@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from fractions import Fraction
 from pathlib import Path
 
 
@@ -18,12 +19,23 @@ class DType(enum.Enum):
     FLOAT16 = "float16"
 
 
+class EngineKind(enum.Enum):
+    """What computes: the model with torch, or a named GPU's modelled step times (no torch)."""
+
+    TORCH = "torch"
+    SIMULATED = "simulated"
+
+
 @dataclass(frozen=True)
 class ReplicaConfig:
     """Configuration of one replica process (one device, tensor-parallel degree 1)."""
 
-    model: Path = field(metadata={"help": "checkpoint folder (config.json, *.safetensors, tokenizer.json)"})
     port: int = field(metadata={"help": "gRPC port on --host; 0 picks a free port (printed once ready)"})
+    model: Path | None = field(
+        default=None,
+        metadata={"help": "checkpoint folder (config.json, *.safetensors, tokenizer.json); with "
+                          "--engine simulated only its tokenizer.json is read (optional there)"},
+    )
     host: str = field(default="127.0.0.1", metadata={"help": "address to listen on"})
     rank: int = field(default=0, metadata={"help": "this process's global rank in the rank table"})
     num_blocks: int | None = field(
@@ -69,6 +81,26 @@ class ReplicaConfig:
     )
     router_token: str = field(
         default="", metadata={"help": "admin token for the router's registration calls"}
+    )
+    tls_cert: Path | None = field(
+        default=None, metadata={"help": "PEM certificate: serve gRPC over TLS (`pdcluster make-certs`)"}
+    )
+    tls_key: Path | None = field(default=None, metadata={"help": "PEM private key of --tls-cert"})
+    tls_ca: Path | None = field(
+        default=None,
+        metadata={"help": "PEM CA that signed the router's certificate: register with it over TLS"},
+    )
+    tls_client_ca: Path | None = field(
+        default=None,
+        metadata={"help": "PEM CA: callers must present a certificate it signed (mutual TLS)"},
+    )
+    cluster_token: str = field(
+        default="",
+        metadata={"help": "secret every state-changing RPC must carry as `x-cluster-token` metadata "
+                          "(all but Health, Info, ServiceDiscovery); empty = none"},
+    )
+    cluster_token_file: Path | None = field(
+        default=None, metadata={"help": "file holding the cluster token (kept out of the process list)"}
     )
     torch_threads: int = field(
         default=0,
@@ -125,6 +157,44 @@ class ReplicaConfig:
         default=60.0,
         metadata={"help": "seconds a transfer may wait on a peer before failing (every wait has a deadline)"},
     )
+    # --- a simulated GPU (replica/engine/sim/README.md) ---
+    engine: EngineKind = field(
+        default=EngineKind.TORCH,
+        metadata={"help": "torch: run the checkpoint; simulated: behave like --gpu running --model-card "
+                          "(modelled step times, deterministic tokens, scaled bytes; no torch)"},
+    )
+    gpu: str = field(
+        default="a100-80g",
+        metadata={"help": "simulated GPU: a100-80g, a100-40g, h100-80g, h200, l40s, l4, a10, ... "
+                          "(replica/engine/sim/gpus.py: peak compute, memory bandwidth, memory)"},
+    )
+    model_card: str = field(
+        default="llama-2-7b",
+        metadata={"help": "simulated model: a built-in card (replica/engine/sim/cards.py) or a file "
+                          "(a Hugging Face config.json, or a card in JSON/TOML)"},
+    )
+    profile: Path | None = field(
+        default=None,
+        metadata={"help": "simulated step times from this profile table (CSV phase,batch_size,"
+                          "context_len,ms) instead of the roofline model"},
+    )
+    byte_scale: str = field(
+        default="1/256",
+        metadata={"help": "simulated weights and KV pages hold the card's bytes times this (e.g. 1/256); "
+                          "pace links at the same scale"},
+    )
+    compute_efficiency: float = field(
+        default=0.6, metadata={"help": "simulated: the share of the GPU's peak FLOP/s a step reaches"}
+    )
+    memory_efficiency: float = field(
+        default=0.8,
+        metadata={"help": "simulated: the share of the GPU's peak memory bandwidth a step reaches"},
+    )
+    gpu_memory_utilization: float = field(
+        default=0.9,
+        metadata={"help": "simulated: the share of GPU memory for weights + KV cache (the KV cache gets "
+                          "what is left after the weights, unless --num-blocks)"},
+    )
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -151,8 +221,44 @@ class ReplicaConfig:
             raise ValueError(f"--transfer-timeout must be positive, got {self.transfer_timeout}")
         if self.grpc_workers <= 0:
             raise ValueError(f"--grpc-workers must be positive, got {self.grpc_workers}")
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ValueError("--tls-cert and --tls-key go together")
+        if self.tls_client_ca is not None and self.tls_cert is None:
+            raise ValueError("--tls-client-ca needs --tls-cert and --tls-key")
+        if self.cluster_token and self.cluster_token_file is not None:
+            raise ValueError("give --cluster-token or --cluster-token-file, not both")
+        if self.engine is EngineKind.TORCH and self.model is None:
+            raise ValueError("--model is required (a checkpoint folder) unless --engine simulated")
+        if self.engine is EngineKind.SIMULATED:
+            self._check_simulated()
+
+    def _check_simulated(self) -> None:
+        if not 0 < self.scale <= 1:
+            raise ValueError(f"--byte-scale must be in (0, 1], got {self.byte_scale}")
+        for name in ("compute_efficiency", "memory_efficiency", "gpu_memory_utilization"):
+            if not 0 < getattr(self, name) <= 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be in (0, 1], got {getattr(self, name)}")
+
+    @property
+    def scale(self) -> float:
+        """`--byte-scale` as a number ("1/256" or "0.00390625")."""
+        try:
+            return float(Fraction(self.byte_scale))
+        except (ValueError, ZeroDivisionError):
+            raise ValueError(f"--byte-scale must be a number or fraction, got {self.byte_scale!r}") from None
+
+    @property
+    def engine_tag(self) -> str:
+        """What every response's `x-pdcluster-engine` metadata says ("" for the torch engine: none sent)."""
+        if self.engine is EngineKind.TORCH:
+            return ""
+        return f"simulated; gpu={self.gpu}; model={self.name}; byte-scale={self.byte_scale}"
 
     @property
     def name(self) -> str:
-        """The model id reported by Info."""
-        return self.model_id or Path(self.model).name
+        """The model id reported by Info (a simulated replica's default: its card's name)."""
+        if self.model_id:
+            return self.model_id
+        if self.engine is EngineKind.SIMULATED:
+            return Path(self.model_card).stem
+        return Path(self.model or "").name

@@ -24,6 +24,7 @@ from router.registry import ReplicaHandle
 from router.replicas import State, TransitionError
 from router.scaling.executor import ACTION_NAMES
 from router.scheduler import ClusterScheduler
+from router.security import RouterTls
 from router.strategies import Strategy
 from router.weights import Method
 
@@ -211,9 +212,20 @@ class AdminService(pb_grpc.RouterAdminServicer):
         return pb.SetScalingPolicyResponse(previous=previous)
 
 
-async def start_admin_server(hub: ClusterScheduler, host: str, port: int, token: str = ""
-                             ) -> tuple[grpc.aio.Server, int]:
-    """Serve RouterAdmin + reflection + grpc.health.v1 on host:port (0 = free port); returns the port."""
+def server_credentials(tls: RouterTls) -> grpc.ServerCredentials | None:
+    """TLS of the admin server (client certificates required with `tls.client_ca`); None = plaintext."""
+    pair = tls.key_pair()
+    if pair is None:
+        return None
+    client_ca = tls.pem(tls.client_ca)
+    return grpc.ssl_server_credentials([pair], root_certificates=client_ca,
+                                       require_client_auth=client_ca is not None)
+
+
+async def start_admin_server(hub: ClusterScheduler, host: str, port: int, token: str = "",
+                             tls: RouterTls | None = None) -> tuple[grpc.aio.Server, int]:
+    """Serve RouterAdmin + reflection + grpc.health.v1 on host:port (0 = free port; TLS with
+    `tls.cert`); returns the port."""
     server = grpc.aio.server()
     pb_grpc.add_RouterAdminServicer_to_server(AdminService(hub, token), server)
     health_servicer = health.aio.HealthServicer()
@@ -221,7 +233,11 @@ async def start_admin_server(hub: ClusterScheduler, host: str, port: int, token:
     names = (pb.DESCRIPTOR.services_by_name["RouterAdmin"].full_name,
              health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME)
     reflection.enable_server_reflection(names, server)
-    bound = server.add_insecure_port(f"{host}:{port}")
+    credentials = server_credentials(tls) if tls is not None else None
+    if credentials is None:
+        bound = server.add_insecure_port(f"{host}:{port}")
+    else:
+        bound = server.add_secure_port(f"{host}:{port}", credentials)
     if bound == 0:
         raise OSError(f"cannot bind the admin server to {host}:{port}")
     await server.start()

@@ -4,7 +4,9 @@ Every call converts the dataclasses of `router/types.py` to protobuf and back, c
 and turns a gRPC status into a typed `ReplicaCallError` subclass (`router/errors.py`) so the loops
 can decide: a dead replica (`ReplicaUnavailable`) re-queues its requests elsewhere, a replica that
 answered that its transfer peer failed (`PeerFailed`) is alive and the batch runs again, anything
-else fails only that batch. `ReplicaClient` implements `router.replica_api.ReplicaApi`.
+else fails only that batch. `ReplicaClient` implements `router.replica_api.ReplicaApi`. With
+channel credentials it speaks TLS (`channel_credentials`); with a cluster token every call carries
+it as `x-cluster-token` metadata.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from router.errors import (
     ReplicaUnavailable,
     ReplicaUnimplemented,
 )
+from router.security import TOKEN_KEY, RouterTls
 from router.types import (
     BatchId,
     BatchSpec,
@@ -62,7 +65,18 @@ _ERRORS: dict[grpc.StatusCode, type[ReplicaCallError]] = {
     grpc.StatusCode.ALREADY_EXISTS: ReplicaRejected,
     grpc.StatusCode.PERMISSION_DENIED: ReplicaRejected,
     grpc.StatusCode.OUT_OF_RANGE: ReplicaRejected,
+    grpc.StatusCode.UNAUTHENTICATED: ReplicaRejected,
 }
+
+
+def channel_credentials(tls: RouterTls) -> grpc.ChannelCredentials | None:
+    """TLS towards replicas (verified with `tls.ca`, our certificate as client certificate when we
+    have one); None = plaintext (no `tls.ca`)."""
+    ca = tls.pem(tls.ca)
+    if ca is None:
+        return None
+    key, chain = tls.key_pair() or (None, None)
+    return grpc.ssl_channel_credentials(ca, private_key=key, certificate_chain=chain)
 
 
 def _error(address: str, method: str, exc: grpc.aio.AioRpcError) -> ReplicaCallError:
@@ -211,6 +225,8 @@ class ReplicaClient:
     address: str
     timeout: float = 60.0
     transfer_timeout: float = 300.0
+    credentials: grpc.ChannelCredentials | None = field(default=None, repr=False)  # None: plaintext
+    token: str = field(default="", repr=False)  # the cluster token ('' = none)
     _channel: grpc.aio.Channel | None = field(default=None, init=False, repr=False)
     _stub: pb_grpc.TextGenerationServiceStub | None = field(default=None, init=False, repr=False)
 
@@ -218,13 +234,19 @@ class ReplicaClient:
     def stub(self) -> pb_grpc.TextGenerationServiceStub:
         """The generated stub on a lazily opened channel (opened inside the running event loop)."""
         if self._stub is None:
-            self._channel = grpc.aio.insecure_channel(
-                self.address, options=[("grpc.max_receive_message_length", 64 << 20)]
-            )
+            options = [("grpc.max_receive_message_length", 64 << 20)]
+            if self.credentials is None:
+                self._channel = grpc.aio.insecure_channel(self.address, options=options)
+            else:
+                self._channel = grpc.aio.secure_channel(self.address, self.credentials, options=options)
             # built once per channel: a stub makes a callable for every RPC of the service, and the
             # decode loop calls twice per step
             self._stub = pb_grpc.TextGenerationServiceStub(self._channel)
         return self._stub
+
+    @property
+    def _metadata(self) -> tuple[tuple[str, str], ...]:
+        return ((TOKEN_KEY, self.token),) if self.token else ()
 
     async def close(self) -> None:
         """Close the channel."""
@@ -235,7 +257,9 @@ class ReplicaClient:
 
     async def _call(self, method: str, request: object, timeout: float | None = None) -> Any:
         try:
-            return await getattr(self.stub, method)(request, timeout=timeout or self.timeout)
+            return await getattr(self.stub, method)(
+                request, timeout=timeout or self.timeout, metadata=self._metadata or None
+            )
         except grpc.aio.AioRpcError as exc:
             raise _error(self.address, method, exc) from None
 
@@ -309,7 +333,7 @@ class ReplicaClient:
             batches=[_cached_pb(b) for b in batches],
             last_iter_tokens=[pb.Tokens(ids=list(ids)) for ids in last_tokens],
         )
-        metadata: tuple[tuple[str, str], ...] = ((CALL_KEY, call_id),) if call_id else ()
+        metadata = self._metadata + (((CALL_KEY, call_id),) if call_id else ())
         metadata += ((AFTER_KEY, after),) if after else ()
         # grpc.aio schedules the send at once
         call = self.stub.DecodeV2(req, timeout=self.timeout, metadata=metadata or None)

@@ -11,6 +11,7 @@ from pathlib import Path
 from router import strategies
 from router.scaling import policies
 from router.scaling.planner import Bounds
+from router.security import RouterTls, read_token
 from router.strategies import Strategy
 
 __all__ = ["ROLE_NAMES", "RouterConfig", "Strategy"]
@@ -43,6 +44,18 @@ class RouterConfig:
     api_keys: Path | None = field(default=None, metadata=_help(
         "API key file: one `KEY [name=N] [rpm=N] [concurrent=N] [tpm=N]` per line, # comments "
         "(router/http/README.md); /v1/* and TGI routes then need `Authorization: Bearer KEY` (unset = open)"))
+    tls_cert: Path | None = field(default=None, metadata=_help(
+        "PEM certificate: serve HTTPS and admin gRPC over TLS, and present it to replicas "
+        "(`pdcluster make-certs`)"))
+    tls_key: Path | None = field(default=None, metadata=_help("PEM private key of --tls-cert"))
+    tls_ca: Path | None = field(default=None, metadata=_help(
+        "PEM CA that signed the replicas' certificates: call replicas over TLS"))
+    tls_client_ca: Path | None = field(default=None, metadata=_help(
+        "PEM CA: HTTPS and admin clients must present a certificate it signed (mutual TLS)"))
+    cluster_token: str = field(default="", metadata=_help(
+        "the replicas' cluster token, sent as `x-cluster-token` on every replica call (empty = none)"))
+    cluster_token_file: Path | None = field(default=None, metadata=_help(
+        "file holding the cluster token (kept out of the process list)"))
     model_id: str = field(default="", metadata=_help("model name served (default: the folder name)"))
     max_batch_prefill_tokens: int = field(default=4096, metadata=_help("prompt tokens per prefill batch"))
     max_batch_total_tokens: int = field(default=65536, metadata=_help(
@@ -109,6 +122,26 @@ class RouterConfig:
             raise ValueError("--prefill-tokens-per-s and --migration-tokens-per-s must be >= 0")
         if self.timeline is not None:
             self.timeline = Path(self.timeline)
+        self._check_security()
+
+    def _check_security(self) -> None:
+        for name in ("tls_cert", "tls_key", "tls_ca", "tls_client_ca", "cluster_token_file"):
+            if getattr(self, name) is not None:
+                setattr(self, name, Path(getattr(self, name)))
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ValueError("--tls-cert and --tls-key go together")
+        if self.tls_client_ca is not None and self.tls_cert is None:
+            raise ValueError("--tls-client-ca needs --tls-cert and --tls-key")
+        if self.cluster_token and self.cluster_token_file is not None:
+            raise ValueError("give --cluster-token or --cluster-token-file, not both")
+
+    def tls(self) -> RouterTls:
+        """The TLS files (ValueError when one does not exist)."""
+        return RouterTls(self.tls_cert, self.tls_key, self.tls_ca, self.tls_client_ca)
+
+    def token(self) -> str:
+        """The cluster token ('' = none; ValueError for an empty or unusable token file)."""
+        return read_token(self.cluster_token, self.cluster_token_file)
 
     def bounds(self) -> Bounds:
         """The planner's bounds (validated)."""

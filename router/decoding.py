@@ -107,7 +107,6 @@ class DecodeLoop:
             self.cluster.on_error(self.h, exc, flight.members.values())
             return True
         await self._after_step(result, flight.members)
-        self.wakeup.notify()
         return True
 
     async def _after_step(self, result: StepResult, members: dict[RequestId, Member]) -> None:
@@ -117,7 +116,8 @@ class DecodeLoop:
             self.cluster.deliver(result, members)
             self.h.state.release(members)
             self.h.running = None
-            return
+            self.wakeup.notify()  # its pages are free (a step that only streamed tokens changes nothing
+            return  # another loop waits for: no wake-up then, or every step woke every loop)
         live = LiveBatch.of(result.batch, list(members.values()), self.h.block_size)
         self.h.running = live
         if not self.h.inbox and len(live.wanted_ids()) == len(live.members):

@@ -25,7 +25,7 @@ import uvicorn
 import uvloop
 
 from router.admin import start_admin_server
-from router.client import ReplicaClient
+from router.client import ReplicaClient, channel_credentials
 from router.config import RouterConfig
 from router.errors import ReplicaCallError
 from router.http import ServingInfo, create_app
@@ -34,6 +34,7 @@ from router.metrics import RouterMetrics
 from router.replica_api import Connect
 from router.replicas import SERVING, State
 from router.scheduler import ClusterScheduler
+from router.security import warn_if_exposed
 from router.tokenizer import Tokenizer
 
 log = logging.getLogger("pdcluster.router")
@@ -83,8 +84,11 @@ def serving_info(config: RouterConfig, sched: ClusterScheduler) -> ServingInfo:
 
 
 def connector(config: RouterConfig) -> Connect:
-    """The gRPC client of a replica address, with the config's deadlines."""
-    return lambda address: ReplicaClient(address, config.rpc_timeout, config.transfer_timeout)
+    """The gRPC client of a replica address, with the config's deadlines, TLS and cluster token."""
+    credentials, token = channel_credentials(config.tls()), config.token()
+    return lambda address: ReplicaClient(
+        address, config.rpc_timeout, config.transfer_timeout, credentials, token
+    )
 
 
 def run_loop(main: Coroutine[Any, Any, None]) -> None:
@@ -141,15 +145,21 @@ async def run_router(config: RouterConfig, stop: asyncio.Event, api_keys: KeyTab
     sched.kv_bytes_per_token = kv_bytes_per_token(config.model, dtype)
     sched.weight_bytes = weight_bytes(config.model, dtype)
     await sched.start()
-    admin, admin_port = await start_admin_server(sched, config.host, config.admin_port, config.admin_token)
+    tls = config.tls()
+    warn_if_exposed(log, config.host, tls.serves)
+    admin, admin_port = await start_admin_server(sched, config.host, config.admin_port, config.admin_token,
+                                                 tls)
     sock = _bind(config.host, config.http_port)
     app = create_app(sched, tokenizer, serving_info(config, sched), metrics.render, api_keys)
-    http = _Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=2))
+    http = _Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=2,
+                                  **tls.uvicorn_options()))
     http_task = asyncio.create_task(http.serve(sockets=[sock]))
     while not http.started and not http_task.done():
         await asyncio.sleep(0.05)
     http_port = sock.getsockname()[1]
-    print(f"pdcluster router ready: http=http://{config.host}:{http_port} admin={config.host}:{admin_port} "
+    scheme = "https" if tls.serves else "http"
+    print(f"pdcluster router ready: http={scheme}://{config.host}:{http_port} "
+          f"admin={config.host}:{admin_port} "
           f"strategy={sched.strategy.name} scaling={sched.scaling.policy.name} "
           f"replicas={len(sched.replicas)}", flush=True)
     try:
@@ -171,9 +181,11 @@ def serve(config: RouterConfig) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s",
                         stream=sys.stderr)
 
-    try:  # a bad key file stops the router before it touches any replica
+    try:  # a bad key file, TLS file or token file stops the router before it touches any replica
         api_keys = load_key_file(config.api_keys) if config.api_keys is not None else None
-    except KeyFileError as exc:
+        config.tls()
+        config.token()
+    except (KeyFileError, ValueError, OSError) as exc:
         print(f"pdcluster router: {exc}", file=sys.stderr)
         return 2
 

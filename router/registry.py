@@ -19,6 +19,7 @@ from router.episode import Episode
 from router.errors import ReplicaCallError
 from router.replica_api import ReplicaApi
 from router.replicas import SERVING, ReplicaState, ReplicaView, State, Trigger
+from router.states import PREFILL_LIKE
 from router.types import ReplicaId, ReplicaInfo
 
 log = logging.getLogger("pdcluster.router")
@@ -136,12 +137,14 @@ class Replicas(Mapping[ReplicaId, ReplicaHandle]):
         return [h.state for h in self._handles.values() if h is not src]
 
     def settle_roles(self) -> ReplicaHandle | None:
-        """Keep a prefill replica in a disaggregated cluster: an empty decode replica takes the role.
+        """Keep a prefill replica in a disaggregated cluster: an empty decode replica takes the role,
+        unless one is on its way (loading its weights, or joining as prefill): the autoscaler's plan
+        stands, as it counts those as prefill replicas too.
 
         Returns the replica that became prefill, if one did.
         """
         roles = {h.state.role for h in self._handles.values()}
-        if State.PREFILL in roles or State.COLOCATED in roles:
+        if roles & PREFILL_LIKE or State.COLOCATED in roles:
             return None
         for handle in self._handles.values():
             if handle.state.role is State.DECODE and handle.empty:

@@ -47,6 +47,16 @@ COMMANDS: dict[str, Command] = {
         "pdcluster.tools.tiny_model:TinyModelConfig",
         "pdcluster.tools.tiny_model:run",
     ),
+    "make-certs": Command(
+        "write a private CA and a TLS certificate per host (and client) into a folder",
+        "pdcluster.tools.certs:MakeCertsConfig",
+        "pdcluster.tools.certs:run",
+    ),
+    "calibrate": Command(
+        "time a model card's forward on this GPU into a profile table for --engine simulated --profile",
+        "pdcluster.tools.calibrate:CalibrateConfig",
+        "pdcluster.tools.calibrate:run",
+    ),
     "bench replica": Command(
         "prefill/decode tokens/s over gRPC, in-process and with transformers",
         "pdcluster.bench.replica:BenchReplicaConfig",
@@ -81,6 +91,11 @@ COMMANDS: dict[str, Command] = {
         "run an experiment file's matrix of cells (resumable), then write its report",
         "pdcluster.experiment.cli:ExperimentRunConfig",
         "pdcluster.experiment.cli:run",
+    ),
+    "simulate": Command(
+        "run an experiment file's matrix in virtual time (simulated GPUs, no processes, no sleeping)",
+        "pdcluster.sim.cli:SimulateConfig",
+        "pdcluster.sim.cli:run",
     ),
     "experiment report": Command(
         "rebuild an experiment's report and plots from its output folder",

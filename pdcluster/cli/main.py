@@ -116,9 +116,29 @@ def runner_of(config: object) -> Any:
     raise LookupError(f"no subcommand takes a {type(config).__name__}")
 
 
+def named_command(argv: Sequence[str]) -> str | None:
+    """The subcommand `argv` starts with ("replica", "bench serving"), if any."""
+    for words in (2, 1):
+        name = " ".join(argv[:words])
+        if len(argv) >= words and name in COMMANDS:
+            return name
+    return None
+
+
 def parse(argv: Sequence[str] | None = None) -> object:
-    """The filled-in config of the subcommand `argv` names, or `Refused` (SystemExit: --help, bad flags)."""
-    return tyro.cli(command_type(), prog="pdcluster", description=DESCRIPTION, args=argv, registry=REGISTRY,
+    """The filled-in config of the subcommand `argv` names, or `Refused` (SystemExit: --help, bad flags).
+
+    When `argv` names a subcommand, only its config class is imported and parsed: a replica
+    process does not import every other command's modules before it starts.
+    """
+    args = list(sys.argv[1:] if argv is None else argv)
+    name = named_command(args)
+    if name is not None:
+        command = COMMANDS[name]
+        return tyro.cli(resolve(command.config), prog=f"pdcluster {name}", description=command.help,
+                        args=args[len(name.split()):], registry=REGISTRY,
+                        config=(tyro.conf.EnumChoicesFromValues,))
+    return tyro.cli(command_type(), prog="pdcluster", description=DESCRIPTION, args=args, registry=REGISTRY,
                     config=(tyro.conf.EnumChoicesFromValues,))
 
 

@@ -8,6 +8,9 @@ processes and a router — with one ready line, and a clean stop of everything i
 ```
 Children get SIGTERM when this process dies (Linux parent-death signal), so none is orphaned even
 if `pdcluster up` itself is killed; on Ctrl-C / SIGTERM the router stops first, then the replicas.
+With `--engine simulated` the replicas behave like `--gpu` running `--model-card` (no torch, one
+process each, no gRPC front process); `--model` then only lends its tokenizer, and every bandwidth
+flag is the emulated cluster's full-scale figure (the replicas pace at it times `--byte-scale`).
 `LocalCluster` is the same thing as a context manager: the one local cluster of the demo, the
 serving benchmark and the cluster tests. Processes and their stop: `pdcluster.cluster.processes`.
 """
@@ -22,6 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
 
+from pdcluster.cluster.engine import ENGINES, EngineSpec
 from pdcluster.cluster.placement import Placement
 from pdcluster.cluster.processes import (
     REPLICA_READY,
@@ -43,7 +47,8 @@ from router.scaling import policies
 class UpConfig:
     """Flags of `pdcluster up`."""
 
-    model: Path = field(metadata={"help": "checkpoint folder"})
+    model: Path = field(metadata={
+        "help": "checkpoint folder (--engine simulated: only its tokenizer is read)"})
     prefill: int = field(default=1, metadata={"help": "prefill replicas"})
     decode: int = field(default=1, metadata={"help": "decode replicas"})
     inactive: int = field(default=0, metadata={"help": "inactive replicas (no weights; scale-up targets)"})
@@ -54,7 +59,9 @@ class UpConfig:
     http_port: int = field(default=8080, metadata={"help": "router HTTP port (0 = free port)"})
     admin_port: int = field(default=50100, metadata={"help": "router admin gRPC port (0 = free port)"})
     host: str = field(default="127.0.0.1", metadata={"help": "address every process binds"})
-    num_blocks: int = field(default=512, metadata={"help": "KV pages per replica"})
+    num_blocks: int | None = field(default=None, metadata={"help": (
+        "KV pages per replica; unset = 512 (torch), what the GPU's memory leaves after the weights "
+        "(simulated)")})
     admin_token: str = field(default="", metadata={"help": "admin token of the router (empty = none)"})
     log_dir: Path | None = field(default=None, metadata={"help": "folder of process logs; unset = temp"})
     ready_timeout: float = field(default=180.0, metadata={"help": "seconds to wait for each ready line"})
@@ -76,6 +83,28 @@ class UpConfig:
         "emulated host-memory bandwidth of LoadParams from host memory, Gbit/s (0 = unpaced)")})
     host_cache: bool = field(default=False, metadata={"help": (
         "inactive replicas keep the checkpoint in host memory from the start (the host-cache baseline)")})
+    tls_cert: Path | None = field(default=None, metadata={"help": (
+        "PEM certificate of --host for every process: TLS on every gRPC port and HTTPS "
+        "(`pdcluster make-certs DIR --host HOST`)")})
+    tls_key: Path | None = field(default=None, metadata={"help": "PEM private key of --tls-cert"})
+    tls_ca: Path | None = field(default=None, metadata={"help": (
+        "PEM CA the processes verify each other with (DIR/ca.crt)")})
+    tls_client_ca: Path | None = field(default=None, metadata={"help": (
+        "PEM CA every server requires client certificates from (mutual TLS)")})
+    cluster_token: str = field(default="", metadata={"help": (
+        "cluster token of the replicas, passed to them and the router in a file (empty = none)")})
+    cluster_token_file: Path | None = field(default=None, metadata={"help": (
+        "file holding the cluster token")})
+    engine: str = field(default="torch", metadata={"help": (
+        "torch: replicas run the checkpoint; simulated: they behave like --gpu running --model-card "
+        "(replica/engine/sim/README.md)"), "choices": list(ENGINES)})
+    gpu: str = field(default="a100-80g", metadata={"help": "simulated GPU (replica/engine/sim/gpus.py)"})
+    model_card: str = field(default="llama-2-7b", metadata={"help": (
+        "simulated model: a built-in card (replica/engine/sim/cards.py) or a config.json file")})
+    byte_scale: str = field(default="1/256", metadata={"help": (
+        "simulated weights, KV pages and link rates are the card's and the flags' times this")})
+    profile: Path | None = field(default=None, metadata={"help": (
+        "simulated step times from this profile table (replica/engine/sim/profile.py)")})
 
     def __post_init__(self) -> None:
         self.model = Path(self.model)
@@ -86,7 +115,15 @@ class UpConfig:
         bad = [f for f in self.router_flag if "=" not in f or f.startswith("-")]
         if bad:
             raise ValueError(f"--router-flag takes NAME=VALUE (without dashes), got {bad}")
-        if self.inactive and not (self.model / "config.json").is_file():
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ValueError("--tls-cert and --tls-key go together")
+        if (self.tls_cert is not None or self.tls_client_ca is not None) and self.tls_ca is None:
+            raise ValueError("--tls-cert and --tls-client-ca need --tls-ca: the router verifies the "
+                             "replicas with it")
+        if self.cluster_token and self.cluster_token_file is not None:
+            raise ValueError("give --cluster-token or --cluster-token-file, not both")
+        self.engine_spec()  # an unknown GPU or card, a bad scale → ValueError naming it
+        if self.inactive and self.engine == "torch" and not (self.model / "config.json").is_file():
             raise ValueError(f"--inactive replicas load from the model root, but {self.model} has no "
                              "config.json the replicas can read")
 
@@ -98,9 +135,24 @@ class UpConfig:
             args += [f"--{name}", value]
         return args
 
-    def replica_args(self) -> list[str]:
-        """The replica flags of the emulated devices."""
+    def tls_args(self) -> list[str]:
+        """The TLS flags every process gets (same certificate: they all run on --host)."""
         args: list[str] = []
+        for name in ("tls_cert", "tls_key", "tls_ca", "tls_client_ca"):
+            path = getattr(self, name)
+            if path is not None:
+                args += [f"--{name.replace('_', '-')}", str(Path(path).resolve())]
+        return args
+
+    def engine_spec(self) -> EngineSpec:
+        """The replicas' engine."""
+        return EngineSpec(self.engine, self.gpu, self.model_card, self.byte_scale, self.profile)
+
+    def replica_args(self) -> list[str]:
+        """The replica flags of the engine and the emulated devices."""
+        args: list[str] = self.engine_spec().replica_args()
+        if self.engine == "simulated":
+            args.append("--no-grpc-frontend")  # a sleeping engine holds no GIL: one process is enough
         if self.disk_gbps:
             args += ["--disk-gbps", str(self.disk_gbps)]
         if self.host_gbps:
@@ -120,6 +172,7 @@ class LocalCluster:
         self.router: Proc | None = None
         self.http_url = ""
         self.admin_address = ""
+        self.model_dir = config.model  # the router's --model (a simulated engine's: made by start)
         self.placement = Placement.plan(config.decode) if config.pin_decode else None
 
     def __enter__(self) -> LocalCluster:
@@ -165,10 +218,15 @@ class LocalCluster:
         shared = max(1, (os.cpu_count() or 1) // len(self.roles()))
         threads = c.torch_threads or (1 if self.placement else shared)
         fabric = self._fabric_args()
+        security = c.tls_args() + self._token_args()
+        engine = c.engine_spec()
+        self.model_dir = engine.model_folder(c.model, self.log_dir / "model" / engine.model_card)
+        pages = c.num_blocks if engine.simulated else (c.num_blocks or 512)
         for rank, role in enumerate(self.roles()):
-            args = ["replica", "--model", str(c.model), "--host", c.host, "--port", "0", "--rank", str(rank),
-                    "--num-blocks", str(c.num_blocks), "--torch-threads", str(threads), *fabric]
-            args += c.replica_args()
+            args = ["replica", "--model", str(self.model_dir), "--host", c.host, "--port", "0",
+                    "--rank", str(rank), *(["--num-blocks", str(pages)] if pages else []),
+                    "--torch-threads", str(threads), *fabric]
+            args += c.replica_args() + security
             if role == "inactive":
                 args += ["--inactive", *(["--host-cache"] if c.host_cache else [])]
             args += self._engine_args(role, rank - c.prefill)
@@ -177,14 +235,28 @@ class LocalCluster:
         deadline = time.monotonic() + c.ready_timeout
         for proc in self.replicas:
             proc.address = proc.wait_line(REPLICA_READY, deadline)[len(REPLICA_READY):].strip()
-        args = ["router", "--model", str(c.model), "--host", c.host, "--http-port", str(c.http_port),
+        args = ["router", "--model", str(self.model_dir), "--host", c.host, "--http-port", str(c.http_port),
                 "--admin-port", str(c.admin_port), "--strategy", c.strategy, *c.router_args(),
-                "--replica", *[p.address for p in self.replicas], "--role", *self.roles()]
+                "--replica", *[p.address for p in self.replicas], "--role", *self.roles(), *security]
         if c.admin_token:
             args += ["--admin-token", c.admin_token]
         self.router = self._spawn("router", "router", args, self._cpus("router", 0))
         line = self.router.wait_line(ROUTER_READY, time.monotonic() + c.ready_timeout)
         self.http_url, self.admin_address = parse_router_ready(line)
+
+    def _token_args(self) -> list[str]:
+        """`--cluster-token-file FILE` (a --cluster-token is written to an owner-only file in the log
+        folder, so it never shows in the process list); nothing without a token."""
+        c = self.config
+        if c.cluster_token_file is not None:
+            return ["--cluster-token-file", str(Path(c.cluster_token_file).resolve())]
+        if not c.cluster_token:
+            return []
+        path = self.log_dir / "cluster-token"
+        path.unlink(missing_ok=True)
+        with os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w") as out:
+            out.write(c.cluster_token + "\n")
+        return ["--cluster-token-file", str(path.resolve())]
 
     def _fabric_args(self) -> list[str]:
         """`--cluster RANKS --fabric tcp`: a rank table of this machine, one free port per replica."""
@@ -203,8 +275,15 @@ class LocalCluster:
         reps = " ".join(f"{p.role}@{p.address}" for p in self.replicas)
         pinned = f" pinned=({self.placement.describe()})" if self.placement else ""
         return (f"pdcluster up ready: http={self.http_url} admin={self.admin_address} "
-                f"strategy={self.config.strategy} scaling={self.config.scaling} replicas=[{reps}] "
+                f"strategy={self.config.strategy} scaling={self.config.scaling}{self._engine_note()} "
+                f"replicas=[{reps}] "
                 f"logs={self.log_dir}{pinned}")
+
+    def _engine_note(self) -> str:
+        engine = self.config.engine_spec()
+        if not engine.simulated:
+            return ""
+        return f" engine=simulated:{engine.gpu}:{engine.model_card}:{engine.byte_scale}"
 
     def stop(self, timeout: float = 10.0) -> None:
         """SIGTERM the router, then the replicas; SIGKILL whatever is still alive after `timeout`."""

@@ -43,6 +43,8 @@ from pdcluster.experiment.summary import cell_summary
 STATUS = "status.json"
 Progress = Callable[[int, int, float], None]
 """(requests done, requests in all, seconds the cell may still take: NaN while unknown)."""
+Execute = Callable[[Experiment, Cell, Path, Progress | None], None]
+"""Runs a cell into its folder (raises when it fails): processes here, or virtual time (pdcluster/sim)."""
 
 
 @dataclass(frozen=True)
@@ -62,33 +64,35 @@ def read_status(folder: Path) -> dict[str, Any]:
         return {}
 
 
-def _write_json(path: Path, data: Any) -> None:
+def write_json(path: Path, data: Any) -> None:
     """Write JSON atomically (a crash leaves the old file or none, never half of one)."""
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(data, indent=1, default=str) + "\n")
     tmp.replace(path)
 
 
-def run_cell(experiment: Experiment, cell: Cell, folder: Path, progress: Progress | None = None) -> Outcome:
-    """Run `cell` in a fresh `folder`; its status says how it ended."""
+def run_cell(experiment: Experiment, cell: Cell, folder: Path, progress: Progress | None = None,
+             execute: Execute | None = None) -> Outcome:
+    """Run `cell` in a fresh `folder` (by `execute`: the cluster's processes by default); its status
+    says how it ended."""
     shutil.rmtree(folder, ignore_errors=True)
     folder.mkdir(parents=True)
     stamp = fingerprint(cell, experiment)
-    _write_json(folder / "cell.json",
+    write_json(folder / "cell.json",
                 {**cell.describe(), "fingerprint": stamp, "experiment": experiment.name})
     began = time.monotonic()
-    reason = _skip_reason(cell)
+    reason = _skip_reason(cell) if execute is None else ""
     if reason:
         outcome = Outcome("skipped", reason)
     else:
         try:
-            _run(experiment, cell, folder, progress)
+            (execute or _run)(experiment, cell, folder, progress)
             outcome = Outcome("done")
         except Exception as exc:  # a failed cell is a result; the run goes on
             (folder / "error.txt").write_text(traceback.format_exc())
             outcome = Outcome("failed", f"{type(exc).__name__}: {exc}")
     outcome = Outcome(outcome.state, outcome.error, time.monotonic() - began)
-    _write_json(folder / STATUS, {"state": outcome.state, "error": outcome.error, "fingerprint": stamp,
+    write_json(folder / STATUS, {"state": outcome.state, "error": outcome.error, "fingerprint": stamp,
                                   "seconds": round(outcome.seconds, 3), "finished": time.time()})
     return outcome
 
@@ -106,7 +110,7 @@ def _run(experiment: Experiment, cell: Cell, folder: Path, progress: Progress | 
         network = None
         if cell.topology.backend == "kernel":
             network = stack.enter_context(netns.Network(cell.topology.nodes))
-            _write_json(folder / "network.json", {
+            write_json(folder / "network.json", {
                 "run_id": network.run_id, "head": network.head.namespace, "switch": network.switch,
                 "nodes": {n.name: {"namespace": n.namespace, "address": n.address} for n in network.nodes}})
         system: CellCluster | Endpoint
@@ -146,12 +150,12 @@ def _load(experiment: Experiment, cell: Cell, folder: Path, url: str, watched: l
                                                     start=t0))
     finally:
         sampler.stop()
-    _write_records(folder / "requests.jsonl", records)
+    write_records(folder / "requests.jsonl", records)
     summary = cell_summary(records, duration, experiment.slo.limits(), requests)
     summary.update({"system": cell.system, "workload": cell.workload.name, "seed": cell.seed,
                     "model_id": served.model_id, "wall_start": wall0,
                     "max_total_tokens": served.max_total_tokens})
-    _write_json(folder / "summary.json", summary)
+    write_json(folder / "summary.json", summary)
 
 
 def _reporter(requests: list[Arrival], progress: Progress | None) -> Callable[[list[Any]], None] | None:
@@ -170,7 +174,7 @@ def _reporter(requests: list[Arrival], progress: Progress | None) -> Callable[[l
     return report
 
 
-def _write_records(path: Path, records: list[RequestRecord]) -> None:
+def write_records(path: Path, records: list[RequestRecord]) -> None:
     with path.open("w", encoding="utf-8") as out:
         for record in records:
             line = record.to_json()

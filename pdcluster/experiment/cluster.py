@@ -8,8 +8,11 @@
                                                          (kernel: in the head namespace)
 ```
 Names of strategies and scaling policies go to the router as given; it refuses names it does not
-know. `--scaling` and `--timeline` are passed only to a router that has those flags (the router's
-autoscaling adds them); without `--scaling` only the `static` policy runs.
+know. A cluster of simulated GPUs (`engine = "simulated"`) gets its engine flags, and the router and
+the replicas read a model folder made in the cell's folder: the card's config.json beside the
+checkpoint's tokenizer (`pdcluster/cluster/engine.py`). `--scaling` and `--timeline` are passed only
+to a router that has those flags (the router's autoscaling adds them); without `--scaling` only the
+`static` policy runs.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from pdcluster.experiment.netns import HEAD_ADDRESS, Network
 from pdcluster.experiment.spec import STATIC_POLICY, ClusterShape, ModelSpec, TopologySpec
 from transfer.ranktable import RankEntry, RankTable
 
+DEFAULT_PAGES = 512  # KV pages of a torch replica when the experiment names none
 TRANSFER_BASE_PORT = 7100  # inside a node's namespace every port is free
 ROUTER_HTTP_PORT = 8080
 ROUTER_ADMIN_PORT = 50100
@@ -71,6 +75,7 @@ class CellCluster:
         self.router: Proc | None = None
         self.http_url = ""
         self.timeline: Path | None = None
+        self.model_dir = model.path
 
     def start(self, timeout: float) -> None:
         """Start every replica, then the router; returns once the router's ready line came."""
@@ -82,14 +87,17 @@ class CellCluster:
         logs.mkdir(parents=True, exist_ok=True)
         table = self._rank_table()
         (self.folder / "ranks.json").write_text(table.to_json())
+        engine = self.shape.engine
+        self.model_dir = engine.model_folder(self.model.path, self.folder / "model" / engine.model_card)
+        pages = self.model.num_blocks if engine.simulated else (self.model.num_blocks or DEFAULT_PAGES)
         deadline = time.monotonic() + timeout
         for rank, role in enumerate(self.roles):
             entry = table[rank]
-            args = ["replica", "--model", str(self.model.path), "--host", entry.host, "--port", "0",
-                    "--rank", str(rank), "--num-blocks", str(self.model.num_blocks),
+            args = ["replica", "--model", str(self.model_dir), "--host", entry.host, "--port", "0",
+                    "--rank", str(rank), *(["--num-blocks", str(pages)] if pages else []),
                     "--torch-threads", str(self._threads()), "--cluster", str(self.folder / "ranks.json"),
                     "--fabric", "tcp", *(["--inactive"] if role == "inactive" else []),
-                    *self.shape.replica_args]
+                    *engine.replica_args(), *self.shape.replica_args]
             self.replicas.append(self._spawn(f"replica-{rank}-{role}", role, args, logs, self.nodes[rank]))
         for proc in self.replicas:
             proc.address = self._ready(proc, REPLICA_READY, deadline)[len(REPLICA_READY):].strip()
@@ -100,7 +108,7 @@ class CellCluster:
         host = HEAD_ADDRESS if self.network else "127.0.0.1"
         # fixed ports in the head's own namespace; free ones on the host's loopback
         http, admin = (ROUTER_HTTP_PORT, ROUTER_ADMIN_PORT) if self.network else (0, 0)
-        args = ["router", "--model", str(self.model.path), "--host", host, "--http-port", str(http),
+        args = ["router", "--model", str(self.model_dir), "--host", host, "--http-port", str(http),
                 "--admin-port", str(admin), "--strategy", self.strategy,
                 "--replica", *[p.address for p in self.replicas], "--role", *self.roles]
         args += self.shape.router_args

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from pdcluster.bench.serving.traces import FORMATS
+from pdcluster.cluster.engine import ENGINES, EngineSpec
 from pdcluster.experiment.spec import (
     ARRIVALS,
     BACKENDS,
@@ -135,9 +136,10 @@ def _experiment(top: Table, path: Path) -> Experiment:
     if matrix == "product" and cells:
         raise top.fail('[[cells]] needs matrix = "list"')
     workloads = tuple(w for t in top.tables("workloads") for w in _workloads(t))
+    model = _model(Table(top.get("model", dict), "model", path))
     return Experiment(
-        name=name, source=path, model=_model(Table(top.get("model", dict), "model", path)),
-        clusters=tuple(_cluster(t) for t in top.tables("clusters")),
+        name=name, source=path, model=model,
+        clusters=tuple(_cluster(t, model.engine) for t in top.tables("clusters")),
         strategies=top.names("strategies", []), policies=top.names("policies", [STATIC_POLICY]),
         workloads=workloads, topologies=tuple(_topology(t) for t in top.tables("topologies")) or (LOCAL,),
         endpoints=tuple(_endpoint(t) for t in top.tables("endpoints")),
@@ -149,18 +151,36 @@ def _experiment(top: Table, path: Path) -> Experiment:
 
 def _model(t: Table) -> ModelSpec:
     spec = ModelSpec(path=t.path("path"), tiny=dict(t.get("tiny", dict, {})),  # type: ignore[arg-type]
-                     num_blocks=t.get("num_blocks", int, 512, lambda v: v > 0, "must be > 0"),
-                     torch_threads=t.get("torch_threads", int, 0, lambda v: v >= 0, "must be >= 0"))
+                     num_blocks=t.get("num_blocks", int, None, lambda v: v > 0, "must be > 0"),
+                     torch_threads=t.get("torch_threads", int, 0, lambda v: v >= 0, "must be >= 0"),
+                     engine=_engine(t, EngineSpec()))
     t.done()
     return spec
 
 
-def _cluster(t: Table) -> ClusterShape:
+def _engine(t: Table, base: EngineSpec) -> EngineSpec:
+    """`engine`, `gpu`, `model_card`, `byte_scale`, `profile`, `compute_efficiency`, `memory_efficiency`
+    over `base` (a cluster's over the [model] ones)."""
+    fraction = (float, str)
+    try:
+        return EngineSpec(
+            kind=t.get("engine", str, base.kind, lambda v: v in ENGINES, f"must be one of {ENGINES}"),
+            gpu=t.get("gpu", str, base.gpu), model_card=t.get("model_card", str, base.model_card),
+            byte_scale=str(t.get("byte_scale", fraction, base.byte_scale)),
+            profile=t.path("profile", base.profile),
+            compute_efficiency=t.get("compute_efficiency", float, base.compute_efficiency),
+            memory_efficiency=t.get("memory_efficiency", float, base.memory_efficiency),
+        )
+    except ValueError as exc:
+        raise t.fail(str(exc)) from None
+
+
+def _cluster(t: Table, engine: EngineSpec) -> ClusterShape:
     shape = ClusterShape(t.get("name", str, check=lambda v: bool(_NAME.match(v)), need="is not a name"),
                          t.get("prefill", int, 1, _at_least_0, _NEED_0),
                          t.get("decode", int, 1, _at_least_0, _NEED_0),
                          t.get("inactive", int, 0, _at_least_0, _NEED_0),
-                         _strings(t, "router_args"), _strings(t, "replica_args"))
+                         _strings(t, "router_args"), _strings(t, "replica_args"), _engine(t, engine))
     t.done()
     if shape.prefill + shape.decode < 1:
         raise t.fail("a cluster needs at least one prefill or decode replica")

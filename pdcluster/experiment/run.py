@@ -23,7 +23,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from pdcluster.experiment.cell import Outcome, read_status, run_cell
+from pdcluster.experiment.cell import Execute, Outcome, read_status, run_cell
 from pdcluster.experiment.matrix import Cell, expand, fingerprint
 from pdcluster.experiment.results import MATRIX
 from pdcluster.experiment.spec import Experiment, ModelSpec
@@ -68,15 +68,17 @@ def ensure_model(model: ModelSpec) -> None:
 
 
 def run_experiment(experiment: Experiment, out: Path, force: bool = False, only: Sequence[str] = (),
-                   report: bool = True) -> RunResult:
-    """Run the cells that are not finished (those whose key contains one of `only`, when given)."""
+                   report: bool = True, execute: Execute | None = None) -> RunResult:
+    """Run the cells that are not finished (those whose key contains one of `only`, when given), by
+    `execute` (the cluster's processes by default; virtual time for `pdcluster simulate`)."""
     plan = [(c, must) for c, must in to_run(experiment, out, force)
             if not only or any(o in c.key for o in only)]
     out.mkdir(parents=True, exist_ok=True)
     shutil.copyfile(experiment.source, out / "experiment.toml")
     # the report shows these cells only (folders of an earlier version of the file stay on disk)
     (out / MATRIX).write_text(json.dumps([cell.key for cell in expand(experiment)], indent=1) + "\n")
-    ensure_model(experiment.model)
+    if execute is None:
+        ensure_model(experiment.model)
     ran: dict[str, Outcome] = {}
     reused = []
     with tqdm(total=len(plan), unit="cell", file=sys.stderr, dynamic_ncols=True) as bar:
@@ -91,7 +93,7 @@ def run_experiment(experiment: Experiment, out: Path, force: bool = False, only:
                 left = f"{eta:.0f} s" if math.isfinite(eta) else "?"
                 bar.set_postfix_str(f"{key}: {done}/{total} requests, cell ETA {left}")
 
-            outcome = run_cell(experiment, cell, cell_folder(out, cell), progress)
+            outcome = run_cell(experiment, cell, cell_folder(out, cell), progress, execute)
             ran[cell.key] = outcome
             note = f": {outcome.error.splitlines()[0]}" if outcome.error else ""
             tqdm.write(f"{outcome.state:7} {cell.key} ({outcome.seconds:.0f} s){note}", file=sys.stderr)

@@ -20,6 +20,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from pdcluster.cluster.engine import EngineSpec
+
 STRATEGIES = ("full", "progressive", "mutate", "recompute", "colocated")
 """The router's built-in migration strategies (others may be registered; names pass through)."""
 STATIC_POLICY = "static"
@@ -34,8 +36,10 @@ class ModelSpec:
 
     path: Path
     tiny: dict[str, Any] = field(default_factory=dict)  # make-tiny-model options when `path` is missing
-    num_blocks: int = 512
+    num_blocks: int | None = None  # None: 512 (torch), what the GPU's memory leaves (simulated)
     torch_threads: int = 0  # per replica; 0 = this machine's cores shared by the replicas
+    # every cluster's, unless the cluster names its own
+    engine: EngineSpec = field(default_factory=EngineSpec)
 
 
 @dataclass(frozen=True)
@@ -48,6 +52,8 @@ class ClusterShape:
     inactive: int = 0
     router_args: tuple[str, ...] = ()  # more `pdcluster router` flags (batch budgets, migration bounds)
     replica_args: tuple[str, ...] = ()  # more `pdcluster replica` flags, for every replica
+    # torch, or the simulated GPU and card (the [model] one by default)
+    engine: EngineSpec = field(default_factory=EngineSpec)
 
     def roles(self) -> list[str]:
         """The role of each replica, by rank (prefill first, then decode, then inactive)."""

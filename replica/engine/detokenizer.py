@@ -62,6 +62,16 @@ class Detokenizer:
         """Whether a tokenizer was found."""
         return self._tokenizer is not None
 
+    @property
+    def vocab_size(self) -> int | None:
+        """Ids the tokenizer knows (added tokens included); None without one."""
+        return None if self._tokenizer is None else self._tokenizer.get_vocab_size(with_added_tokens=True)
+
+    @property
+    def special_ids(self) -> frozenset[int]:
+        """The tokenizer's special tokens."""
+        return self._special
+
     def encode(self, text: str) -> list[int]:
         """Token ids of `text` (with the tokenizer's special-token template, as the router would)."""
         if self._tokenizer is None:

@@ -2,7 +2,8 @@
 
 Not thread-safe by design: only the engine thread (`replica.engine.worker`) calls it. Every method
 validates before it changes anything, and a failure after pages were allocated gives them back
-before the error leaves, so a refused call never changes `blocks.num_free`.
+before the error leaves, so a refused call never changes `blocks.num_free`. The computing is the
+runner's (`backend.Runner`: the torch model, or the simulated GPU); everything else here is shared.
 
 ```
  prefill(BatchSpec) ─► admit (validate, allocate pages) ─► forward(prompts) ─► sample ─► cache batch
@@ -15,12 +16,12 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
+from replica.engine.backend import Runner, SeqInput
 from replica.engine.batch import Batch, BatchStore, RequestState, merge
 from replica.engine.detokenizer import Detokenizer
 from replica.engine.generation import appended_generation, prefill_tokens, step_generation
-from replica.engine.runner import ForwardOutput, ModelRunner, SeqInput
-from replica.engine.sampling import RowInput, choose_next
 from replica.engine.stopping import StopChecker
 from replica.engine.types import (
     BatchId,
@@ -31,6 +32,7 @@ from replica.engine.types import (
     Generation,
     RequestId,
     RequestSpec,
+    RowInput,
     StepResult,
 )
 from replica.engine.validation import Limits, admit_batch, check_appended
@@ -59,7 +61,7 @@ class Engine:
 
     def __init__(
         self,
-        runner: ModelRunner,
+        runner: Runner,
         detok: Detokenizer,
         limits: Limits,
         meta: EngineMeta,
@@ -73,7 +75,7 @@ class Engine:
         self.meta = meta
         self.blocks = BlockManager(runner.cache.num_blocks, runner.cache.block_size)
         self.store = BatchStore()
-        self.eos_token_ids = frozenset(runner.model.config.eos_token_ids)
+        self.eos_token_ids = frozenset(runner.config.eos_token_ids)
 
     @property
     def block_size(self) -> int:
@@ -194,24 +196,25 @@ class Engine:
             for r in requests
         ]
 
-    def _choose(self, requests: Sequence[RequestState], out: ForwardOutput) -> list[Generation]:
-        """Choose one token per request from a forward's logits and account it."""
+    def _choose(self, requests: Sequence[RequestState], out: Any) -> list[Generation]:
+        """Choose one token per request from a forward's output and account it."""
         rows = [
             RowInput(r.spec.sampling, r.tokens, r.prompt_len - r.spec.generated_prefix, r.spec.top_n_tokens)
             for r in requests
         ]
-        choices = choose_next(out.last_logits, rows)
+        choices = self.runner.choose(out, rows)
         generations = []
-        every, detok = out.all_logits, self.detok
+        detok = self.detok
         for i, (request, choice) in enumerate(zip(requests, choices, strict=True)):
             prefill = None
-            if i in every:
-                prefill = prefill_tokens(request.tokens[: request.prompt_len], every[i], detok)
+            if request.spec.prefill_logprobs and request.num_cached == 0:
+                prompt = request.tokens[: request.prompt_len]
+                prefill = prefill_tokens(prompt, self.runner.prompt_logprobs(out, i, prompt), detok)
             request.num_cached = len(request.tokens)
             generations.append(step_generation(request, choice, detok, prefill))
         return generations
 
-    def finish_prefill(self, batch: Batch, out: ForwardOutput, start_ns: int, forward_ns: int) -> StepResult:
+    def finish_prefill(self, batch: Batch, out: Any, start_ns: int, forward_ns: int) -> StepResult:
         """First tokens of an admitted batch whose forward ran in parts elsewhere (layer-level prefill).
 
         Like the end of `prefill`: choose, cache the batch (or drop it if every request finished);
@@ -259,7 +262,7 @@ class Engine:
     # ------------------------------------------------------------------------------------- info
     def info(self) -> EngineInfo:
         """Model and cache facts, exact at this instant."""
-        config = self.runner.model.config
+        config = self.runner.config
         ready = self.readiness.snapshot()
         return EngineInfo(
             model_id=self.meta.model_id,
@@ -278,7 +281,7 @@ class Engine:
             window_size=config.sliding_window,
         )
 
-    def replace_cache(self, runner: ModelRunner) -> None:
+    def replace_cache(self, runner: Runner) -> None:
         """Swap in a runner over a new KV cache (only while no batch is cached)."""
         if len(self.store):
             raise FailedPrecondition("cannot resize the KV cache while batches are cached")

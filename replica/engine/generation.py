@@ -7,14 +7,11 @@ against the stopping criteria.
 
 from __future__ import annotations
 
-import math
-
-import torch
+from collections.abc import Sequence
 
 from replica.engine.batch import RequestState
 from replica.engine.detokenizer import Detokenizer
-from replica.engine.sampling import Choice
-from replica.engine.types import GeneratedText, Generation, TokenList
+from replica.engine.types import Choice, GeneratedText, Generation, TokenList
 
 
 def accept(request: RequestState, token_id: int, detok: Detokenizer) -> str:
@@ -73,9 +70,6 @@ def appended_generation(request: RequestState, token_id: int, detok: Detokenizer
     return Generation(request_id=request.id, tokens=TokenList(), generated_text=final_text(request, detok))
 
 
-def prefill_tokens(prompt: list[int], logits: torch.Tensor, detok: Detokenizer) -> TokenList:
-    """Prompt tokens with the log-probability of each under the logits of the position before it."""
-    logprobs = torch.log_softmax(logits[:-1].float(), dim=-1)
-    picked = logprobs.gather(1, torch.tensor(prompt[1:], dtype=torch.long).view(-1, 1)).view(-1).tolist()
-    values = (math.nan, *picked)
-    return _tokens(tuple(prompt), tuple(values), tuple(detok.texts_of(prompt)), detok)
+def prefill_tokens(prompt: list[int], logprobs: Sequence[float], detok: Detokenizer) -> TokenList:
+    """Prompt tokens with the log-probability of each (NaN for the first: nothing comes before it)."""
+    return _tokens(tuple(prompt), tuple(logprobs), tuple(detok.texts_of(prompt)), detok)

@@ -8,23 +8,22 @@ at layer k from a given activation, stop after layer k, or wait for a layer's we
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import NamedTuple
 
 import torch
 
+from replica.engine.backend import SeqInput
+from replica.engine.memory import resized_cache
+from replica.engine.sampling import choose_next
+from replica.engine.types import Choice, RowInput
 from replica.model.attention import AttentionContext, PagedKVCache, SeqSlice, as_int64
+from replica.model.config import ModelConfig
 from replica.model.llama import CausalLM
 
-
-class SeqInput(NamedTuple):  # built per request per step: a NamedTuple is cheaper than a dataclass
-    """One sequence of a forward: feed `tokens`, whose positions start at `start`, into `pages`."""
-
-    tokens: Sequence[int]
-    pages: Sequence[int]
-    start: int
-    all_logits: bool = False  # also return the logits of every fed token (prompt log-probabilities)
+__all__ = ["ForwardOutput", "ModelRunner", "SeqInput"]
 
 
 @dataclass(frozen=True)
@@ -36,7 +35,7 @@ class ForwardOutput:
 
 
 class ModelRunner:
-    """Owns nothing but references: the model and the KV cache it writes into."""
+    """Owns nothing but references: the model and the KV cache it writes into (`backend.Runner`)."""
 
     def __init__(self, model: CausalLM, cache: PagedKVCache) -> None:
         self.model = model
@@ -47,6 +46,15 @@ class ModelRunner:
     def num_layers(self) -> int:
         """Transformer layers of the model."""
         return self.model.config.num_layers
+
+    @property
+    def config(self) -> ModelConfig:
+        """The model's hyper-parameters."""
+        return self.model.config
+
+    def inference(self) -> AbstractContextManager[object]:
+        """torch's inference mode, around every forward."""
+        return torch.inference_mode()
 
     def context(self, seqs: Sequence[SeqInput]) -> AttentionContext:
         """The attention context of one forward (positions, page tables, masks)."""
@@ -83,3 +91,26 @@ class ModelRunner:
             ctx = self.context(seqs)
             hidden = self.run_layers(self.embed(seqs), ctx, 0, self.num_layers)
             return self.logits(hidden, ctx, seqs)
+
+    def choose(self, out: ForwardOutput, rows: Sequence[RowInput]) -> list[Choice]:
+        """Sample (or pick greedily) one token per sequence from its last logits."""
+        return choose_next(out.last_logits, rows)
+
+    def prompt_logprobs(self, out: ForwardOutput, index: int, prompt: Sequence[int]) -> list[float]:
+        """Each prompt token's log-probability under the logits of the position before it."""
+        logprobs = torch.log_softmax(out.all_logits[index][:-1].float(), dim=-1)
+        ids = torch.tensor(list(prompt[1:]), dtype=torch.long).view(-1, 1)
+        return [math.nan, *logprobs.gather(1, ids).view(-1).tolist()]
+
+    def empty_activation(self, tokens: int) -> torch.Tensor:
+        """(tokens, hidden) in the cache's dtype."""
+        return torch.empty((tokens, self.model.config.hidden_size), dtype=self.cache.tensor.dtype)
+
+    def sendable(self, hidden: torch.Tensor) -> torch.Tensor:
+        """A contiguous copy the fabric may read while the forward goes on."""
+        return hidden.detach().clone().contiguous()
+
+    def resized(self, fraction: float) -> ModelRunner | None:
+        """A runner over a cache of `fraction` of the memory left (None: the page count stays)."""
+        cache = resized_cache(self.cache, self.model.config, fraction)
+        return None if cache is None else ModelRunner(self.model, cache)

@@ -17,13 +17,11 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Sequence
-from typing import NamedTuple
 
 import torch
 
-from replica.engine.types import SamplingParams
-
-_MASK64 = (1 << 64) - 1
+from replica.engine.seeding import step_seed
+from replica.engine.types import Choice, RowInput, SamplingParams
 
 
 def repetition_penalty(scores: torch.Tensor, seen: torch.Tensor, penalty: float) -> torch.Tensor:
@@ -83,39 +81,6 @@ def warp(scores: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     if params.typical_p < 1.0:
         scores = typical_filter(scores, params.typical_p)
     return scores
-
-
-def step_seed(seed: int, step: int) -> int:
-    """A well-mixed 64-bit seed for (request seed, step) (splitmix64 finaliser)."""
-    z = (seed + (step + 1) * 0x9E3779B97F4A7C15) & _MASK64
-    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
-    return z ^ (z >> 31)
-
-
-# RowInput and Choice are built for every request at every step: NamedTuples are immutable like
-# frozen dataclasses but several times cheaper to construct.
-class RowInput(NamedTuple):
-    """What choosing one request's next token needs besides its logits."""
-
-    params: SamplingParams
-    tokens: Sequence[int]  # prompt + generated so far
-    prompt_len: int
-    top_n: int = 0
-
-    @property
-    def num_generated(self) -> int:
-        """Tokens generated so far (the sampling step index)."""
-        return len(self.tokens) - self.prompt_len
-
-
-class Choice(NamedTuple):
-    """The chosen token of one request, its log-probability and the top alternatives."""
-
-    token_id: int
-    logprob: float
-    top_ids: tuple[int, ...] = ()
-    top_logprobs: tuple[float, ...] = ()
 
 
 @functools.lru_cache(maxsize=256)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import enum
 import functools
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple, NewType
 
@@ -129,6 +130,31 @@ class Generation(NamedTuple):
     prefill_tokens: TokenList | None = None
     generated_text: GeneratedText | None = None
     top_tokens: tuple[TokenList, ...] = ()
+
+
+# RowInput and Choice are built for every request at every step: NamedTuples are immutable like
+# frozen dataclasses but several times cheaper to construct.
+class RowInput(NamedTuple):
+    """What choosing one request's next token needs besides its logits."""
+
+    params: SamplingParams
+    tokens: Sequence[int]  # prompt + generated so far
+    prompt_len: int
+    top_n: int = 0
+
+    @property
+    def num_generated(self) -> int:
+        """Tokens generated so far (the sampling step index)."""
+        return len(self.tokens) - self.prompt_len
+
+
+class Choice(NamedTuple):
+    """The chosen token of one request, its log-probability and the top alternatives."""
+
+    token_id: int
+    logprob: float
+    top_ids: tuple[int, ...] = ()
+    top_logprobs: tuple[float, ...] = ()
 
 
 @dataclass(frozen=True)

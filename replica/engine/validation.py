@@ -5,12 +5,17 @@ Pure Python. Caller mistakes are INVALID_ARGUMENT; prompts over the limits are R
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from replica.config import ReplicaConfig
 from replica.engine.types import BatchSpec, RequestSpec, SamplingParams
 from replica.errors import InvalidArgument, ResourceExhausted
+from replica.model.config import ModelConfig
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -21,6 +26,23 @@ class Limits:
     max_input_tokens: int
     max_total_tokens: int
     max_prefill_tokens: int
+
+
+def derive_limits(config: ReplicaConfig, model: ModelConfig) -> Limits:
+    """Input/total/prefill limits: configured values, never past the model's positions."""
+    positions = model.max_position_embeddings
+    max_total = min(config.max_total_tokens or positions, positions)
+    max_input = min(config.max_input_tokens or max_total - 1, max_total - 1)
+    if max_input <= 0:
+        raise ValueError(f"max_total_tokens {max_total} leaves no room for a prompt")
+    if config.max_total_tokens and config.max_total_tokens > positions:
+        log.warning("max_total_tokens %d capped at %d positions", config.max_total_tokens, positions)
+    return Limits(
+        vocab_size=model.vocab_size,
+        max_input_tokens=max_input,
+        max_total_tokens=max_total,
+        max_prefill_tokens=max(config.max_batch_prefill_tokens, max_input),
+    )
 
 
 def _finite(value: float) -> bool:

@@ -1,5 +1,7 @@
 """Warmup: the profile run (the largest prefill the limits allow) and sizing the KV cache from memory.
 
+Pure Python: the runner runs the profile prefill and makes the resized cache (`backend.Runner`).
+
 When `--num-blocks` is not given, the cache gets `fraction` of the memory left: at start-up from the
 memory available then, and again at Warmup from the memory left after the profile run (the cache's
 own bytes count as left, so repeated warmups do not shrink it).
@@ -7,36 +9,10 @@ own bytes count as left, so repeated warmups do not shrink it).
 
 from __future__ import annotations
 
-from pathlib import Path
-
-import torch
-
+from replica.engine.backend import SeqInput
 from replica.engine.engine import Engine
-from replica.engine.runner import ModelRunner, SeqInput
 from replica.engine.types import WarmupSpec
 from replica.errors import ResourceExhausted
-from replica.model.attention import PagedKVCache
-from replica.model.config import ModelConfig
-
-
-def available_memory_bytes(device: torch.device) -> int:
-    """Memory a new allocation can still get on `device` (CPU: MemAvailable of /proc/meminfo)."""
-    if device.type == "cuda":
-        return int(torch.cuda.mem_get_info(device)[0])
-    meminfo = Path("/proc/meminfo")
-    if meminfo.is_file():
-        for line in meminfo.read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    import os
-
-    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-
-
-def blocks_for_memory(config: ModelConfig, block_size: int, dtype: torch.dtype, budget_bytes: float) -> int:
-    """Pages that fit in `budget_bytes` (at least one)."""
-    per_block = PagedKVCache.bytes_per_block(config, block_size, dtype)
-    return max(int(budget_bytes // per_block), 1)
 
 
 def check_limits(engine: Engine, spec: WarmupSpec) -> int:
@@ -75,19 +51,13 @@ def profile_run(engine: Engine, prefill_tokens: int) -> int:
 
 
 def resize_from_memory(engine: Engine, fraction: float) -> None:
-    """Give the KV cache `fraction` of the memory left (no-op while batches are cached)."""
+    """Give the KV cache `fraction` of the memory left (no-op while batches are cached, or for a
+    runner whose cache does not follow the memory left, like the simulated GPU's)."""
     if len(engine.store):
         return
-    old = engine.runner.cache
-    config = engine.runner.model.config
-    left = available_memory_bytes(old.tensor.device) + old.tensor.numel() * old.tensor.element_size()
-    num_blocks = blocks_for_memory(config, old.block_size, old.dtype, left * fraction)
-    if num_blocks == old.num_blocks:
-        return
-    device = str(old.tensor.device)
-    old.tensor = torch.empty(0, dtype=old.dtype)  # drop the old pages before the new ones are made
-    cache = PagedKVCache.for_model(config, num_blocks, old.block_size, old.dtype, device)
-    engine.replace_cache(ModelRunner(engine.runner.model, cache))
+    runner = engine.runner.resized(fraction)
+    if runner is not None:
+        engine.replace_cache(runner)
 
 
 def warmup(engine: Engine, spec: WarmupSpec, auto_size_fraction: float | None) -> int:

@@ -177,14 +177,7 @@ class Migrations:
 
     def _take(self, spec: BatchSpec) -> Batch:
         """(Engine thread) the cached batch named by `spec`, out of the store, checked against `spec`."""
-        batch = self.engine.store.get(spec.id)
-        wanted = tuple(r.id for r in spec.requests)
-        if batch.request_ids != wanted:
-            raise InvalidArgument(f"batch {spec.id} holds {list(batch.request_ids)}, not {list(wanted)}")
-        advanced = [r.id for r in batch if r.num_cached > r.prompt_len]
-        if advanced:
-            raise FailedPrecondition(f"requests {advanced} were decoded here: migrate right after prefill")
-        return self.engine.store.pop(spec.id)
+        return take_for_migration(self.engine, spec)
 
     def _free(self, batch: Batch) -> None:
         """(Engine thread) give the batch's pages back."""
@@ -275,6 +268,19 @@ class Migrations:
     def _clear_adopted(self, info: CachedBatchInfo) -> None:
         if info.id in self.engine.store:
             self.engine.clear(info.id)
+
+
+def take_for_migration(engine: Engine, spec: BatchSpec) -> Batch:
+    """(Engine thread) the cached batch named by `spec`, out of the store, checked against `spec`:
+    the same requests, none decoded here yet (only the prompt's KV moves)."""
+    batch = engine.store.get(spec.id)
+    wanted = tuple(r.id for r in spec.requests)
+    if batch.request_ids != wanted:
+        raise InvalidArgument(f"batch {spec.id} holds {list(batch.request_ids)}, not {list(wanted)}")
+    advanced = [r.id for r in batch if r.num_cached > r.prompt_len]
+    if advanced:
+        raise FailedPrecondition(f"requests {advanced} were decoded here: migrate right after prefill")
+    return engine.store.pop(spec.id)
 
 
 def seq_pages(batch: Batch) -> list[SeqPages]:

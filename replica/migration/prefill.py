@@ -30,11 +30,8 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-import torch
-
 from replica.engine.batch import Batch
 from replica.engine.engine import Engine
-from replica.engine.runner import ForwardOutput
 from replica.engine.types import BatchSpec, StepResult
 from replica.engine.worker import WorkItem
 from replica.errors import AlreadyExists, DeadlineExceeded, PeerTimeout
@@ -57,7 +54,7 @@ class _Forwarded:
     """A finished forward: the batch (pages owned by this call), the logits, its timings."""
 
     batch: Batch
-    out: ForwardOutput
+    out: Any  # the runner's forward output
     start_ns: int
     forward_ns: int
 
@@ -120,11 +117,11 @@ class MigratingPrefill:
         return _Forwarded(batch, out, start, time.perf_counter_ns() - start)
 
     @staticmethod
-    def _layers(engine: Engine, batch: Batch, events: queue.SimpleQueue[_Event] | None) -> ForwardOutput:
+    def _layers(engine: Engine, batch: Batch, events: queue.SimpleQueue[_Event] | None) -> Any:
         """The runner's forward, one `run_layers` call per layer, announcing each finished layer."""
         runner = engine.runner
         seqs = Engine.seq_inputs(batch.requests, with_prompt_logprobs=True)
-        with torch.inference_mode():
+        with runner.inference():
             ctx = runner.context(seqs)
             hidden = runner.embed(seqs)
             for layer in range(runner.num_layers):

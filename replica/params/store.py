@@ -17,6 +17,10 @@ checkpoint at start (`--host-cache`: the node keeps the checkpoint in host memor
 baseline of scaling experiments). Loading never copies, so it stays as fast as a raw read of the
 checkpoint.
 
+The bytes themselves come through a `WeightIO`: a Hugging Face checkpoint read into a torch tensor
+(`checkpoint.CheckpointIO`, the default), or a simulated GPU's weight buffer of a model card's
+sizes, scaled (`replica/engine/sim/weights.py`); this module imports no torch.
+
 Emulated bandwidths (`--disk-gbps`, `--host-gbps`, Gbit/s; 0 = as fast as this machine goes): each
 region (disk) or chunk (host) is marked ready no earlier than the emulated device would have
 delivered it, so a scale-up from disk or host memory costs here what it costs on the emulated
@@ -29,14 +33,10 @@ import logging
 import time
 from collections.abc import Callable
 from pathlib import Path
-
-import torch
-from tqdm import tqdm
+from typing import Any, Protocol
 
 from replica.errors import FailedPrecondition, InvalidArgument, NotFound, PermissionDenied
-from replica.model.config import ModelConfig
 from replica.model.layout import Region, WeightLayout
-from replica.model.weights import load_weights
 from replica.params.readiness import ParamReadiness
 from transfer.core import Deadline
 from transfer.tcp.ratelimit import LinkPacer
@@ -46,20 +46,45 @@ log = logging.getLogger(__name__)
 _HOST_COPY_CHUNK = 64 << 20  # bytes per copy step (progress and readiness advance between steps)
 
 
+class WeightIO(Protocol):
+    """Where the weight bytes come from and how the buffer is copied (torch tensors, or plain bytes)."""
+
+    def has_checkpoint(self, path: Path) -> bool:
+        """Something to load is at `path`."""
+        ...
+
+    def check_layout(self, path: Path, layout: WeightLayout) -> None:
+        """FAILED_PRECONDITION unless what is at `path` lays out exactly like `layout`."""
+        ...
+
+    def load(self, path: Path, layout: WeightLayout, buffer: Any, landed: Callable[[str], None]) -> None:
+        """Fill `buffer` from `path`, calling `landed(region name)` in layout order as each completes."""
+        ...
+
+    def empty_copy(self, buffer: Any) -> Any:
+        """A host buffer the size of `buffer`."""
+        ...
+
+    def copy(self, dst: Any, src: Any, lo: int, hi: int) -> None:
+        """Bytes [lo, hi) of `src` into `dst`."""
+        ...
+
+
 class ParamStore:
-    """The weight buffer (uint8, `layout.total_bytes`), its layout and readiness."""
+    """The weight buffer (`layout.total_bytes` bytes), its layout and readiness."""
 
     def __init__(
-        self, layout: WeightLayout, buffer: torch.Tensor, readiness: ParamReadiness, model_root: Path,
-        disk_gbps: float = 0.0, host_gbps: float = 0.0,
+        self, layout: WeightLayout, buffer: Any, readiness: ParamReadiness, model_root: Path,
+        disk_gbps: float = 0.0, host_gbps: float = 0.0, io: WeightIO | None = None,
     ) -> None:
         self.layout = layout
         self.buffer = buffer
         self.readiness = readiness
         self.model_root = Path(model_root)
-        self.host_copy: torch.Tensor | None = None
+        self.host_copy: Any = None
         self.disk_gbps = disk_gbps
         self.host_gbps = host_gbps
+        self.io = io if io is not None else _checkpoint_io()
 
     # ------------------------------------------------------------------------ region facts
     def regions(self) -> list[tuple[int, int]]:
@@ -96,13 +121,13 @@ class ParamStore:
         target = (raw if raw.is_absolute() else root / raw).resolve()
         if target != root and root not in target.parents:
             raise PermissionDenied(f"{model_path} is outside the model root {root}")
-        if not (target / "config.json").is_file():
+        if not self.io.has_checkpoint(target):
             raise NotFound(f"no checkpoint (config.json) at {target}")
         return target
 
     def load_from_disk(self, path: Path) -> None:
         """Fill the buffer from the checkpoint at `path` (already resolved)."""
-        self._check_layout(path)
+        self.io.check_layout(path, self.layout)
         self.begin_fill("LoadParams from disk")
         start = time.perf_counter()
         pace = _pacer(self.disk_gbps)
@@ -114,7 +139,7 @@ class ParamStore:
                 self.readiness.mark(region.kind, region.index)
                 advance(region)
 
-            load_weights(path, self.layout, self.buffer, landed)
+            self.io.load(path, self.layout, self.buffer, landed)
         _log_speed("loaded from disk", self.layout.total_bytes, start)
 
     def load_from_host(self) -> None:
@@ -131,7 +156,7 @@ class ParamStore:
             for region in self.layout.regions:
                 for lo in range(region.offset, region.end, _HOST_COPY_CHUNK):
                     hi = min(lo + _HOST_COPY_CHUNK, region.end)
-                    self.buffer[lo:hi].copy_(copy[lo:hi])
+                    self.io.copy(self.buffer, copy, lo, hi)
                     pace(hi - lo)
                 self.readiness.mark(region.kind, region.index)
                 advance(region)
@@ -139,30 +164,34 @@ class ParamStore:
 
     def warm_host_copy(self, path: Path) -> None:
         """Read the checkpoint at `path` into the host-memory copy (not into the buffer, not paced)."""
-        self._check_layout(path)
-        copy = torch.empty_like(self.buffer)
-        load_weights(path, self.layout, copy, lambda _name: None)
+        self.io.check_layout(path, self.layout)
+        copy = self.io.empty_copy(self.buffer)
+        self.io.load(path, self.layout, copy, lambda _name: None)
         self.host_copy = copy
-        log.info("host cache: %.1f MB of %s kept in host memory", copy.numel() / 1e6, path.name)
+        log.info("host cache: %.1f MB of %s kept in host memory", self.layout.total_bytes / 1e6, path.name)
 
     def unload(self) -> None:
         """ResetStatus: keep the bytes as the host copy when complete, then mark nothing loaded."""
         if self.readiness.complete:
             if self.host_copy is None:
-                self.host_copy = torch.empty_like(self.buffer)
-            self.host_copy.copy_(self.buffer)
+                self.host_copy = self.io.empty_copy(self.buffer)
+            self.io.copy(self.host_copy, self.buffer, 0, self.layout.total_bytes)
         self.readiness.reset()
 
-    def _check_layout(self, path: Path) -> None:
-        other = WeightLayout.for_config(ModelConfig.from_dir(path), self.layout.dtype, self.layout.shard)
-        if other.signature() != self.layout.signature():
-            raise FailedPrecondition(f"the checkpoint at {path} has a different weight layout")
+
+def _checkpoint_io() -> WeightIO:
+    """The torch engine's `WeightIO` (imported here: this module itself stays free of torch)."""
+    from replica.params.checkpoint import CheckpointIO
+
+    return CheckpointIO()
 
 
 class _Progress:
     """A tqdm bar (stderr) over the buffer's bytes, advanced region by region."""
 
     def __init__(self, layout: WeightLayout, desc: str) -> None:
+        from tqdm import tqdm  # only when loading: its import costs a replica's start-up a tenth of a second
+
         self.bar = tqdm(total=layout.total_bytes, unit="B", unit_scale=True, desc=desc, leave=False)
 
     def __enter__(self) -> Callable[[Region], None]:

@@ -24,6 +24,7 @@ from replica.config import ReplicaConfig
 from replica.server.core import ReplicaCore
 from replica.server.frames import FrameSocket, Hello, ToReplica
 from replica.server.lanes import EngineLane, ServiceLane
+from replica.server.security import TlsFiles
 
 log = logging.getLogger(__name__)
 
@@ -43,17 +44,25 @@ class FrontProcess:
         self.port = port
 
     @classmethod
-    def start(cls, config: ReplicaConfig, core: ReplicaCore, on_lost: Callable[[], None]) -> FrontProcess:
-        """Spawn the child, wait for its bound port, start serving its calls."""
+    def start(cls, config: ReplicaConfig, core: ReplicaCore, on_lost: Callable[[], None],
+              tls: TlsFiles | None = None, token: str = "") -> FrontProcess:
+        """Spawn the child, wait for its bound port, start serving its calls. `tls` and `token`: the
+        edge's TLS files (passed as paths) and cluster token (written to the child's stdin, so it
+        stays out of the process list)."""
         mine, theirs = socket.socketpair()
         service_mine, service_theirs = socket.socketpair()
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(_REPO), env.get("PYTHONPATH", "")) if p)
         cmd = [sys.executable, "-m", "replica.server.frontend", "--fd", str(theirs.fileno()),
                "--service-fd", str(service_theirs.fileno()), "--host", config.host,
-               "--port", str(config.port), "--workers", str(config.grpc_workers)]  # fmt: skip
+               "--port", str(config.port), "--workers", str(config.grpc_workers),
+               "--engine-tag", config.engine_tag]  # fmt: skip
+        cmd += _tls_args(tls) + (["--token-stdin"] if token else [])
         proc = subprocess.Popen(cmd, pass_fds=(theirs.fileno(), service_theirs.fileno()),
-                                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, env=env)  # fmt: skip
+                                stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, env=env)  # fmt: skip
+        assert proc.stdin is not None
+        with proc.stdin:
+            proc.stdin.write(f"{token}\n".encode() if token else b"")
         theirs.close()
         service_theirs.close()
         wire = FrameSocket(mine, ToReplica)
@@ -88,3 +97,11 @@ class FrontProcess:
             self.proc.kill()
             self.proc.wait()
         self.service.close()
+
+
+def _tls_args(tls: TlsFiles | None) -> list[str]:
+    """The front's TLS flags: its server's certificate, key and client CA."""
+    if tls is None or not tls.serves:
+        return []
+    args = ["--tls-cert", str(tls.cert), "--tls-key", str(tls.key)]
+    return args + (["--tls-client-ca", str(tls.client_ca)] if tls.client_ca is not None else [])

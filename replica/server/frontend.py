@@ -14,6 +14,7 @@ handed over, status sent: ~7 per unary call) stalls the step it overlaps (replic
                    frames; reflection: served here
 ```
 Started by `front_process.py` as `python -m replica.server.frontend --fd N --service-fd M ...`
+(with `--tls-cert/--tls-key/--tls-client-ca` paths, and `--token-stdin`: the cluster token on stdin)
 (not a `pdcluster` command: only the replica starts it). It reports its bound port as its first
 frame and exits when the replica closes the hot socket; it ignores SIGINT (the replica handles
 Ctrl-C for both). It imports no torch.
@@ -28,12 +29,14 @@ import socket
 import sys
 import threading
 from collections.abc import Sequence
+from pathlib import Path
 
 from replica.server.frames import BufferedFrameSocket, Hello, ToFront
 from replica.server.grpc_server import GrpcServer
 from replica.server.messages import Lane
 from replica.server.remote import RemoteCore
 from replica.server.rpcs import Edge
+from replica.server.security import TlsFiles
 
 
 def _parse(argv: Sequence[str]) -> argparse.Namespace:
@@ -43,6 +46,11 @@ def _parse(argv: Sequence[str]) -> argparse.Namespace:
     parser.add_argument("--host", required=True)
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--workers", type=int, default=16)
+    parser.add_argument("--tls-cert", type=Path, help="serve over TLS with this certificate")
+    parser.add_argument("--tls-key", type=Path)
+    parser.add_argument("--tls-client-ca", type=Path, help="require client certificates from this CA")
+    parser.add_argument("--token-stdin", action="store_true", help="read the cluster token from stdin")
+    parser.add_argument("--engine-tag", default="", help="x-pdcluster-engine metadata of every response")
     return parser.parse_args(argv)
 
 
@@ -52,9 +60,12 @@ def serve(args: argparse.Namespace) -> int:
     service = BufferedFrameSocket(socket.socket(fileno=args.service_fd), ToFront)
     servers: list[GrpcServer] = []
     client = RemoteCore(hot, service, lambda serving: servers[0].set_serving(serving))
+    token = sys.stdin.readline().strip() if args.token_stdin else ""
     try:
-        server = GrpcServer(f"{args.host}:{args.port}", args.workers, Edge(client))
-    except OSError:
+        tls = TlsFiles(args.tls_cert, args.tls_key, client_ca=args.tls_client_ca)
+        edge = Edge(client, args.engine_tag)
+        server = GrpcServer(f"{args.host}:{args.port}", args.workers, edge, tls, token)
+    except (OSError, ValueError):
         logging.getLogger(__name__).exception("cannot listen on %s:%s", args.host, args.port)
         hot.send(Hello(0))
         return 1

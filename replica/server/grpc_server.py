@@ -2,11 +2,14 @@
 
 It serves `generate.v2.TextGenerationService` through the edge (`rpcs.Edge`), `grpc.health.v1`
 (NOT_SERVING until the model is loaded: `set_serving`) and reflection, so grpcurl can list and
-describe everything. Messages up to 64 MiB each way.
+describe everything. Messages up to 64 MiB each way. With `tls` it listens with TLS (mutual TLS
+when its `client_ca` is set); with `token` every state-changing RPC needs `x-cluster-token`
+(`security.py`).
 """
 
 from __future__ import annotations
 
+import logging
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
@@ -14,23 +17,33 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from replica.server.rpcs import SERVICE, Edge
+from replica.server.security import TlsFiles, TokenInterceptor, warn_if_exposed
 
 MESSAGE_BYTES = 64 * 1024 * 1024
+log = logging.getLogger("replica")
 
 
 class GrpcServer:
     """A started gRPC server serving one edge, its health and reflection."""
 
-    def __init__(self, address: str, workers: int, edge: Edge) -> None:
+    def __init__(
+        self, address: str, workers: int, edge: Edge, tls: TlsFiles | None = None, token: str = ""
+    ) -> None:
         options = [
             ("grpc.max_send_message_length", MESSAGE_BYTES),
             ("grpc.max_receive_message_length", MESSAGE_BYTES),
         ]
         self.server = grpc.server(
-            ThreadPoolExecutor(max_workers=workers, thread_name_prefix="grpc"), options=options
+            ThreadPoolExecutor(max_workers=workers, thread_name_prefix="grpc"), options=options,
+            interceptors=[TokenInterceptor(token)] if token else None,
         )
+        serves_tls = tls is not None and tls.serves
+        warn_if_exposed(log, "the replica's gRPC server", address.rsplit(":", 1)[0], serves_tls)
         try:
-            self.port = self.server.add_insecure_port(address)
+            if tls is not None and serves_tls:
+                self.port = self.server.add_secure_port(address, tls.server_credentials())
+            else:
+                self.port = self.server.add_insecure_port(address)
         except RuntimeError as exc:  # grpc raises where older versions returned 0
             raise OSError(f"cannot listen on {address}: {exc}") from exc
         if self.port == 0:

@@ -17,8 +17,8 @@ from types import FrameType
 from typing import Protocol
 
 from replica.cluster import ReplicaCluster, build_cluster
-from replica.config import ReplicaConfig
-from replica.engine.factory import build_engine_and_params
+from replica.config import EngineKind, ReplicaConfig
+from replica.engine.backends import build_engine_and_params
 from replica.engine.worker import EngineWorker
 from replica.placement import CpuPlacement, PlacementError, allowed_cpus
 from replica.server.core import ReplicaCore
@@ -27,6 +27,7 @@ from replica.server.grpc_server import GrpcServer
 from replica.server.local import LocalCore
 from replica.server.registration import RouterRegistration
 from replica.server.rpcs import Edge
+from replica.server.security import TlsFiles, read_token
 
 log = logging.getLogger("replica")
 
@@ -55,12 +56,27 @@ def _install_signal_handlers(stop: threading.Event) -> None:
     signal.signal(signal.SIGINT, handle)
 
 
-def _register(config: ReplicaConfig, port: int) -> RouterRegistration | None:
+@dataclass(frozen=True)
+class EdgeSecurity:
+    """TLS files and cluster token of the replica's gRPC edge (from its config)."""
+
+    tls: TlsFiles
+    token: str
+
+    @classmethod
+    def of(cls, config: ReplicaConfig) -> EdgeSecurity:
+        """From the flags; ValueError names a missing TLS file or a bad token (file)."""
+        tls = TlsFiles(config.tls_cert, config.tls_key, config.tls_ca, config.tls_client_ca)
+        return cls(tls, read_token(config.cluster_token, config.cluster_token_file))
+
+
+def _register(config: ReplicaConfig, port: int, tls: TlsFiles) -> RouterRegistration | None:
     """Register with the router (in the background, retrying) when `--router` is given."""
     if not config.router:
         return None
     registration = RouterRegistration(
-        config.router, f"{config.host}:{port}", config.role, config.router_token
+        config.router, f"{config.host}:{port}", config.role, config.router_token,
+        credentials=tls.channel_credentials(),
     )
     registration.start()
     return registration
@@ -98,13 +114,16 @@ def _start_services(
 ) -> _Services:
     """The core and its engine thread, and the gRPC edge placed in this process or in the front
     process (`front`); serving, not ready yet (engine calls answer "still loading")."""
+    security = EdgeSecurity.of(config)
     worker = EngineWorker()
     core = ReplicaCore(config, worker)
     try:
         if front:
-            placement: Placement = FrontProcess.start(config, core, on_lost)
+            placement: Placement = FrontProcess.start(config, core, on_lost, security.tls, security.token)
         else:
-            placement = GrpcServer(f"{config.host}:{config.port}", config.grpc_workers, Edge(LocalCore(core)))
+            address = f"{config.host}:{config.port}"
+            edge = Edge(LocalCore(core), config.engine_tag)
+            placement = GrpcServer(address, config.grpc_workers, edge, security.tls, security.token)
     except BaseException:
         worker.stop()
         raise
@@ -114,7 +133,7 @@ def _start_services(
 def load_and_connect(config: ReplicaConfig, services: _Services) -> None:
     """Load the model on the engine thread, create the fabric (buffers registered), start serving."""
     engine, params = services.worker.call(lambda: build_engine_and_params(config))
-    services.cluster = build_cluster(config, services.port, engine)
+    services.cluster = build_cluster(config, services.port, engine, params.buffer)
     services.core.attach(engine, params, services.cluster)
     services.placement.set_serving(True)
 
@@ -137,11 +156,12 @@ def serve(config: ReplicaConfig) -> int:
     )
     try:
         placement = _placement(config)
-    except PlacementError as exc:
+        security = EdgeSecurity.of(config)
+    except (PlacementError, ValueError, OSError) as exc:  # OSError: an unreadable token file
         log.error("%s", exc)
         return 2
     threads = placement.torch_threads(config.torch_threads) if placement else config.torch_threads
-    if threads:
+    if threads and config.engine is EngineKind.TORCH:  # a simulated replica never imports torch
         import torch
 
         torch.set_num_threads(threads)
@@ -165,7 +185,7 @@ def serve(config: ReplicaConfig) -> int:
         services.stop()
         return 1
     print(f"{READY_PREFIX} {config.host}:{services.port}", flush=True)
-    registration = _register(config, services.port)
+    registration = _register(config, services.port, security.tls)
     stop.wait()
     if registration is not None:
         registration.stop()

@@ -2,8 +2,9 @@
 
 A small gRPC client of `router.v1.RouterAdmin`, independent of the engine: a daemon thread
 registers this replica's address, then sends heartbeats at the interval the router asked for.
-When the router forgets the replica (it was declared dead, or the router restarted) it registers
-again; when the router is unreachable it keeps retrying, so start order does not matter.
+It speaks TLS when given channel credentials (`--tls-ca`). When the router forgets the replica
+(it was declared dead, or the router restarted) it registers again; when the router is unreachable
+it keeps retrying, so start order does not matter.
 
 ```
  replica ──RegisterReplica(address, role)──► router   (→ replica_id, interval, timeout)
@@ -33,13 +34,15 @@ class RouterRegistration:
     """Registers `replica_address` with the router at `router_address` and keeps it alive."""
 
     def __init__(self, router_address: str, replica_address: str, role: str = "", token: str = "",
-                 retry_seconds: float = 0.5, call_timeout: float = 5.0) -> None:
+                 retry_seconds: float = 0.5, call_timeout: float = 5.0,
+                 credentials: grpc.ChannelCredentials | None = None) -> None:
         if role not in ROLES:
             raise ValueError(f"unknown role {role!r}; choose from {sorted(r for r in ROLES if r)}")
         self.router_address = router_address
         self.replica_address = replica_address
         self.role = role
         self.metadata = (("x-admin-token", token),) if token else ()
+        self.credentials = credentials  # TLS to the router (None: plaintext)
         self.retry_seconds = retry_seconds
         self.call_timeout = call_timeout
         self.replica_id: int | None = None
@@ -59,7 +62,11 @@ class RouterRegistration:
             self._thread.join(timeout)
 
     def _run(self) -> None:
-        with grpc.insecure_channel(self.router_address) as channel:
+        if self.credentials is None:
+            channel = grpc.insecure_channel(self.router_address)
+        else:
+            channel = grpc.secure_channel(self.router_address, self.credentials)
+        with channel:
             stub = pb_grpc.RouterAdminStub(channel)
             interval = self.retry_seconds
             while not self._stop.is_set():

@@ -34,6 +34,8 @@ from replica.server.ordering import CallOrder, call_names
 from replica.zigzag.outcome import OutcomeKind, Relayed, ZagOutcome
 
 SERVICE = pb.DESCRIPTOR.services_by_name["TextGenerationService"].full_name
+ENGINE_KEY = "x-pdcluster-engine"
+"""Initial metadata of every response of a replica that is not the torch engine (`simulated; gpu=…`)."""
 _NO_DEADLINE = 10.0**7  # seconds; grpc's "no deadline" shows up as an enormous time_remaining
 
 
@@ -231,14 +233,17 @@ def _deadline(context: grpc.ServicerContext) -> float | None:
 class Edge:
     """The gRPC handlers of the service, over one `CoreClient`."""
 
-    def __init__(self, client: CoreClient) -> None:
+    def __init__(self, client: CoreClient, engine_tag: str = "") -> None:
         self.client = client
         self.order = CallOrder()  # pipelined DecodeV2 calls reach the core in the caller's order
+        self.metadata = ((ENGINE_KEY, engine_tag),) if engine_tag else None
 
     def handler(self, rpc: Rpc) -> Callable[[Any, grpc.ServicerContext], Message]:
         """The handler of one RPC (errors mapped by `guard`)."""
 
         def handle(request: Any, context: grpc.ServicerContext) -> Message:
+            if self.metadata is not None:
+                context.send_initial_metadata(self.metadata)
             deadline = _deadline(context)
             call, pending = self._start(rpc, request, deadline, context)
             kind = type(call)

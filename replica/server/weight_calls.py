@@ -21,8 +21,7 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import dataclass
-
-import torch
+from typing import Any
 
 from replica.cluster import WEIGHT_BUFFER
 from replica.engine.engine import Engine
@@ -211,7 +210,7 @@ class WeightCalls:
 
     def _incoming_activation(
         self, engine: Engine, call: PipelinedPrefill, ctx: CallContext
-    ) -> tuple[int, torch.Tensor | None]:
+    ) -> tuple[int, Any]:
         """(first layer to run, received activation or None to embed here) from the call's start."""
         num_layers = engine.runner.num_layers
         if call.start is None or call.start is PipeStart.EMBEDDING:
@@ -227,8 +226,6 @@ class WeightCalls:
         tokenize = engine.detok.encode if engine.detok.available else None
         # the activation's rows
         tokens = sum(len(p) for p in admit_batch(call.batch, engine.limits, tokenize))
-        hidden_size = engine.runner.model.config.hidden_size
-        dtype = engine.runner.cache.tensor.dtype
         remaining = ctx.remaining()
         timeout = math.inf if remaining is None else remaining  # the link caps it at --transfer-timeout
-        return start, link.receive(call.pipe_peer[0], (tokens, hidden_size), dtype, timeout)
+        return start, link.receive(call.pipe_peer[0], engine.runner.empty_activation(tokens), timeout)

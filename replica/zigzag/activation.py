@@ -12,8 +12,7 @@ from __future__ import annotations
 import itertools
 import logging
 import threading
-
-import torch
+from typing import Any
 
 from replica.params.transfer import replica_error
 from transfer.core import Deadline, Handle, Stream
@@ -32,11 +31,11 @@ class ActivationLink:
         self.fabric = fabric
         self.timeout = timeout
         self._lock = threading.Lock()
-        self._in_flight: dict[str, torch.Tensor] = {}  # keeps each sent tensor alive until done
+        self._in_flight: dict[str, Any] = {}  # keeps each sent buffer alive until done
 
-    def send(self, peer: int, hidden: torch.Tensor) -> Handle:
-        """Post the send of `hidden` to `peer`; returns at once (failures are logged)."""
-        tensor = hidden.detach().clone().contiguous()  # a plain tensor the fabric may read
+    def send(self, peer: int, tensor: Any) -> Handle:
+        """Post the send of `tensor` (a buffer of its own: `Runner.sendable`) to `peer`; returns at
+        once (failures are logged)."""
         name = f"activation-out:{next(_names)}"
         nbytes = self.fabric.register(name, tensor)
         with self._lock:
@@ -52,9 +51,9 @@ class ActivationLink:
         if handle.error is not None:
             log.warning("activation to rank %d failed: %s", peer, handle.error)
 
-    def receive(self, peer: int, shape: tuple[int, int], dtype: torch.dtype, timeout: float) -> torch.Tensor:
-        """Receive one activation of `shape` from `peer` (blocks; deadline = min(timeout, transfer))."""
-        tensor = torch.empty(shape, dtype=dtype)
+    def receive(self, peer: int, tensor: Any, timeout: float) -> Any:
+        """Receive one activation from `peer` into `tensor` (`Runner.empty_activation`) and return it
+        (blocks; deadline = min(timeout, transfer))."""
         name = f"activation-in:{next(_names)}"
         nbytes = self.fabric.register(name, tensor)
         deadline = Deadline.after(min(timeout, self.timeout))

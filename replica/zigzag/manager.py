@@ -23,8 +23,6 @@ import time
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 
-import torch
-
 from replica.engine.engine import Engine
 from replica.engine.types import BatchSpec
 from replica.engine.worker import EngineWorker
@@ -135,7 +133,7 @@ class ZigzagManager:
     def _step(self, task: ZagTask) -> None:
         runner = self.engine.runner
         start = time.perf_counter_ns()
-        with torch.inference_mode():
+        with runner.inference():
             if not task.started:
                 task.seqs = self.engine.seq_inputs(task.batch.requests, with_prompt_logprobs=True)
                 task.ctx = runner.context(task.seqs)
@@ -179,7 +177,7 @@ class ZigzagManager:
             raise ReplicaError("no transfer fabric to send the activation on")
         if layers:
             assert task.hidden is not None
-            self.link.send(peer, task.hidden)  # type: ignore[union-attr]
+            self.link.send(peer, self.engine.runner.sendable(task.hidden))  # type: ignore[union-attr]
         self.tasks.remove(task)
         for request in task.batch:
             request.num_cached = request.prompt_len  # layers [0, k) of the prompt are in the pages

@@ -11,22 +11,21 @@ here (pages, limits) then leaves the (peer, ACTIVATION stream) channel aligned f
 from __future__ import annotations
 
 import time
-
-import torch
+from typing import Any
 
 from replica.engine.engine import Engine
 from replica.engine.types import BatchSpec, StepResult
 
 
 def naive_pp_prefill(
-    engine: Engine, spec: BatchSpec, start_layer: int, hidden: torch.Tensor | None, timeout: float | None
+    engine: Engine, spec: BatchSpec, start_layer: int, hidden: Any, timeout: float | None
 ) -> StepResult:
     """Admit `spec`, run layers [start_layer, L) and the head, choose first tokens, cache the batch."""
     start = time.perf_counter_ns()
     batch = engine.admit(spec)
     try:
         runner, readiness = engine.runner, engine.readiness
-        with torch.inference_mode():
+        with runner.inference():
             seqs = engine.seq_inputs(batch.requests, with_prompt_logprobs=True)
             ctx = runner.context(seqs)
             if hidden is None:

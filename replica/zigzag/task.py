@@ -4,12 +4,10 @@ from __future__ import annotations
 
 from concurrent.futures import Future
 from dataclasses import dataclass, field
+from typing import Any
 
-import torch
-
+from replica.engine.backend import SeqInput
 from replica.engine.batch import Batch
-from replica.engine.runner import SeqInput
-from replica.model.attention import AttentionContext
 from replica.params.readiness import Readiness
 from replica.zigzag.outcome import ZagOutcome
 
@@ -23,8 +21,8 @@ class ZagTask:
     start_ns: int
     future: Future[ZagOutcome] = field(default_factory=Future)
     seqs: list[SeqInput] = field(default_factory=list)
-    ctx: AttentionContext | None = None
-    hidden: torch.Tensor | None = None  # (tokens, hidden) activation after `layer` layers
+    ctx: Any = None  # the runner's context of the forward
+    hidden: Any = None  # the runner's activation after `layer` layers
     layer: int = -1
     forward_ns: int = 0
 

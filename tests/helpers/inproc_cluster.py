@@ -57,9 +57,18 @@ class InProcReplica:
         """Health.state."""
         return str(self.stub.Health(pb.HealthRequest(), timeout=CALL_TIMEOUT).state)
 
+    def sees_gone(self, peer: int) -> bool:
+        """Whether this replica's tcp fabric saw `peer` close a connection (white-box: a test that
+        kills a peer waits for this before what should then fail at once)."""
+        cluster = self.services.cluster
+        liveness = getattr(cluster.fabric, "_liveness", None) if cluster is not None else None
+        assert liveness is not None, "a tcp fabric keeps the peers it saw leave"
+        return bool(liveness.gone(peer))
+
 
 def write_rank_table(path: Path, n: int, link_gbps: float = 0.0) -> Path:
     """`n` loopback ranks; with `link_gbps` each rank is its own node behind an emulated NIC."""
+    path.parent.mkdir(parents=True, exist_ok=True)
     return write_loopback_ranks(path, free_ports(n), link_gbps, one_node=not link_gbps)
 
 

@@ -7,13 +7,13 @@ import functools
 import json
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
 from router.client import ReplicaClient
 from router.tokenizer import Tokenizer
 from router.types import ReplicaInfo
+from tests.helpers.eventually import eventually
 
 GRPCURL = str(Path(sys.executable).parent / "grpcurl")
 
@@ -56,13 +56,17 @@ def replica_infos(addresses: list[str]) -> list[ReplicaInfo]:
 
 
 def wait_pages_free(addresses: list[str], timeout: float = 30.0) -> list[ReplicaInfo]:
-    """Poll until every replica has all its pages free (returns the last Infos either way)."""
-    end = time.monotonic() + timeout
-    while True:
+    """Wait until every replica has all its pages free; returns their Infos (the test fails, naming
+    the replicas' free and total pages, if that does not happen in `timeout`)."""
+    last: list[tuple[int, int]] = []
+
+    def all_free() -> list[ReplicaInfo] | None:
         infos = replica_infos(addresses)
-        if all(i.num_blocks_free == i.num_blocks_total for i in infos) or time.monotonic() > end:
-            return infos
-        time.sleep(0.2)
+        last[:] = [(i.num_blocks_free, i.num_blocks_total) for i in infos]
+        return infos if all(free == total for free, total in last) else None
+
+    return eventually(all_free, timeout, interval=0.2,
+                      message=lambda: f"every page free on {addresses} (free, total: {last})")
 
 
 def grpcurl(admin: str, method: str, data: dict[str, Any] | None = None, token: str = "") -> dict[str, Any]:

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import json
 import threading
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
 import uvicorn
 from tokenizers import Tokenizer, models, pre_tokenizers, processors
+
+from tests.helpers.eventually import eventually
 
 SPECIALS = ("<unk>", "<s>", "</s>")
 WORDS = (*(f"w{i}" for i in range(40)), "hello", "world", "the", "cat", "sat", "user:", "assistant:", ":")
@@ -52,11 +53,9 @@ class ThreadedServer:
     def start(self, timeout: float = 20.0) -> str:
         """Start and return the base URL once listening."""
         self.thread.start()
-        deadline = time.monotonic() + timeout
-        while not self.server.started:
-            if time.monotonic() > deadline or not self.thread.is_alive():
-                raise RuntimeError("uvicorn did not start")
-            time.sleep(0.01)
+        eventually(lambda: self.server.started or not self.thread.is_alive(), timeout, message="uvicorn up")
+        if not self.server.started:
+            raise RuntimeError("uvicorn did not start")
         port = self.server.servers[0].sockets[0].getsockname()[1]
         return f"http://127.0.0.1:{port}"
 

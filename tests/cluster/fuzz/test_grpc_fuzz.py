@@ -35,6 +35,7 @@ from protos import generate_pb2 as pb
 from protos import generate_pb2_grpc as pb_grpc
 from protos import router_pb2 as rpb
 from protos import router_pb2_grpc as rpb_grpc
+from tests.helpers.eventually import eventually
 from tests.helpers.fuzz import fuzz_examples, fuzz_seed
 from tests.helpers.processes import alive, descendants
 from tests.helpers.proto_strategies import Hints, rpc_requests
@@ -130,14 +131,17 @@ def free_blocks(live: Live) -> int:
 
 
 def settle_pages(live: Live, start: int, timeout: float = 30.0) -> int:
-    """Clear every cached batch until Info says `start` pages are free (in-flight work may still end)."""
-    deadline = time.monotonic() + timeout
-    while True:
+    """Clear every cached batch until Info says `start` pages are free (in-flight work may still end);
+    the test fails naming the last count if they never are."""
+    seen: list[int] = []
+
+    def cleared() -> bool:
         replica_stub(live).ClearCache(pb.ClearCacheRequest(), timeout=30)
-        free = free_blocks(live)
-        if free == start or time.monotonic() > deadline:
-            return free
-        time.sleep(0.3)
+        seen.append(free_blocks(live))
+        return seen[-1] == start
+
+    eventually(cleared, timeout, interval=0.3, message=lambda: f"{start} pages free (last: {seen[-1]})")
+    return seen[-1]
 
 
 @pytest.fixture(scope="module")
@@ -185,13 +189,12 @@ def sweep(live: Live, service: str, strategies: dict[str, st.SearchStrategy[Mess
 
 
 def assert_no_leak(live: Live, before: tuple[int, int], slack: int = 4, timeout: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout
-    while True:
+    def within() -> tuple[int, int] | None:
         now = live.resources()
-        if now[0] <= before[0] + slack and now[1] <= before[1] + slack:
-            return
-        assert time.monotonic() < deadline, f"threads, fds grew from {before} to {now}"
-        time.sleep(0.3)
+        return now if now[0] <= before[0] + slack and now[1] <= before[1] + slack else None
+
+    eventually(within, timeout, interval=0.3,
+               message=lambda: f"threads, fds back near {before} (now {live.resources()})")
 
 
 def test_replica_rpcs_answer_documented_statuses_and_leak_nothing(

@@ -8,7 +8,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -16,6 +15,7 @@ import httpx
 import pytest
 
 from pdcluster.cluster.replica_process import free_port_run
+from tests.helpers.eventually import eventually
 from tests.helpers.processes import alive, descendants
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -93,10 +93,8 @@ def test_launch_serves_and_sigterm_leaves_no_children(
             assert calls == []
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(60) == 0
-        end = time.monotonic() + 10
-        while any(alive(c) for c in children):
-            assert time.monotonic() < end, [c for c in children if alive(c)]
-            time.sleep(0.1)
+        eventually(lambda: not any(alive(c) for c in children), 10, interval=0.1,
+                   message=lambda: f"every child exited (alive: {[c for c in children if alive(c)]})")
     finally:
         if proc.poll() is None:
             proc.kill()

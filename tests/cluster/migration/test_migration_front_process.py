@@ -20,6 +20,7 @@ import pytest
 from pdcluster.cluster.replica_process import ReplicaProcess
 from protos import generate_pb2 as pb
 from protos import generate_pb2_grpc as pb_grpc
+from tests.helpers.eventually import eventually
 from tests.helpers.migration_cluster import make_batch, random_prompts, reference, write_rank_table
 
 NUM_BLOCKS = 64
@@ -67,14 +68,7 @@ def ranks(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterato
 def pages_return(ranks: list[_Rank]) -> Iterator[None]:
     assert [r.free_blocks() for r in ranks] == [NUM_BLOCKS] * 3
     yield
-    _wait_for(lambda: [r.free_blocks() for r in ranks] == [NUM_BLOCKS] * 3)
-
-
-def _wait_for(condition: Callable[[], bool], timeout: float = 10.0) -> None:
-    end = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < end, "condition not reached in time"
-        time.sleep(0.02)
+    eventually(lambda: [r.free_blocks() for r in ranks] == [NUM_BLOCKS] * 3)
 
 
 def _status(call: Callable[[], object]) -> tuple[grpc.StatusCode, str]:
@@ -167,9 +161,9 @@ def test_an_immigrate_nobody_sends_to_ends_at_its_deadline_or_when_cancelled(ran
     start = time.monotonic()
     code, _ = _status(lambda: d.stub.Immigrate(request, timeout=1.0))
     assert code == grpc.StatusCode.DEADLINE_EXCEEDED and time.monotonic() - start < 3.0
-    _wait_for(lambda: d.free_blocks() == NUM_BLOCKS, timeout=5.0)  # far sooner than --transfer-timeout
+    eventually(lambda: d.free_blocks() == NUM_BLOCKS, timeout=5.0)  # far sooner than --transfer-timeout
 
     call = d.stub.Immigrate.future(request, timeout=DEADLINE)
-    _wait_for(lambda: d.free_blocks() < NUM_BLOCKS)  # admitted: its pages are allocated, it waits
+    eventually(lambda: d.free_blocks() < NUM_BLOCKS)  # admitted: its pages are allocated, it waits
     call.cancel()
-    _wait_for(lambda: d.free_blocks() == NUM_BLOCKS, timeout=5.0)  # the servicer's end callback ran
+    eventually(lambda: d.free_blocks() == NUM_BLOCKS, timeout=5.0)  # the servicer's end callback ran

@@ -9,7 +9,7 @@ the last byte could have arrived.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
@@ -19,6 +19,7 @@ import pytest
 from pdcluster.cluster.replica_process import ReplicaProcess
 from protos import generate_pb2 as pb
 from protos import generate_pb2_grpc as pb_grpc
+from tests.helpers.eventually import eventually
 from tests.helpers.migration_cluster import code_and_cause, make_batch, random_prompts, write_rank_table
 
 NUM_BLOCKS = 256
@@ -81,17 +82,10 @@ def _start_migration(
     receive = pb.ImmigrateRequest(batch=batch, src=[ranks[0]], dst=[ranks[1]])
     sent = pool.submit(_stub(p).Migrate, send, timeout=DEADLINE)
     received = pool.submit(_stub(d).Immigrate, receive, timeout=DEADLINE)
-    _wait_for(lambda: _info(p).num_cached_batches == 0)  # the sender took the batch: bytes are moving
-    time.sleep(0.3)
+    eventually(lambda: _info(p).num_cached_batches == 0, 20)  # the sender took the batch: bytes are moving
+    time.sleep(0.3)  # the scenario: the kill lands while the (paced) bytes move
     assert not sent.done() and not received.done(), "the transfer finished before the kill"
     return sent, received
-
-
-def _wait_for(condition: Callable[[], bool], timeout: float = 20.0) -> None:
-    end = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < end, "condition not reached in time"
-        time.sleep(0.02)
 
 
 def test_receiver_killed_mid_migration(replicas: list[ReplicaProcess]) -> None:

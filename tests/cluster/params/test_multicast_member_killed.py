@@ -14,6 +14,7 @@ import pytest
 from pdcluster.cluster.replica_process import ReplicaProcess
 from protos import generate_pb2 as pb
 from protos import generate_pb2_grpc as pb_grpc
+from tests.helpers.eventually import eventually
 from tests.helpers.weights_cluster import generate, prompts_for, reference, write_rank_table
 
 TRANSFER_TIMEOUT = 15.0
@@ -58,13 +59,6 @@ def _broadcast(stubs: list[pb_grpc.TextGenerationServiceStub]) -> None:
         stub.RdmaBroadcast(request, timeout=CALL)
 
 
-def _wait_for(predicate: Callable[[], bool], seconds: float) -> None:
-    deadline = time.monotonic() + seconds
-    while not predicate():
-        assert time.monotonic() < deadline, "condition not reached in time"
-        time.sleep(0.05)
-
-
 @pytest.mark.timeout(280)
 def test_chain_member_killed_then_retry(tiny_model_factory: Callable[..., Path], tmp_path: Path) -> None:
     model = tiny_model_factory(**MODEL)
@@ -75,7 +69,8 @@ def test_chain_member_killed_then_retry(tiny_model_factory: Callable[..., Path],
     try:
         stubs = [_stub(r) for r in replicas]
         _broadcast(stubs)
-        _wait_for(lambda: stubs[1].Info(pb.InfoRequest(), timeout=CALL).num_layers_loaded >= 1, 60)
+        eventually(lambda: stubs[1].Info(pb.InfoRequest(), timeout=CALL).num_layers_loaded >= 1, 60,
+                   interval=0.05, message="a layer landed on rank 1")
         replicas[2].process.kill()  # mid-multicast: rank 1 forwards to it, rank 3 receives from it
         replicas[2].process.wait(10)
 

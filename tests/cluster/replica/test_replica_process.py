@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -20,6 +19,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from pdcluster.cluster.replica_process import ReplicaProcess
 from protos import generate_pb2 as pb
 from protos import generate_pb2_grpc as pb_grpc
+from tests.helpers.eventually import eventually
 
 NUM_BLOCKS = 96
 DEADLINE = 30.0
@@ -160,9 +160,8 @@ def test_concurrent_prefills_and_a_missed_deadline(stub: pb_grpc.TextGenerationS
     assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     # Whether the prefill never ran or ran after its caller left, nothing stays cached (the replica may
     # still be finishing the abandoned call when the client gives up: poll with a deadline).
-    limit = time.monotonic() + DEADLINE
-    while stub.Info(pb.InfoRequest(), timeout=DEADLINE).num_cached_batches and time.monotonic() < limit:
-        time.sleep(0.05)
+    eventually(lambda: stub.Info(pb.InfoRequest(), timeout=DEADLINE).num_cached_batches == 0, DEADLINE,
+               interval=0.05, message="nothing cached")
     assert _free(stub) == NUM_BLOCKS
 
 

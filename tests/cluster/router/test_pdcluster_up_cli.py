@@ -6,12 +6,12 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 
 import httpx
 
+from tests.helpers.eventually import eventually
 from tests.helpers.processes import alive, children_of
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -46,10 +46,7 @@ def test_up_ready_line_serves_and_stops_everything(tiny_model_factory: Callable[
         assert answer["pdcluster_route"]["strategy"] == "recompute"
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(60) == 0
-        end = time.monotonic() + 10
-        while any(alive(c) for c in children):
-            assert time.monotonic() < end
-            time.sleep(0.1)
+        eventually(lambda: not any(alive(c) for c in children), 10, interval=0.1, message="children exited")
         assert not any(port_open(a) for a in [*replicas, url.removeprefix("http://")])
     finally:
         if proc.poll() is None:

@@ -5,7 +5,6 @@ a decode replica killed mid-run. One cluster for the whole module (1 prefill + 2
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -19,6 +18,7 @@ from tokenizers import Tokenizer
 from pdcluster.cluster.local import LocalCluster, UpConfig
 from router import strategies
 from router.config import Strategy
+from tests.helpers.eventually import eventually
 from tests.helpers.router_cluster import (
     GreedyOracle,
     grpcurl,
@@ -246,14 +246,12 @@ def test_grpcurl_lists_drains_and_restores(cluster: LocalCluster) -> None:
     with pytest.raises(RuntimeError, match="PermissionDenied"):
         grpcurl(cluster.admin_address, "Drain", {"replicaId": rid}, "wrong-token")
     grpcurl(cluster.admin_address, "Drain", {"replicaId": rid}, TOKEN)
-    role = ""
-    for _ in range(100):
-        role = next(r for r in grpcurl(cluster.admin_address, "ListReplicas")["replicas"]
-                    if r.get("id", 0) == rid)["role"]
-        if role == "REPLICA_ROLE_IDLE":
-            break
-        time.sleep(0.1)
-    assert role == "REPLICA_ROLE_IDLE"
+
+    def role() -> str:
+        return str(next(r for r in grpcurl(cluster.admin_address, "ListReplicas")["replicas"]
+                        if r.get("id", 0) == rid)["role"])
+
+    eventually(lambda: role() == "REPLICA_ROLE_IDLE", 10, interval=0.1, message="the drained replica idle")
     grpcurl(cluster.admin_address, "SetRole", {"replicaId": rid, "role": "REPLICA_ROLE_DECODE"}, TOKEN)
     stats = grpcurl(cluster.admin_address, "Stats")
     assert int(stats.get("requests_finished", 0)) > 0

@@ -3,8 +3,8 @@ the batch runs again elsewhere and every request succeeds, under `full` and `pro
 
 The receiver's own Immigrate fails at once (UNAVAILABLE: it is marked dead then); the sender stops
 trying to connect to its fabric after `CONNECT_GRACE_S` (replica/migration/wire.py) and answers
-UNAVAILABLE with the peer cause, and the batch is re-run. Before 2026-11-25 the sender retried until
-the migration's deadline, and under `progressive` that request failed (DEADLINE_EXCEEDED, 502)."""
+UNAVAILABLE with the peer cause, and the batch is re-run. A sender that retried until the
+migration's deadline instead would fail that request under `progressive` (DEADLINE_EXCEEDED, 502)."""
 
 from __future__ import annotations
 

@@ -6,12 +6,12 @@ from __future__ import annotations
 import signal
 import subprocess
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 
 import httpx
 
+from tests.helpers.eventually import eventually
 from tests.helpers.router_cluster import grpcurl
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -20,13 +20,6 @@ ROOT = Path(__file__).resolve().parents[3]
 def start(args: list[str], log: Path) -> subprocess.Popen[str]:
     return subprocess.Popen([sys.executable, "-m", "pdcluster", *args], cwd=ROOT, stdout=subprocess.PIPE,
                             stderr=log.open("w"), text=True)
-
-
-def wait_for(check: Callable[[], bool], timeout: float) -> None:
-    end = time.monotonic() + timeout
-    while not check():
-        assert time.monotonic() < end, "condition not reached in time"
-        time.sleep(0.2)
 
 
 def test_replica_registers_serves_and_expires(tiny_model_factory: Callable[..., Path], tmp_path: Path
@@ -50,14 +43,15 @@ def test_replica_registers_serves_and_expires(tiny_model_factory: Callable[..., 
         def listed() -> list[dict[str, object]]:
             return list(grpcurl(admin, "ListReplicas").get("replicas", []))
 
-        wait_for(lambda: len(listed()) == 1, 120)
+        eventually(lambda: len(listed()) == 1, 120, interval=0.2, message="the replica registered")
         entry = listed()[0]
         assert entry["registered"] is True and entry["role"] == "REPLICA_ROLE_COLOCATED"
         body = {"model": model.name, "prompt": "hi", "max_tokens": 4, "temperature": 0}
         answer = httpx.post(f"{url}/v1/completions", json=body, timeout=60).json()
         assert answer["usage"]["completion_tokens"] >= 1
         replica.kill()
-        wait_for(lambda: listed()[0]["role"] == "REPLICA_ROLE_DEAD", 30)
+        eventually(lambda: listed()[0]["role"] == "REPLICA_ROLE_DEAD", 30, interval=0.2,
+                   message="the replica dead once its beats stopped")
         router.send_signal(signal.SIGTERM)
         assert router.wait(30) == 0
     finally:

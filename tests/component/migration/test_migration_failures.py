@@ -24,6 +24,7 @@ import grpc
 import pytest
 
 from protos import generate_pb2 as pb
+from tests.helpers.eventually import eventually
 from tests.helpers.migration_cluster import (
     CALL_TIMEOUT,
     Replica,
@@ -147,12 +148,12 @@ def test_an_immigrate_nobody_sends_to_ends_at_its_deadline_or_when_cancelled(
     with pytest.raises(grpc.RpcError) as info:
         d.stub.Immigrate(request, timeout=1.0)
     assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED and time.monotonic() - start < 5.0
-    _wait_for(lambda: d.free_blocks() == total)
+    eventually(lambda: d.free_blocks() == total)
 
     call = d.stub.Immigrate.future(request, timeout=CALL_TIMEOUT)
-    _wait_for(lambda: d.free_blocks() < total)  # admitted: its pages are allocated, it waits for a header
+    eventually(lambda: d.free_blocks() < total)  # admitted: its pages are allocated, it waits for a header
     call.cancel()
-    _wait_for(lambda: d.free_blocks() == total, timeout=5.0)  # far sooner than --transfer-timeout
+    eventually(lambda: d.free_blocks() == total, timeout=5.0)  # far sooner than --transfer-timeout
     # giving up left the pair's connection as it was: the next migration works the first time
     _migrates_correctly(p, d, tiny_llama, 72)
 
@@ -169,7 +170,7 @@ def test_a_late_sender_of_an_abandoned_batch_fails_at_once_and_the_next_migratio
     start = time.monotonic()
     with ThreadPoolExecutor(1) as pool:
         sent = pool.submit(code_and_cause, _migrate(p, late, d))  # comes after all: its header waits at d
-        _wait_for(lambda: p.stub.Info(pb.InfoRequest(), timeout=CALL_TIMEOUT).num_cached_batches == 0)
+        eventually(lambda: p.stub.Info(pb.InfoRequest(), timeout=CALL_TIMEOUT).num_cached_batches == 0)
         time.sleep(0.1)  # taken out of p's store: its header goes out now
         # the next Immigrate from p reads the late header first, refuses it (its sender fails at
         # once, not at its 20 s deadline) and then receives its own batch
@@ -201,13 +202,6 @@ def _migrates_correctly(p: Replica, d: Replica, tiny_llama: Path, batch_id: int)
     got = pair(_migrate(p, batch, d), _immigrate(d, batch, p))[1]
     tokens = decode_to_end(d, got.batch, first, [first[r][0] for r in got.batch.request_ids])
     assert tokens[first_id] == reference(tiny_llama, [list(batch.requests[0].input_tokens)], [3])[0]
-
-
-def _wait_for(condition: Callable[[], bool], timeout: float = 10.0) -> None:
-    end = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < end, "condition not reached in time"
-        time.sleep(0.02)
 
 
 def test_a_receiver_that_refuses_fails_its_sender_at_once_and_the_pair_works_afterwards(

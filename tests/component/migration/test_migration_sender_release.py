@@ -10,12 +10,12 @@ cancelled, not when its connect grace (CONNECT_GRACE_S, 10 s) or its transfer de
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import grpc
 
 from protos import generate_pb2 as pb
+from tests.helpers.eventually import eventually
 from tests.helpers.migration_cluster import (
     CALL_TIMEOUT,
     Replica,
@@ -27,14 +27,6 @@ from tests.helpers.migration_cluster import (
 )
 
 TRANSFER_TIMEOUT = 20.0
-
-
-def _wait_for(condition: Callable[[], bool], timeout: float) -> float:
-    start = time.monotonic()
-    while not condition():
-        assert time.monotonic() - start < timeout, "condition not reached in time"
-        time.sleep(0.02)
-    return time.monotonic() - start
 
 
 def _prefill(replica: Replica, batch: pb.Batch) -> None:
@@ -60,7 +52,7 @@ def test_a_sender_to_a_receiver_known_gone_fails_at_once(tiny_llama: Path, tmp_p
         )
         p.stub.ClearCache(pb.ClearCacheRequest(), timeout=CALL_TIMEOUT)
         d.services.stop()  # the receiver dies: its fabric's connections and listener go away
-        time.sleep(0.2)
+        eventually(lambda: p.sees_gone(d.rank), message="the sender saw the receiver leave")
 
         batch = make_batch(2, random_prompts(256, [30, 12]), [4, 4])
         _prefill(p, batch)
@@ -68,7 +60,7 @@ def test_a_sender_to_a_receiver_known_gone_fails_at_once(tiny_llama: Path, tmp_p
         code, cause = code_and_cause(lambda: p.stub.Migrate(_migrate(p, batch, d), timeout=CALL_TIMEOUT))
         assert (code, cause) == (grpc.StatusCode.UNAVAILABLE, "peer")
         assert time.monotonic() - start < 3.0  # not CONNECT_GRACE_S
-        _wait_for(lambda: p.free_blocks() == p.total_blocks(), timeout=3.0)
+        eventually(lambda: p.free_blocks() == p.total_blocks(), 3.0, message="the sender's pages back")
 
 
 def test_a_cancelled_sender_frees_its_pages_at_once(tiny_llama: Path, tmp_path: Path) -> None:
@@ -79,8 +71,12 @@ def test_a_cancelled_sender_frees_its_pages_at_once(tiny_llama: Path, tmp_path: 
         batch = make_batch(3, random_prompts(256, [40, 25]), [4, 4])
         _prefill(p, batch)
         call = p.stub.Migrate.future(_migrate(p, batch, d), timeout=CALL_TIMEOUT)  # nobody immigrates
-        time.sleep(0.5)  # the sender waits for its receiver's acknowledgement
+        # the sender took the batch out of its store and waits for its receiver's acknowledgement
+        eventually(lambda: p.stub.Info(pb.InfoRequest(), timeout=CALL_TIMEOUT).num_cached_batches == 0,
+                   message="the Migrate under way")
         assert p.free_blocks() < p.total_blocks()
         call.cancel()
-        assert _wait_for(lambda: p.free_blocks() == p.total_blocks(), timeout=3.0) < 3.0
+        start = time.monotonic()
+        eventually(lambda: p.free_blocks() == p.total_blocks(), 3.0, message="the sender's pages back")
+        assert time.monotonic() - start < 3.0
         assert d.free_blocks() == d.total_blocks()

@@ -11,24 +11,16 @@ deadline runs out.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import grpc
 import pytest
 
 from protos import generate_pb2 as pb
+from tests.helpers.eventually import eventually
 from tests.helpers.weights_cluster import CALL_TIMEOUT, weights_cluster
 
 TRANSFER_TIMEOUT = 20.0
-
-
-def _wait_for(condition: Callable[[], bool], timeout: float) -> float:
-    start = time.monotonic()
-    while not condition():
-        assert time.monotonic() - start < timeout, "condition not reached in time"
-        time.sleep(0.02)
-    return time.monotonic() - start
 
 
 def test_a_sender_to_a_receiver_known_gone_releases_the_guard_at_once(
@@ -39,8 +31,8 @@ def test_a_sender_to_a_receiver_known_gone_releases_the_guard_at_once(
         a.stub.SendParams(pb.SendParamsRequest(dst=1), timeout=CALL_TIMEOUT)
         for replica in (a, b):
             replica.stub.WaitRdmaDone(pb.WaitRdmaDoneRequest(), timeout=CALL_TIMEOUT)
-        a.services.stop()  # the first sender dies; b saw its connection close
-        time.sleep(0.2)
+        a.services.stop()  # the first sender dies; b sees its connection close
+        eventually(lambda: b.sees_gone(0), message="rank 1 saw rank 0 leave")
 
         start = time.monotonic()
         b.stub.SendParams(pb.SendParamsRequest(dst=0), timeout=CALL_TIMEOUT)
@@ -55,8 +47,10 @@ def test_a_cancelled_blocking_broadcast_releases_the_guard_at_once(tiny_llama: P
     with weights_cluster(tiny_llama, tmp_path, 2, inactive=[1], transfer_timeout=TRANSFER_TIMEOUT) as (a, _):
         request = pb.BroadcastRequest(src_ranks=[0], dst_ranks=[1])  # rank 1 never joins
         call = a.stub.NvlBroadcast.future(request, timeout=CALL_TIMEOUT)
-        _wait_for(lambda: a.weights.ops.busy, timeout=5.0)
-        time.sleep(0.3)
+        eventually(lambda: a.weights.ops.busy, 5.0, message="the broadcast holding the guard")
+        time.sleep(0.3)  # the scenario: the broadcast has been waiting for its peer a while
         call.cancel()
-        assert _wait_for(lambda: not a.weights.ops.busy, timeout=3.0) < 3.0
+        start = time.monotonic()
+        eventually(lambda: not a.weights.ops.busy, 3.0, message="the guard released")
+        assert time.monotonic() - start < 3.0
         a.stub.ResetStatus(pb.ResetStatusRequest(), timeout=CALL_TIMEOUT)  # the guard takes a new operation

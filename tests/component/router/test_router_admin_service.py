@@ -1,9 +1,10 @@
-"""The admin gRPC service in-process over fake replicas: token, list, stats, strategy, roles,
-and self-registration with heartbeats (replica/server/registration.py)."""
+"""The admin gRPC service in-process over real replicas in this process: token, list, stats,
+strategy, roles, and self-registration with heartbeats (replica/server/registration.py)."""
 
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 
 import grpc
 import grpc.aio
@@ -16,25 +17,26 @@ from router.admin import start_admin_server
 from router.config import Strategy
 from router.replicas import State
 from router.types import ReplicaId
-from tests.helpers.fake_replica import FakeFabric, FakeReplica
-from tests.helpers.router_core import collect, fake_cluster, finish_of, request, run
+from tests.helpers.eventually import eventually_async
+from tests.helpers.router_core import collect, finish_of, real_cluster, request, run, tokens_of
 
 TOKEN = (("x-admin-token", "s3cret"),)
+PD = (State.PREFILL, State.DECODE)
 
 
-def test_admin_calls_token_list_stats_strategy_and_roles() -> None:
+def test_admin_calls_token_list_stats_strategy_and_roles(tiny_llama: Path, tmp_path: Path) -> None:
     async def body() -> None:
-        async with fake_cluster((State.PREFILL, State.DECODE), Strategy.FULL) as (sched, _):
+        async with real_cluster(tiny_llama, tmp_path, PD, Strategy.FULL) as (sched, _):
             server, port = await start_admin_server(sched, "127.0.0.1", 0, token="s3cret")
             try:
                 async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
                     stub = pb_grpc.RouterAdminStub(channel)
-                    await collect(sched.submit(request([1, 2], 3)))
+                    generated = tokens_of(await collect(sched.submit(request([1, 2], 3))))
                     listed = await stub.ListReplicas(pb.ListReplicasRequest())
                     roles = [r.role for r in listed.replicas]
                     assert roles == [pb.REPLICA_ROLE_PREFILL, pb.REPLICA_ROLE_DECODE]
                     stats = await stub.Stats(pb.StatsRequest())
-                    assert stats.requests_finished == 1 and stats.generated_tokens == 3
+                    assert stats.requests_finished == 1 and stats.generated_tokens == len(generated)
                     assert stats.migrations == 1 and stats.strategy == pb.MIGRATION_STRATEGY_FULL
                     with pytest.raises(grpc.aio.AioRpcError) as denied:
                         await stub.SetMigrationStrategy(pb.SetMigrationStrategyRequest(
@@ -61,13 +63,12 @@ def test_admin_calls_token_list_stats_strategy_and_roles() -> None:
     run(body())
 
 
-def test_self_registration_heartbeats_and_expiry() -> None:
+def test_self_registration_heartbeats_and_expiry(tiny_llama: Path, tmp_path: Path) -> None:
     async def body() -> None:
-        async with fake_cluster((State.PREFILL,), Strategy.RECOMPUTE) as (sched, _):
+        async with real_cluster(tiny_llama, tmp_path, (State.PREFILL,), Strategy.RECOMPUTE,
+                                spare=1) as (sched, (_, extra)):
             server, port = await start_admin_server(sched, "127.0.0.1", 0, token="s3cret")
-            extra = FakeReplica(5, FakeFabric())
-            address = await extra.start()
-            reg = RouterRegistration(f"127.0.0.1:{port}", address, role="decode", token="s3cret",
+            reg = RouterRegistration(f"127.0.0.1:{port}", extra.address, role="decode", token="s3cret",
                                      retry_seconds=0.05)
             try:
                 reg.start()
@@ -79,27 +80,25 @@ def test_self_registration_heartbeats_and_expiry() -> None:
                     return handle.state.role
 
                 assert handle.state.registered and role() is State.DECODE
-                await asyncio.sleep(1.0)  # twice the heartbeat timeout: beats keep it alive
+                # the behaviour under test is time passing: twice the heartbeat timeout, and the
+                # beats keep it alive
+                await asyncio.sleep(1.0)
                 assert role() is State.DECODE
                 events = await collect(sched.submit(request([6], 4)))
                 assert finish_of(events).route.decode_replica == 1
                 await asyncio.to_thread(reg.stop)
-                for _ in range(100):
-                    if role() is State.DEAD:
-                        break
-                    await asyncio.sleep(0.05)
-                assert role() is State.DEAD
+                await eventually_async(lambda: role() is State.DEAD, message="dead once the beats stop")
             finally:
                 await asyncio.to_thread(reg.stop)
                 await server.stop(None)
-                await extra.stop()
     run(body())
 
 
-def test_strategies_are_set_and_reported_by_their_registered_name() -> None:
+def test_strategies_are_set_and_reported_by_their_registered_name(tiny_llama: Path,
+                                                                  tmp_path: Path) -> None:
     # a plug-in strategy has no enum value: the name fields carry it (enum UNSPECIFIED)
     async def body() -> None:
-        async with fake_cluster((State.PREFILL, State.DECODE), Strategy.FULL) as (sched, _):
+        async with real_cluster(tiny_llama, tmp_path, PD, Strategy.FULL) as (sched, _):
             server, port = await start_admin_server(sched, "127.0.0.1", 0)
             try:
                 async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:

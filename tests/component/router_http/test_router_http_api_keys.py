@@ -3,7 +3,6 @@ text-generation and httpx clients; 401 in each API's shape, 429 + Retry-After pe
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -18,6 +17,7 @@ from router.http import ServingInfo, create_app
 from router.http.keys import load_key_file
 from router.main import serve as serve_router
 from router.tokenizer import Tokenizer
+from tests.helpers.eventually import eventually
 from tests.helpers.fake_scheduler import FakeScheduler
 from tests.helpers.router_http import serve, write_word_tokenizer
 
@@ -151,10 +151,8 @@ def test_requests_per_minute_429_with_retry_after(server: tuple[str, FakeSchedul
 
 
 def wait_in_flight(url: str, name: str, value: float, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while sample(metrics(url), "pdcluster_api_key_in_flight", key=name) != value:
-        assert time.monotonic() < deadline, f"{name} never had {value} requests in flight"
-        time.sleep(0.02)
+    eventually(lambda: sample(metrics(url), "pdcluster_api_key_in_flight", key=name) == value, timeout,
+               interval=0.02, message=f"{value} requests of {name} in flight")
 
 
 def test_a_stream_holds_its_concurrency_slot_until_the_client_leaves(

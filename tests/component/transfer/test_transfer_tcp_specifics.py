@@ -11,9 +11,10 @@ import time
 import numpy as np
 import pytest
 
+from tests.helpers.eventually import eventually
 from tests.helpers.transfer_fabrics import free_ports, run_all
 from transfer.collectives import TransferOptions, recv_regions, send_regions
-from transfer.core import Deadline, Handle
+from transfer.core import Deadline, Handle, Rank
 from transfer.errors import FabricClosed, PeerGone, PeerTimeout
 from transfer.ranktable import RankTable
 from transfer.tcp.fabric import TcpFabric
@@ -65,7 +66,7 @@ def test_a_peer_that_left_and_refuses_connections_is_gone_at_once() -> None:
         peer.send(0, "x", [(0, 10)], 1, Deadline.after(10)).wait(Deadline.after(10))
         got.wait(Deadline.after(10))
         peer.close()  # its listener and connections go away
-        time.sleep(0.2)  # rank 0's reader sees the connection closed
+        eventually(lambda: fabric._liveness.gone(1), message="rank 0's reader saw the connection close")
         start = time.monotonic()
         with pytest.raises(PeerGone, match="closed a connection with us and is not listening"):
             fabric.send(1, "x", [(0, 10)], 2, Deadline.after(60)).wait(Deadline.after(60))
@@ -79,9 +80,10 @@ def test_close_while_connecting_is_prompt() -> None:
     table = RankTable.local(free_ports(2))
     fabric = TcpFabric(table, 0)
     fabric.register("x", bytearray(10))
+    idle = threading.active_count()
     handle = fabric.send(1, "x", [(0, 10)], 1, Deadline.after(30))  # rank 1 never starts
-    time.sleep(0.2)
-    before = threading.active_count()
+    before = eventually(lambda: threading.active_count() > idle and threading.active_count(),
+                        message="the connecting thread running")
     start = time.monotonic()
     fabric.close()
     assert time.monotonic() - start < 3
@@ -122,6 +124,12 @@ def _pair() -> tuple[TcpFabric, TcpFabric]:
     return TcpFabric(table, 0), TcpFabric(table, 1)
 
 
+def _read_ahead(fabric: TcpFabric, peer: int, stream: int) -> int:
+    """Small messages from (peer, stream) that `fabric`'s reader holds for receives not posted yet."""
+    channel = fabric._inbound.get((Rank(peer), stream))
+    return 0 if channel is None else len(channel._early)
+
+
 def test_small_messages_that_arrived_first_complete_as_their_receive_is_posted() -> None:
     sender, receiver = _pair()
     try:
@@ -132,7 +140,7 @@ def test_small_messages_that_arrived_first_complete_as_their_receive_is_posted()
         receiver.register("x", out)
         segments = [(0, 3), (3, 3), (6, len(big)), (6 + len(big), 5)]
         sends = [sender.send(1, "x", [segment], 1, Deadline.after(10)) for segment in segments]
-        time.sleep(0.3)  # both small ones are in; the reader has read them ahead
+        eventually(lambda: _read_ahead(receiver, 0, 1) == 2, message="both small ones read ahead")
         first = receiver.recv(0, "x", [segments[0]], 1, Deadline.after(10))
         second = receiver.recv(0, "x", [segments[1]], 1, Deadline.after(10))
         assert first.done() and second.done()  # completed by the posting thread: nothing to wait for
@@ -152,7 +160,7 @@ def test_an_abort_drops_the_small_messages_read_ahead() -> None:
         out = bytearray(5)
         receiver.register("x", out)
         sender.send(1, "x", [(0, 5)], 1, Deadline.after(10)).wait(Deadline.after(10))
-        time.sleep(0.2)  # read ahead by now
+        eventually(lambda: _read_ahead(receiver, 0, 1) == 1, message="the message read ahead")
         receiver.abort(0, 1, "test")
         late = receiver.recv(0, "x", [(0, 5)], 1, Deadline.after(0.3))
         with pytest.raises(PeerTimeout):
@@ -196,17 +204,14 @@ def test_a_receive_being_filled_is_not_withdrawn_and_a_message_read_ahead_is_kep
         filling = Handle(len(out), "filling")
         channel.post(RecvOp(filling, [memoryview(out)], len(out)))
         peer.sendall(HEADER.pack(MESSAGE_MAGIC, len(payload)) + payload[:1000])  # header and a part
-        deadline = time.monotonic() + 10
-        while channel._filling is None:  # the reader took the receive for the payload
-            assert time.monotonic() < deadline
-            time.sleep(0.01)
+        eventually(lambda: channel._filling is not None, message="the reader filling the receive")
         assert not channel.withdraw(filling, PeerTimeout("given up"))
         peer.sendall(payload[1000:])
         filling.wait(Deadline.after(10))
         assert out == payload
 
         peer.sendall(HEADER.pack(MESSAGE_MAGIC, 5) + b"early")  # read ahead: no receive waits
-        time.sleep(0.2)
+        eventually(lambda: len(channel._early) == 1, message="the message read ahead")
         small = bytearray(5)
         got = Handle(5, "early")
         channel.post(RecvOp(got, [memoryview(small)], 5))
@@ -232,7 +237,7 @@ def test_refresh_replaces_a_connection_the_peer_dropped_and_fails_fast_when_it_i
         receiver = TcpFabric(table, 1)
         out[:] = bytes(5)
         receiver.register("x", out)
-        time.sleep(0.1)
+        time.sleep(0.1)  # the old connection's reset reaches the sender's socket (only the kernel sees it)
         sender.refresh(1, 1)
         data[:] = b"again"
         got = receiver.recv(0, "x", [(0, 5)], 1, Deadline.after(10))
@@ -241,7 +246,7 @@ def test_refresh_replaces_a_connection_the_peer_dropped_and_fails_fast_when_it_i
         assert out == b"again"  # not lost in the dead connection
 
         receiver.close()  # gone for good: the next send fails at once, not at its deadline
-        time.sleep(0.1)
+        time.sleep(0.1)  # (as above: the close reaches the sender's socket)
         sender.refresh(1, 1)
         start = time.monotonic()
         with pytest.raises(PeerGone):

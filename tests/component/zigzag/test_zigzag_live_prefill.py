@@ -6,7 +6,6 @@ replica, which decodes exactly transformers' tokens. Page accounting is exact on
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -16,6 +15,7 @@ import grpc
 import pytest
 
 from protos import generate_pb2 as pb
+from tests.helpers.eventually import eventually
 from tests.helpers.weights_cluster import (
     CALL_TIMEOUT,
     InProcReplica,
@@ -61,10 +61,10 @@ def zag_async(replica: InProcReplica, batch: pb.Batch, seq: int) -> Future[pb.Pr
 
 def wait_layers(replica: InProcReplica, layers: list[int]) -> None:
     """Until the queued tasks (in order) have run exactly `layers` layers each."""
-    deadline = time.monotonic() + 30
-    while [t.layer for t in list(replica.weights.zigzag.tasks)] != layers:
-        assert time.monotonic() < deadline, [t.layer for t in replica.weights.zigzag.tasks]
-        time.sleep(0.01)
+    def queued() -> list[int]:
+        return [t.layer for t in list(replica.weights.zigzag.tasks)]
+
+    eventually(lambda: queued() == layers, 30, message=lambda: f"layers {layers} run (queued: {queued()})")
 
 
 def migrate_halves(

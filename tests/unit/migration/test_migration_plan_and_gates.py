@@ -19,6 +19,7 @@ from replica.migration.plan import (
     runs,
     total_bytes,
 )
+from tests.helpers.eventually import eventually
 
 GEOMETRY = CacheGeometry(num_blocks=10, block_size=4, page_bytes=100)
 
@@ -90,18 +91,22 @@ def _header(batch_id: int) -> Header:
 
 def test_turns_route_headers_to_their_immigrate_whatever_the_arrival_order() -> None:
     # the sender sends batch 1 then batch 2; the receiver's Immigrate(2) asks first
-    stream = iter([_header(1), _header(2)])
+    stream, reads = iter([_header(1), _header(2)]), list[int]()
     turns, got, order = InboundTurns(park_seconds=5.0), {}, []
 
+    def read() -> Header:
+        reads.append(1)
+        return next(stream)
+
     def immigrate(batch_id: int) -> None:
-        header = turns.claim(9, batch_id, lambda: next(stream), time.monotonic() + 5.0)
+        header = turns.claim(9, batch_id, read, time.monotonic() + 5.0)
         order.append(batch_id)  # "receives its data" while owning the stream
         got[batch_id] = header
         turns.release(9)
 
     second = threading.Thread(target=immigrate, args=(2,))
     second.start()
-    time.sleep(0.05)
+    eventually(lambda: reads, message="Immigrate(2) reading the stream")  # it asked first
     immigrate(1)
     second.join(5)
     assert order == [1, 2] and got[1].batch_id == 1 and got[2].batch_id == 2
@@ -154,10 +159,11 @@ def test_an_immigrate_that_claims_its_batch_again_gets_the_header_another_reader
 
     with pytest.raises(PeerTimeout):  # the first Immigrate of batch 1 gives up
         turns.claim(9, 1, nothing, time.monotonic() + 1.0)
-    arrived = threading.Event()
+    arrived, reading = threading.Event(), threading.Event()
     stream = iter([_header(1), _header(2)])
 
     def read() -> Header:
+        reading.set()
         arrived.wait(5)
         return next(stream)
 
@@ -167,10 +173,11 @@ def test_an_immigrate_that_claims_its_batch_again_gets_the_header_another_reader
 
     reader = threading.Thread(target=immigrate, args=(2,))  # owns the stream, waits for a header
     reader.start()
-    time.sleep(0.05)
+    eventually(lambda: reading.is_set(), message="Immigrate(2) reading the stream")
     retry = threading.Thread(target=immigrate, args=(1,))  # the caller retries batch 1
     retry.start()
-    time.sleep(0.05)
+    # the retry has claimed batch 1 (no longer abandoned) before its header is read
+    eventually(lambda: (9, 1) not in turns._abandoned, message="the retry's claim")
     arrived.set()  # batch 1's header comes, read by batch 2's Immigrate: parked for the retry
     reader.join(5)
     retry.join(5)

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+from typing import cast
+
 import pytest
 
 from router import strategies
 from router.config import RouterConfig, Strategy
+from router.registry import Replicas
+from router.replica_api import ReplicaApi
 from router.replicas import Heartbeats, ReplicaState, State, TransitionError, Trigger
 from router.strategies.base import Mode
 from router.strategies.base import most_free_pages as choose_destination
@@ -133,3 +137,17 @@ def test_a_revived_replica_without_its_weights_is_inactive() -> None:
     state.move(State.DEAD, Trigger.DIED)
     state.info = ReplicaInfo(**{**state.info.__dict__, "num_layers_loaded": 0})
     assert state.revive([]) is State.INACTIVE
+
+
+@pytest.mark.parametrize(("coming", "load"), [(State.LOADING_PREFILL, Trigger.LOAD_PREFILL),
+                                              (State.NEW_PREFILL, Trigger.LIVE_LOAD)])
+def test_an_empty_decode_replica_takes_the_prefill_role_only_when_none_is_on_its_way(
+        coming: State, load: Trigger) -> None:
+    # two loads planned in one round (a prefill, a decode): the decode one finished first
+    replicas = Replicas()
+    decode = replicas.add("h:0", info(), State.DECODE, cast(ReplicaApi, None))
+    other = replicas.add("h:1", info(), State.INACTIVE, cast(ReplicaApi, None))
+    other.state.move(coming, load)
+    assert replicas.settle_roles() is None and decode.state.role is State.DECODE
+    other.state.move(State.DEAD, Trigger.DIED)  # the prefill replica that was coming died
+    assert replicas.settle_roles() is decode and decode.state.role is State.PREFILL

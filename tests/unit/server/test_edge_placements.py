@@ -44,6 +44,7 @@ from replica.server.lanes import EngineLane, ServiceLane
 from replica.server.local import LocalCore
 from replica.server.remote import RemoteCore
 from replica.server.rpcs import RPCS, Edge
+from tests.helpers.eventually import eventually
 
 
 def _step(batch: CachedBatchInfo | None = None) -> StepResult:
@@ -221,13 +222,6 @@ def _status(call: Callable[[], object]) -> tuple[grpc.StatusCode, str]:
     return info.value.code, info.value.details
 
 
-def _wait_for(condition: Callable[[], bool], timeout: float = 5.0) -> None:
-    end = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < end, "condition not reached in time"
-        time.sleep(0.01)
-
-
 def test_results_and_typed_errors(wired: _Wired) -> None:
     request = pb.DecodeV2Request(batches=[pb.CachedBatch(id=9)], last_iter_tokens=[pb.Tokens(ids=[4])])
     response = wired.call("DecodeV2", request)
@@ -255,7 +249,9 @@ def test_a_call_whose_deadline_passed_is_not_run(wired: _Wired) -> None:
     request = pb.PrefillV2Request(batch=pb.Batch(id=8, requests=[pb.Request(id=1, input_tokens=[1])]))
     code, _ = _status(lambda: wired.call("PrefillV2", request, _Context(timeout=0.0)))
     assert code == grpc.StatusCode.DEADLINE_EXCEEDED
-    time.sleep(0.1)  # whatever reached the engine has run by now
+    # a call after it on the same path: whatever of the first reached the engine has run by its answer
+    missing = pb.DecodeV2Request(batches=[pb.CachedBatch(id=404)])
+    assert _status(lambda: wired.call("DecodeV2", missing))[0] == grpc.StatusCode.NOT_FOUND
     assert wired.engine.prefilled == [] and wired.engine.store == set()
 
 
@@ -266,7 +262,7 @@ def test_a_prefill_whose_caller_gave_up_is_cleared(wired: _Wired) -> None:
     assert code == grpc.StatusCode.DEADLINE_EXCEEDED
     assert wired.engine.prefilled == [7]  # it was running when its caller left
     wired.engine.release.set()
-    _wait_for(lambda: wired.engine.store == set())  # cached after the caller left, then cleared
+    eventually(lambda: wired.engine.store == set())  # cached after the caller left, then cleared
 
 
 def test_a_prefill_whose_caller_cancelled_is_cleared(wired: _Wired) -> None:
@@ -276,11 +272,11 @@ def test_a_prefill_whose_caller_cancelled_is_cleared(wired: _Wired) -> None:
     handler = wired.edge.handler(RPCS["PrefillV2"])
     thread = threading.Thread(target=lambda: handler(request, context), daemon=True)
     thread.start()
-    _wait_for(lambda: wired.engine.prefilled == [6])
+    eventually(lambda: wired.engine.prefilled == [6])
     context.end()  # the client cancelled while the engine ran the prefill
     wired.engine.release.set()
     thread.join(5)
-    _wait_for(lambda: wired.engine.store == set())
+    eventually(lambda: wired.engine.store == set())
 
 
 def _migrate_in_background(wired: _Wired, context: _Context) -> list[BaseException]:
@@ -303,7 +299,7 @@ def test_a_cancelled_caller_cancels_the_service_call(wired: _Wired) -> None:
     context.end()  # the client cancelled: grpc runs the edge's callbacks
     assert wired.service.cancelled.wait(5)
     assert wired.service.after_ran.wait(5)
-    _wait_for(lambda: len(outcome) == 1)
+    eventually(lambda: len(outcome) == 1)
 
 
 def test_a_passed_deadline_ends_the_service_call_in_time(wired: _Wired) -> None:
@@ -326,7 +322,7 @@ def test_front_process_closing_fails_waiting_calls_and_a_dying_front_is_reported
     assert service.started.wait(5)
     close()  # the replica stops its front: the running call's context is cancelled, the caller fails
     assert service.cancelled.wait(5)
-    _wait_for(lambda: len(outcome) == 1)
+    eventually(lambda: len(outcome) == 1)
     assert isinstance(outcome[0], _Aborted) and outcome[0].code == grpc.StatusCode.UNAVAILABLE
     assert _status(lambda: wired.call("Health", pb.HealthRequest()))[0] == grpc.StatusCode.UNAVAILABLE
     assert not lost.is_set()
@@ -353,7 +349,7 @@ def test_published_health_reaches_the_front() -> None:
     reader = threading.Thread(target=client.read_replies, args=(m.Lane.SERVICE,), daemon=True)
     reader.start()
     lane.publish(True)
-    _wait_for(lambda: seen == [True])
+    eventually(lambda: seen == [True])
     lane.close()
     reader.join(5)
     hot_a.close()

@@ -6,6 +6,7 @@ import threading
 import time
 
 from replica.server.ordering import AFTER_KEY, CALL_KEY, CallOrder
+from tests.helpers.eventually import eventually
 
 
 def test_a_call_waits_for_the_call_it_follows_even_when_it_arrives_first() -> None:
@@ -18,7 +19,7 @@ def test_a_call_waits_for_the_call_it_follows_even_when_it_arrives_first() -> No
 
     second = threading.Thread(target=handle, args=("a-2", "a-1"))
     second.start()  # arrives first: must wait for a-1
-    time.sleep(0.05)
+    eventually(lambda: "a-1" in order._gates, message="a-2 waiting at a-1's gate")
     assert submitted == []
     handle("a-1", None)
     second.join(5.0)

@@ -1,0 +1,88 @@
+"""The load generator of a virtual-time run: each request submitted at its arrival, timed per token.
+
+It measures what `bench serving`'s client measures over HTTP (`RequestRecord`: TTFT = first token
+− send, every inter-token gap, E2EL, output tokens, the route), but at the router's scheduler
+itself (`Scheduler.submit`), on the virtual clock: HTTP and the network to the client cost nothing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from collections.abc import Callable, Sequence
+
+from pdcluster.bench.serving.stats import RequestRecord
+from pdcluster.bench.serving.workload import Arrival
+from router.types import (
+    ErrorEvent,
+    FinishEvent,
+    GenerateRequest,
+    RequestRejected,
+    SamplingParams,
+    Scheduler,
+    StoppingParams,
+    TokenEvent,
+)
+
+
+async def send_all(scheduler: Scheduler, arrivals: Sequence[Arrival], prompts: Sequence[list[int]],
+                   timeout: float, progress: Callable[[int], None] | None = None
+                   ) -> tuple[list[RequestRecord], float]:
+    """Every request at its arrival (seconds from now); (records, seconds to the last answer)."""
+    loop = asyncio.get_running_loop()
+    t0 = loop.time()
+    done = [0]
+
+    async def one(index: int) -> RequestRecord:
+        record = await _one(scheduler, index, arrivals[index], prompts[index], t0, timeout)
+        done[0] += 1
+        if progress is not None:
+            progress(done[0])
+        return record
+
+    records = await asyncio.gather(*(one(i) for i in range(len(arrivals))))
+    return list(records), loop.time() - t0
+
+
+async def _one(scheduler: Scheduler, index: int, arrival: Arrival, prompt: list[int], t0: float,
+               timeout: float) -> RequestRecord:
+    loop = asyncio.get_running_loop()
+    await asyncio.sleep(max(0.0, t0 + arrival.at - loop.time()))
+    sent = loop.time()
+    record = RequestRecord(index=index, input_len=arrival.input_len, scheduled=arrival.at, start=sent - t0)
+    stopping = StoppingParams(arrival.output_len, ignore_eos=True)
+    request = GenerateRequest(tuple(prompt), SamplingParams(), stopping)
+    try:
+        await asyncio.wait_for(_stream(scheduler, request, record, sent), timeout)
+    except TimeoutError:
+        record.success, record.error = False, f"no answer within {timeout} s"
+    except RequestRejected as exc:
+        record.error = f"HTTP {exc.http_status}: {exc}"
+    return record
+
+
+async def _stream(scheduler: Scheduler, request: GenerateRequest, record: RequestRecord, sent: float) -> None:
+    loop = asyncio.get_running_loop()
+    last, tokens = sent, 0
+    stream = scheduler.submit(request)
+    try:
+        async for event in stream:
+            now = loop.time()
+            if isinstance(event, TokenEvent):
+                tokens += 1
+                if tokens == 1:
+                    record.ttft = now - sent
+                else:
+                    record.itl.append(now - last)
+                last = now
+            elif isinstance(event, FinishEvent):
+                record.route = dataclasses.asdict(event.route)
+                record.output_len = event.generated_tokens or tokens
+                record.success = tokens > 0
+            elif isinstance(event, ErrorEvent):
+                record.error = event.message
+    finally:
+        await stream.aclose()  # type: ignore[attr-defined]
+    record.latency = loop.time() - sent
+    if not record.success and not record.error:
+        record.error = "the stream carried no token"

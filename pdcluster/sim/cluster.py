@@ -1,0 +1,122 @@
+"""A virtual-time cluster: simulated replicas on a virtual network behind the router's own scheduler.
+
+```
+ EngineSpec + roles + topology ─► VirtualReplica per rank (the shared Engine over a SimRunner)
+                                      on Hardware (network.py: each rank's paced links)
+ router flags ─► RouterConfig ─► ClusterScheduler (router/scheduler.py, unchanged): the batcher, the
+                 loops, the migration queue and strategies, the autoscaler (planner + executor),
+                 on the virtual clock, connected to the replicas in process (`connect`)
+```
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from pdcluster.cluster.engine import EngineSpec
+from pdcluster.sim.flags import with_flags
+from pdcluster.sim.hardware import Hardware
+from pdcluster.sim.network import Network, RankPlace
+from pdcluster.sim.replica import VirtualReplica
+from replica.config import EngineKind, ReplicaConfig
+from replica.engine.sim.clock import TallyClock
+from replica.engine.sim.cost import kv_bytes_per_token
+from replica.engine.sim.factory import build_simulated
+from replica.model.layout import ITEMSIZE, WeightLayout
+from router.config import RouterConfig
+from router.replica_api import ReplicaApi
+from router.replicas import State
+from router.scheduler import ClusterScheduler
+
+VIRTUAL_BYTE_SCALE = "1e-12"
+"""The replicas' own buffers are no more than a byte per page and region: the virtual network
+counts the card's real bytes itself."""
+
+
+class SilentDecoder:
+    """The router's detokenizer for replicas without a tokenizer: every text is empty."""
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        """No text."""
+        return ""
+
+
+@dataclass(frozen=True)
+class VirtualShape:
+    """What one virtual cluster is made of."""
+
+    roles: tuple[str, ...]
+    engine: EngineSpec
+    places: tuple[RankPlace, ...]
+    replica_args: tuple[str, ...] = ()
+    router_args: tuple[str, ...] = ()
+    num_blocks: int | None = None
+
+
+def replica_config(shape: VirtualShape, rank: int, role: str) -> ReplicaConfig:
+    """Rank `rank`'s replica flags, as its process would get them (the byte scale aside)."""
+    e = shape.engine
+    base: dict[str, Any] = {
+        "port": 0, "rank": rank, "engine": EngineKind.SIMULATED, "gpu": e.gpu, "model_card": e.model_card,
+        "profile": e.profile, "byte_scale": VIRTUAL_BYTE_SCALE, "compute_efficiency": e.compute_efficiency,
+        "memory_efficiency": e.memory_efficiency, "num_blocks": shape.num_blocks,
+        "inactive": role == "inactive",
+    }
+    config = with_flags(ReplicaConfig, base, shape.replica_args)
+    return config
+
+
+def build_replicas(shape: VirtualShape, hw: Hardware) -> list[VirtualReplica]:
+    """One virtual replica per role."""
+    replicas = []
+    for rank, role in enumerate(shape.roles):
+        config = replica_config(shape, rank, role)
+        clock = TallyClock()
+        engine, params = build_simulated(config, clock)
+        replica = VirtualReplica(rank, engine, params, clock, hw, config.disk_gbps, config.host_gbps)
+        hw.replicas[rank] = replica
+        replicas.append(replica)
+    return replicas
+
+
+class VirtualCluster:
+    """The replicas and the router's scheduler of one virtual-time run."""
+
+    def __init__(self, shape: VirtualShape, strategy: str, policy: str, timeline: Path | None) -> None:
+        self.shape = shape
+        base: dict[str, Any] = {"model": Path(shape.engine.model_card), "strategy": strategy,
+                                "scaling": policy,
+                                "timeline": timeline}
+        self.router_config = with_flags(RouterConfig, base, shape.router_args)
+        self.hw = Hardware(Network(shape.places), self.router_config.transfer_timeout)
+        self.replicas = build_replicas(shape, self.hw)
+        self.scheduler: ClusterScheduler | None = None
+
+    async def start(self) -> ClusterScheduler:
+        """The scheduler over every replica, started (the caller's loop is the virtual one)."""
+        by_address = {r.address: r for r in self.replicas}
+
+        def connect(address: str) -> ReplicaApi:
+            return by_address[address]
+
+        first = self.replicas[0]
+        config, dtype = first.engine.runner.config, first.engine.meta.dtype
+        loop = asyncio.get_running_loop()
+        sched = ClusterScheduler(self.router_config, SilentDecoder(), connect,
+                                 kv_bytes_per_token=kv_bytes_per_token(config, ITEMSIZE[dtype]),
+                                 clock=loop.time)
+        sched.weight_bytes = WeightLayout.for_config(config, dtype).total_bytes
+        for replica, role in zip(self.replicas, self.shape.roles, strict=True):
+            await sched.add_replica(replica.address, State(role))
+        await sched.start()
+        self.scheduler = sched
+        return sched
+
+    async def stop(self) -> None:
+        """Stop the scheduler (its loops, the autoscaler)."""
+        if self.scheduler is not None:
+            await self.scheduler.stop()

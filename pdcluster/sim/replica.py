@@ -1,0 +1,279 @@
+"""`VirtualReplica`: a simulated-GPU replica in virtual time, driven through the router's `ReplicaApi`.
+
+```
+ router core (the real one) ── ReplicaApi call ──► VirtualReplica
+     engine calls:  lane (one at a time, in arrival order, like the engine thread)
+                    ─► the shared Engine over a SimRunner (TallyClock) ─► sleep its modelled time
+     KV migration:  both sides meet; the sender's link carries the prompt pages' real bytes
+     weights:       VirtualWeights (weights.py)
+```
+The engine is `replica/engine/engine.py` itself — page accounting, batching, merging, filtering and
+every error are the real engine's; only the forward is a modelled time instead of a computation,
+and time is the loop's virtual clock.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Coroutine, Sequence
+from typing import Any, TypeVar
+
+from pdcluster.sim import convert
+from pdcluster.sim.hardware import Hardware
+from pdcluster.sim.weights import VirtualWeights
+from replica.engine.batch import Batch
+from replica.engine.engine import Engine
+from replica.engine.sim.clock import TallyClock
+from replica.engine.sim.runner import SimRunner
+from replica.engine.types import BatchSpec as EngineBatch
+from replica.errors import AlreadyExists, ReplicaError
+from replica.migration.manager import seq_pages, take_for_migration
+from replica.migration.plan import CacheGeometry, total_bytes
+from replica.params.store import ParamStore
+from router.errors import ReplicaCallError, ReplicaUnimplemented
+from router.types import (
+    BatchId,
+    BatchSpec,
+    CachedBatch,
+    PrefillCase,
+    ReplicaInfo,
+    RequestId,
+    StepResult,
+    ZagOutcome,
+)
+
+T = TypeVar("T")
+
+
+class VirtualReplica:
+    """One replica (`router.replica_api.ReplicaApi`) on the virtual cluster."""
+
+    def __init__(self, rank: int, engine: Engine, params: ParamStore, clock: TallyClock, hw: Hardware,
+                 disk_gbps: float = 0.0, host_gbps: float = 0.0) -> None:
+        self.rank = rank
+        self.address = f"sim://{rank}"
+        self.engine = engine
+        self.clock = clock
+        self.hw = hw
+        self.weights = VirtualWeights(self, params, disk_gbps, host_gbps)
+        self._lane = asyncio.Lock()  # the engine thread: one call at a time, first come first served
+        self._incoming: set[int] = set()  # batch ids being immigrated
+        self._calls: dict[str, asyncio.Future[Any]] = {}  # pipelined DecodeV2 calls not yet ended
+        runner = engine.runner
+        assert isinstance(runner, SimRunner)
+        cache = runner.cache
+        self.geometry = CacheGeometry(cache.num_blocks, cache.block_size, cache.full_page_bytes)
+
+    # ---- plumbing --------------------------------------------------------------------------------
+
+    async def on_engine(self, method: str, fn: Callable[[], T]) -> T:
+        """Run `fn` on the (virtual) engine thread, then let its modelled time pass."""
+        async with self._lane:
+            try:
+                result = fn()
+            except ReplicaError as exc:
+                self.clock.take()
+                raise convert.call_error(self.address, method, exc) from None
+            seconds = self.clock.take()
+            if seconds > 0:
+                await asyncio.sleep(seconds)
+            return result
+
+    def error(self, method: str, exc: ReplicaError) -> ReplicaCallError:
+        """The router's error for a replica error of this replica."""
+        return convert.call_error(self.address, method, exc)
+
+    # ---- facts and steps -------------------------------------------------------------------------
+
+    async def info(self) -> ReplicaInfo:
+        """Info (an engine call, queued like one)."""
+        return await self.on_engine("Info", lambda: convert.info(self.engine.info(), self.rank))
+
+    async def prefill(self, batch: BatchSpec, case: PrefillCase = PrefillCase.NORMAL,
+                      pipe_peer: Sequence[int] = (), resume: int | None = None) -> StepResult:
+        """PrefillV2: NORMAL, or MIGRATE[_PROGRESSIVE] to `pipe_peer` (the receiver runs Immigrate)."""
+        spec = convert.batch_spec(batch)
+        if resume is not None or case & (PrefillCase.NAIVE_PP | PrefillCase.IMMIGRATE):
+            raise ReplicaUnimplemented(self.address, "PrefillV2", "UNIMPLEMENTED",
+                                       "layer-level prefill is not simulated in virtual time")
+        if case == PrefillCase.NORMAL:
+            return convert.step(await self.on_engine("PrefillV2", lambda: self.engine.prefill(spec)))
+        return await self._migrating_prefill(spec, pipe_peer, bool(case & PrefillCase.MIGRATE_PROGRESSIVE))
+
+    async def _migrating_prefill(self, spec: EngineBatch, pipe_peer: Sequence[int], progressive: bool
+                                 ) -> StepResult:
+        """Prefill here; the KV goes to the peer during (progressive) or after the forward; the batch
+        is not cached here afterwards."""
+        peer = self._one(pipe_peer, "PrefillV2")
+        start = self.hw.now()
+        batch, result = await self.on_engine("PrefillV2", lambda: self._prefill_uncached(spec))
+        meeting = await self._meet(("kv", self.rank, peer, int(spec.id)), "PrefillV2")
+        send_from = start if progressive else self.hw.now()  # progressive: each layer as it is made
+        end = self.hw.network.send(self.rank, peer, self._kv_bytes(batch), send_from)
+        meeting.end.set_result(max(end, self.hw.now()))
+        await meeting.ended(self.hw)
+        await self.on_engine("PrefillV2", lambda: self.engine.blocks.free(batch.pages()))
+        return convert.step(result)
+
+    def _prefill_uncached(self, spec: EngineBatch) -> tuple[Batch, Any]:
+        """A prefill whose batch is taken out of the store at once (its pages stay held)."""
+        engine = self.engine
+        engine.readiness.require_complete("a MIGRATE prefill")
+        batch = engine.admit(spec)
+        try:
+            out = engine.runner.forward(engine.seq_inputs(batch.requests, with_prompt_logprobs=True))
+            result = engine.finish_prefill(batch, out, 0, 0)
+        except AlreadyExists:
+            engine.blocks.free(batch.pages())
+            raise
+        if result.batch is not None:
+            engine.store.pop(batch.id)
+        else:  # every request finished: finish_prefill freed the pages
+            batch = Batch(batch.id, [])
+        return batch, result
+
+    async def zag_prefill(self, batch: BatchSpec, seq: int) -> ZagOutcome:
+        """Layer-level prefill: not simulated in virtual time."""
+        raise ReplicaUnimplemented(self.address, "ZagPrefill", "UNIMPLEMENTED",
+                                   "not simulated in virtual time")
+
+    async def relay(self, old_rank: int, relax_not_head: bool) -> tuple[BatchId, int] | None:
+        """Nothing is ever queued layer by layer here."""
+        return None
+
+    async def migrate_partial(self, batch: BatchSpec, first: bool, split: int, src: Sequence[int],
+                              dst: Sequence[int]) -> CachedBatch:
+        """Partial migrations come only with layer-level prefill: not simulated."""
+        raise ReplicaUnimplemented(self.address, "MigratePartial", "UNIMPLEMENTED", "not simulated")
+
+    async def immigrate_partial(self, batch: BatchSpec, first: bool, split: int, src: Sequence[int],
+                                dst: Sequence[int]) -> CachedBatch:
+        """Partial migrations come only with layer-level prefill: not simulated."""
+        raise ReplicaUnimplemented(self.address, "ImmigratePartial", "UNIMPLEMENTED", "not simulated")
+
+    def start_decode(self, batches: Sequence[CachedBatch], last_tokens: Sequence[Sequence[int]],
+                     call_id: str = "", after: str = "") -> Coroutine[Any, Any, StepResult]:
+        """DecodeV2. A pipelined call (`after` names the one before it) joins the engine's queue only
+        once that one has ended, as the replica's server holds it (`replica/server/rpcs.py`): a
+        call that comes meanwhile (an Immigrate, a prefill) waits for one step, not for all sent ahead."""
+        inputs = convert.decode_inputs(list(batches), [list(t) for t in last_tokens])
+        before = self._calls.get(after) if after else None
+        task = asyncio.ensure_future(self._ordered_decode(inputs, before))
+        if call_id:
+            self._calls[call_id] = task
+            task.add_done_callback(lambda _: self._calls.pop(call_id, None))
+        return self._decoded(task)
+
+    async def _ordered_decode(self, inputs: list[Any], before: asyncio.Future[Any] | None) -> Any:
+        if before is not None:
+            await asyncio.wait([before])  # its outcome is its own caller's
+        return await self.on_engine("DecodeV2", lambda: self.engine.decode(inputs))
+
+    @staticmethod
+    async def _decoded(task: asyncio.Future[Any]) -> StepResult:
+        return convert.step(await task)
+
+    async def filter_batch(self, batch_id: BatchId, keep: Sequence[RequestId]) -> CachedBatch:
+        """FilterBatch."""
+        info = await self.on_engine("FilterBatch", lambda: self.engine.filter(batch_id, keep))  # type: ignore[arg-type]
+        return convert.cached(info)
+
+    async def clear_cache(self, batch_id: BatchId | None = None) -> None:
+        """ClearCache."""
+        await self.on_engine("ClearCache", lambda: self.engine.clear(batch_id))  # type: ignore[arg-type]
+
+    # ---- KV migration ----------------------------------------------------------------------------
+
+    def _one(self, ranks: Sequence[int], method: str) -> int:
+        if len(ranks) != 1:
+            raise ReplicaCallError(self.address, method, "INVALID_ARGUMENT",
+                                   f"one peer expected, got {ranks}")
+        return int(ranks[0])
+
+    def _kv_bytes(self, batch: Batch) -> int:
+        """The real bytes of the batch's prompt KV, every layer."""
+        return total_bytes(self.geometry, seq_pages(batch), range(self.engine.runner.num_layers))
+
+    async def _meet(self, key: tuple[object, ...], method: str) -> Any:
+        try:
+            return await self.hw.meet(key, 2)
+        except ReplicaError as exc:
+            raise self.error(method, exc) from None
+
+    async def migrate(self, batch: BatchSpec, src: Sequence[int], dst: Sequence[int]) -> CachedBatch:
+        """Sender: the batch leaves the store, its KV crosses this rank's link, then its pages are freed."""
+        peer, spec = self._one(dst, "Migrate"), convert.batch_spec(batch)
+        taken = await self.on_engine("Migrate", lambda: take_for_migration(self.engine, spec))
+        info = taken.info(self.engine.block_size)
+        try:
+            meeting = await self._meet(("kv", self.rank, peer, int(spec.id)), "Migrate")
+            end = self.hw.network.send(self.rank, peer, self._kv_bytes(taken), self.hw.now())
+            meeting.end.set_result(end)
+            await meeting.ended(self.hw)
+        finally:
+            await self.on_engine("Migrate", lambda: self.engine.blocks.free(taken.pages()))
+        return convert.cached(info)
+
+    async def immigrate(self, batch: BatchSpec, src: Sequence[int], dst: Sequence[int]) -> CachedBatch:
+        """Receiver: admit the batch (same page counts), receive its KV, cache it decode-ready."""
+        peer, spec = self._one(src, "Immigrate"), convert.batch_spec(batch)
+        admitted = await self.on_engine("Immigrate", lambda: self._admit(spec))
+        try:
+            meeting = await self._meet(("kv", peer, self.rank, int(spec.id)), "Immigrate")
+            await meeting.ended(self.hw)
+        except BaseException:
+            await self.on_engine("Immigrate", lambda: self._drop_incoming(admitted))
+            raise
+        return convert.cached(await self.on_engine("Immigrate", lambda: self._adopt(admitted)))
+
+    def _admit(self, spec: EngineBatch) -> Batch:
+        if spec.id in self._incoming:
+            raise AlreadyExists(f"batch {spec.id} is already being immigrated")
+        batch = self.engine.admit(spec)
+        self._incoming.add(spec.id)
+        return batch
+
+    def _adopt(self, batch: Batch) -> Any:
+        self._incoming.discard(batch.id)
+        try:
+            return self.engine.adopt(batch)
+        except BaseException:
+            self.engine.blocks.free(batch.pages())
+            raise
+
+    def _drop_incoming(self, batch: Batch) -> None:
+        self._incoming.discard(batch.id)
+        self.engine.blocks.free(batch.pages())
+
+    # ---- weights (weights.py) --------------------------------------------------------------------
+
+    async def send_params(self, dst: int) -> None:
+        """SendParams: p2p in the background."""
+        self.weights.send(dst)
+
+    async def recv_params(self, src: int) -> None:
+        """RecvParams: p2p in the background."""
+        self.weights.receive(src)
+
+    async def rdma_broadcast(self, src_ranks: Sequence[int], dst_ranks: Sequence[int]) -> None:
+        """This member's part of a chain multicast, in the background."""
+        self.weights.chain(list(src_ranks), list(dst_ranks))
+
+    async def tanz_broadcast(self, src_ranks: Sequence[int], dst_ranks: Sequence[int]) -> None:
+        """This member's part of a Tanz broadcast (blocking)."""
+        await self.weights.tanz(list(src_ranks), list(dst_ranks))
+
+    async def load_params(self, from_host: bool, model: str = "") -> None:
+        """LoadParams from the emulated disk or host memory (blocking)."""
+        await self.weights.load(from_host)
+
+    async def wait_rdma_done(self) -> None:
+        """Join the background weight operation."""
+        await self.weights.wait()
+
+    async def reset_status(self) -> None:
+        """ResetStatus."""
+        self.weights.reset()
+
+    async def close(self) -> None:
+        """Nothing to release."""
