@@ -361,9 +361,9 @@ def _check_nodes(cluster: ClusterFile) -> None:
                for n in cluster.nodes):
         raise cluster.error(("nodes", 0), "no node runs a prefill, decode or colocated replica")
     fabric = cluster.launch.fabric
-    if fabric is not Fabric.TCP:
+    if fabric is Fabric.NCCL:  # rdma moves host memory too: only discovery can say (an RDMA NIC)
         for node in cluster.nodes:
             if node.devices.mode is DeviceMode.CPU:
                 raise cluster.error(("nodes", node.index, "devices"),
-                                    f"fabric {fabric.value} needs CUDA devices but {node.name} has devices = "
-                                    "\"cpu\" (use fabric = \"tcp\")")
+                                    f"fabric nccl needs CUDA devices but {node.name} has devices = "
+                                    '"cpu" (use fabric = "tcp")')

@@ -102,7 +102,7 @@ def load(config: LaunchConfig) -> tuple[ClusterFile, Via]:
 
 def _with_fabric(cluster: ClusterFile, fabric: Fabric) -> ClusterFile:
     for node in cluster.nodes:
-        if fabric is not Fabric.TCP and node.devices.mode is DeviceMode.CPU:
+        if fabric is Fabric.NCCL and node.devices.mode is DeviceMode.CPU:
             raise ClusterFileError(f"--fabric {fabric.value} needs CUDA devices but {node.name} has devices = "
                                    f"\"cpu\" in {cluster.path}")
     return replace(cluster, launch=replace(cluster.launch, fabric=fabric))
@@ -130,6 +130,7 @@ class Launch:
         self.staged: list[NodeSpec] = []
         self.started_at = time.monotonic()
         self.failure = ""
+        self.allocation_gone = False  # Slurm ended the steps already; no srun can reach the nodes now
 
     # --- sessions ---------------------------------------------------------------------------------
     def argv(self, node: NodeSpec, script: str, tty: bool = False, name: str = "") -> list[str]:
@@ -250,6 +251,7 @@ class Launch:
         if self.via is Via.SLURM and self.slurm_job:
             state = slurm_job_state(self.slurm_job)
             if state is not None and state != "RUNNING":
+                self.allocation_gone = True
                 return f"the Slurm allocation {self.slurm_job} ended ({state or 'no longer known to Slurm'})"
         if self.via is Via.SSH and self.replicas and all(
                 not r.running and r.exits and r.exits[-1] == SSH_FAILED for r in self.replicas):
@@ -269,7 +271,7 @@ class Launch:
         """The router, then each node's replicas (pid files), then the sessions; record the end."""
         self._record(RunPhase.STOPPING)
         stop_procs([self.router] if self.router else [], timeout=10)
-        if self.staged:
+        if self.staged and not self.allocation_gone:
             for answer in self._fan_out(self.staged, lambda _: self.commands.stop_script(), STOP_TIMEOUT_S):
                 if not answer.ok:
                     _progress(f"node {answer.node.name}: stopping its replicas failed: {answer.why(self.via)}")
