@@ -194,7 +194,9 @@ class Commands:
     def stage_script(self) -> str:
         """Store the rank table read from stdin on a node (before any replica there starts)."""
         ranks = self.node_dir / "ranks.json"
-        return f"mkdir -p {_q(self.node_dir)} && cat > {_q(ranks)}.tmp && mv {_q(ranks)}.tmp {_q(ranks)}"
+        # the temporary file is this node's own: nodes sharing a /tmp must not rename each other's
+        temp = f"{_q(ranks)}.$(hostname).$$"
+        return f"mkdir -p {_q(self.node_dir)} && cat > {temp} && mv {temp} {_q(ranks)}"
 
     def replica_args(self, p: Placement) -> list[str]:
         """Arguments of `pdcluster replica` for one placement."""
