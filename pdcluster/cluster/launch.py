@@ -130,7 +130,8 @@ class Launch:
         self.staged: list[NodeSpec] = []
         self.started_at = time.monotonic()
         self.failure = ""
-        self.allocation_gone = False  # Slurm ended the steps already; no srun can reach the nodes now
+        self.allocation_gone = False
+        self.claimed = False  # run.json is this launch's (never overwrite another live launch's record)  # Slurm ended the steps already; no srun can reach the nodes now
 
     # --- sessions ---------------------------------------------------------------------------------
     def argv(self, node: NodeSpec, script: str, tty: bool = False, name: str = "") -> list[str]:
@@ -237,6 +238,7 @@ class Launch:
         if old is not None and launcher_alive(old) and old.phase in (RunPhase.STARTING.value, RunPhase.READY.value):
             raise LaunchError(f"{self.cluster.path} is already launched (run {old.run_id}, pid {old.launcher_pid}); "
                               f"`pdcluster down {self.cluster.path}` stops it")
+        self.claimed = True
         self._record(RunPhase.STARTING)
 
     def ready_line(self) -> str:
@@ -279,6 +281,8 @@ class Launch:
         self._record(RunPhase.FAILED if self.failure else RunPhase.STOPPED)
 
     def _record(self, phase: RunPhase) -> None:
+        if not self.claimed:
+            return
         replicas = tuple(
             ReplicaRecord(p.rank, p.role, p.node.name, p.address, p.device, p.nic, str(r.log), _state(r),
                           len(r.restarts))

@@ -201,7 +201,8 @@ def parse_router_ready(line: str) -> tuple[str, str]:
 
 # --- why a process ended -----------------------------------------------------------------------
 
-_EXCEPTION = re.compile(r"^([A-Za-z_][\w.]*(Error|Exception|Exit|Interrupt|Refused|NotFound)|OSError)\b(: .*)?$")
+_EXCEPTION = re.compile(r"^(?:[A-Za-z_][\w.]*\.)?[A-Za-z_]*(Error|Exception|Exit|Interrupt|Refused|NotFound)"
+                        r"(: .*)?$")
 _MARKED = re.compile(r"(^pdcluster [\w -]+: |\bdoes not exist|\bERROR|\bCRITICAL|\bFATAL|\b[Ee]rror:|[Ff]atal:|Permission denied|[Cc]ould not|"
                      r"[Cc]annot|[Cc]an't|[Nn]o such file|Address already in use|refused)")
 _STAMP = re.compile(r"^\d{4}-\d\d-\d\d[ T][\d:,.]+\s+")

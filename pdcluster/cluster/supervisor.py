@@ -165,8 +165,8 @@ class Watch:
             return lost
         policy = self.cluster.policy
         if not policy.allows(proc.restarts, now):
-            return (f"{proc.where} was restarted {policy.recent(proc.restarts, now)} time(s) within "
-                    f"{policy.window_s:g} s and ended again (restart budget spent)")
+            return (f"{proc.where} ended after {policy.recent(proc.restarts, now)} restart(s) within "
+                    f"{policy.window_s:g} s: restart budget ({policy.max_restarts}) spent")
         delay = policy.delay(proc.restarts, now)
         self.due[proc.name] = now + delay
         _say(self.tool, f"restarting {proc.where} in {delay:g} s (restart {policy.recent(proc.restarts, now) + 1} "

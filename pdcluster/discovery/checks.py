@@ -23,10 +23,9 @@ def checkpoint_problem(folder: Path, weights: bool = True, tokenizer: bool = Fal
     config = folder / "config.json"
     if not config.is_file():
         return f"model folder {folder} has no config.json (not a Hugging Face checkpoint)"
-    try:
-        json.loads(config.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        return f"{config} is not readable JSON: {exc}"
+    problem = _json_problem(config)
+    if problem:
+        return problem
     from replica.errors import ReplicaError  # pure Python: the replica's own reading of config.json
     from replica.model.config import ModelConfig
 
@@ -38,6 +37,21 @@ def checkpoint_problem(folder: Path, weights: bool = True, tokenizer: bool = Fal
         return f"model folder {folder} has no *.safetensors weights"
     if tokenizer and not (folder / "tokenizer.json").is_file():
         return f"model folder {folder} has no tokenizer.json"
+    optional = ("tokenizer_config.json", "generation_config.json", *(("tokenizer.json",) if tokenizer else ()))
+    for name in optional:  # read by the router or the replica when present; a broken one fails them late
+        problem = _json_problem(folder / name)
+        if problem:
+            return problem
+    return ""
+
+
+def _json_problem(path: Path) -> str:
+    if not path.is_file():
+        return ""
+    try:
+        json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        return f"{path} is not readable JSON: {exc}"
     return ""
 
 
