@@ -9,7 +9,7 @@ TORCH_SPEC ?= torch==2.13.0
 PYTEST_ARGS ?=
 BENCH_OUT ?= bench-results
 
-.PHONY: help venv demo test test-unit test-component test-cluster proto proto-check lint bench clean
+.PHONY: help venv demo test test-unit test-component test-cluster test-hosts proto proto-check lint bench clean
 
 help:
 	@echo "make demo   - set up, build a tiny model, start a local cluster, serve requests"
@@ -50,6 +50,10 @@ test-component: $(STAMP)
 
 test-cluster: $(STAMP)
 	$(BIN)/pytest -q -m cluster $(PYTEST_ARGS)
+
+# emulated hosts with real sshd and Slurm: root; installs the Debian packages it needs, or skips saying why
+test-hosts: $(STAMP)
+	$(BIN)/pytest -q -m hosts $(PYTEST_ARGS)
 
 demo: $(STAMP)
 	$(BIN)/pdcluster demo --workdir .demo

@@ -30,10 +30,8 @@ def problem_of(config: object) -> str:
     if isinstance(config, ReplicaConfig):
         return (checkpoint_problem(config.model, weights=not config.inactive)
                 or _ports(config.host, [("--port", config.port)]))
-    if isinstance(config, RouterConfig):
-        return (checkpoint_problem(config.model, weights=False, tokenizer=True)
-                or _ports(config.host, [("--http-port", config.http_port), ("--admin-port", config.admin_port)]))
-    if isinstance(config, UpConfig):
-        return (checkpoint_problem(config.model, tokenizer=True)
-                or _ports(config.host, [("--http-port", config.http_port), ("--admin-port", config.admin_port)]))
+    if isinstance(config, RouterConfig | UpConfig):
+        ports = [("--http-port", config.http_port), ("--admin-port", config.admin_port)]
+        weights = isinstance(config, UpConfig)  # the router reads the tokenizer and config.json only
+        return checkpoint_problem(config.model, weights=weights, tokenizer=True) or _ports(config.host, ports)
     return ""

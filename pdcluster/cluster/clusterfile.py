@@ -17,7 +17,7 @@ from __future__ import annotations
 import enum
 import tomllib
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -180,7 +180,8 @@ class _Table:
         self.values: dict[str, Any] = values
         for key in values:
             if key not in allowed:
-                raise self.error((key,), f"unknown key {self.name(key)!r} (known: {', '.join(sorted(allowed))})")
+                known = ", ".join(sorted(allowed))
+                raise self.error((key,), f"unknown key {self.name(key)!r} (known: {known})")
 
     def name(self, key: str = "") -> str:
         parts = [f"[{p}]" if isinstance(p, int) else f".{p}" for p in (*self.where, *([key] if key else []))]
@@ -201,7 +202,7 @@ class _Table:
         problem = check(value) if check else ""
         if problem:
             raise self.error((key,), f"{self.name(key)} {problem}")
-        return value  # type: ignore[no-any-return]
+        return value
 
     def choice(self, key: str, enum_type: type[enum.Enum], default: enum.Enum) -> Any:
         text = self.get(key, str, default.value)
@@ -246,10 +247,12 @@ def parse(path: Path, text: str | None = None) -> ClusterFile:
     if not isinstance(data.get("nodes"), list) or not data["nodes"]:
         raise ClusterFileError(f"{path}:1: no [[nodes]] table: name at least one node")
     launch = _launch(_Table(path, lines, ("launch",), data.get("launch", {}), _LAUNCH), folder, path)
-    nodes = tuple(_node(_Table(path, lines, ("nodes", i), raw, _NODE), i) for i, raw in enumerate(data["nodes"]))
-    cluster = ClusterFile(path, _model(_Table(path, lines, ("model",), data["model"], _MODEL), folder),
-                          _router(_Table(path, lines, ("router",), data.get("router", {}), _ROUTER)), launch,
-                          _ssh(_Table(path, lines, ("ssh",), data.get("ssh", {}), _SSH), folder), nodes, lines)
+    nodes = tuple(_node(_Table(path, lines, ("nodes", i), raw, _NODE), i)
+                  for i, raw in enumerate(data["nodes"]))
+    model = _model(_Table(path, lines, ("model",), data["model"], _MODEL), folder)
+    router = _router(_Table(path, lines, ("router",), data.get("router", {}), _ROUTER))
+    ssh = _ssh(_Table(path, lines, ("ssh",), data.get("ssh", {}), _SSH), folder)
+    cluster = ClusterFile(path, model, router, launch, ssh, nodes, lines)
     _check_nodes(cluster)
     return cluster
 
@@ -331,8 +334,10 @@ def _node(t: _Table, index: int) -> NodeSpec:
     node = NodeSpec(
         index=index, name=t.get("name", str, address), address=address, devices=devices, counts=counts,
         role=role, ssh_user=t.get("ssh_user", str, ""), ssh_port=t.get("ssh_port", int, 22, _port),
-        transfer_address=t.get("transfer_address", str, ""), nic_gbps=t.get("nic_gbps", float, 0.0, _at_least(0)),
-        cpu_replicas=t.get("cpu_replicas", int, 1, _at_least(1)), env=_env(t), pdcluster=t.get("pdcluster", str, ""),
+        transfer_address=t.get("transfer_address", str, ""),
+        nic_gbps=t.get("nic_gbps", float, 0.0, _at_least(0)),
+        cpu_replicas=t.get("cpu_replicas", int, 1, _at_least(1)), env=_env(t),
+        pdcluster=t.get("pdcluster", str, ""),
     )
     if "cpu_replicas" in t.values and devices.mode is DeviceMode.LIST:
         raise t.error(("cpu_replicas",), f"{t.name('cpu_replicas')} is for CPU nodes; this one lists CUDA "
@@ -354,8 +359,8 @@ def _check_nodes(cluster: ClusterFile) -> None:
     for node in cluster.nodes:
         for key, value, seen in (("address", node.address, addresses), ("name", node.name, names)):
             if value in seen:
-                raise cluster.error(("nodes", node.index, key),
-                                    f"nodes[{node.index}] has the same {key} {value!r} as nodes[{seen[value]}]")
+                raise cluster.error(("nodes", node.index, key), f"nodes[{node.index}] has the same {key} "
+                                                                f"{value!r} as nodes[{seen[value]}]")
             seen[value] = node.index
     if not any(n.role in SERVING_ROLES or any(c for r, c in n.counts if r in SERVING_ROLES)
                for n in cluster.nodes):
@@ -367,3 +372,10 @@ def _check_nodes(cluster: ClusterFile) -> None:
                 raise cluster.error(("nodes", node.index, "devices"),
                                     f"fabric nccl needs CUDA devices but {node.name} has devices = "
                                     '"cpu" (use fabric = "tcp")')
+
+
+def with_fabric(cluster: ClusterFile, fabric: Fabric) -> ClusterFile:
+    """`cluster` with another fabric (`--fabric`), checked as the file's own would be."""
+    changed = replace(cluster, launch=replace(cluster.launch, fabric=fabric))
+    _check_nodes(changed)
+    return changed

@@ -24,19 +24,11 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 
 from pdcluster import SOURCE_ROOT
-from pdcluster.cluster.clusterfile import (
-    ClusterFile,
-    ClusterFileError,
-    DeviceMode,
-    Fabric,
-    NodeSpec,
-    Via,
-    parse,
-)
+from pdcluster.cluster.clusterfile import ClusterFile, Fabric, NodeSpec, Via, parse, with_fabric
 from pdcluster.cluster.launch_plan import Commands, Placement, place, rank_table, router_args, wrap
 from pdcluster.cluster.processes import (
     REPLICA_READY,
@@ -68,10 +60,11 @@ STOP_TIMEOUT_S = 30.0
 class LaunchConfig:
     """Flags of `pdcluster launch`."""
 
-    file: Path = field(metadata={"help": "cluster file (TOML; see pdcluster/cluster/README.md)", "positional": True})
-    via: str = field(default="", metadata={"help": "how replicas reach their nodes; empty = the file's launch.via",
+    file: Path = field(metadata={"help": "cluster file (TOML; see pdcluster/cluster/README.md)",
+                                 "positional": True})
+    via: str = field(default="", metadata={"help": "how replicas reach their nodes; empty = launch.via",
                                            "choices": ["", "ssh", "slurm", "local"]})
-    fabric: str = field(default="", metadata={"help": "transfer fabric; empty = the file's launch.fabric",
+    fabric: str = field(default="", metadata={"help": "transfer fabric; empty = launch.fabric",
                                               "choices": ["", "tcp", "nccl", "rdma"]})
     dry_run: bool = field(default=False, metadata={"help": (
         "discover every node, print the placement, rank table and commands; start nothing")})
@@ -96,16 +89,8 @@ def load(config: LaunchConfig) -> tuple[ClusterFile, Via]:
     """The cluster file with the command line's overrides applied (ClusterFileError when unusable)."""
     cluster = parse(config.file)
     if config.fabric:
-        cluster = _with_fabric(cluster, Fabric(config.fabric))
+        cluster = with_fabric(cluster, Fabric(config.fabric))
     return cluster, Via(config.via) if config.via else cluster.launch.via
-
-
-def _with_fabric(cluster: ClusterFile, fabric: Fabric) -> ClusterFile:
-    for node in cluster.nodes:
-        if fabric is Fabric.NCCL and node.devices.mode is DeviceMode.CPU:
-            raise ClusterFileError(f"--fabric {fabric.value} needs CUDA devices but {node.name} has devices = "
-                                   f"\"cpu\" in {cluster.path}")
-    return replace(cluster, launch=replace(cluster.launch, fabric=fabric))
 
 
 class Launch:
@@ -116,9 +101,9 @@ class Launch:
         self.via = via
         self.run_id = run_id or f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
         self.run_dir = cluster.launch.log_dir / self.run_id
-        workdir = cluster.launch.workdir or SOURCE_ROOT
-        self.commands = Commands(cluster, self.run_id, tuple(pdcluster_command(cluster.launch.pdcluster)),
-                                 PurePosixPath(workdir))
+        command = tuple(pdcluster_command(cluster.launch.pdcluster))
+        self.commands = Commands(cluster, self.run_id, command,
+                                 PurePosixPath(cluster.launch.workdir or SOURCE_ROOT))
         self.policy = RestartPolicy(cluster.launch.max_restarts, cluster.launch.restart_window_s)
         self.slurm_job = os.environ.get("SLURM_JOB_ID", "") if via is Via.SLURM else ""
         self.run_file = RunFile(cluster.launch.log_dir)
@@ -130,8 +115,8 @@ class Launch:
         self.staged: list[NodeSpec] = []
         self.started_at = time.monotonic()
         self.failure = ""
-        self.allocation_gone = False
-        self.claimed = False  # run.json is this launch's (never overwrite another live launch's record)  # Slurm ended the steps already; no srun can reach the nodes now
+        self.allocation_gone = False  # Slurm ended the steps already: no srun reaches the nodes now
+        self.claimed = False  # run.json is this launch's (another live launch's record is never overwritten)
 
     # --- sessions ---------------------------------------------------------------------------------
     def argv(self, node: NodeSpec, script: str, tty: bool = False, name: str = "") -> list[str]:
@@ -140,25 +125,27 @@ class Launch:
 
     def _fan_out(self, nodes: list[NodeSpec], script_of: Callable[[NodeSpec], str], timeout: float,
                  stdin: str | None = None) -> list[Answer]:
-        return fan_out(nodes, lambda n: self.argv(n, script_of(n)), timeout, self.cluster.launch.fanout, stdin)
+        fanout = self.cluster.launch.fanout
+        return fan_out(nodes, lambda n: self.argv(n, script_of(n)), timeout, fanout, stdin)
+
+    def _timeout(self, deadline: float) -> float:
+        return max(1.0, min(PROBE_TIMEOUT_S, deadline - time.monotonic()))
 
     # --- start ------------------------------------------------------------------------------------
     def discover(self, deadline: float) -> dict[int, Inventory]:
         """Every node's inventory (LaunchError naming the first node that did not answer)."""
-        timeout = max(1.0, min(PROBE_TIMEOUT_S, deadline - time.monotonic()))
-        answers = self._fan_out(list(self.cluster.nodes), self.commands.probe_script, timeout)
+        answers = self._fan_out(list(self.cluster.nodes), self.commands.probe_script, self._timeout(deadline))
         inventories = {}
         for answer in answers:
             node = answer.node
             if not answer.ok:
-                raise LaunchError(f"node {node.name} ({node.address}): discovery failed: {answer.why(self.via)}")
+                raise LaunchError(f"{_node(node)}: discovery failed: {answer.why(self.via)}")
             inventory = _inventory(answer)
             if inventory is None:
-                raise LaunchError(f"node {node.name} ({node.address}): `pdcluster devices` printed no inventory: "
-                                  f"{(answer.err or answer.out).strip()[-300:]}")
+                said = (answer.err or answer.out).strip()[-300:]
+                raise LaunchError(f"{_node(node)}: `pdcluster devices` printed no inventory: {said}")
             inventories[node.index] = inventory
-            _progress(f"node {node.name} ({node.address}): {_describe(inventory)}, answered in "
-                      f"{answer.seconds:.1f} s")
+            _progress(f"{_node(node)}: {_describe(inventory)}, answered in {answer.seconds:.1f} s")
         return inventories
 
     def plan(self, inventories: dict[int, Inventory]) -> None:
@@ -167,26 +154,26 @@ class Launch:
 
     def stage(self, deadline: float) -> None:
         """Write the rank table on every node that runs a replica."""
-        nodes = _unique(p.node for p in self.placements)
+        self.staged = _unique(p.node for p in self.placements)
         table = rank_table(self.placements).to_json()
-        self.staged = nodes
-        timeout = max(1.0, min(PROBE_TIMEOUT_S, deadline - time.monotonic()))
-        for answer in self._fan_out(nodes, lambda _: self.commands.stage_script(), timeout, stdin=table):
+        stage = self.commands.stage_script()
+        for answer in self._fan_out(self.staged, lambda _: stage, self._timeout(deadline), stdin=table):
             if not answer.ok:
-                raise LaunchError(f"node {answer.node.name} ({answer.node.address}): cannot store the rank table: "
-                                  f"{answer.why(self.via)}")
+                why = answer.why(self.via)
+                raise LaunchError(f"{_node(answer.node)}: cannot store the rank table: {why}")
 
     def start_replicas(self) -> None:
         """One session per replica; its output streams into the run's log folder."""
         for p in self.placements:
             log = self.run_dir / p.node.name / f"{p.name}.log"
             argv = self.argv(p.node, self.commands.replica_script(p), tty=True, name=f"pdcluster-r{p.rank}")
-            self.replicas.append(spawn(p.name, p.role, argv, log, ready_prefix=REPLICA_READY, node=p.node.name))
+            proc = spawn(p.name, p.role, argv, log, ready_prefix=REPLICA_READY, node=p.node.name)
+            self.replicas.append(proc)
 
     def wait_ready(self, deadline: float) -> None:
         """Until every replica printed its ready line: one progress line per node as it completes."""
-        nodes = _unique(p.node for p in self.placements)
-        pending = {n.name: [r for r in self.replicas if r.node == n.name] for n in nodes}
+        pending = {n.name: [r for r in self.replicas if r.node == n.name]
+                   for n in _unique(p.node for p in self.placements)}
         while pending:
             for name, procs in list(pending.items()):
                 for proc in procs:
@@ -197,8 +184,7 @@ class Launch:
                     _progress(f"node {name}: {len(procs)}/{len(procs)} replica(s) serving after "
                               f"{time.monotonic() - self.started_at:.1f} s")
             if pending and time.monotonic() > deadline:
-                name, procs = next(iter(pending.items()))
-                late = next(p for p in procs if not p.ready)
+                late = next(p for procs in pending.values() for p in procs if not p.ready)
                 raise self._node_failed(late, f"{late.where} printed no ready line within "
                                               f"{self.cluster.launch.ready_timeout_s:g} s (log: {late.log})")
             time.sleep(0.1)
@@ -208,7 +194,7 @@ class Launch:
     def _node_failed(self, proc: Proc, message: str) -> LaunchError:
         tail = "\n".join(f"    {line}" for line in proc.tail(6))
         node = next(p.node for p in self.placements if p.name == proc.name)
-        return LaunchError(f"node {node.name} ({node.address}) failed to start: {message}"
+        return LaunchError(f"{_node(node)} failed to start: {message}"
                            + (f"\n  its log ends:\n{tail}" if tail else ""))
 
     def start_router(self, deadline: float) -> None:
@@ -216,8 +202,7 @@ class Launch:
         args = router_args(self.cluster, self.placements)
         self.router = spawn("router", "router", pdcluster_argv(*args), self.run_dir / "router.log",
                             ready_prefix=ROUTER_READY)
-        line = self.router.wait_ready(deadline)
-        self.http_url, self.admin_address = parse_router_ready(line)
+        self.http_url, self.admin_address = parse_router_ready(self.router.wait_ready(deadline))
 
     def start(self) -> None:
         """Discover, place, stage, start every replica, wait for them, then the router."""
@@ -234,10 +219,11 @@ class Launch:
 
     def _claim(self) -> None:
         """Refuse to start over a run of the same file that is still up."""
-        old = self.run_file.read() if self.run_file.path.exists() else None
-        if old is not None and launcher_alive(old) and old.phase in (RunPhase.STARTING.value, RunPhase.READY.value):
-            raise LaunchError(f"{self.cluster.path} is already launched (run {old.run_id}, pid {old.launcher_pid}); "
-                              f"`pdcluster down {self.cluster.path}` stops it")
+        old = self.run_file.read()
+        live = (RunPhase.STARTING.value, RunPhase.READY.value)
+        if old is not None and old.phase in live and launcher_alive(old):
+            raise LaunchError(f"{self.cluster.path} is already launched (run {old.run_id}, pid "
+                              f"{old.launcher_pid}); `pdcluster down {self.cluster.path}` stops it")
         self.claimed = True
         self._record(RunPhase.STARTING)
 
@@ -255,8 +241,8 @@ class Launch:
             if state is not None and state != "RUNNING":
                 self.allocation_gone = True
                 return f"the Slurm allocation {self.slurm_job} ended ({state or 'no longer known to Slurm'})"
-        if self.via is Via.SSH and self.replicas and all(
-                not r.running and r.exits and r.exits[-1] == SSH_FAILED for r in self.replicas):
+        unreachable = [not r.running and r.exits and r.exits[-1] == SSH_FAILED for r in self.replicas]
+        if self.via is Via.SSH and self.replicas and all(unreachable):
             return "every node is unreachable (ssh exited with 255 for every replica)"
         return ""
 
@@ -274,49 +260,56 @@ class Launch:
         self._record(RunPhase.STOPPING)
         stop_procs([self.router] if self.router else [], timeout=10)
         if self.staged and not self.allocation_gone:
-            for answer in self._fan_out(self.staged, lambda _: self.commands.stop_script(), STOP_TIMEOUT_S):
+            stop = self.commands.stop_script()
+            for answer in self._fan_out(self.staged, lambda _: stop, STOP_TIMEOUT_S):
                 if not answer.ok:
-                    _progress(f"node {answer.node.name}: stopping its replicas failed: {answer.why(self.via)}")
+                    _progress(f"{_node(answer.node)}: stopping its replicas failed: {answer.why(self.via)}")
         stop_procs(self.replicas, timeout=10)
         self._record(RunPhase.FAILED if self.failure else RunPhase.STOPPED)
 
     def _record(self, phase: RunPhase) -> None:
-        if not self.claimed:
-            return
-        replicas = tuple(
-            ReplicaRecord(p.rank, p.role, p.node.name, p.address, p.device, p.nic, str(r.log), _state(r),
-                          len(r.restarts))
-            for p, r in zip(self.placements, self.replicas, strict=False))
-        if not replicas:
-            replicas = tuple(ReplicaRecord(p.rank, p.role, p.node.name, p.address, p.device, p.nic, "", "planned")
-                             for p in self.placements)
-        self.run_file.write(RunRecord(
+        if self.claimed:
+            self.run_file.write(self.record(phase))
+
+    def record(self, phase: RunPhase) -> RunRecord:
+        """This run as `run.json` holds it."""
+        return RunRecord(
             run_id=self.run_id, cluster_file=str(self.cluster.path.resolve()), via=self.via.value,
             node_dir=str(self.commands.node_dir), slurm_job=self.slurm_job, phase=phase.value,
-            http=self.http_url, admin=self.admin_address, admin_token_set=bool(self.cluster.router.admin_token),
-            replicas=replicas, nodes=tuple(n.name for n in self.staged), logs=str(self.run_dir),
-            message=self.failure, **this_launcher()))
+            http=self.http_url, admin=self.admin_address,
+            admin_token_set=bool(self.cluster.router.admin_token), replicas=self._replica_records(),
+            nodes=tuple(n.name for n in self.staged), logs=str(self.run_dir), message=self.failure,
+            **this_launcher())
+
+    def _replica_records(self) -> tuple[ReplicaRecord, ...]:
+        procs: list[Proc | None] = [*self.replicas] or [None] * len(self.placements)
+        return tuple(ReplicaRecord(p.rank, p.role, p.node.name, p.address, p.device, p.nic,
+                                   str(r.log) if r else "", _state(r), len(r.restarts) if r else 0)
+                     for p, r in zip(self.placements, procs, strict=True))
 
     def dry_run(self) -> str:
         """The placement, rank table and every command, as text (after discovery)."""
         self.plan(self.discover(time.monotonic() + self.cluster.launch.ready_timeout_s))
-        lines = ["# placement", *(f"rank {p.rank} {p.role} on {p.node.name}: {p.device} nic={p.nic or '-'} "
-                                  f"grpc={p.address} transfer={p.node.transfer_host}:{p.transfer_port}"
-                                  + (f" cores={','.join(map(str, p.engine_cpus))}" if p.engine_cpus else "")
-                                  for p in self.placements)]
-        lines += ["# rank table", rank_table(self.placements).to_json()]
-        lines += [f"# rank {p.rank} ({p.role}) on {p.node.name}\n"
-                  f"{shlex.join(self.argv(p.node, self.commands.replica_script(p), True, f'pdcluster-r{p.rank}'))}"
-                  for p in self.placements]
-        return "\n".join([*lines, "# router (here)",
-                          shlex.join(["pdcluster", *router_args(self.cluster, self.placements)])])
+        lines = ["# placement", *map(_describe_placement, self.placements),
+                 "# rank table", rank_table(self.placements).to_json()]
+        for p in self.placements:
+            argv = self.argv(p.node, self.commands.replica_script(p), True, f"pdcluster-r{p.rank}")
+            lines += [f"# rank {p.rank} ({p.role}) on {p.node.name}", shlex.join(argv)]
+        router = shlex.join(["pdcluster", *router_args(self.cluster, self.placements)])
+        return "\n".join([*lines, "# router (here)", router])
 
 
-def _state(proc: Proc) -> str:
+def _state(proc: Proc | None) -> str:
+    if proc is None:
+        return "planned"
     code = proc.returncode
     if code is not None:
         return f"exited {code}"
     return "serving" if proc.ready else ("restarting" if proc.restarts else "starting")
+
+
+def _node(node: NodeSpec) -> str:
+    return f"node {node.name} ({node.address})"
 
 
 def _unique(nodes: Iterable[NodeSpec]) -> list[NodeSpec]:
@@ -328,6 +321,7 @@ def _unique(nodes: Iterable[NodeSpec]) -> list[NodeSpec]:
 
 
 def _inventory(answer: Answer) -> Inventory | None:
+    """The inventory a node printed (its last JSON line: a login shell may print other lines first)."""
     for line in reversed(answer.out.splitlines()):
         if line.strip().startswith("{"):
             try:
@@ -343,16 +337,22 @@ def _describe(inv: Inventory) -> str:
     return f"host {inv.hostname}, {devices}{nic}"
 
 
+def _describe_placement(p: Placement) -> str:
+    cores = f" cores={','.join(map(str, p.engine_cpus))}" if p.engine_cpus else ""
+    return (f"rank {p.rank} {p.role} on {p.node.name}: {p.device} nic={p.nic or '-'} grpc={p.address} "
+            f"transfer={p.node.transfer_host}:{p.transfer_port}{cores}")
+
+
 def _progress(text: str) -> None:
     print(f"pdcluster launch: {text}", file=sys.stderr, flush=True)
 
 
 def _check_router_ports(cluster: ClusterFile) -> None:
     r = cluster.router
-    for flag, port in (("http_port", r.http_port), ("admin_port", r.admin_port)):
+    for key, port in (("http_port", r.http_port), ("admin_port", r.admin_port)):
         problem = port_problem(r.host, port)
         if problem:
-            raise cluster.error(("router", flag), f"router.{flag}: {problem}")
+            raise cluster.error(("router", key), f"router.{key}: {problem}")
 
 
 def slurm_job_state(job: str) -> str | None:

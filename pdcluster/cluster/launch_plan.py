@@ -257,7 +257,8 @@ def _q(path: PurePosixPath | Path) -> str:
 
 def ssh_argv(ssh: SshSpec, node: NodeSpec, tty: bool) -> list[str]:
     """`ssh` up to (and with) the destination: BatchMode (no password prompt), the file's options."""
-    argv = ["ssh", "-tt" if tty else "-T", "-o", "BatchMode=yes", "-o", f"ConnectTimeout={ssh.connect_timeout_s:g}"]
+    argv = ["ssh", "-tt" if tty else "-T", "-o", "BatchMode=yes",
+            "-o", f"ConnectTimeout={ssh.connect_timeout_s:g}"]
     if ssh.config is not None:
         argv += ["-F", str(ssh.config)]
     if ssh.identity is not None:
@@ -271,7 +272,8 @@ def ssh_argv(ssh: SshSpec, node: NodeSpec, tty: bool) -> list[str]:
     return [*argv, node.address]
 
 
-def wrap(via: Via, cluster: ClusterFile, node: NodeSpec, script: str, tty: bool = False, name: str = "") -> list[str]:
+def wrap(via: Via, cluster: ClusterFile, node: NodeSpec, script: str, tty: bool = False,
+         name: str = "") -> list[str]:
     """argv that runs `script` on `node` and streams its output back here.
 
     ssh: `-tt` (for replicas) gives the command a terminal, so closing the session hangs it up and

@@ -161,7 +161,7 @@ class LocalCluster:
         self.http_url, self.admin_address = parse_router_ready(line)
 
     def _fabric_args(self, ports: list[int]) -> list[str]:
-        """`--cluster RANKS --fabric tcp`: a rank table of this machine, replica i's transfer port `ports[i]`."""
+        """`--cluster RANKS --fabric tcp`: this machine's rank table (replica i's transfer port: ports[i])."""
         from transfer.ranktable import RankTable
 
         table = RankTable.local(ports, self.config.host)

@@ -82,7 +82,8 @@ class Proc:
                 self.argv, stdin=subprocess.PIPE if self.stdin is not None else subprocess.DEVNULL,
                 stdout=subprocess.PIPE, stderr=err, text=True, preexec_fn=before_exec, cwd=SOURCE_ROOT,
                 env={**os.environ, **self.env} if self.env else None)
-        threading.Thread(target=self._pump, args=(self._popen,), daemon=True, name=f"pump-{self.name}").start()
+        pump = threading.Thread(target=self._pump, args=(self._popen,), daemon=True, name=f"pump-{self.name}")
+        pump.start()
         if self.stdin is not None:
             threading.Thread(target=_feed, args=(self._popen, self.stdin), daemon=True).start()
 
@@ -139,7 +140,8 @@ class Proc:
                 if not self._ready.is_set():
                     raise RuntimeError(self.exit_message(code))
             if time.monotonic() >= deadline:
-                raise RuntimeError(f"{self.where} printed no ready line in time{self._cause()} (log: {self.log})")
+                raise RuntimeError(f"{self.where} printed no ready line in time{self._cause()} "
+                                   f"(log: {self.log})")
         return self.ready_line
 
     @property
@@ -203,8 +205,9 @@ def parse_router_ready(line: str) -> tuple[str, str]:
 
 _EXCEPTION = re.compile(r"^(?:[A-Za-z_][\w.]*\.)?[A-Za-z_]*(Error|Exception|Exit|Interrupt|Refused|NotFound)"
                         r"(: .*)?$")
-_MARKED = re.compile(r"(^pdcluster [\w -]+: |\bdoes not exist|\bERROR|\bCRITICAL|\bFATAL|\b[Ee]rror:|[Ff]atal:|Permission denied|[Cc]ould not|"
-                     r"[Cc]annot|[Cc]an't|[Nn]o such file|Address already in use|refused)")
+_MARKED = re.compile(r"(^pdcluster [\w -]+: |\bdoes not exist|\bERROR|\bCRITICAL|\bFATAL|\b[Ee]rror:|"
+                     r"[Ff]atal:|Permission denied|[Cc]ould not|[Cc]annot|[Cc]an't|[Nn]o such file|"
+                     r"Address already in use|refused)")
 _STAMP = re.compile(r"^\d{4}-\d\d-\d\d[ T][\d:,.]+\s+")
 
 

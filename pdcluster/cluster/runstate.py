@@ -98,7 +98,8 @@ def process_start(pid: int) -> int | None:
 def this_launcher() -> dict[str, Any]:
     """The launcher fields of a new record: this process."""
     pid = os.getpid()
-    return {"launcher_pid": pid, "launcher_start": process_start(pid) or 0, "launcher_host": socket.gethostname()}
+    return {"launcher_pid": pid, "launcher_start": process_start(pid) or 0,
+            "launcher_host": socket.gethostname()}
 
 
 def launcher_alive(record: RunRecord) -> bool:

@@ -62,7 +62,8 @@ def health(address: str, timeout: float) -> str:
     """SERVING / NOT_SERVING (still loading) / UNREACHABLE: the replica's grpc.health.v1 answer."""
     with grpc.insecure_channel(address) as channel:
         try:
-            answer = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=timeout)
+            stub = health_pb2_grpc.HealthStub(channel)
+            answer = stub.Check(health_pb2.HealthCheckRequest(), timeout=timeout)
         except grpc.RpcError:
             return "UNREACHABLE"
     return str(health_pb2.HealthCheckResponse.ServingStatus.Name(answer.status))

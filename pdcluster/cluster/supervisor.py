@@ -169,6 +169,7 @@ class Watch:
                     f"{policy.window_s:g} s: restart budget ({policy.max_restarts}) spent")
         delay = policy.delay(proc.restarts, now)
         self.due[proc.name] = now + delay
-        _say(self.tool, f"restarting {proc.where} in {delay:g} s (restart {policy.recent(proc.restarts, now) + 1} "
-                        f"of at most {policy.max_restarts} within {policy.window_s:g} s)")
+        count = policy.recent(proc.restarts, now) + 1
+        _say(self.tool, f"restarting {proc.where} in {delay:g} s (restart {count} of at most "
+                        f"{policy.max_restarts} within {policy.window_s:g} s)")
         return ""

@@ -37,7 +37,7 @@ def checkpoint_problem(folder: Path, weights: bool = True, tokenizer: bool = Fal
         return f"model folder {folder} has no *.safetensors weights"
     if tokenizer and not (folder / "tokenizer.json").is_file():
         return f"model folder {folder} has no tokenizer.json"
-    optional = ("tokenizer_config.json", "generation_config.json", *(("tokenizer.json",) if tokenizer else ()))
+    optional = ["tokenizer_config.json", "generation_config.json"] + (["tokenizer.json"] if tokenizer else [])
     for name in optional:  # read by the router or the replica when present; a broken one fails them late
         problem = _json_problem(folder / name)
         if problem:

@@ -51,8 +51,8 @@ def _columns(rows: list[list[str]]) -> list[str]:
 def table(inv: Inventory) -> str:
     """The human-readable form: one row per device, then the NICs, then the CPU cores."""
     source = f" (from {inv.gpu_source})" if inv.gpu_source else ""
-    lines = [f"host {inv.hostname}: {len(inv.gpus)} CUDA device(s){source}, {len(inv.cpus.cores)} CPU core(s), "
-             f"{len(inv.nics)} NIC(s)"]
+    lines = [f"host {inv.hostname}: {len(inv.gpus)} CUDA device(s){source}, "
+             f"{len(inv.cpus.cores)} CPU core(s), {len(inv.nics)} NIC(s)"]
     if inv.gpus:
         rows = [["DEVICE", "NAME", "MEMORY", "PCI", "NUMA", "NIC", "RDMA"]]
         rows += [[g.device, g.name, _gib(g.memory_mib), g.pci_bus_id or "-", _numa(g.numa_node), g.nic or "-",

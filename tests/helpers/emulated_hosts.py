@@ -37,8 +37,18 @@ from typing import TypeVar
 T = TypeVar("T")
 
 PACKAGES = ("openssh-server", "slurm-wlm", "munge", "iproute2", "openssh-client")
-BINARIES = ("/usr/sbin/sshd", "/usr/sbin/slurmctld", "/usr/sbin/slurmd", "/usr/sbin/munged", "ssh", "ip", "tc",
-            "unshare", "salloc", "srun")
+BINARIES = (
+    "/usr/sbin/sshd",
+    "/usr/sbin/slurmctld",
+    "/usr/sbin/slurmd",
+    "/usr/sbin/munged",
+    "ssh",
+    "ip",
+    "tc",
+    "unshare",
+    "salloc",
+    "srun",
+)
 OWNERS = Path("/tmp/pdcluster-emulated-hosts")  # one folder per run: its owner pid and scratch files
 _PREFIX = re.compile(r"^(pdh[0-9a-f]{4})-")
 _CLONE_NEWNET = 0x40000000
@@ -62,8 +72,10 @@ def require(slurm: bool = False) -> str:
         if shutil.which("apt-get") is None:
             return f"missing {', '.join(needed)} and no apt-get to install {' '.join(PACKAGES)}"
         env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-        for argv in (["apt-get", "update", "-q"],
-                     ["apt-get", "install", "-y", "-q", "-o", "DPkg::Lock::Timeout=300", *PACKAGES]):
+        for argv in (
+            ["apt-get", "update", "-q"],
+            ["apt-get", "install", "-y", "-q", "-o", "DPkg::Lock::Timeout=300", *PACKAGES],
+        ):
             done = subprocess.run(argv, capture_output=True, text=True, timeout=900, env=env, check=False)
             if done.returncode != 0:
                 return f"`{' '.join(argv)}` failed: {done.stderr.strip()[-300:]}"
@@ -244,8 +256,25 @@ class EmulatedHosts:
         _run("ip", "-n", netns, "link", "set", "lo", "up")
         if shaped:  # both directions: out of the host (eth0) and into it (its switch port)
             for ns, dev in ((netns, "eth0"), (switch, port)):
-                _run("ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", dev, "root", "tbf", "rate", self.rate,
-                     "burst", "128kb", "latency", self.latency)
+                _run(
+                    "ip",
+                    "netns",
+                    "exec",
+                    ns,
+                    "tc",
+                    "qdisc",
+                    "add",
+                    "dev",
+                    dev,
+                    "root",
+                    "tbf",
+                    "rate",
+                    self.rate,
+                    "burst",
+                    "128kb",
+                    "latency",
+                    self.latency,
+                )
 
     def exec_argv(self, netns: str, hostname: str, argv: list[str]) -> list[str]:
         """`argv` inside `netns` with its own UTS namespace named `hostname`."""
@@ -254,8 +283,9 @@ class EmulatedHosts:
 
     def _daemon(self, argv: list[str], log: Path) -> subprocess.Popen[bytes]:
         with log.open("wb") as out:
-            proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                    start_new_session=True)
+            proc = subprocess.Popen(
+                argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True
+            )
         self.daemons.append(proc)
         return proc
 
@@ -268,7 +298,8 @@ class EmulatedHosts:
         self.ssh_config.write_text(
             "Host *\n  User root\n"
             f"  IdentityFile {self.folder / 'user_key'}\n  IdentitiesOnly yes\n"
-            "  StrictHostKeyChecking no\n  UserKnownHostsFile /dev/null\n  LogLevel ERROR\n  BatchMode yes\n")
+            "  StrictHostKeyChecking no\n  UserKnownHostsFile /dev/null\n  LogLevel ERROR\n  BatchMode yes\n"
+        )
         Path("/run/sshd").mkdir(parents=True, exist_ok=True)  # sshd's privilege separation folder
 
     def start_sshd(self, host: Host, refuse_key: bool = False) -> None:
@@ -279,12 +310,17 @@ class EmulatedHosts:
             f"ListenAddress {host.address}\nPort 22\nHostKey {self.folder / 'host_key'}\n"
             f"AuthorizedKeysFile {keys}\nPermitRootLogin yes\nUsePAM no\nStrictModes no\n"
             f"PasswordAuthentication no\nKbdInteractiveAuthentication no\nPrintMotd no\nPrintLastLog no\n"
-            f"PidFile {self.folder / f'sshd_{host.name}.pid'}\n")
-        proc = self._daemon(self.exec_argv(host.netns, host.name, ["/usr/sbin/sshd", "-D", "-e", "-f", str(config)]),
-                            self.folder / f"sshd_{host.name}.log")
+            f"PidFile {self.folder / f'sshd_{host.name}.pid'}\n"
+        )
+        proc = self._daemon(
+            self.exec_argv(host.netns, host.name, ["/usr/sbin/sshd", "-D", "-e", "-f", str(config)]),
+            self.folder / f"sshd_{host.name}.log",
+        )
         self._wait_listening(host, 22, proc)
 
-    def _wait_listening(self, host: Host, port: int, proc: subprocess.Popen[bytes], timeout: float = 20) -> None:
+    def _wait_listening(
+        self, host: Host, port: int, proc: subprocess.Popen[bytes], timeout: float = 20
+    ) -> None:
         import socket
 
         def ready() -> bool:
@@ -317,9 +353,19 @@ class EmulatedHosts:
         key.write_bytes(secrets.token_bytes(1024))
         key.chmod(0o400)
         socket_path = munge / "munge.sock"
-        self._daemon(["munged", "-F", "-f", f"--socket={socket_path}", f"--key-file={key}",
-                      f"--log-file={munge / 'munged.log'}", f"--pid-file={munge / 'munged.pid'}",
-                      f"--seed-file={munge / 'munged.seed'}"], munge / "out.log")
+        self._daemon(
+            [
+                "munged",
+                "-F",
+                "-f",
+                f"--socket={socket_path}",
+                f"--key-file={key}",
+                f"--log-file={munge / 'munged.log'}",
+                f"--pid-file={munge / 'munged.pid'}",
+                f"--seed-file={munge / 'munged.seed'}",
+            ],
+            munge / "out.log",
+        )
         end = time.monotonic() + 20
         while not socket_path.exists():
             if time.monotonic() > end:
@@ -327,16 +373,22 @@ class EmulatedHosts:
             time.sleep(0.05)
         conf = self._slurm_conf(socket_path)
         env_conf = ["env", f"SLURM_CONF={conf}"]
-        ctld = self._daemon(self.exec_argv(self.head, "head", [*env_conf, "slurmctld", "-D", "-f", str(conf)]),
-                            self.folder / "slurm" / "slurmctld.out")
+        ctld = self._daemon(
+            self.exec_argv(self.head, "head", [*env_conf, "slurmctld", "-D", "-f", str(conf)]),
+            self.folder / "slurm" / "slurmctld.out",
+        )
         self._wait_listening(Host("head", self.head, self.head_address), 6817, ctld)
         # slurmd wants a cgroup v1 tree; `ip netns exec` remounted /sys without one. A private tmpfs with
         # the named systemd hierarchy satisfies it (proctrack/linuxproc and task/none use no cgroup).
-        cgroups = ("mount -t tmpfs cgroup_root /sys/fs/cgroup && mkdir -p /sys/fs/cgroup/systemd && "
-                   "mount -t cgroup -o none,name=systemd cgroup /sys/fs/cgroup/systemd && exec \"$@\"")
+        cgroups = (
+            "mount -t tmpfs cgroup_root /sys/fs/cgroup && mkdir -p /sys/fs/cgroup/systemd && "
+            'mount -t cgroup -o none,name=systemd cgroup /sys/fs/cgroup/systemd && exec "$@"'
+        )
         for host in self.hosts:
             argv = ["sh", "-c", cgroups, "sh", *env_conf, "slurmd", "-D", "-N", host.name, "-f", str(conf)]
-            self._daemon(self.exec_argv(host.netns, host.name, argv), self.folder / "slurm" / f"slurmd-{host.name}.out")
+            self._daemon(
+                self.exec_argv(host.netns, host.name, argv), self.folder / "slurm" / f"slurmd-{host.name}.out"
+            )
         self.slurm_conf = conf
         self._wait_idle()
         return conf
@@ -344,8 +396,10 @@ class EmulatedHosts:
     def _slurm_conf(self, munge_socket: Path) -> Path:
         folder = self.folder / "slurm"
         (folder / "state").mkdir(parents=True, exist_ok=True)
-        nodes = "\n".join(f"NodeName={h.name} NodeAddr={h.address} CPUs=4 RealMemory=1000 State=UNKNOWN"
-                          for h in self.hosts)
+        nodes = "\n".join(
+            f"NodeName={h.name} NodeAddr={h.address} CPUs=4 RealMemory=1000 State=UNKNOWN" for h in self.hosts
+        )
+        names = ",".join(h.name for h in self.hosts)
         conf = folder / "slurm.conf"
         conf.write_text(f"""ClusterName={self.prefix}
 SlurmctldHost=head({self.head_address})
@@ -356,11 +410,11 @@ SlurmdUser=root
 AuthType=auth/munge
 AuthInfo=socket={munge_socket}
 CredType=cred/munge
-StateSaveLocation={folder / 'state'}
+StateSaveLocation={folder / "state"}
 SlurmdSpoolDir={folder}/spool-%n
-SlurmctldPidFile={folder / 'slurmctld.pid'}
+SlurmctldPidFile={folder / "slurmctld.pid"}
 SlurmdPidFile={folder}/slurmd-%n.pid
-SlurmctldLogFile={folder / 'slurmctld.log'}
+SlurmctldLogFile={folder / "slurmctld.log"}
 SlurmdLogFile={folder}/slurmd-%n.log
 ProctrackType=proctrack/linuxproc
 TaskPlugin=task/none
@@ -377,7 +431,7 @@ KillWait=5
 InactiveLimit=0
 MinJobAge=30
 {nodes}
-PartitionName=main Nodes={','.join(h.name for h in self.hosts)} Default=YES MaxTime=INFINITE State=UP OverSubscribe=YES
+PartitionName=main Nodes={names} Default=YES MaxTime=INFINITE State=UP OverSubscribe=YES
 """)
         return conf
 
@@ -389,8 +443,14 @@ PartitionName=main Nodes={','.join(h.name for h in self.hosts)} Default=YES MaxT
     def _wait_idle(self, timeout: float = 60) -> None:
         end = time.monotonic() + timeout
         while True:
-            done = subprocess.run(["ip", "netns", "exec", self.head, "sinfo", "-h", "-o", "%t %D"], capture_output=True,
-                                  text=True, env=self.slurm_env(), timeout=30, check=False)
+            done = subprocess.run(
+                ["ip", "netns", "exec", self.head, "sinfo", "-h", "-o", "%t %D"],
+                capture_output=True,
+                text=True,
+                env=self.slurm_env(),
+                timeout=30,
+                check=False,
+            )
             if done.stdout.split() == ["idle", str(self.count)]:
                 return
             if time.monotonic() > end:

@@ -22,33 +22,55 @@ LINK_BYTES_PER_S = 1e9 / 8
 LONG_PROMPT = " ".join(["the prefill replica reads the whole prompt at once and fills the cache"] * 25)
 
 
-def head_run(hosts: EmulatedHosts, *args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+def head_run(
+    hosts: EmulatedHosts, *args: str, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
     """`pdcluster ARGS` on the head node."""
-    return subprocess.run(["ip", "netns", "exec", hosts.head, *pdcluster(*args)], capture_output=True, text=True,
-                          timeout=120, env=env, check=False)
+    return subprocess.run(
+        ["ip", "netns", "exec", hosts.head, *pdcluster(*args)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+        check=False,
+    )
 
 
 def sent_bytes(hosts: EmulatedHosts, host_index: int) -> int:
     """Bytes the shaped link of a host has sent out of it."""
-    out = subprocess.run(["ip", "netns", "exec", hosts.hosts[host_index].netns, "tc", "-s", "qdisc", "show", "dev",
-                          "eth0"], capture_output=True, text=True, check=True).stdout
+    out = subprocess.run(
+        ["ip", "netns", "exec", hosts.hosts[host_index].netns, "tc", "-s", "qdisc", "show", "dev", "eth0"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
     return int(out.split("Sent ", 1)[1].split()[0])
 
 
-def check_serving(hosts: EmulatedHosts, launched: Launched, file: Path, model: Path, oracle: GreedyOracle,
-                  env: dict[str, str] | None = None) -> float:
+def check_serving(
+    hosts: EmulatedHosts,
+    launched: Launched,
+    file: Path,
+    model: Path,
+    oracle: GreedyOracle,
+    env: dict[str, str] | None = None,
+) -> float:
     """The checks both ways of launching pass: replicas on the three hosts, an exact greedy completion,
     a KV migration across a shaped link timed against bytes / rate, status, node logs and rank table.
     Returns the migration's measured / ideal time (the best of three)."""
     line = launched.ready(240)
     fields = ready_fields(line)
-    want = [f"{role}@{h.address}:" for role, h in zip(("prefill", "decode", "decode"), hosts.hosts, strict=True)]
+    want = [
+        f"{role}@{h.address}:" for role, h in zip(("prefill", "decode", "decode"), hosts.hosts, strict=True)
+    ]
     assert all(w in fields["replicas"] for w in want), line
     url = fields["http"]
 
     def complete(prompt: str, max_tokens: int) -> dict[str, object]:
         body = {"model": model.name, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0}
-        return in_netns(hosts.head, lambda: httpx.post(f"{url}/v1/completions", json=body, timeout=120).json())
+        return in_netns(
+            hosts.head, lambda: httpx.post(f"{url}/v1/completions", json=body, timeout=120).json()
+        )
 
     answer = complete("The capital of France is", 12)
     assert answer["choices"][0]["text"] == oracle.text("The capital of France is", 12)  # type: ignore[index]
@@ -68,11 +90,14 @@ def check_serving(hosts: EmulatedHosts, launched: Launched, file: Path, model: P
     status = head_run(hosts, "status", str(file), env=env)
     assert status.returncode == 0, status.stdout + status.stderr
     rows = [row.split() for row in status.stdout.splitlines() if row.split() and row.split()[0].isdigit()]
-    assert [(r[2], r[4], r[5], r[6]) for r in rows] == [(h.name, "cpu", "eth0", "SERVING") for h in hosts.hosts]
+    assert [(r[2], r[4], r[5], r[6]) for r in rows] == [
+        (h.name, "cpu", "eth0", "SERVING") for h in hosts.hosts
+    ]
     record = json.loads((file.parent / "logs" / "run.json").read_text())
     table = json.loads(Path(record["node_dir"], "ranks.json").read_text())["ranks"]
     assert [(r["host"], r["node"], r["device"], r["nic"]) for r in table] == [
-        (h.address, h.name, "cpu", "eth0") for h in hosts.hosts]
+        (h.address, h.name, "cpu", "eth0") for h in hosts.hosts
+    ]
     logs = Path(record["logs"])
     assert "pdcluster replica serving on" in (logs / "h1" / "replica-0-prefill.log").read_text()
     return ratio

@@ -30,18 +30,30 @@ class NodeLine:
     extra: tuple[str, ...] = ()
 
 
-def write_cluster_file(path: Path, model: Path, nodes: Sequence[NodeLine], via: str, router_host: str,
-                       launch: Sequence[str] = (), ssh_config: Path | None = None) -> Path:
+def write_cluster_file(
+    path: Path,
+    model: Path,
+    nodes: Sequence[NodeLine],
+    via: str,
+    router_host: str,
+    launch: Sequence[str] = (),
+    ssh_config: Path | None = None,
+) -> Path:
     """A cluster file for `nodes`: CPU workers, small KV caches, one torch thread, logs beside the file."""
-    lines = [f'[model]\npath = "{model}"', f'[router]\nhost = "{router_host}"\nhttp_port = 0\nadmin_port = 0',
-             f'[launch]\nvia = "{via}"\nnum_blocks = 256\ntorch_threads = 1\nready_timeout_s = 180\n'
-             f'log_dir = "{path.parent / "logs"}"\n' + "\n".join(launch)]
+    lines = [
+        f'[model]\npath = "{model}"',
+        f'[router]\nhost = "{router_host}"\nhttp_port = 0\nadmin_port = 0',
+        f'[launch]\nvia = "{via}"\nnum_blocks = 256\ntorch_threads = 1\nready_timeout_s = 180\n'
+        f'log_dir = "{path.parent / "logs"}"\n' + "\n".join(launch),
+    ]
     if ssh_config is not None:
         lines.append(f'[ssh]\nconfig = "{ssh_config}"\nconnect_timeout_s = 10')
     for node in nodes:
         roles = "\n".join(f"{role} = {count}" for role, count in node.roles.items())
-        lines.append(f'[[nodes]]\nname = "{node.name}"\naddress = "{node.address}"\ndevices = "cpu"\n{roles}\n'
-                     + "\n".join(node.extra))
+        lines.append(
+            f'[[nodes]]\nname = "{node.name}"\naddress = "{node.address}"\ndevices = "cpu"\n{roles}\n'
+            + "\n".join(node.extra)
+        )
     path.write_text("\n\n".join(lines) + "\n")
     return path
 
@@ -51,8 +63,15 @@ class Launched:
 
     def __init__(self, argv: list[str], env: dict[str, str] | None = None) -> None:
         self.argv = argv
-        self.proc = subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                     env=env, start_new_session=True)
+        self.proc = subprocess.Popen(
+            argv,
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+            start_new_session=True,
+        )
         self.started = time.monotonic()
         self._stdout: queue.Queue[str | None] = queue.Queue()  # None: stdout closed
         self._stderr: list[str] = []
@@ -104,6 +123,8 @@ class Launched:
 
 def ready_fields(line: str) -> dict[str, str]:
     """`key=value` words of a ready line, and `replicas` as its bracketed list."""
-    fields = dict(part.split("=", 1) for part in line.split() if "=" in part and not part.startswith("replicas"))
+    fields = dict(
+        part.split("=", 1) for part in line.split() if "=" in part and not part.startswith("replicas")
+    )
     fields["replicas"] = line.split("replicas=[", 1)[1].split("]", 1)[0]
     return fields

@@ -33,7 +33,9 @@ def slurm_ready(ssh_ready: None) -> None:
 @pytest.fixture(scope="session")
 def kv_model(tiny_model_factory: Callable[..., Path]) -> Path:
     """A 40 M-parameter checkpoint with 64 KiB of KV per token (migrations long enough to time)."""
-    return tiny_model_factory(layers=16, hidden=512, heads=8, kv_heads=8, intermediate=1024, max_positions=1024)
+    return tiny_model_factory(
+        layers=16, hidden=512, heads=8, kv_heads=8, intermediate=1024, max_positions=1024
+    )
 
 
 @pytest.fixture(scope="session")

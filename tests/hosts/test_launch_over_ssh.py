@@ -19,21 +19,29 @@ from tests.helpers.router_cluster import GreedyOracle
 pytestmark = pytest.mark.timeout(900)  # the first test of a session may install packages first
 
 
-def cluster_file(hosts: EmulatedHosts, model: Path, extra: dict[str, tuple[str, ...]] | None = None,
-                 launch: tuple[str, ...] = ()) -> Path:
+def cluster_file(
+    hosts: EmulatedHosts,
+    model: Path,
+    extra: dict[str, tuple[str, ...]] | None = None,
+    launch: tuple[str, ...] = (),
+) -> Path:
     roles = ({"prefill": 1}, {"decode": 1}, {"decode": 1})
-    nodes = [NodeLine(h.name, h.address, r, ("nic_gbps = 1",) + (extra or {}).get(h.name, ()))
-             for h, r in zip(hosts.hosts, roles, strict=True)]
-    return write_cluster_file(hosts.folder / "cluster.toml", model, nodes, "ssh", hosts.head_address, launch,
-                              hosts.ssh_config)
+    nodes = [
+        NodeLine(h.name, h.address, r, ("nic_gbps = 1", *(extra or {}).get(h.name, ())))
+        for h, r in zip(hosts.hosts, roles, strict=True)
+    ]
+    return write_cluster_file(
+        hosts.folder / "cluster.toml", model, nodes, "ssh", hosts.head_address, launch, hosts.ssh_config
+    )
 
 
 def launch(hosts: EmulatedHosts, file: Path) -> Launched:
     return Launched(["ip", "netns", "exec", hosts.head, *pdcluster("launch", str(file))])
 
 
-def test_ssh_launch_serves_migrates_lists_and_leaves_nothing(ssh_hosts: EmulatedHosts, kv_model: Path,
-                                                             kv_oracle: GreedyOracle) -> None:
+def test_ssh_launch_serves_migrates_lists_and_leaves_nothing(
+    ssh_hosts: EmulatedHosts, kv_model: Path, kv_oracle: GreedyOracle
+) -> None:
     file = cluster_file(ssh_hosts, kv_model)
     launched = launch(ssh_hosts, file)
     try:
@@ -59,8 +67,10 @@ def test_a_host_refusing_the_key_fails_the_launch_naming_it(ssh_hosts: EmulatedH
     try:
         assert launched.wait(120) == 1
         assert time.monotonic() - start < 60, launched.stderr
-        assert (f"node h3 ({h3.address}): discovery failed: ssh to {h3.address} failed: "
-                f"root@{h3.address}: Permission denied (publickey).") in launched.stderr
+        assert (
+            f"node h3 ({h3.address}): discovery failed: ssh to {h3.address} failed: "
+            f"root@{h3.address}: Permission denied (publickey)."
+        ) in launched.stderr
         no_process_left(ssh_hosts)
     finally:
         launched.kill()
@@ -74,7 +84,9 @@ def test_a_replica_that_cannot_start_stops_the_others(ssh_hosts: EmulatedHosts, 
     try:
         assert launched.wait(120) == 1
         err = launched.stderr
-        assert f"node h3 ({ssh_hosts.hosts[2].address}) failed to start: replica-2-decode on h3 exited" in err, err
+        assert (
+            f"node h3 ({ssh_hosts.hosts[2].address}) failed to start: replica-2-decode on h3 exited" in err
+        ), err
         assert "exited with 1: ModuleNotFoundError: No module named 'encodings'" in err
         assert "its log ends:" in err and "Fatal Python error" in err
         record = json.loads((file.parent / "logs" / "run.json").read_text())

@@ -23,20 +23,35 @@ def launch_in_allocation(hosts: EmulatedHosts, model: Path) -> tuple[Launched, P
     roles = ({"prefill": 1}, {"decode": 1}, {"decode": 1})
     nodes = [NodeLine(h.name, h.address, r) for h, r in zip(hosts.hosts, roles, strict=True)]
     file = write_cluster_file(hosts.folder / "cluster.toml", model, nodes, "ssh", hosts.head_address)
-    argv = ["ip", "netns", "exec", hosts.head, "salloc", f"--nodes={len(hosts.hosts)}", "--overcommit",
-            *pdcluster("launch", str(file), "--via", "slurm")]
+    argv = [
+        "ip",
+        "netns",
+        "exec",
+        hosts.head,
+        "salloc",
+        f"--nodes={len(hosts.hosts)}",
+        "--overcommit",
+        *pdcluster("launch", str(file), "--via", "slurm"),
+    ]
     return Launched(argv, env=hosts.slurm_env()), file
 
 
 def job_id(hosts: EmulatedHosts) -> str:
-    out = subprocess.run(["ip", "netns", "exec", hosts.head, "squeue", "-h", "-o", "%i"], capture_output=True,
-                         text=True, env=hosts.slurm_env(), timeout=30, check=True).stdout.split()
+    out = subprocess.run(
+        ["ip", "netns", "exec", hosts.head, "squeue", "-h", "-o", "%i"],
+        capture_output=True,
+        text=True,
+        env=hosts.slurm_env(),
+        timeout=30,
+        check=True,
+    ).stdout.split()
     assert len(out) == 1, out
     return out[0]
 
 
-def test_slurm_launch_serves_migrates_lists_and_leaves_nothing(slurm_hosts: EmulatedHosts, kv_model: Path,
-                                                               kv_oracle: GreedyOracle) -> None:
+def test_slurm_launch_serves_migrates_lists_and_leaves_nothing(
+    slurm_hosts: EmulatedHosts, kv_model: Path, kv_oracle: GreedyOracle
+) -> None:
     launched, file = launch_in_allocation(slurm_hosts, kv_model)
     try:
         ratio = check_serving(slurm_hosts, launched, file, kv_model, kv_oracle, env=slurm_hosts.slurm_env())
@@ -57,8 +72,12 @@ def test_scancel_stops_the_launch_and_its_router(slurm_hosts: EmulatedHosts, kv_
         launched.ready(240)
         job = job_id(slurm_hosts)
         cancelled = time.monotonic()
-        subprocess.run(["ip", "netns", "exec", slurm_hosts.head, "scancel", job], env=slurm_hosts.slurm_env(),
-                       timeout=30, check=True)
+        subprocess.run(
+            ["ip", "netns", "exec", slurm_hosts.head, "scancel", job],
+            env=slurm_hosts.slurm_env(),
+            timeout=30,
+            check=True,
+        )
         assert launched.wait(30) != 0
         assert time.monotonic() - cancelled < 15, launched.stderr
         assert f"the Slurm allocation {job} ended" in launched.stderr

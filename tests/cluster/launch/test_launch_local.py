@@ -21,8 +21,9 @@ from tests.helpers.processes import alive, descendants
 
 def cluster_file(tmp_path: Path, model: Path, b_extra: tuple[str, ...] = ()) -> Path:
     nodes = [NodeLine("a", "127.0.0.1", {"prefill": 1}), NodeLine("b", "127.0.0.2", {"decode": 1}, b_extra)]
-    return write_cluster_file(tmp_path / "cluster.toml", model, nodes, "local", "127.0.0.1",
-                              launch=("max_restarts = 2",))
+    return write_cluster_file(
+        tmp_path / "cluster.toml", model, nodes, "local", "127.0.0.1", launch=("max_restarts = 2",)
+    )
 
 
 def run(*args: str) -> subprocess.CompletedProcess[str]:
@@ -42,8 +43,9 @@ def wait_for(check: Callable[[], bool], timeout: float, what: str) -> None:
         time.sleep(0.2)
 
 
-def test_local_launch_status_restart_and_down(tiny_model_factory: Callable[..., Path],
-                                              tmp_path: Path) -> None:
+def test_local_launch_status_restart_and_down(
+    tiny_model_factory: Callable[..., Path], tmp_path: Path
+) -> None:
     model = tiny_model_factory()
     file = cluster_file(tmp_path, model)
     launched = Launched(pdcluster("launch", str(file)))
@@ -71,8 +73,9 @@ def test_local_launch_status_restart_and_down(tiny_model_factory: Callable[..., 
         launched.kill()
 
 
-def test_a_node_that_fails_to_start_is_named_and_the_others_stopped(tiny_model_factory: Callable[..., Path],
-                                                                   tmp_path: Path) -> None:
+def test_a_node_that_fails_to_start_is_named_and_the_others_stopped(
+    tiny_model_factory: Callable[..., Path], tmp_path: Path
+) -> None:
     file = cluster_file(tmp_path, tiny_model_factory(), b_extra=('env = { PYTHONHOME = "/nonexistent" }',))
     launched = Launched(pdcluster("launch", str(file)))
     try:
@@ -86,8 +89,9 @@ def test_a_node_that_fails_to_start_is_named_and_the_others_stopped(tiny_model_f
         launched.kill()
 
 
-def test_a_second_launch_of_a_running_file_is_refused(tiny_model_factory: Callable[..., Path],
-                                                      tmp_path: Path) -> None:
+def test_a_second_launch_of_a_running_file_is_refused(
+    tiny_model_factory: Callable[..., Path], tmp_path: Path
+) -> None:
     file = cluster_file(tmp_path, tiny_model_factory())
     launched = Launched(pdcluster("launch", str(file)))
     try:

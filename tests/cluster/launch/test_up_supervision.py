@@ -20,9 +20,24 @@ from tests.helpers.processes import alive, children_of
 
 
 def up(model: Path, tmp_path: Path, *extra: str) -> Launched:
-    return Launched(pdcluster("up", "--model", str(model), "--http-port", "0", "--admin-port", "0",
-                              "--num-blocks", "128", "--torch-threads", "1",
-                              "--log-dir", str(tmp_path / "logs"), *extra))
+    return Launched(
+        pdcluster(
+            "up",
+            "--model",
+            str(model),
+            "--http-port",
+            "0",
+            "--admin-port",
+            "0",
+            "--num-blocks",
+            "128",
+            "--torch-threads",
+            "1",
+            "--log-dir",
+            str(tmp_path / "logs"),
+            *extra,
+        )
+    )
 
 
 def replicas_of(pid: int) -> list[int]:
@@ -37,8 +52,9 @@ def complete(url: str, model: Path) -> httpx.Response:
     return httpx.post(f"{url}/v1/completions", json=body, timeout=60)
 
 
-def test_every_replica_killed_comes_back_and_serves(tiny_model_factory: Callable[..., Path],
-                                                    tmp_path: Path) -> None:
+def test_every_replica_killed_comes_back_and_serves(
+    tiny_model_factory: Callable[..., Path], tmp_path: Path
+) -> None:
     model = tiny_model_factory()
     launched = up(model, tmp_path, "--max-restarts", "2")
     try:
@@ -60,8 +76,9 @@ def test_every_replica_killed_comes_back_and_serves(tiny_model_factory: Callable
         launched.kill()
 
 
-def test_a_spent_restart_budget_stops_the_router_and_exits_1(tiny_model_factory: Callable[..., Path],
-                                                             tmp_path: Path) -> None:
+def test_a_spent_restart_budget_stops_the_router_and_exits_1(
+    tiny_model_factory: Callable[..., Path], tmp_path: Path
+) -> None:
     launched = up(tiny_model_factory(), tmp_path, "--max-restarts", "0")
     try:
         launched.ready(180)
@@ -87,8 +104,9 @@ def broken_copy(model: Path, tmp_path: Path, name: str, text: str) -> Path:
     return copy
 
 
-def test_a_replica_that_cannot_load_is_named_with_its_cause(tiny_model_factory: Callable[..., Path],
-                                                            tmp_path: Path) -> None:
+def test_a_replica_that_cannot_load_is_named_with_its_cause(
+    tiny_model_factory: Callable[..., Path], tmp_path: Path
+) -> None:
     model = broken_copy(tiny_model_factory(), tmp_path, "model.safetensors", "xx")
     launched = up(model, tmp_path)
     assert launched.wait(120) == 1
@@ -98,8 +116,9 @@ def test_a_replica_that_cannot_load_is_named_with_its_cause(tiny_model_factory: 
     assert "CheckpointError: cannot read safetensors header" in lines[0] and "(log: " in lines[0]
 
 
-def test_a_router_that_cannot_start_is_named_with_its_cause(tiny_model_factory: Callable[..., Path],
-                                                            tmp_path: Path) -> None:
+def test_a_router_that_cannot_start_is_named_with_its_cause(
+    tiny_model_factory: Callable[..., Path], tmp_path: Path
+) -> None:
     """The HTTP port is free when `up` checks it and taken by the time the router binds it."""
     port = free_port_run(1)
     launched = up(tiny_model_factory(), tmp_path, "--http-port", str(port))
@@ -114,7 +133,9 @@ def test_a_router_that_cannot_start_is_named_with_its_cause(tiny_model_factory: 
             assert launched.wait(120) == 1
         lines = launched.stderr.splitlines()
         assert len(lines) == 1 and "Traceback" not in launched.stderr, launched.stderr
-        assert lines[0].startswith(f"pdcluster up: router exited with 2: pdcluster router: port {port} on "
-                                   "127.0.0.1 is already in use (--http-port) (log: ")
+        assert lines[0].startswith(
+            f"pdcluster up: router exited with 2: pdcluster router: port {port} on "
+            "127.0.0.1 is already in use (--http-port) (log: "
+        )
     finally:
         launched.kill()

@@ -30,13 +30,15 @@ def one_line(capsys: pytest.CaptureFixture[str]) -> str:
 
 def test_replica_on_a_folder_without_config_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["replica", "--model", str(tmp_path), "--port", "0"]) == 2
-    assert one_line(capsys) == (f"pdcluster replica: model folder {tmp_path} has no config.json "
-                                "(not a Hugging Face checkpoint)")
+    assert one_line(capsys) == (
+        f"pdcluster replica: model folder {tmp_path} has no config.json (not a Hugging Face checkpoint)"
+    )
 
 
 @pytest.mark.parametrize("command", ["up", "router"])
-def test_missing_folder_and_unreadable_config(command: str, tmp_path: Path,
-                                              capsys: pytest.CaptureFixture[str]) -> None:
+def test_missing_folder_and_unreadable_config(
+    command: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     assert main([command, "--model", str(tmp_path / "nope")]) == 2
     assert one_line(capsys).endswith(f"model folder {tmp_path / 'nope'} does not exist")
     (tmp_path / "config.json").write_text("{not json")
@@ -44,8 +46,9 @@ def test_missing_folder_and_unreadable_config(command: str, tmp_path: Path,
     assert "config.json is not readable JSON" in one_line(capsys)
 
 
-def test_unsupported_model_is_named_before_any_process_starts(tmp_path: Path,
-                                                               capsys: pytest.CaptureFixture[str]) -> None:
+def test_unsupported_model_is_named_before_any_process_starts(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     (tmp_path / "config.json").write_text('{"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"}')
     assert main(["replica", "--model", str(tmp_path), "--port", "0"]) == 2
     assert one_line(capsys).startswith(f"pdcluster replica: model folder {tmp_path}: ")
@@ -74,8 +77,9 @@ def test_cluster_file_mistakes_and_debug(tmp_path: Path, capsys: pytest.CaptureF
         main(["launch", str(path), "--debug"])
 
 
-def test_an_unexpected_error_names_its_type(monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
-                                            capsys: pytest.CaptureFixture[str]) -> None:
+def test_an_unexpected_error_names_its_type(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     def broken(config: object) -> int:
         raise KeyError("rank 7")
 

@@ -29,11 +29,16 @@ def test_eight_h100s_parse_with_sysfs_bus_ids() -> None:
 
 
 def test_one_gpu_none_and_a_mixed_box() -> None:
-    assert records("nvidia-smi-a100x1.csv") == [nvidia.GpuRecord(0, "NVIDIA A100-SXM4-40GB", 40960, "0000:07:00.0")]
+    assert records("nvidia-smi-a100x1.csv") == [
+        nvidia.GpuRecord(0, "NVIDIA A100-SXM4-40GB", 40960, "0000:07:00.0")
+    ]
     assert records("nvidia-smi-none.txt") == []
     mixed = records("nvidia-smi-mixed.csv")
     assert [(g.name, g.memory_mib) for g in mixed] == [
-        ("NVIDIA GeForce RTX 4090", 24564), ("NVIDIA RTX A6000", 49140), ("NVIDIA T4", 0)]  # [N/A]: 0
+        ("NVIDIA GeForce RTX 4090", 24564),
+        ("NVIDIA RTX A6000", 49140),
+        ("NVIDIA T4", 0),
+    ]  # [N/A]: 0
 
 
 def test_bad_lines_are_refused_and_names_with_commas_kept() -> None:
@@ -47,7 +52,9 @@ def test_bad_lines_are_refused_and_names_with_commas_kept() -> None:
 
 def test_dgx_each_gpu_gets_its_numa_node_and_the_rdma_nic_on_its_switch(tmp_path: Path) -> None:
     sysfs = Sysfs(sysfs_tree.dgx_h100(tmp_path))
-    inv = assemble("dgx", sysfs, records("nvidia-smi-h100x8.csv"), "nvidia-smi", range(224), {"eno1": ("10.0.0.5",)})
+    inv = assemble(
+        "dgx", sysfs, records("nvidia-smi-h100x8.csv"), "nvidia-smi", range(224), {"eno1": ("10.0.0.5",)}
+    )
     assert [g.numa_node for g in inv.gpus] == [0, 0, 0, 0, 1, 1, 1, 1]
     assert [g.rdma_device for g in inv.gpus] == [f"mlx5_{i}" for i in range(8)]
     assert inv.gpus[0].nic == "ibp25s0" and inv.gpus[7].nic == "ibp220s0"

@@ -70,15 +70,34 @@ def ports(n: int, base: int) -> tuple[int, ...]:
 
 
 def inventories(tmp_path: Path, cluster: ClusterFile) -> dict[int, Inventory]:
-    dgx = assemble("dgx", Sysfs(sysfs_tree.dgx_h100(tmp_path / "dgx")),
-                   parse_query((RECORDED / "nvidia-smi-h100x8.csv").read_text()), "nvidia-smi", range(224), {})
-    ws = assemble("ws", Sysfs(sysfs_tree.workstation(tmp_path / "ws")),
-                  parse_query((RECORDED / "nvidia-smi-a100x1.csv").read_text()), "nvidia-smi", range(32), {})
+    dgx = assemble(
+        "dgx",
+        Sysfs(sysfs_tree.dgx_h100(tmp_path / "dgx")),
+        parse_query((RECORDED / "nvidia-smi-h100x8.csv").read_text()),
+        "nvidia-smi",
+        range(224),
+        {},
+    )
+    ws = assemble(
+        "ws",
+        Sysfs(sysfs_tree.workstation(tmp_path / "ws")),
+        parse_query((RECORDED / "nvidia-smi-a100x1.csv").read_text()),
+        "nvidia-smi",
+        range(32),
+        {},
+    )
     cpu = Inventory("cpu", (), (), Cpus((0, 1, 2, 3), {0: (0, 1), 1: (2, 3)}), transfer_nic="eth0")
     found = {}
     for node, inv in zip(cluster.nodes, (dgx, ws, cpu), strict=True):
-        found[node.index] = Inventory(inv.hostname, inv.gpus, inv.nics, inv.cpus, inv.gpu_source,
-                                      ports(ports_wanted(node), 7000 + 100 * node.index), inv.transfer_nic or "eno1")
+        found[node.index] = Inventory(
+            inv.hostname,
+            inv.gpus,
+            inv.nics,
+            inv.cpus,
+            inv.gpu_source,
+            ports(ports_wanted(node), 7000 + 100 * node.index),
+            inv.transfer_nic or "eno1",
+        )
     return found
 
 
@@ -88,11 +107,16 @@ def mixed(tmp_path: Path) -> tuple[ClusterFile, list[Placement]]:
     return cluster, place(cluster, inventories(tmp_path, cluster))
 
 
-def test_mixed_nodes_one_replica_per_gpu_and_disjoint_cpu_workers(mixed: tuple[ClusterFile, list[Placement]]) -> None:
+def test_mixed_nodes_one_replica_per_gpu_and_disjoint_cpu_workers(
+    mixed: tuple[ClusterFile, list[Placement]],
+) -> None:
     _, placed = mixed
     assert [(p.rank, p.role, p.node.name, p.device) for p in placed] == [
         *[(i, "prefill", "dgx", f"cuda:{i}") for i in range(8)],
-        (8, "decode", "ws", "cuda:0"), (9, "decode", "cpu", "cpu"), (10, "inactive", "cpu", "cpu")]
+        (8, "decode", "ws", "cuda:0"),
+        (9, "decode", "cpu", "cpu"),
+        (10, "inactive", "cpu", "cpu"),
+    ]
     assert [p.cuda_visible_devices for p in placed[:8]] == [str(i) for i in range(8)]
     assert [p.rdma_device for p in placed[:8]] == [f"mlx5_{i}" for i in range(8)]
     assert [p.numa_node for p in placed[:8]] == [0] * 4 + [1] * 4
@@ -108,22 +132,42 @@ def test_rank_table_carries_device_nic_numa_and_rate(mixed: tuple[ClusterFile, l
     table = parse_rank_table(rank_table(placed).to_json())
     first, last = table[0], table[10]
     assert (first.host, first.node, first.device, first.transfer_address) == (
-        "10.0.0.1", "dgx", "cuda:0", "192.168.0.1:7001")
+        "10.0.0.1",
+        "dgx",
+        "cuda:0",
+        "192.168.0.1:7001",
+    )
     assert (first.nic, first.rdma_device, first.numa_node, first.nic_gbps, first.grpc_port) == (
-        "ibp25s0", "mlx5_0", 0, 400.0, 7000)
-    assert (last.device, last.nic, last.rdma_device, last.transfer_address) == ("cpu", "eth0", "", "10.0.0.3:7203")
-    assert len(json.dumps(json.loads(rank_table(placed).to_json())["ranks"][0])) < 300  # the README's estimate
+        "ibp25s0",
+        "mlx5_0",
+        0,
+        400.0,
+        7000,
+    )
+    assert (last.device, last.nic, last.rdma_device, last.transfer_address) == (
+        "cpu",
+        "eth0",
+        "",
+        "10.0.0.3:7203",
+    )
+    assert (
+        len(json.dumps(json.loads(rank_table(placed).to_json())["ranks"][0])) < 300
+    )  # the README's estimate
 
 
 def test_what_only_discovery_can_tell_names_the_line(tmp_path: Path) -> None:
     cluster = parse(tmp_path / "c.toml", MIXED.replace("devices = [0]", "devices = [0, 3]"))
-    with pytest.raises(ClusterFileError, match=r"c.toml:20: ws lists CUDA device 3 but discovery found 1 \(0\)"):
+    with pytest.raises(
+        ClusterFileError, match=r"c.toml:20: ws lists CUDA device 3 but discovery found 1 \(0\)"
+    ):
         place(cluster, inventories(tmp_path, cluster))
     cluster = parse(tmp_path / "c.toml", MIXED.replace('role = "prefill"', "prefill = 9"))
     with pytest.raises(ClusterFileError, match=r"c.toml:9: dgx asks for 9 replicas but has 8 CUDA device"):
         place(cluster, inventories(tmp_path / "2", cluster))
-    cluster = parse(tmp_path / "c.toml", MIXED.replace("cpu_replicas = 2", "cpu_replicas = 5").replace(
-        "inactive = 1", "inactive = 4"))
+    cluster = parse(
+        tmp_path / "c.toml",
+        MIXED.replace("cpu_replicas = 2", "cpu_replicas = 5").replace("inactive = 1", "inactive = 4"),
+    )
     with pytest.raises(ClusterFileError, match=r"c.toml:27: cpu: 5 CPU workers but only 4 cores"):
         place(cluster, inventories(tmp_path / "3", cluster))
 
@@ -134,15 +178,23 @@ def test_fabrics_need_what_discovery_found(tmp_path: Path) -> None:
     with pytest.raises(ClusterFileError, match=r"c.toml:6: fabric nccl needs a CUDA device .* none on cpu"):
         place(cluster, inventories(tmp_path, cluster))
     cluster = parse(tmp_path / "c.toml", MIXED.replace('fabric = "tcp"', 'fabric = "rdma"'))
-    with pytest.raises(ClusterFileError, match=r"fabric rdma needs an RDMA NIC, but discovery found none on ws"):
+    with pytest.raises(
+        ClusterFileError, match=r"fabric rdma needs an RDMA NIC, but discovery found none on ws"
+    ):
         place(cluster, inventories(tmp_path / "2", cluster))
 
 
 def test_a_node_missing_the_model_is_named(tmp_path: Path) -> None:
     cluster = parse(tmp_path / "c.toml", MIXED)
     found = inventories(tmp_path, cluster)
-    found[1] = Inventory("ws", found[1].gpus, (), found[1].cpus, ports=found[1].ports,
-                         model_problem="model folder /models/m does not exist")
+    found[1] = Inventory(
+        "ws",
+        found[1].gpus,
+        (),
+        found[1].cpus,
+        ports=found[1].ports,
+        model_problem="model folder /models/m does not exist",
+    )
     with pytest.raises(ClusterFileError, match=r"c.toml:2: on ws: model folder /models/m does not exist"):
         place(cluster, found)
 
@@ -158,7 +210,9 @@ def commands(cluster: ClusterFile) -> Commands:
     return Commands(cluster, "RUN1", ("/venv/bin/pdcluster",), PurePosixPath("/srv/pd"))
 
 
-def test_replica_script_sets_the_device_records_the_pid_and_execs(mixed: tuple[ClusterFile, list[Placement]]) -> None:
+def test_replica_script_sets_the_device_records_the_pid_and_execs(
+    mixed: tuple[ClusterFile, list[Placement]],
+) -> None:
     cluster, placed = mixed
     script = commands(cluster).replica_script(placed[8])
     lines = script.splitlines()
@@ -167,11 +221,17 @@ def test_replica_script_sets_the_device_records_the_pid_and_execs(mixed: tuple[C
     assert shlex.split(lines[2]) == ["export", "CUDA_VISIBLE_DEVICES=0", "NCCL_DEBUG=INFO"]
     argv = shlex.split(lines[3])
     assert argv[:3] == ["exec", "/venv/bin/pdcluster", "replica"] and argv[-1] == "2>&1"
-    for flag, value in [("--rank", "8"), ("--fabric", "tcp"), ("--host", "10.0.0.2"), ("--port", "7100"),
-                        ("--cluster", "/tmp/pdcluster-RUN1/ranks.json"), ("--model", "/models/m")]:
+    for flag, value in [
+        ("--rank", "8"),
+        ("--fabric", "tcp"),
+        ("--host", "10.0.0.2"),
+        ("--port", "7100"),
+        ("--cluster", "/tmp/pdcluster-RUN1/ranks.json"),
+        ("--model", "/models/m"),
+    ]:
         assert argv[argv.index(flag) + 1] == value
     cpu = shlex.split(commands(cluster).replica_script(placed[10]).splitlines()[3])
-    assert cpu[cpu.index("--engine-cpus") + 1:cpu.index("--engine-cpus") + 3] == ["2", "3"]
+    assert cpu[cpu.index("--engine-cpus") + 1 : cpu.index("--engine-cpus") + 3] == ["2", "3"]
     assert cpu[cpu.index("--torch-threads") + 1] == "2" and "--inactive" in cpu
     assert "CUDA_VISIBLE_DEVICES=''" in commands(cluster).replica_script(placed[9])
 
@@ -181,7 +241,9 @@ def test_ssh_srun_and_local_wrappers(mixed: tuple[ClusterFile, list[Placement]])
     ws = placed[8].node
     ssh = wrap(Via.SSH, cluster, ws, "echo hi", tty=True)
     assert ssh[:2] == ["ssh", "-tt"] and "BatchMode=yes" in ssh and "ControlMaster=auto" in ssh
-    assert ssh[ssh.index("-p") + 1] == "2222" and ssh[ssh.index("-l") + 1] == "serve" and ssh[-2] == "10.0.0.2"
+    assert (
+        ssh[ssh.index("-p") + 1] == "2222" and ssh[ssh.index("-l") + 1] == "serve" and ssh[-2] == "10.0.0.2"
+    )
     assert shlex.split(ssh[-1]) == ["bash", "-c", "echo hi"]
     assert wrap(Via.SSH, cluster, ws, "x")[1] == "-T"
     srun = wrap(Via.SLURM, cluster, ws, "echo hi", name="pdcluster-r8")
@@ -199,14 +261,18 @@ def test_probe_stage_and_router_commands(mixed: tuple[ClusterFile, list[Placemen
     assert probe[probe.index("--check-model") + 1] == "/models/m"
     args = router_args(cluster, placed)
     assert args[args.index("--replica") + 1] == "10.0.0.1:7000" and args[-2:] == ["--admin-token", "t"]
-    assert args[args.index("--role") + 9:args.index("--role") + 12] == ["decode", "decode", "inactive"]
+    assert args[args.index("--role") + 9 : args.index("--role") + 12] == ["decode", "decode", "inactive"]
 
 
 def test_stage_then_stop_script_ends_only_this_runs_processes(tmp_path: Path) -> None:
     cluster = parse(tmp_path / "c.toml", MIXED)
     c = Commands(cluster, f"unit{os.getpid()}", ("true",), PurePosixPath("/"))
-    assert subprocess.run(["bash", "-c", c.stage_script()], input='{"ranks": []}', text=True, timeout=10,
-                          check=False).returncode == 0
+    assert (
+        subprocess.run(
+            ["bash", "-c", c.stage_script()], input='{"ranks": []}', text=True, timeout=10, check=False
+        ).returncode
+        == 0
+    )
     folder = Path(str(c.node_dir))
     assert (folder / "ranks.json").read_text() == '{"ranks": []}'
     ours = subprocess.Popen(["bash", "-c", f"exec -a 'replica {c.run_id}' sleep 60"])
@@ -215,11 +281,14 @@ def test_stage_then_stop_script_ends_only_this_runs_processes(tmp_path: Path) ->
         (folder / "replica-0-prefill.pid").write_text(f"{ours.pid}\n")
         (folder / "replica-1-decode.pid").write_text(f"{stranger.pid}\n")
         time.sleep(0.2)  # let bash exec
-        done = subprocess.run(["bash", "-c", c.stop_script(grace_s=2)], capture_output=True, text=True, timeout=20,
-                              check=False)
+        done = subprocess.run(
+            ["bash", "-c", c.stop_script(grace_s=2)], capture_output=True, text=True, timeout=20, check=False
+        )
         assert done.returncode == 0 and done.stdout.split() == ["stopped:", str(ours.pid), "killed:"]
         assert ours.wait(5) == -15 and stranger.poll() is None and not folder.exists()
-        assert subprocess.run(["bash", "-c", c.stop_script()], timeout=10, check=False).returncode == 0  # again
+        assert (
+            subprocess.run(["bash", "-c", c.stop_script()], timeout=10, check=False).returncode == 0
+        )  # again
     finally:
         for proc in (ours, stranger):
             proc.kill()

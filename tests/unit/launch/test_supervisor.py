@@ -38,11 +38,14 @@ class FakeProc:
         self.ready = False
 
 
+POLICY = RestartPolicy(max_restarts=2, window_s=60, backoff_s=1)
+
+
 @dataclass
 class FakeCluster:
     replicas: list[FakeProc]
     router: FakeProc | None = None
-    policy: RestartPolicy = RestartPolicy(max_restarts=2, window_s=60, backoff_s=1)
+    policy: RestartPolicy = field(default_factory=lambda: POLICY)
     why_lost: str = ""
     changes: int = 0
 
@@ -115,9 +118,11 @@ def test_a_replica_back_at_work_is_noticed_once() -> None:
 
 def test_the_cause_line_of_a_log(tmp_path: Path) -> None:
     log = tmp_path / "x.log"
-    log.write_text("2026-01-01 10:00:00,000 replica INFO loading\nTraceback (most recent call last):\n"
-                   '  File "x.py", line 1, in <module>\n'
-                   "replica.model.config.CheckpointError: cannot read safetensors header of m\n")
+    log.write_text(
+        "2026-01-01 10:00:00,000 replica INFO loading\nTraceback (most recent call last):\n"
+        '  File "x.py", line 1, in <module>\n'
+        "replica.model.config.CheckpointError: cannot read safetensors header of m\n"
+    )
     assert last_error_line(log) == "replica.model.config.CheckpointError: cannot read safetensors header of m"
     log.write_text("2026-01-01 10:00:00,000 router ERROR cannot reach 10.0.0.2:5000\nbye\n")
     assert last_error_line(log) == "router ERROR cannot reach 10.0.0.2:5000"

@@ -21,7 +21,7 @@ def test_roles_by_rank_and_validation(tmp_path: Path) -> None:
 
 def test_rank_table_written_for_every_replica(tmp_path: Path) -> None:
     cluster = LocalCluster(UpConfig(model=tmp_path, prefill=1, decode=2, log_dir=tmp_path))
-    args = cluster._fabric_args()
+    args = cluster._fabric_args([7001, 7002, 7003])
     assert args[0] == "--cluster" and args[2:] == ["--fabric", "tcp"]
     table = load_rank_table(args[1])
     assert [e.rank for e in table] == [0, 1, 2]
