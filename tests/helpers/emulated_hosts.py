@@ -36,7 +36,7 @@ from typing import TypeVar
 
 T = TypeVar("T")
 
-PACKAGES = ("openssh-server", "slurm-wlm", "munge", "iproute2", "openssh-client")
+PACKAGES = ("openssh-server", "openssh-client", "slurmctld", "slurmd", "slurm-client", "munge", "iproute2")
 BINARIES = (
     "/usr/sbin/sshd",
     "/usr/sbin/slurmctld",
@@ -74,7 +74,7 @@ def require(slurm: bool = False) -> str:
         env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
         for argv in (
             ["apt-get", "update", "-q"],
-            ["apt-get", "install", "-y", "-q", "-o", "DPkg::Lock::Timeout=300", *PACKAGES],
+            ["apt-get", "install", "-y", "-q", "--no-install-recommends", "-o", "DPkg::Lock::Timeout=300", *PACKAGES],
         ):
             done = subprocess.run(argv, capture_output=True, text=True, timeout=900, env=env, check=False)
             if done.returncode != 0:
