@@ -74,7 +74,8 @@ def require(slurm: bool = False) -> str:
         env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
         for argv in (
             ["apt-get", "update", "-q"],
-            ["apt-get", "install", "-y", "-q", "--no-install-recommends", "-o", "DPkg::Lock::Timeout=300", *PACKAGES],
+            ["apt-get", "install", "-y", "-q", "--no-install-recommends", "-o", "DPkg::Lock::Timeout=300",
+             *PACKAGES],
         ):
             done = subprocess.run(argv, capture_output=True, text=True, timeout=900, env=env, check=False)
             if done.returncode != 0:
