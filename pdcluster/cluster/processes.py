@@ -53,7 +53,8 @@ def exec_argv(argv: list[str], cpus: frozenset[int] | None = None) -> list[str]:
     fallback where setpriv is missing): a preexec_fn makes Python fork (not vfork), and a fork of a
     process using gRPC runs gRPC's fork handlers, which now and then abort the child before it execs
     (a replica that "exited with -6" having logged only "epoll_wait error: Bad file descriptor";
-    4 in 200 spawns here from a process serving gRPC).
+    4 in 200 spawns here from a process serving gRPC). The signal is armed once setpriv runs, a
+    millisecond after the spawn: a parent killed within it leaves that child running.
     """
     wrapped = list(argv)
     if cpus is not None:

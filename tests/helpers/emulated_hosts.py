@@ -1,6 +1,6 @@
 """N "hosts" on this machine that behave like separate machines: each its own network and UTS
 namespace (own interfaces, ports and hostname) on one switch, links shaped by tc, each running a real
-OpenSSH server and, on request, a real slurmd under one slurmctld.
+OpenSSH server; `emulated_slurm.start_slurm` adds a real slurmd on each under one slurmctld.
 
 ```
    head ns (10.R.0.1, "head": the launcher, the router, slurmctld)
@@ -74,8 +74,16 @@ def require(slurm: bool = False) -> str:
         env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
         for argv in (
             ["apt-get", "update", "-q"],
-            ["apt-get", "install", "-y", "-q", "--no-install-recommends", "-o", "DPkg::Lock::Timeout=300",
-             *PACKAGES],
+            [
+                "apt-get",
+                "install",
+                "-y",
+                "-q",
+                "--no-install-recommends",
+                "-o",
+                "DPkg::Lock::Timeout=300",
+                *PACKAGES,
+            ],
         ):
             done = subprocess.run(argv, capture_output=True, text=True, timeout=900, env=env, check=False)
             if done.returncode != 0:
@@ -282,7 +290,8 @@ class EmulatedHosts:
         script = 'hostname "$0" && exec "$@"'
         return ["ip", "netns", "exec", netns, "unshare", "--uts", "sh", "-c", script, hostname, *argv]
 
-    def _daemon(self, argv: list[str], log: Path) -> subprocess.Popen[bytes]:
+    def daemon(self, argv: list[str], log: Path) -> subprocess.Popen[bytes]:
+        """Start a daemon of this run (killed by `destroy`), its output into `log`."""
         with log.open("wb") as out:
             proc = subprocess.Popen(
                 argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True
@@ -313,13 +322,13 @@ class EmulatedHosts:
             f"PasswordAuthentication no\nKbdInteractiveAuthentication no\nPrintMotd no\nPrintLastLog no\n"
             f"PidFile {self.folder / f'sshd_{host.name}.pid'}\n"
         )
-        proc = self._daemon(
+        proc = self.daemon(
             self.exec_argv(host.netns, host.name, ["/usr/sbin/sshd", "-D", "-e", "-f", str(config)]),
             self.folder / f"sshd_{host.name}.log",
         )
-        self._wait_listening(host, 22, proc)
+        self.wait_listening(host, 22, proc)
 
-    def _wait_listening(
+    def wait_listening(
         self, host: Host, port: int, proc: subprocess.Popen[bytes], timeout: float = 20
     ) -> None:
         import socket
@@ -344,119 +353,6 @@ class EmulatedHosts:
         while pid_file.exists() and time.monotonic() < end:
             time.sleep(0.05)
         self.start_sshd(host, refuse_key)
-
-    # --- Slurm --------------------------------------------------------------------------------
-    def start_slurm(self) -> Path:
-        """munged (a private socket), slurmctld in the head, one slurmd per host; returns SLURM_CONF."""
-        munge = self.folder / "munge"
-        munge.mkdir(exist_ok=True)
-        key = munge / "munge.key"
-        key.write_bytes(secrets.token_bytes(1024))
-        key.chmod(0o400)
-        socket_path = munge / "munge.sock"
-        self._daemon(
-            [
-                "munged",
-                "-F",
-                "-f",
-                f"--socket={socket_path}",
-                f"--key-file={key}",
-                f"--log-file={munge / 'munged.log'}",
-                f"--pid-file={munge / 'munged.pid'}",
-                f"--seed-file={munge / 'munged.seed'}",
-            ],
-            munge / "out.log",
-        )
-        end = time.monotonic() + 20
-        while not socket_path.exists():
-            if time.monotonic() > end:
-                raise RuntimeError(f"munged did not start: {(munge / 'out.log').read_text()[-500:]}")
-            time.sleep(0.05)
-        conf = self._slurm_conf(socket_path)
-        env_conf = ["env", f"SLURM_CONF={conf}"]
-        ctld = self._daemon(
-            self.exec_argv(self.head, "head", [*env_conf, "slurmctld", "-D", "-f", str(conf)]),
-            self.folder / "slurm" / "slurmctld.out",
-        )
-        self._wait_listening(Host("head", self.head, self.head_address), 6817, ctld)
-        # slurmd wants a cgroup v1 tree; `ip netns exec` remounted /sys without one. A private tmpfs with
-        # the named systemd hierarchy satisfies it (proctrack/linuxproc and task/none use no cgroup).
-        cgroups = (
-            "mount -t tmpfs cgroup_root /sys/fs/cgroup && mkdir -p /sys/fs/cgroup/systemd && "
-            'mount -t cgroup -o none,name=systemd cgroup /sys/fs/cgroup/systemd && exec "$@"'
-        )
-        for host in self.hosts:
-            argv = ["sh", "-c", cgroups, "sh", *env_conf, "slurmd", "-D", "-N", host.name, "-f", str(conf)]
-            self._daemon(
-                self.exec_argv(host.netns, host.name, argv), self.folder / "slurm" / f"slurmd-{host.name}.out"
-            )
-        self.slurm_conf = conf
-        self._wait_idle()
-        return conf
-
-    def _slurm_conf(self, munge_socket: Path) -> Path:
-        folder = self.folder / "slurm"
-        (folder / "state").mkdir(parents=True, exist_ok=True)
-        nodes = "\n".join(
-            f"NodeName={h.name} NodeAddr={h.address} CPUs=4 RealMemory=1000 State=UNKNOWN" for h in self.hosts
-        )
-        names = ",".join(h.name for h in self.hosts)
-        conf = folder / "slurm.conf"
-        conf.write_text(f"""ClusterName={self.prefix}
-SlurmctldHost=head({self.head_address})
-SlurmctldPort=6817
-SlurmdPort=6818
-SlurmUser=root
-SlurmdUser=root
-AuthType=auth/munge
-AuthInfo=socket={munge_socket}
-CredType=cred/munge
-StateSaveLocation={folder / "state"}
-SlurmdSpoolDir={folder}/spool-%n
-SlurmctldPidFile={folder / "slurmctld.pid"}
-SlurmdPidFile={folder}/slurmd-%n.pid
-SlurmctldLogFile={folder / "slurmctld.log"}
-SlurmdLogFile={folder}/slurmd-%n.log
-ProctrackType=proctrack/linuxproc
-TaskPlugin=task/none
-SelectType=select/cons_tres
-SelectTypeParameters=CR_Core
-MpiDefault=none
-SwitchType=switch/none
-ReturnToService=2
-JobAcctGatherType=jobacct_gather/none
-AccountingStorageType=accounting_storage/none
-JobCompType=jobcomp/none
-SlurmdParameters=config_overrides
-KillWait=5
-InactiveLimit=0
-MinJobAge=30
-{nodes}
-PartitionName=main Nodes={names} Default=YES MaxTime=INFINITE State=UP OverSubscribe=YES
-""")
-        return conf
-
-    def slurm_env(self) -> dict[str, str]:
-        """The environment of a Slurm client command of this cluster."""
-        assert self.slurm_conf is not None, "start_slurm() first"
-        return {**os.environ, "SLURM_CONF": str(self.slurm_conf)}
-
-    def _wait_idle(self, timeout: float = 60) -> None:
-        end = time.monotonic() + timeout
-        while True:
-            done = subprocess.run(
-                ["ip", "netns", "exec", self.head, "sinfo", "-h", "-o", "%t %D"],
-                capture_output=True,
-                text=True,
-                env=self.slurm_env(),
-                timeout=30,
-                check=False,
-            )
-            if done.stdout.split() == ["idle", str(self.count)]:
-                return
-            if time.monotonic() > end:
-                raise RuntimeError(f"Slurm nodes not idle: {done.stdout.strip()} {done.stderr.strip()}")
-            time.sleep(0.3)
 
     # --- inspection and teardown --------------------------------------------------------------
     def processes(self, host: Host) -> list[str]:
@@ -488,9 +384,7 @@ PartitionName=main Nodes={names} Default=YES MaxTime=INFINITE State=UP OverSubsc
 
 
 @contextlib.contextmanager
-def emulated_hosts(count: int, slurm: bool = False, rate: str = "1gbit") -> Iterator[EmulatedHosts]:
-    """`count` hosts with sshd (and Slurm), torn down on leaving the block."""
+def emulated_hosts(count: int, rate: str = "1gbit") -> Iterator[EmulatedHosts]:
+    """`count` hosts with sshd, torn down on leaving the block (also after a failure)."""
     with EmulatedHosts(count, rate) as hosts:
-        if slurm:
-            hosts.start_slurm()
         yield hosts

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from tests.helpers.emulated_hosts import EmulatedHosts, emulated_hosts, require
+from tests.helpers.emulated_slurm import start_slurm
 from tests.helpers.host_checks import LINK
 from tests.helpers.router_cluster import GreedyOracle
 
@@ -54,5 +55,6 @@ def ssh_hosts(ssh_ready: None) -> Iterator[EmulatedHosts]:
 @pytest.fixture
 def slurm_hosts(slurm_ready: None) -> Iterator[EmulatedHosts]:
     """Three hosts with sshd and slurmd, slurmctld on the head node."""
-    with emulated_hosts(3, slurm=True, rate=LINK) as hosts:
+    with emulated_hosts(3, rate=LINK) as hosts:
+        start_slurm(hosts)
         yield hosts

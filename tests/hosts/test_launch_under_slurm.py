@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from tests.helpers.emulated_hosts import EmulatedHosts
+from tests.helpers.emulated_slurm import slurm_env
 from tests.helpers.host_checks import check_serving, head_run, no_process_left
 from tests.helpers.launched import Launched, NodeLine, pdcluster, write_cluster_file
 from tests.helpers.router_cluster import GreedyOracle
@@ -33,7 +34,7 @@ def launch_in_allocation(hosts: EmulatedHosts, model: Path) -> tuple[Launched, P
         "--overcommit",
         *pdcluster("launch", str(file), "--via", "slurm"),
     ]
-    return Launched(argv, env=hosts.slurm_env()), file
+    return Launched(argv, env=slurm_env(hosts)), file
 
 
 def job_id(hosts: EmulatedHosts) -> str:
@@ -41,7 +42,7 @@ def job_id(hosts: EmulatedHosts) -> str:
         ["ip", "netns", "exec", hosts.head, "squeue", "-h", "-o", "%i"],
         capture_output=True,
         text=True,
-        env=hosts.slurm_env(),
+        env=slurm_env(hosts),
         timeout=30,
         check=True,
     ).stdout.split()
@@ -54,11 +55,11 @@ def test_slurm_launch_serves_migrates_lists_and_leaves_nothing(
 ) -> None:
     launched, file = launch_in_allocation(slurm_hosts, kv_model)
     try:
-        ratio = check_serving(slurm_hosts, launched, file, kv_model, kv_oracle, env=slurm_hosts.slurm_env())
+        ratio = check_serving(slurm_hosts, launched, file, kv_model, kv_oracle, env=slurm_env(slurm_hosts))
         print(f"\nmigration time / (bytes / 1 Gbit/s) = {ratio:.3f}; launch: {launched.stderr}")
         record = json.loads((file.parent / "logs" / "run.json").read_text())
         assert record["via"] == "slurm" and record["slurm_job"] == job_id(slurm_hosts)
-        down = head_run(slurm_hosts, "down", str(file), env=slurm_hosts.slurm_env())
+        down = head_run(slurm_hosts, "down", str(file), env=slurm_env(slurm_hosts))
         assert down.returncode == 0, down.stdout + down.stderr
         assert launched.wait(60) == 0  # salloc ends with its command's exit code
         no_process_left(slurm_hosts)
@@ -74,7 +75,7 @@ def test_scancel_stops_the_launch_and_its_router(slurm_hosts: EmulatedHosts, kv_
         cancelled = time.monotonic()
         subprocess.run(
             ["ip", "netns", "exec", slurm_hosts.head, "scancel", job],
-            env=slurm_hosts.slurm_env(),
+            env=slurm_env(slurm_hosts),
             timeout=30,
             check=True,
         )
@@ -84,6 +85,6 @@ def test_scancel_stops_the_launch_and_its_router(slurm_hosts: EmulatedHosts, kv_
         no_process_left(slurm_hosts)
         record = json.loads((file.parent / "logs" / "run.json").read_text())
         assert record["phase"] == "failed" and "allocation" in record["message"]
-        assert head_run(slurm_hosts, "status", str(file), env=slurm_hosts.slurm_env()).returncode == 3
+        assert head_run(slurm_hosts, "status", str(file), env=slurm_env(slurm_hosts)).returncode == 3
     finally:
         launched.kill()

@@ -36,6 +36,13 @@ def complete(url: str, model: Path) -> dict[str, object]:
     return answer
 
 
+def taken_back(file: Path) -> bool:
+    """`status` shows every replica serving, each in its role at the router."""
+    rows = [line.split() for line in run("status", str(file)).stdout.splitlines()]
+    rows = [row for row in rows if row and row[0].isdigit()]
+    return [(row[6], row[7]) for row in rows] == [("SERVING", "prefill"), ("SERVING", "decode")]
+
+
 def wait_for(check: Callable[[], bool], timeout: float, what: str) -> None:
     end = time.monotonic() + timeout
     while not check():
@@ -60,7 +67,15 @@ def test_local_launch_status_restart_and_down(
         os.kill(pid, signal.SIGKILL)
         wait_for(lambda: "replica-1-decode on b is serving again" in launched.stderr, 60, launched.stderr)
         # the router polls the address it knows and takes the replica back
-        wait_for(lambda: complete(fields["http"], model).get("choices") == first["choices"], 30, "no answer")
+        wait_for(lambda: taken_back(file), 60, run("status", str(file)).stdout)
+        try:
+            again = complete(fields["http"], model)
+        except httpx.TimeoutException as exc:
+            router = Path(record["logs"], "router.log").read_text().splitlines()[-40:]
+            raise AssertionError(
+                "\n".join(["a request after the restart hung; the router log ends:", *router])
+            ) from exc
+        assert again["choices"] == first["choices"]
         status = run("status", str(file))
         assert status.returncode == 0 and status.stdout.splitlines()[-1].split()[-1] == "1"  # one restart
         children = descendants(launched.proc.pid)

@@ -63,7 +63,11 @@ def test_a_child_dies_when_its_parent_is_killed(tmp_path: Path) -> None:
     )
     assert parent.stdout is not None
     child = int(parent.stdout.readline())
-    assert alive(child)
+    end = time.monotonic() + 10
+    # the wrapper sets the parent-death signal, then execs: kill the parent only once it has
+    while "sleep" not in Path(f"/proc/{child}/cmdline").read_text():
+        assert time.monotonic() < end and alive(child)
+        time.sleep(0.01)
     parent.kill()
     parent.wait(10)
     end = time.monotonic() + 10
