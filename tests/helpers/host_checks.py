@@ -85,7 +85,8 @@ def check_serving(
     # The best of three: on two shared cores a migration is sometimes slowed by a busy CPU, never by
     # a faster link; the slowest would measure the machine's load, not the launch.
     ratio = min(ratios)
-    print(f"\nKV migrations of {moved // 3} bytes each took {', '.join(f'{r:.3f}' for r in ratios)} x bytes / rate")
+    taken = ", ".join(f"{r:.3f}" for r in ratios)
+    print(f"\nKV migrations of {moved // 3} bytes each took {taken} x bytes / rate")
     assert sent_bytes(hosts, 0) - before >= moved  # the KV left the prefill host over its shaped link
     assert 0.8 <= ratio <= 1.2, (ratios, moved)
     status = head_run(hosts, "status", str(file), env=env)
