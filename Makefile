@@ -8,8 +8,10 @@ STAMP  := $(VENV)/.installed
 TORCH_SPEC ?= torch==2.13.0
 PYTEST_ARGS ?=
 BENCH_OUT ?= bench-results
+FUZZ_EXAMPLES ?= 200
+EXPERIMENT_OUT ?= experiment-results/demo
 
-.PHONY: help venv demo test test-unit test-component test-cluster test-hosts proto proto-check lint bench clean
+.PHONY: help venv demo test test-unit test-component test-cluster test-hosts proto proto-check lint bench fuzz experiment-demo clean
 
 help:
 	@echo "make demo   - set up, build a tiny model, start a local cluster, serve requests"
@@ -17,6 +19,8 @@ help:
 	@echo "make lint   - ruff, mypy and the import rules (import-linter)"
 	@echo "make proto  - regenerate the gRPC stubs from protos/*.proto"
 	@echo "make bench  - benchmarks, JSON under $(BENCH_OUT)/"
+	@echo "make fuzz   - the HTTP schema and gRPC fuzz tests with FUZZ_EXAMPLES examples (a long run)"
+	@echo "make experiment-demo - a small experiment matrix and its report under $(EXPERIMENT_OUT)/"
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -64,5 +68,13 @@ bench: $(STAMP)
 	$(BIN)/pdcluster bench transfer --algo p2p --size 256MiB --ranks 2 --json $(BENCH_OUT)/transfer-p2p.json
 	$(BIN)/pdcluster bench transfer --algo chain --size 256MiB --ranks 4 --json $(BENCH_OUT)/transfer-chain.json
 
+# The suite runs these fuzz tests briefly; this is the long run (PDCLUSTER_FUZZ_SEED=S to replay one).
+fuzz: $(STAMP)
+	PDCLUSTER_FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) $(BIN)/pytest -q -s --timeout 3600 \
+		tests/component/router_http/test_router_http_schemathesis.py tests/cluster/fuzz $(PYTEST_ARGS)
+# Resumable: run it again and only unfinished cells run (FORCE=--force runs them all).
+experiment-demo: $(STAMP)
+	$(BIN)/pdcluster experiment run examples/experiment-demo.toml --out $(EXPERIMENT_OUT) $(FORCE)
+
 clean:
-	rm -rf $(VENV) .demo $(BENCH_OUT) .pytest_cache .mypy_cache .ruff_cache build *.egg-info
+	rm -rf $(VENV) .demo .experiment experiment-results $(BENCH_OUT) .pytest_cache .mypy_cache .ruff_cache build *.egg-info

@@ -19,6 +19,11 @@ class ReplicaRole(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     REPLICA_ROLE_MUTATING_TO_DECODE: _ClassVar[ReplicaRole]
     REPLICA_ROLE_IDLE: _ClassVar[ReplicaRole]
     REPLICA_ROLE_DEAD: _ClassVar[ReplicaRole]
+    REPLICA_ROLE_LOADING_DECODE: _ClassVar[ReplicaRole]
+    REPLICA_ROLE_NEW_PREFILL: _ClassVar[ReplicaRole]
+    REPLICA_ROLE_REFRACTORY_PREFILL: _ClassVar[ReplicaRole]
+    REPLICA_ROLE_OLD_PREFILL: _ClassVar[ReplicaRole]
+    REPLICA_ROLE_DRAINING_DECODE: _ClassVar[ReplicaRole]
 
 class MigrationStrategy(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -34,6 +39,9 @@ class ActivationMethod(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     ACTIVATION_METHOD_UNSPECIFIED: _ClassVar[ActivationMethod]
     ACTIVATION_METHOD_P2P: _ClassVar[ActivationMethod]
     ACTIVATION_METHOD_CHAIN: _ClassVar[ActivationMethod]
+    ACTIVATION_METHOD_TANZ: _ClassVar[ActivationMethod]
+    ACTIVATION_METHOD_LOAD_DISK: _ClassVar[ActivationMethod]
+    ACTIVATION_METHOD_LOAD_HOST: _ClassVar[ActivationMethod]
 REPLICA_ROLE_UNSPECIFIED: ReplicaRole
 REPLICA_ROLE_PREFILL: ReplicaRole
 REPLICA_ROLE_DECODE: ReplicaRole
@@ -44,6 +52,11 @@ REPLICA_ROLE_DRAINING: ReplicaRole
 REPLICA_ROLE_MUTATING_TO_DECODE: ReplicaRole
 REPLICA_ROLE_IDLE: ReplicaRole
 REPLICA_ROLE_DEAD: ReplicaRole
+REPLICA_ROLE_LOADING_DECODE: ReplicaRole
+REPLICA_ROLE_NEW_PREFILL: ReplicaRole
+REPLICA_ROLE_REFRACTORY_PREFILL: ReplicaRole
+REPLICA_ROLE_OLD_PREFILL: ReplicaRole
+REPLICA_ROLE_DRAINING_DECODE: ReplicaRole
 MIGRATION_STRATEGY_UNSPECIFIED: MigrationStrategy
 MIGRATION_STRATEGY_FULL: MigrationStrategy
 MIGRATION_STRATEGY_PROGRESSIVE: MigrationStrategy
@@ -53,9 +66,12 @@ MIGRATION_STRATEGY_COLOCATED: MigrationStrategy
 ACTIVATION_METHOD_UNSPECIFIED: ActivationMethod
 ACTIVATION_METHOD_P2P: ActivationMethod
 ACTIVATION_METHOD_CHAIN: ActivationMethod
+ACTIVATION_METHOD_TANZ: ActivationMethod
+ACTIVATION_METHOD_LOAD_DISK: ActivationMethod
+ACTIVATION_METHOD_LOAD_HOST: ActivationMethod
 
 class ReplicaStatus(_message.Message):
-    __slots__ = ("id", "address", "role", "rank", "num_blocks_total", "num_blocks_free", "router_used_blocks", "requests", "inbound_migrations", "outbound_migrations", "registered", "last_heartbeat_age_s")
+    __slots__ = ("id", "address", "role", "rank", "num_blocks_total", "num_blocks_free", "router_used_blocks", "requests", "inbound_migrations", "outbound_migrations", "registered", "last_heartbeat_age_s", "state", "state_age_s")
     ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
@@ -68,6 +84,8 @@ class ReplicaStatus(_message.Message):
     OUTBOUND_MIGRATIONS_FIELD_NUMBER: _ClassVar[int]
     REGISTERED_FIELD_NUMBER: _ClassVar[int]
     LAST_HEARTBEAT_AGE_S_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    STATE_AGE_S_FIELD_NUMBER: _ClassVar[int]
     id: int
     address: str
     role: ReplicaRole
@@ -80,7 +98,9 @@ class ReplicaStatus(_message.Message):
     outbound_migrations: int
     registered: bool
     last_heartbeat_age_s: float
-    def __init__(self, id: _Optional[int] = ..., address: _Optional[str] = ..., role: _Optional[_Union[ReplicaRole, str]] = ..., rank: _Optional[int] = ..., num_blocks_total: _Optional[int] = ..., num_blocks_free: _Optional[int] = ..., router_used_blocks: _Optional[int] = ..., requests: _Optional[int] = ..., inbound_migrations: _Optional[int] = ..., outbound_migrations: _Optional[int] = ..., registered: _Optional[bool] = ..., last_heartbeat_age_s: _Optional[float] = ...) -> None: ...
+    state: str
+    state_age_s: float
+    def __init__(self, id: _Optional[int] = ..., address: _Optional[str] = ..., role: _Optional[_Union[ReplicaRole, str]] = ..., rank: _Optional[int] = ..., num_blocks_total: _Optional[int] = ..., num_blocks_free: _Optional[int] = ..., router_used_blocks: _Optional[int] = ..., requests: _Optional[int] = ..., inbound_migrations: _Optional[int] = ..., outbound_migrations: _Optional[int] = ..., registered: _Optional[bool] = ..., last_heartbeat_age_s: _Optional[float] = ..., state: _Optional[str] = ..., state_age_s: _Optional[float] = ...) -> None: ...
 
 class ListReplicasRequest(_message.Message):
     __slots__ = ()
@@ -97,7 +117,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("strategy", "queue_depth", "queue_prompt_tokens", "active_requests", "requests_finished", "requests_failed", "requests_cancelled", "generated_tokens", "migrations", "migration_bytes", "requests_requeued")
+    __slots__ = ("strategy", "queue_depth", "queue_prompt_tokens", "active_requests", "requests_finished", "requests_failed", "requests_cancelled", "generated_tokens", "migrations", "migration_bytes", "requests_requeued", "strategy_name", "scaling_policy", "scaling_actions", "scaling_failures")
     STRATEGY_FIELD_NUMBER: _ClassVar[int]
     QUEUE_DEPTH_FIELD_NUMBER: _ClassVar[int]
     QUEUE_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -109,6 +129,10 @@ class StatsResponse(_message.Message):
     MIGRATIONS_FIELD_NUMBER: _ClassVar[int]
     MIGRATION_BYTES_FIELD_NUMBER: _ClassVar[int]
     REQUESTS_REQUEUED_FIELD_NUMBER: _ClassVar[int]
+    STRATEGY_NAME_FIELD_NUMBER: _ClassVar[int]
+    SCALING_POLICY_FIELD_NUMBER: _ClassVar[int]
+    SCALING_ACTIONS_FIELD_NUMBER: _ClassVar[int]
+    SCALING_FAILURES_FIELD_NUMBER: _ClassVar[int]
     strategy: MigrationStrategy
     queue_depth: int
     queue_prompt_tokens: int
@@ -120,7 +144,11 @@ class StatsResponse(_message.Message):
     migrations: int
     migration_bytes: int
     requests_requeued: int
-    def __init__(self, strategy: _Optional[_Union[MigrationStrategy, str]] = ..., queue_depth: _Optional[int] = ..., queue_prompt_tokens: _Optional[int] = ..., active_requests: _Optional[int] = ..., requests_finished: _Optional[int] = ..., requests_failed: _Optional[int] = ..., requests_cancelled: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., migrations: _Optional[int] = ..., migration_bytes: _Optional[int] = ..., requests_requeued: _Optional[int] = ...) -> None: ...
+    strategy_name: str
+    scaling_policy: str
+    scaling_actions: int
+    scaling_failures: int
+    def __init__(self, strategy: _Optional[_Union[MigrationStrategy, str]] = ..., queue_depth: _Optional[int] = ..., queue_prompt_tokens: _Optional[int] = ..., active_requests: _Optional[int] = ..., requests_finished: _Optional[int] = ..., requests_failed: _Optional[int] = ..., requests_cancelled: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., migrations: _Optional[int] = ..., migration_bytes: _Optional[int] = ..., requests_requeued: _Optional[int] = ..., strategy_name: _Optional[str] = ..., scaling_policy: _Optional[str] = ..., scaling_actions: _Optional[int] = ..., scaling_failures: _Optional[int] = ...) -> None: ...
 
 class RegisterReplicaRequest(_message.Message):
     __slots__ = ("address", "role")
@@ -199,13 +227,29 @@ class ActivateReplicaResponse(_message.Message):
     def __init__(self, replicas: _Optional[_Iterable[_Union[ReplicaStatus, _Mapping]]] = ..., seconds: _Optional[float] = ...) -> None: ...
 
 class SetMigrationStrategyRequest(_message.Message):
-    __slots__ = ("strategy",)
+    __slots__ = ("strategy", "name")
     STRATEGY_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
     strategy: MigrationStrategy
-    def __init__(self, strategy: _Optional[_Union[MigrationStrategy, str]] = ...) -> None: ...
+    name: str
+    def __init__(self, strategy: _Optional[_Union[MigrationStrategy, str]] = ..., name: _Optional[str] = ...) -> None: ...
 
 class SetMigrationStrategyResponse(_message.Message):
+    __slots__ = ("previous", "previous_name")
+    PREVIOUS_FIELD_NUMBER: _ClassVar[int]
+    PREVIOUS_NAME_FIELD_NUMBER: _ClassVar[int]
+    previous: MigrationStrategy
+    previous_name: str
+    def __init__(self, previous: _Optional[_Union[MigrationStrategy, str]] = ..., previous_name: _Optional[str] = ...) -> None: ...
+
+class SetScalingPolicyRequest(_message.Message):
+    __slots__ = ("name",)
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    def __init__(self, name: _Optional[str] = ...) -> None: ...
+
+class SetScalingPolicyResponse(_message.Message):
     __slots__ = ("previous",)
     PREVIOUS_FIELD_NUMBER: _ClassVar[int]
-    previous: MigrationStrategy
-    def __init__(self, previous: _Optional[_Union[MigrationStrategy, str]] = ...) -> None: ...
+    previous: str
+    def __init__(self, previous: _Optional[str] = ...) -> None: ...

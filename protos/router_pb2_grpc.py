@@ -74,6 +74,11 @@ class RouterAdminStub:
                 request_serializer=protos_dot_router__pb2.SetMigrationStrategyRequest.SerializeToString,
                 response_deserializer=protos_dot_router__pb2.SetMigrationStrategyResponse.FromString,
                 _registered_method=True)
+        self.SetScalingPolicy = channel.unary_unary(
+                '/router.v1.RouterAdmin/SetScalingPolicy',
+                request_serializer=protos_dot_router__pb2.SetScalingPolicyRequest.SerializeToString,
+                response_deserializer=protos_dot_router__pb2.SetScalingPolicyResponse.FromString,
+                _registered_method=True)
 
 
 class RouterAdminServicer:
@@ -129,7 +134,15 @@ class RouterAdminServicer:
         raise NotImplementedError('Method not implemented!')
 
     def SetMigrationStrategy(self, request, context):
-        """Switch the migration strategy for batches prefilled from now on.
+        """Switch the migration strategy for batches prefilled from now on (by enum value or registered name).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def SetScalingPolicy(self, request, context):
+        """Switch the scaling policy (static, multicast, live, stop-the-world, host-cache); the planner
+        starts or stops with it, actions in flight finish.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -177,6 +190,11 @@ def add_RouterAdminServicer_to_server(servicer, server):
                     servicer.SetMigrationStrategy,
                     request_deserializer=protos_dot_router__pb2.SetMigrationStrategyRequest.FromString,
                     response_serializer=protos_dot_router__pb2.SetMigrationStrategyResponse.SerializeToString,
+            ),
+            'SetScalingPolicy': grpc.unary_unary_rpc_method_handler(
+                    servicer.SetScalingPolicy,
+                    request_deserializer=protos_dot_router__pb2.SetScalingPolicyRequest.FromString,
+                    response_serializer=protos_dot_router__pb2.SetScalingPolicyResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -395,6 +413,33 @@ class RouterAdmin:
             '/router.v1.RouterAdmin/SetMigrationStrategy',
             protos_dot_router__pb2.SetMigrationStrategyRequest.SerializeToString,
             protos_dot_router__pb2.SetMigrationStrategyResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SetScalingPolicy(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/router.v1.RouterAdmin/SetScalingPolicy',
+            protos_dot_router__pb2.SetScalingPolicyRequest.SerializeToString,
+            protos_dot_router__pb2.SetScalingPolicyResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -102,6 +102,21 @@ class ReplicaConfig:
             "help": "LoadParams from disk may read only under this folder; unset = the --model's parent"
         },
     )
+    disk_gbps: float = field(
+        default=0.0,
+        metadata={"help": "emulated disk bandwidth of LoadParams from disk, Gbit/s (0 = unpaced; "
+                          "e.g. 16 for a 2 GB/s NVMe, scaled like the model)"},
+    )
+    host_gbps: float = field(
+        default=0.0,
+        metadata={"help": "emulated host-memory bandwidth of LoadParams from host memory, Gbit/s "
+                          "(0 = unpaced; e.g. 200 for 25 GB/s)"},
+    )
+    host_cache: bool = field(
+        default=False,
+        metadata={"help": "keep the checkpoint (--model) in host memory from the start, so "
+                          "LoadParams LOAD_FROM_HOST_MEM works before any ResetStatus (host-cache baseline)"},
+    )
     allow_set_status_ready: bool = field(
         default=False,
         metadata={"help": "let SetStatusReady mark the weights loaded without moving them (tests, mocks)"},
@@ -126,6 +141,8 @@ class ReplicaConfig:
                 raise ValueError(f"--{name.replace('_', '-')} must be positive, got {value}")
         if self.max_batch_prefill_tokens <= 0:
             raise ValueError(f"--max-batch-prefill-tokens must be > 0, not {self.max_batch_prefill_tokens}")
+        if self.disk_gbps < 0 or self.host_gbps < 0:
+            raise ValueError(f"--disk-gbps and --host-gbps must be >= 0 ({self.disk_gbps}, {self.host_gbps})")
         if self.torch_threads < 0:
             raise ValueError(f"--torch-threads must be >= 0, got {self.torch_threads}")
         if any(cpu < 0 for cpu in self.engine_cpus) or len(set(self.engine_cpus)) != len(self.engine_cpus):

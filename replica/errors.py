@@ -1,7 +1,7 @@
 """The replica's typed errors: one class per gRPC status a caller can get.
 
 Everything inside the replica raises these (or lets a transfer error through, which the edge maps
-to UNAVAILABLE / DEADLINE_EXCEEDED); the servicer's interceptor turns them into precise statuses.
+to UNAVAILABLE / DEADLINE_EXCEEDED); the edge's `interceptor.guard` turns them into precise statuses.
 Nothing here imports grpc: the mapping lives at the edge.
 
 An error caused by another replica (a transfer peer that went away or did not answer) also says so

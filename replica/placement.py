@@ -5,7 +5,7 @@ On a CPU-only host (or any host where a replica shares cores with its gRPC front
 or a load generator) the scheduler moves it between cores and preempts it for the front's and the
 router's per-call Python work, and it pays with cold caches each time. With `--engine-cpus` the
 engine thread (and the torch threads it starts) runs only on those cores, and everything else of
-the replica (the gRPC front process, the service-channel reader, gRPC's own threads, the fabric's
+the replica (the gRPC front process, the service threads, gRPC's own threads, the fabric's
 threads) runs on the remaining cores the process may use:
 
 ```
@@ -13,9 +13,7 @@ threads) runs on the remaining cores the process may use:
  --engine-cpus 3      engine thread (+ its torch threads) ─► 3
                       main thread, everything it starts    ─► 0 1 2   (inherited at creation)
 ```
-Measured on the 2-vCPU development box (`pdcluster bench replica`, batch 1, pipelined decode over
-gRPC ÷ in-process): 0.44–0.50 unpinned, ~0.71 pinned; the engine's step in the replica is still
-~15% slower than in-process (0.50 against 0.39–0.41 ms) — see replica/server/README.md.
+What it buys, where cores are shared (`pdcluster bench replica` pins by default): docs/performance.md.
 
 Linux only (`os.sched_setaffinity` on a thread id); pure Python, no torch.
 """

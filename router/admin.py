@@ -18,32 +18,44 @@ from grpc_reflection.v1alpha import reflection
 
 from protos import router_pb2 as pb
 from protos import router_pb2_grpc as pb_grpc
-from router import control
-from router.client import ReplicaCallError
-from router.config import Strategy
-from router.replicas import Role, TransitionError
-from router.scheduler import ClusterScheduler, ReplicaHandle
+from router import control, strategies
+from router.errors import ReplicaCallError
+from router.registry import ReplicaHandle
+from router.replicas import State, TransitionError
+from router.scaling.executor import ACTION_NAMES
+from router.scheduler import ClusterScheduler
+from router.strategies import Strategy
+from router.weights import Method
 
 log = logging.getLogger("pdcluster.router")
 
 TOKEN_METADATA = "x-admin-token"
 
 _ROLES = {
-    Role.PREFILL: pb.REPLICA_ROLE_PREFILL, Role.DECODE: pb.REPLICA_ROLE_DECODE,
-    Role.COLOCATED: pb.REPLICA_ROLE_COLOCATED, Role.INACTIVE: pb.REPLICA_ROLE_INACTIVE,
-    Role.LOADING: pb.REPLICA_ROLE_LOADING, Role.DRAINING: pb.REPLICA_ROLE_DRAINING,
-    Role.MUTATING_TO_DECODE: pb.REPLICA_ROLE_MUTATING_TO_DECODE, Role.IDLE: pb.REPLICA_ROLE_IDLE,
-    Role.DEAD: pb.REPLICA_ROLE_DEAD,
+    State.PREFILL: pb.REPLICA_ROLE_PREFILL, State.DECODE: pb.REPLICA_ROLE_DECODE,
+    State.COLOCATED: pb.REPLICA_ROLE_COLOCATED, State.INACTIVE: pb.REPLICA_ROLE_INACTIVE,
+    State.LOADING_PREFILL: pb.REPLICA_ROLE_LOADING, State.DRAINING_PREFILL: pb.REPLICA_ROLE_DRAINING,
+    State.MUTATING_TO_DECODE: pb.REPLICA_ROLE_MUTATING_TO_DECODE, State.IDLE: pb.REPLICA_ROLE_IDLE,
+    State.DEAD: pb.REPLICA_ROLE_DEAD, State.LOADING_DECODE: pb.REPLICA_ROLE_LOADING_DECODE,
+    State.NEW_PREFILL: pb.REPLICA_ROLE_NEW_PREFILL,
+    State.REFRACTORY_PREFILL: pb.REPLICA_ROLE_REFRACTORY_PREFILL,
+    State.OLD_PREFILL: pb.REPLICA_ROLE_OLD_PREFILL, State.DRAINING_DECODE: pb.REPLICA_ROLE_DRAINING_DECODE,
 }
-_ROLES_BACK: dict[int, Role] = {int(v): k for k, v in _ROLES.items()}
-_STRATEGIES = {
-    Strategy.FULL: pb.MIGRATION_STRATEGY_FULL, Strategy.PROGRESSIVE: pb.MIGRATION_STRATEGY_PROGRESSIVE,
-    Strategy.MUTATE: pb.MIGRATION_STRATEGY_MUTATE, Strategy.RECOMPUTE: pb.MIGRATION_STRATEGY_RECOMPUTE,
-    Strategy.COLOCATED: pb.MIGRATION_STRATEGY_COLOCATED,
+_ROLES_BACK: dict[int, State] = {int(v): k for k, v in _ROLES.items()}
+# The built-in strategies have enum values; a plug-in goes by its name only (UNSPECIFIED here).
+_STRATEGIES: dict[str, pb.MigrationStrategy] = {
+    Strategy.FULL.value: pb.MIGRATION_STRATEGY_FULL,
+    Strategy.PROGRESSIVE.value: pb.MIGRATION_STRATEGY_PROGRESSIVE,
+    Strategy.MUTATE.value: pb.MIGRATION_STRATEGY_MUTATE,
+    Strategy.RECOMPUTE.value: pb.MIGRATION_STRATEGY_RECOMPUTE,
+    Strategy.COLOCATED.value: pb.MIGRATION_STRATEGY_COLOCATED,
 }
-_STRATEGIES_BACK: dict[int, Strategy] = {int(v): k for k, v in _STRATEGIES.items()}
-_METHODS: dict[int, control.ActivationMethod] = {pb.ACTIVATION_METHOD_P2P: control.ActivationMethod.P2P,
-            pb.ACTIVATION_METHOD_CHAIN: control.ActivationMethod.CHAIN}
+_STRATEGIES_BACK: dict[int, str] = {int(v): k for k, v in _STRATEGIES.items()}
+_METHODS: dict[int, Method] = {
+    pb.ACTIVATION_METHOD_P2P: Method.P2P, pb.ACTIVATION_METHOD_CHAIN: Method.CHAIN,
+    pb.ACTIVATION_METHOD_TANZ: Method.TANZ, pb.ACTIVATION_METHOD_LOAD_DISK: Method.LOAD_DISK,
+    pb.ACTIVATION_METHOD_LOAD_HOST: Method.LOAD_HOST,
+}
 
 Req = TypeVar("Req")
 Resp = TypeVar("Resp")
@@ -80,7 +92,7 @@ def _token(context: grpc.aio.ServicerContext) -> str | None:
     return None
 
 
-def _role(value: int, default: Role | None = None) -> Role:
+def _role(value: int, default: State | None = None) -> State:
     if value == pb.REPLICA_ROLE_UNSPECIFIED and default is not None:
         return default
     if value not in _ROLES_BACK:
@@ -97,7 +109,8 @@ def replica_status(hub: ClusterScheduler, h: ReplicaHandle) -> pb.ReplicaStatus:
         num_blocks_total=s.info.num_blocks_total, num_blocks_free=s.info.num_blocks_free,
         router_used_blocks=s.used_blocks, requests=len(s.held), inbound_migrations=s.inbound,
         outbound_migrations=s.outbound, registered=s.registered,
-        last_heartbeat_age_s=-1.0 if age is None else age,
+        last_heartbeat_age_s=-1.0 if age is None else age, state=s.role.value,
+        state_age_s=max(0.0, hub.clock() - s.since),
     )
 
 
@@ -122,16 +135,23 @@ class AdminService(pb_grpc.RouterAdminServicer):
         def total(name: str, labels: dict[str, str] | None = None) -> int:
             return int(sample(name, labels or {}) or 0)
 
-        migrations = sum(total("pdcluster_migrations_total", {"strategy": s.value}) for s in Strategy)
-        nbytes = sum(total("pdcluster_migration_bytes_total", {"strategy": s.value}) for s in Strategy)
+        names = strategies.names()
+        migrations = sum(total("pdcluster_migrations_total", {"strategy": s}) for s in names)
+        nbytes = sum(total("pdcluster_migration_bytes_total", {"strategy": s}) for s in names)
         return pb.StatsResponse(
-            strategy=_STRATEGIES[hub.strategy], queue_depth=len(hub.queue),
+            strategy=_STRATEGIES.get(hub.strategy.name, pb.MIGRATION_STRATEGY_UNSPECIFIED),
+            strategy_name=hub.strategy.name, queue_depth=len(hub.queue),
             queue_prompt_tokens=hub.queue.waiting_prompt_tokens(), active_requests=len(hub.requests),
             requests_finished=total("pdcluster_requests_total", {"outcome": "finished"}),
             requests_failed=total("pdcluster_requests_total", {"outcome": "failed"}),
             requests_cancelled=total("pdcluster_requests_total", {"outcome": "cancelled"}),
             generated_tokens=total("pdcluster_generated_tokens_total"), migrations=migrations,
             migration_bytes=nbytes, requests_requeued=total("pdcluster_requests_requeued_total"),
+            scaling_policy=hub.scaling.policy.name,
+            scaling_actions=sum(total("pdcluster_scaling_actions_total", {"action": a, "outcome": o})
+                                for a in ACTION_NAMES for o in ("ok", "failed")),
+            scaling_failures=sum(total("pdcluster_scaling_actions_total", {"action": a, "outcome": "failed"})
+                                 for a in ACTION_NAMES),
         )
 
     @rpc(mutating=True)
@@ -139,7 +159,7 @@ class AdminService(pb_grpc.RouterAdminServicer):
                               ) -> pb.RegisterReplicaResponse:
         if not request.address:
             raise ValueError("address is required")
-        rid = await self.hub.add_replica(request.address, _role(request.role, Role.DECODE), registered=True)
+        rid = await self.hub.add_replica(request.address, _role(request.role, State.DECODE), registered=True)
         cfg = self.hub.config
         return pb.RegisterReplicaResponse(replica_id=rid, heartbeat_interval_s=cfg.heartbeat_interval,
                                           heartbeat_timeout_s=cfg.heartbeat_timeout)
@@ -166,7 +186,7 @@ class AdminService(pb_grpc.RouterAdminServicer):
     async def ActivateReplica(self, request: pb.ActivateReplicaRequest, context: grpc.aio.ServicerContext
                               ) -> pb.ActivateReplicaResponse:
         method = _METHODS.get(request.method)
-        role = _role(request.role, Role.DECODE)
+        role = _role(request.role, State.DECODE)
         seconds = await control.activate(self.hub, list(request.replica_ids), role, method,
                                          list(request.source_ids))
         handles = [control.handle_of(self.hub, i) for i in request.replica_ids]
@@ -176,11 +196,19 @@ class AdminService(pb_grpc.RouterAdminServicer):
     @rpc(mutating=True)
     async def SetMigrationStrategy(self, request: pb.SetMigrationStrategyRequest,
                                    context: grpc.aio.ServicerContext) -> pb.SetMigrationStrategyResponse:
-        if request.strategy not in _STRATEGIES_BACK:
+        name = request.name or _STRATEGIES_BACK.get(request.strategy)
+        if name is None:
             raise ValueError(f"invalid strategy {request.strategy}")
-        previous = self.hub.strategy
-        self.hub.set_strategy(_STRATEGIES_BACK[request.strategy])
-        return pb.SetMigrationStrategyResponse(previous=_STRATEGIES[previous])
+        previous = self.hub.set_strategy(name).name  # ValueError for an unknown name
+        return pb.SetMigrationStrategyResponse(
+            previous=_STRATEGIES.get(previous, pb.MIGRATION_STRATEGY_UNSPECIFIED),
+            previous_name=previous)
+
+    @rpc(mutating=True)
+    async def SetScalingPolicy(self, request: pb.SetScalingPolicyRequest,
+                               context: grpc.aio.ServicerContext) -> pb.SetScalingPolicyResponse:
+        previous = self.hub.scaling.set_policy(request.name)  # ValueError for an unknown name
+        return pb.SetScalingPolicyResponse(previous=previous)
 
 
 async def start_admin_server(hub: ClusterScheduler, host: str, port: int, token: str = ""

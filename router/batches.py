@@ -1,4 +1,5 @@
-"""Batches as the router tracks them: which request (at which run) sits in which cached batch.
+"""Batches as the router tracks them: which request (at which run) sits in which cached batch,
+and the items a decode replica's inbox holds.
 
 `Member` pins a request to the run it was batched in: when the request is re-run elsewhere (its
 replica died), the old batch's members become stale and their outputs are ignored.
@@ -7,11 +8,12 @@ replica died), the old batch's members become stale and their outputs are ignore
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
-from router.client import BatchSpec, CachedBatch, WireRequest
-from router.queue import BatchId, request_blocks
+from router.queue import blocks_for, request_blocks
+from router.replicas import ReplicaState
 from router.requests import RequestState
-from router.types import GenerateRequest, RequestId
+from router.types import BatchId, BatchSpec, CachedBatch, GenerateRequest, RequestId, WireRequest
 
 
 @dataclass(frozen=True)
@@ -81,6 +83,12 @@ def member_blocks(member: Member, block_size: int) -> int:
     return request_blocks(member.request, block_size)
 
 
+def migrated_blocks(member: Member, block_size: int) -> int:
+    """Pages a migration moves for one member: those holding its run's prompt (replica/migration/
+    plan.py); the rest of its reservation holds nothing yet."""
+    return blocks_for(len(member.request.input_ids), block_size)
+
+
 def spec_for(batch_id: BatchId, members: list[Member], block_size: int) -> BatchSpec:
     """A new batch of these members' current runs."""
     reqs = tuple(WireRequest(m.id, m.request) for m in members)
@@ -100,13 +108,47 @@ class Arrived:
     last_tokens: dict[RequestId, int]
 
 
-@dataclass(frozen=True)
-class Reprefill:
-    """Requests to prefill again on the decode replica (recompute strategy): prompt + tokens so far.
+class DecodeSide(Protocol):
+    """What an inbox item may ask of the decode replica that takes it."""
 
-    `promised` pages were reserved for them on that replica by the migration that sent them.
-    """
+    @property
+    def replica(self) -> ReplicaState:
+        """The decode replica's state (page accounting, id)."""
+        ...
 
-    members: tuple[Member, ...]
-    promised: int
-    sent_at: float
+    async def prefill_here(self, members: list[Member]) -> list[LiveBatch]:
+        """Prefill these requests' current runs on this replica (in groups under the prefill budget)."""
+        ...
+
+    def now(self) -> float:
+        """The router's clock."""
+        ...
+
+    def record_migration(self, strategy: str, nbytes: int, seconds: float) -> None:
+        """Count one hand-off in the metrics."""
+        ...
+
+
+class Arrival(Protocol):
+    """An inbox item that needs work on the decode replica before it merges (a strategy's own)."""
+
+    async def take(self, side: DecodeSide) -> list[Arrived]:
+        """Become batches cached on `side`'s replica (merged into its running batch next step)."""
+        ...
+
+
+InboxItem = Arrived | Arrival
+
+
+def prefill_groups(members: list[Member], max_tokens: int) -> list[list[Member]]:
+    """Consecutive groups of members whose prompts fit `max_tokens` (a larger one goes alone)."""
+    groups: list[list[Member]] = []
+    used = max_tokens
+    for m in members:
+        size = len(m.request.input_ids)
+        if used + size > max_tokens:
+            groups.append([])
+            used = 0
+        groups[-1].append(m)
+        used += size
+    return groups

@@ -1,14 +1,14 @@
 """The replica client edge: the only router module that touches `generate_pb2`.
 
-Every call converts plain dataclasses to protobuf and back, carries a deadline, and turns a gRPC
-status into a typed `ReplicaCallError` subclass so the loops can decide: a dead replica
-(`ReplicaUnavailable`) re-queues its requests elsewhere, a replica that answered that its transfer
-peer failed (`PeerFailed`) is alive and the batch runs again, anything else fails only that batch.
+Every call converts the dataclasses of `router/types.py` to protobuf and back, carries a deadline,
+and turns a gRPC status into a typed `ReplicaCallError` subclass (`router/errors.py`) so the loops
+can decide: a dead replica (`ReplicaUnavailable`) re-queues its requests elsewhere, a replica that
+answered that its transfer peer failed (`PeerFailed`) is alive and the batch runs again, anything
+else fails only that batch. `ReplicaClient` implements `router.replica_api.ReplicaApi`.
 """
 
 from __future__ import annotations
 
-import enum
 from collections.abc import Coroutine, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -18,138 +18,36 @@ import grpc.aio
 
 from protos import generate_pb2 as pb
 from protos import generate_pb2_grpc as pb_grpc
-from router.queue import BatchId
-from router.types import FinishReason, GenerateRequest, RequestId, TokenInfo, TopToken
+from router.errors import (
+    PeerFailed,
+    ReplicaCallError,
+    ReplicaInternal,
+    ReplicaRejected,
+    ReplicaTimeout,
+    ReplicaUnavailable,
+    ReplicaUnimplemented,
+)
+from router.types import (
+    BatchId,
+    BatchSpec,
+    CachedBatch,
+    Finished,
+    FinishReason,
+    Generation,
+    PrefillCase,
+    ReplicaInfo,
+    RequestId,
+    StepResult,
+    TokenInfo,
+    TopToken,
+    WireRequest,
+    ZagOutcome,
+)
 
 # gRPC metadata of pipelined DecodeV2 calls (replica/server/ordering.py reads them).
 CAUSE_KEY, PEER_CAUSE = "x-pdcluster-cause", "peer"  # replica/errors.py: another replica failed
 CALL_KEY = "x-pdcluster-call"
 AFTER_KEY = "x-pdcluster-after"
-
-
-class PrefillCase(enum.IntFlag):
-    """`PrefillV2Request.forward_case` flags."""
-
-    NORMAL = 0
-    MIGRATE = 1
-    MIGRATE_PROGRESSIVE = 2
-    NAIVE_PP = 4
-    IMMIGRATE = 8
-
-
-@dataclass(frozen=True)
-class WireRequest:
-    """One request of a batch as sent to a replica."""
-
-    id: RequestId
-    request: GenerateRequest
-
-
-@dataclass(frozen=True)
-class BatchSpec:
-    """A new batch for a prefill (or the `Batch` named by a migration)."""
-
-    id: BatchId
-    requests: tuple[WireRequest, ...]
-    max_tokens: int
-
-
-@dataclass(frozen=True)
-class CachedBatch:
-    """A batch cached on a replica."""
-
-    id: BatchId
-    request_ids: tuple[RequestId, ...]
-    max_tokens: int = 0
-
-
-@dataclass(frozen=True)
-class Finished:
-    """A request finished in this step."""
-
-    text: str
-    generated_tokens: int
-    reason: FinishReason
-    seed: int | None = None
-
-
-@dataclass(frozen=True)
-class Generation:
-    """One request's output of one step."""
-
-    request_id: RequestId
-    tokens: tuple[TokenInfo, ...]
-    prefill_tokens: tuple[TokenInfo, ...] = ()
-    finished: Finished | None = None
-
-
-@dataclass(frozen=True)
-class StepResult:
-    """A prefill or decode step: generations and the cached batch (None when all finished)."""
-
-    generations: tuple[Generation, ...]
-    batch: CachedBatch | None
-
-
-@dataclass(frozen=True)
-class ReplicaInfo:
-    """The replica's Info facts the router uses."""
-
-    model_id: str
-    dtype: str
-    num_layers: int
-    block_size: int
-    num_blocks_total: int
-    num_blocks_free: int
-    rank: int
-    max_input_tokens: int
-    max_total_tokens: int
-    num_layers_loaded: int = 0
-    embed_ready: bool = False
-    lm_head_ready: bool = False
-    num_cached_batches: int = 0
-    device_type: str = "cpu"
-
-    @property
-    def loaded(self) -> bool:
-        """Every weight region has arrived: the replica can run a full forward."""
-        return self.embed_ready and self.lm_head_ready and self.num_layers_loaded >= self.num_layers
-
-
-class ReplicaCallError(Exception):
-    """A replica call failed; `code` is the gRPC status name."""
-
-    def __init__(self, address: str, method: str, code: str, details: str) -> None:
-        super().__init__(f"replica {address} {method}: {code}: {details}")
-        self.address = address
-        self.method = method
-        self.code = code
-        self.details = details
-
-
-class ReplicaUnavailable(ReplicaCallError):
-    """The replica cannot be reached: treat it as dead."""
-
-
-class PeerFailed(ReplicaCallError):
-    """The replica answered UNAVAILABLE for another replica (a transfer peer went away or refused):
-    the replica called is alive; the batch can run again."""
-
-
-class ReplicaTimeout(ReplicaCallError):
-    """The call's deadline passed."""
-
-
-class ReplicaUnimplemented(ReplicaCallError):
-    """The replica does not implement this RPC (yet)."""
-
-
-class ReplicaRejected(ReplicaCallError):
-    """The replica refused the call (bad arguments, no pages, wrong state...)."""
-
-
-class ReplicaInternal(ReplicaCallError):
-    """The replica failed internally."""
 
 
 _ERRORS: dict[grpc.StatusCode, type[ReplicaCallError]] = {
@@ -280,6 +178,21 @@ def _step(generations: Sequence[pb.Generation], batch: pb.CachedBatch | None) ->
     return StepResult(tuple(_generation(g) for g in generations), _cached(batch) if batch else None)
 
 
+def _set_resume(info: pb.PipeParaInfo, layer: int) -> None:
+    """Where a relayed prefill resumes: the embedding (0) or transformer layer `layer`."""
+    if layer == 0:
+        info.embedding_layer = 1
+    else:
+        info.tfm_layer = layer
+        info.num_layer_per_rank.append(layer)
+
+
+def _partial(message: Any, batch: BatchSpec, first: bool, split: int, src: Sequence[int],
+             dst: Sequence[int]) -> Any:
+    half = pb.PARTIAL_CASE_FIRST if first else pb.PARTIAL_CASE_SECOND
+    return message(batch=batch_pb(batch), fst_or_snd=half, num_layer=split, src=list(src), dst=list(dst))
+
+
 def _info(msg: pb.InfoResponse) -> ReplicaInfo:
     return ReplicaInfo(
         model_id=msg.model_id, dtype=msg.dtype, num_layers=msg.num_layers, block_size=msg.block_size,
@@ -336,13 +249,48 @@ class ReplicaClient:
         return str(resp.state)
 
     async def prefill(
-        self, batch: BatchSpec, case: PrefillCase = PrefillCase.NORMAL, pipe_peer: Sequence[int] = ()
+        self, batch: BatchSpec, case: PrefillCase = PrefillCase.NORMAL, pipe_peer: Sequence[int] = (),
+        resume: int | None = None,
     ) -> StepResult:
-        """PrefillV2 of a new batch (with migration flags when `case` asks for them)."""
+        """PrefillV2 of a new batch (with migration flags when `case` asks for them); `resume`: a
+        relayed batch's layer (NAIVE_PP|IMMIGRATE from `pipe_peer`; 0 = at the embedding)."""
         req = pb.PrefillV2Request(batch=batch_pb(batch), forward_case=int(case), pipe_peer=list(pipe_peer))
+        if resume is not None:
+            _set_resume(req.pp_info, resume)
         timeout = self.transfer_timeout if case else None
         resp = await self._call("PrefillV2", req, timeout)
         return _step(resp.generations, resp.batch if resp.HasField("batch") else None)
+
+    async def zag_prefill(self, batch: BatchSpec, seq: int) -> ZagOutcome:
+        """Layer-by-layer prefill on a replica still receiving weights, admitted in `seq` order."""
+        req = pb.ZagPrefillRequest(batch=batch_pb(batch), forward_case=int(PrefillCase.NAIVE_PP),
+                                   zag_layers=1, zag_seq_num=seq)
+        req.pp_info.embedding_layer = 1
+        resp = await self._call("ZagPrefill", req, self.transfer_timeout)
+        step = _step(resp.generations, resp.batch if resp.HasField("batch") else None)
+        if not resp.HasField("pp_info"):
+            return ZagOutcome(step, None)
+        where = resp.pp_info.WhichOneof("start_layer")
+        return ZagOutcome(step, resp.pp_info.tfm_layer if where == "tfm_layer" else 0)
+
+    async def relay(self, old_rank: int, relax_not_head: bool) -> tuple[BatchId, int] | None:
+        """Hand a queued layer-by-layer prefill to `old_rank`: (batch id, seq), or None."""
+        resp = await self._call("Relay", pb.RelayRequest(rank=old_rank, relax_not_head=relax_not_head))
+        if not resp.HasField("batch_id"):
+            return None
+        return BatchId(resp.batch_id), int(resp.seq_num)
+
+    async def migrate_partial(self, batch: BatchSpec, first: bool, split: int, src: Sequence[int],
+                              dst: Sequence[int]) -> CachedBatch:
+        """Sender side of one half of a split KV: layers [0, split) (first) or [split, L)."""
+        req = _partial(pb.MigratePartialRequest, batch, first, split, src, dst)
+        return _cached((await self._call("MigratePartial", req, self.transfer_timeout)).batch)
+
+    async def immigrate_partial(self, batch: BatchSpec, first: bool, split: int, src: Sequence[int],
+                                dst: Sequence[int]) -> CachedBatch:
+        """Receiver side of one half; the second half's answer is the decode-ready batch."""
+        req = _partial(pb.ImmigratePartialRequest, batch, first, split, src, dst)
+        return _cached((await self._call("ImmigratePartial", req, self.transfer_timeout)).batch)
 
     async def decode(self, batches: Sequence[CachedBatch], last_tokens: Sequence[Sequence[int]]
                      ) -> StepResult:
@@ -407,6 +355,19 @@ class ReplicaClient:
         """Start this member's part of a chain multicast of the weights."""
         req = pb.BroadcastRequest(src_ranks=list(src_ranks), dst_ranks=list(dst_ranks))
         await self._call("RdmaBroadcast", req)
+
+    async def tanz_broadcast(self, src_ranks: Sequence[int], dst_ranks: Sequence[int]) -> None:
+        """This member's part of a Tanz broadcast of the weights (blocks until it is done)."""
+        req = pb.BroadcastRequest(src_ranks=list(src_ranks), dst_ranks=list(dst_ranks))
+        await self._call("TanzBroadcast", req, self.transfer_timeout)
+
+    async def load_params(self, from_host: bool, model: str = "") -> None:
+        """Fill the weights from the model root (`model`: a folder under it) or the host-memory copy."""
+        if from_host:
+            req = pb.LoadParamsRequest(load_case=pb.LOAD_FROM_HOST_MEM)
+        else:
+            req = pb.LoadParamsRequest(load_case=pb.LOAD_FROM_DISK, model_name=model)
+        await self._call("LoadParams", req, self.transfer_timeout)
 
     async def wait_rdma_done(self) -> None:
         """Join the background weight transfer; raises its error."""

@@ -5,22 +5,18 @@ Imports neither grpc nor torch (it loads for `--help`).
 
 from __future__ import annotations
 
-import enum
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from router import strategies
+from router.scaling import policies
+from router.scaling.planner import Bounds
+from router.strategies import Strategy
 
-class Strategy(enum.Enum):
-    """How a prefilled batch reaches its decode replica."""
-
-    FULL = "full"
-    PROGRESSIVE = "progressive"
-    MUTATE = "mutate"
-    RECOMPUTE = "recompute"
-    COLOCATED = "colocated"
-
+__all__ = ["ROLE_NAMES", "RouterConfig", "Strategy"]
 
 ROLE_NAMES = ("prefill", "decode", "colocated", "inactive")
+_BOUNDS = Bounds()  # the planner's defaults
 
 
 def _help(text: str, **extra: object) -> dict[str, object]:
@@ -39,9 +35,14 @@ class RouterConfig:
     host: str = field(default="127.0.0.1", metadata=_help("address the HTTP and admin servers bind"))
     http_port: int = field(default=8080, metadata=_help("HTTP port (0 = pick a free one)"))
     admin_port: int = field(default=50100, metadata=_help("admin gRPC port (0 = pick a free one)"))
-    strategy: Strategy = field(default=Strategy.FULL, metadata=_help("migration strategy"))
+    strategy: str = field(default=Strategy.FULL.value, metadata=_help(
+        "migration strategy: a name registered in router/strategies/ (built in: "
+        + ", ".join(s.value for s in Strategy) + ")"))
     admin_token: str = field(default="", metadata=_help(
         "token required in the `x-admin-token` metadata of mutating admin calls (empty = none)"))
+    api_keys: Path | None = field(default=None, metadata=_help(
+        "API key file: one `KEY [name=N] [rpm=N] [concurrent=N] [tpm=N]` per line, # comments "
+        "(router/http/README.md); /v1/* and TGI routes then need `Authorization: Bearer KEY` (unset = open)"))
     model_id: str = field(default="", metadata=_help("model name served (default: the folder name)"))
     max_batch_prefill_tokens: int = field(default=4096, metadata=_help("prompt tokens per prefill batch"))
     max_batch_total_tokens: int = field(default=65536, metadata=_help(
@@ -58,11 +59,39 @@ class RouterConfig:
         "seconds without a heartbeat after which a replica is dead"))
     rpc_timeout: float = field(default=60.0, metadata=_help("deadline of replica calls (seconds)"))
     transfer_timeout: float = field(default=300.0, metadata=_help("deadline of migration and weight calls"))
+    scaling: str = field(default="static", metadata=_help(
+        "scaling policy: " + ", ".join(policies.names()) + " (router/scaling/policies.py)"))
+    plan_interval: float = field(default=0.25, metadata=_help("seconds between two planning rounds"))
+    prefill_lower: float = field(default=_BOUNDS.prefill_lower, metadata=_help(
+        "prefill load lower bound: seconds of queued prompt work per prefill replica"))
+    prefill_upper: float = field(default=_BOUNDS.prefill_upper, metadata=_help(
+        "prefill load upper bound (seconds of queued prompt work per prefill replica)"))
+    decode_lower: float = field(default=_BOUNDS.decode_lower, metadata=_help(
+        "decode load lower bound: fraction of the decode replicas' KV pages in use"))
+    decode_upper: float = field(default=_BOUNDS.decode_upper, metadata=_help(
+        "decode load upper bound (fraction of KV pages in use)"))
+    migration_upper: float = field(default=_BOUNDS.migration_upper, metadata=_help(
+        "seconds of KV waiting for migration per decode replica before decode scales up"))
+    min_prefill: int = field(default=_BOUNDS.min_prefill, metadata=_help("fewest prefill replicas"))
+    max_prefill: int = field(default=_BOUNDS.max_prefill, metadata=_help("most prefill replicas"))
+    min_decode: int = field(default=_BOUNDS.min_decode, metadata=_help("fewest decode replicas"))
+    max_decode: int = field(default=_BOUNDS.max_decode, metadata=_help("most decode replicas"))
+    cooldown: float = field(default=_BOUNDS.cooldown, metadata=_help(
+        "seconds after a kind of replica scaled up during which it does not scale down"))
+    keep_alive: float = field(default=_BOUNDS.keep_alive, metadata=_help(
+        "seconds a drained replica keeps its weights (idle) before it is reset to inactive"))
+    prefill_tokens_per_s: float = field(default=0.0, metadata=_help(
+        "one replica's prefill speed until measured, tokens/s (0 = wait for the first prefill)"))
+    migration_tokens_per_s: float = field(default=0.0, metadata=_help(
+        "one decode replica's KV intake until measured, tokens/s (0 = wait for the first migration)"))
+    timeline: Path | None = field(default=None, metadata=_help(
+        "write the router's timeline here (JSONL: planner rounds, state changes, transfers, relays)"))
 
     def __post_init__(self) -> None:
         self.model = Path(self.model)
-        if isinstance(self.strategy, str):
-            self.strategy = Strategy(self.strategy)
+        self.strategy = strategies.get(self.strategy).name  # a `Strategy` or a name; unknown → ValueError
+        if self.api_keys is not None:
+            self.api_keys = Path(self.api_keys)
         if self.role and len(self.role) != len(self.replica):
             raise ValueError("--role needs one entry per --replica")
         bad = [r for r in self.role if r not in ROLE_NAMES]
@@ -72,6 +101,24 @@ class RouterConfig:
             raise ValueError("migration bounds and batch size must be >= 1")
         if self.heartbeat_timeout <= self.heartbeat_interval:
             raise ValueError("heartbeat_timeout must exceed heartbeat_interval")
+        policies.get(self.scaling)  # an unknown name → ValueError naming the known ones
+        self.bounds()  # contradicting bounds → ValueError naming them
+        if self.plan_interval <= 0:
+            raise ValueError(f"--plan-interval must be > 0, got {self.plan_interval}")
+        if self.prefill_tokens_per_s < 0 or self.migration_tokens_per_s < 0:
+            raise ValueError("--prefill-tokens-per-s and --migration-tokens-per-s must be >= 0")
+        if self.timeline is not None:
+            self.timeline = Path(self.timeline)
+
+    def bounds(self) -> Bounds:
+        """The planner's bounds (validated)."""
+        return Bounds(
+            prefill_lower=self.prefill_lower, prefill_upper=self.prefill_upper,
+            decode_lower=self.decode_lower, decode_upper=self.decode_upper,
+            migration_upper=self.migration_upper, min_prefill=self.min_prefill,
+            max_prefill=self.max_prefill, min_decode=self.min_decode, max_decode=self.max_decode,
+            keep_alive=self.keep_alive, cooldown=self.cooldown,
+        )
 
     def roles(self) -> list[str]:
         """The role of each `--replica` (explicit or the default split)."""

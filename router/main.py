@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import math
 import signal
 import socket
 import sys
@@ -24,11 +25,14 @@ import uvicorn
 import uvloop
 
 from router.admin import start_admin_server
-from router.client import ReplicaCallError
+from router.client import ReplicaClient
 from router.config import RouterConfig
+from router.errors import ReplicaCallError
 from router.http import ServingInfo, create_app
+from router.http.keys import KeyFileError, KeyTable, load_key_file
 from router.metrics import RouterMetrics
-from router.replicas import SERVING, Role
+from router.replica_api import Connect
+from router.replicas import SERVING, State
 from router.scheduler import ClusterScheduler
 from router.tokenizer import Tokenizer
 
@@ -44,6 +48,20 @@ def kv_bytes_per_token(model_dir: Path, dtype: str) -> int:
     kv_heads = int(cfg.get("num_key_value_heads") or heads)
     head_dim = int(cfg.get("head_dim") or cfg["hidden_size"] // heads)
     return 2 * int(cfg["num_hidden_layers"]) * kv_heads * head_dim * _DTYPE_BYTES.get(dtype, 4)
+
+
+def weight_bytes(model_dir: Path, dtype: str) -> int:
+    """Bytes of one replica's weights in `dtype`: the checkpoint's parameter count (from its
+    safetensors headers) times the dtype's size (what a scale-up moves per new replica)."""
+    numel = 0
+    for path in sorted(model_dir.glob("*.safetensors")):
+        with path.open("rb") as f:
+            size = int.from_bytes(f.read(8), "little")
+            header = json.loads(f.read(size))
+        for name, entry in header.items():
+            if name != "__metadata__":
+                numel += math.prod(entry["shape"])
+    return numel * _DTYPE_BYTES.get(dtype, 4)
 
 
 def serving_info(config: RouterConfig, sched: ClusterScheduler) -> ServingInfo:
@@ -64,6 +82,11 @@ def serving_info(config: RouterConfig, sched: ClusterScheduler) -> ServingInfo:
     )
 
 
+def connector(config: RouterConfig) -> Connect:
+    """The gRPC client of a replica address, with the config's deadlines."""
+    return lambda address: ReplicaClient(address, config.rpc_timeout, config.transfer_timeout)
+
+
 def run_loop(main: Coroutine[Any, Any, None]) -> None:
     """Run `main` to completion on a uvloop event loop.
 
@@ -82,7 +105,7 @@ class _Server(uvicorn.Server):
         yield
 
 
-async def _connect(sched: ClusterScheduler, address: str, role: Role, deadline: float) -> None:
+async def _connect(sched: ClusterScheduler, address: str, role: State, deadline: float) -> None:
     """Add a replica, retrying while it is still starting (until `deadline`, loop time)."""
     loop = asyncio.get_running_loop()
     while True:
@@ -104,27 +127,31 @@ def _bind(host: str, port: int) -> socket.socket:
     return sock
 
 
-async def run_router(config: RouterConfig, stop: asyncio.Event) -> None:
-    """Run until `stop` is set; prints one ready line."""
+async def run_router(config: RouterConfig, stop: asyncio.Event, api_keys: KeyTable | None = None) -> None:
+    """Run until `stop` is set; prints one ready line. `api_keys`: read from `config.api_keys` if None."""
+    if api_keys is None and config.api_keys is not None:
+        api_keys = load_key_file(config.api_keys)
     tokenizer = Tokenizer.from_model_dir(config.model)
     metrics = RouterMetrics()
-    sched = ClusterScheduler(config, metrics)
+    sched = ClusterScheduler(config, tokenizer, connector(config), metrics)
     deadline = asyncio.get_running_loop().time() + 30
     for address, role in zip(config.replica, config.roles(), strict=True):
-        await _connect(sched, address, Role(role), deadline)
+        await _connect(sched, address, State(role), deadline)
     dtype = next((h.state.info.dtype for h in sched.replicas.values()), "float32")
     sched.kv_bytes_per_token = kv_bytes_per_token(config.model, dtype)
+    sched.weight_bytes = weight_bytes(config.model, dtype)
     await sched.start()
     admin, admin_port = await start_admin_server(sched, config.host, config.admin_port, config.admin_token)
     sock = _bind(config.host, config.http_port)
-    app = create_app(sched, tokenizer, serving_info(config, sched), metrics.render)
+    app = create_app(sched, tokenizer, serving_info(config, sched), metrics.render, api_keys)
     http = _Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=2))
     http_task = asyncio.create_task(http.serve(sockets=[sock]))
     while not http.started and not http_task.done():
         await asyncio.sleep(0.05)
     http_port = sock.getsockname()[1]
     print(f"pdcluster router ready: http=http://{config.host}:{http_port} admin={config.host}:{admin_port} "
-          f"strategy={sched.strategy.value} replicas={len(sched.replicas)}", flush=True)
+          f"strategy={sched.strategy.name} scaling={sched.scaling.policy.name} "
+          f"replicas={len(sched.replicas)}", flush=True)
     try:
         stopped = asyncio.ensure_future(stop.wait())
         await asyncio.wait([stopped, http_task], return_when=asyncio.FIRST_COMPLETED)
@@ -144,12 +171,18 @@ def serve(config: RouterConfig) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s",
                         stream=sys.stderr)
 
+    try:  # a bad key file stops the router before it touches any replica
+        api_keys = load_key_file(config.api_keys) if config.api_keys is not None else None
+    except KeyFileError as exc:
+        print(f"pdcluster router: {exc}", file=sys.stderr)
+        return 2
+
     async def main() -> None:
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
-        await run_router(config, stop)
+        await run_router(config, stop, api_keys)
 
     try:
         run_loop(main())

@@ -10,7 +10,7 @@ from collections.abc import Iterable
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-from router.replicas import ReplicaState, Role
+from router.replicas import ReplicaState, State
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 _BYTES_BUCKETS = tuple(float(1 << k) for k in range(10, 34, 2))
@@ -50,6 +50,9 @@ class RouterMetrics:
                                   ["replica"], registry=r)
         self.replica_used = Gauge("pdcluster_replica_router_used_blocks", "KV pages the router accounts "
                                   "to the replica's batches", ["replica"], registry=r)
+        self.replicas_in_state = Gauge("pdcluster_replicas", "Replicas in each state", ["state"], registry=r)
+        self.scaling_actions = Counter("pdcluster_scaling_actions", "Scaling actions by kind and outcome",
+                                       ["action", "outcome"], registry=r)
 
     def request_done(self, outcome: str, submitted: float, first: float | None, end: float,
                      prompt: int, generated: int) -> None:
@@ -75,10 +78,22 @@ class RouterMetrics:
         """Refresh per-replica gauges."""
         for rep in replicas:
             rid = str(rep.id)
-            for role in Role:
+            for role in State:
                 self.replica_state.labels(rid, rep.address, role.value).set(1 if rep.role is role else 0)
             self.replica_free.labels(rid).set(rep.info.num_blocks_free)
             self.replica_used.labels(rid).set(rep.used_blocks)
+
+    def count_states(self, states: Iterable[State]) -> None:
+        """Refresh the per-state replica counts."""
+        counts = dict.fromkeys(State, 0)
+        for state in states:
+            counts[state] += 1
+        for state, n in counts.items():
+            self.replicas_in_state.labels(state.value).set(n)
+
+    def scaling_action(self, action: str, ok: bool) -> None:
+        """A scaling action ended."""
+        self.scaling_actions.labels(action, "ok" if ok else "failed").inc()
 
     def render(self) -> tuple[bytes, str]:
         """The Prometheus exposition of every metric, and its content type."""

@@ -14,11 +14,8 @@ import itertools
 from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import NewType
 
-from router.types import GenerateRequest, RequestId
-
-BatchId = NewType("BatchId", int)
+from router.types import BatchId, GenerateRequest, RequestId
 
 
 def blocks_for(tokens: int, block_size: int) -> int:
@@ -91,6 +88,7 @@ class RequestQueue:
 
     def __init__(self, batch_ids: BatchIds | None = None) -> None:
         self._entries: deque[QueueEntry] = deque()
+        self._prompt_tokens = 0  # of the queued entries, kept as they come and go
         self.batch_ids = batch_ids or BatchIds()
 
     def __len__(self) -> int:
@@ -102,14 +100,17 @@ class RequestQueue:
     def push(self, entry: QueueEntry) -> None:
         """Queue a new request at the back."""
         self._entries.append(entry)
+        self._prompt_tokens += len(entry.request.input_ids)
 
     def push_front(self, entry: QueueEntry) -> None:
         """Queue a request that must run again (its replica died) ahead of new ones."""
         self._entries.appendleft(entry)
+        self._prompt_tokens += len(entry.request.input_ids)
 
     def take_all(self) -> list[QueueEntry]:
         """Empty the queue; returns what was in it, in order."""
         entries, self._entries = list(self._entries), deque()
+        self._prompt_tokens = 0
         return entries
 
     def drop_dead(self) -> int:
@@ -117,11 +118,12 @@ class RequestQueue:
         alive = [e for e in self._entries if e.is_alive()]
         dropped = len(self._entries) - len(alive)
         self._entries = deque(alive)
+        self._prompt_tokens = sum(len(e.request.input_ids) for e in alive)
         return dropped
 
     def waiting_prompt_tokens(self) -> int:
         """Prompt tokens waiting for a prefill (a load signal for metrics)."""
-        return sum(len(e.request.input_ids) for e in self._entries)
+        return self._prompt_tokens
 
     def next_batch(self, budgets: Budgets) -> PlannedBatch | None:
         """Pop the FIFO prefix that fits every budget, or None when nothing fits (or nothing waits).
@@ -140,6 +142,7 @@ class RequestQueue:
             if not self._fits(budgets, taken, prefill + prompt, blocks + need):
                 break
             taken.append(self._entries.popleft())
+            self._prompt_tokens -= prompt
             prefill += prompt
             blocks += need
         if not taken:

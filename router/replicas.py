@@ -1,67 +1,48 @@
-"""Replica roles, the role state machine, page accounting and heartbeat expiry (pure Python).
+"""The router's view of one replica: its state, page accounting, heartbeat expiry (pure Python).
 
-```
- INACTIVE ─► LOADING ─► PREFILL ─► MUTATING_TO_DECODE ─► DECODE
-                 │         │  ▲                            │ ▲
-                 │         ▼  └──────── (empty) ───────────┘ │
-                 └────► COLOCATED ◄──────────────────────────┘
- PREFILL / DECODE / COLOCATED ─► DRAINING ─► IDLE ─► (any serving role, or INACTIVE)
- any ─► DEAD (missed heartbeat or unreachable; terminal — a restarted replica registers anew)
-```
+Every state change goes through `ReplicaState.move`, checked against the one transition table of
+`router/states.py` (a dead replica comes back only through `revive`); each change is reported to
+the observer the scheduler installs (timeline, metrics). `snapshot()` is a frozen copy of the state
+for readers that must not change it (the admin service, the planner).
 """
 
 from __future__ import annotations
 
-import enum
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
-from router.client import ReplicaInfo
-from router.types import ReplicaId, RequestId
+from router.states import SERVING, State, TransitionError, Trigger, check
+from router.types import ReplicaId, ReplicaInfo, RequestId
+
+__all__ = ["SERVING", "Heartbeats", "ReplicaState", "ReplicaView", "State", "TransitionError", "Trigger"]
+
+Observer = Callable[["ReplicaState", State, State, Trigger], None]
+"""Called after every state change: (replica, old state, new state, trigger)."""
 
 
-class Role(enum.Enum):
-    """What a replica's loop does."""
-
-    PREFILL = "prefill"
-    DECODE = "decode"
-    COLOCATED = "colocated"
-    INACTIVE = "inactive"
-    LOADING = "loading"
-    DRAINING = "draining"
-    MUTATING_TO_DECODE = "mutating_to_decode"
-    IDLE = "idle"
-    DEAD = "dead"
+# Where a replica that was declared dead in the middle of a change comes back (the change is over).
+_REVIVED = {State.MUTATING_TO_DECODE: State.DECODE, State.LOADING_PREFILL: State.INACTIVE,
+            State.LOADING_DECODE: State.INACTIVE, State.NEW_PREFILL: State.INACTIVE,
+            State.REFRACTORY_PREFILL: State.PREFILL, State.OLD_PREFILL: State.PREFILL,
+            State.DRAINING_PREFILL: State.IDLE, State.DRAINING_DECODE: State.IDLE}
+_SERVING_ROLES = (State.PREFILL, State.DECODE, State.COLOCATED)
 
 
-SERVING = frozenset({Role.PREFILL, Role.DECODE, Role.COLOCATED})
+@dataclass(frozen=True)
+class ReplicaView:
+    """A replica's state at one instant (cheap to take: no per-request data)."""
 
-_ALLOWED: dict[Role, frozenset[Role]] = {
-    Role.INACTIVE: frozenset({Role.LOADING}),
-    Role.LOADING: frozenset({*SERVING, Role.INACTIVE}),
-    Role.PREFILL: frozenset({Role.MUTATING_TO_DECODE, Role.DECODE, Role.COLOCATED, Role.DRAINING}),
-    Role.MUTATING_TO_DECODE: frozenset({Role.DECODE}),
-    Role.DECODE: frozenset({Role.PREFILL, Role.COLOCATED, Role.DRAINING}),
-    Role.COLOCATED: frozenset({Role.PREFILL, Role.DECODE, Role.DRAINING}),
-    Role.DRAINING: frozenset({Role.IDLE}),
-    Role.IDLE: frozenset({*SERVING, Role.INACTIVE}),
-    Role.DEAD: frozenset(),
-}
-
-
-_REVIVED = {Role.MUTATING_TO_DECODE: Role.DECODE, Role.LOADING: Role.INACTIVE, Role.DRAINING: Role.IDLE}
-
-
-class TransitionError(ValueError):
-    """A role change the state machine does not allow."""
-
-
-def check_transition(old: Role, new: Role) -> None:
-    """Raise `TransitionError` unless `old → new` is allowed (every live role may become DEAD)."""
-    if new is Role.DEAD and old is not Role.DEAD:
-        return
-    if new not in _ALLOWED[old]:
-        raise TransitionError(f"replica cannot go from {old.value} to {new.value}")
+    id: ReplicaId
+    address: str
+    role: State
+    rank: int
+    registered: bool
+    num_blocks_total: int
+    num_blocks_free: int  # as the replica last reported it
+    used_blocks: int  # as the router accounts them
+    requests: int
+    inbound: int
+    outbound: int
 
 
 @dataclass
@@ -71,35 +52,47 @@ class ReplicaState:
     id: ReplicaId
     address: str
     info: ReplicaInfo
-    role: Role
+    _role: State
     registered: bool = False
     held: dict[RequestId, int] = field(default_factory=dict)
     promised: int = 0
     inbound: int = 0
     outbound: int = 0
-    last_role: Role | None = None  # the role it had when it was declared dead
+    last_role: State | None = None  # the state it had when it was declared dead
+    page_sync: bool = False  # it refused pages the router counted free: check its count first
+    since: float = 0.0  # when it entered its state (set by the observer; the keep-alive counts from it)
+    observer: Observer | None = None
 
-    def set_role(self, new: Role) -> Role:
-        """Move to `new` (validated); returns the old role."""
-        check_transition(self.role, new)
-        old, self.role = self.role, new
-        if new is Role.DEAD:
+    @property
+    def role(self) -> State:
+        """The current state (changed only by `move` and `revive`)."""
+        return self._role
+
+    def move(self, new: State, trigger: Trigger) -> State:
+        """Move to `new` on `trigger` (validated by the transition table); returns the old state."""
+        check(self._role, new, trigger)
+        old, self._role = self._role, new
+        if new is State.DEAD:
             self.last_role = old
+        if self.observer is not None:
+            self.observer(self, old, new, trigger)
         return old
 
-    def revive(self, others: Iterable[Role]) -> Role:
-        """A dead replica answers again: the role it had (settled: a mutation or a load it was in the
+    def revive(self, others: Iterable[State]) -> State:
+        """A dead replica answers again: the state it had (settled: a mutation or a load it was in the
         middle of is over), decode if it was prefill and another replica has taken that role, and
         inactive if its weights are not loaded (its `info` is fresh)."""
-        if self.role is not Role.DEAD:
-            raise TransitionError(f"replica {self.id} is {self.role.value}, not dead")
-        last = self.last_role or Role.DECODE
+        if self._role is not State.DEAD:
+            raise TransitionError(f"replica {self.id} is {self._role.value}, not dead")
+        last = self.last_role or State.DECODE
         role = _REVIVED.get(last, last)
-        if role is Role.PREFILL and Role.PREFILL in set(others):
-            role = Role.DECODE
-        if role in SERVING and not self.info.loaded:
-            role = Role.INACTIVE
-        self.role = role
+        if role is State.PREFILL and State.PREFILL in set(others):
+            role = State.DECODE
+        if role in _SERVING_ROLES and not self.info.loaded:
+            role = State.INACTIVE
+        if role is State.IDLE and not self.info.loaded:
+            role = State.INACTIVE
+        self.move(role, Trigger.ANSWERED)
         return role
 
     @property
@@ -124,7 +117,14 @@ class ReplicaState:
     @property
     def alive(self) -> bool:
         """Not dead."""
-        return self.role is not Role.DEAD
+        return self._role is not State.DEAD
+
+    def snapshot(self) -> ReplicaView:
+        """This replica's state now, frozen."""
+        info = self.info
+        return ReplicaView(self.id, self.address, self._role, info.rank, self.registered,
+                           info.num_blocks_total, info.num_blocks_free, self.used_blocks, len(self.held),
+                           self.inbound, self.outbound)
 
 
 class Heartbeats:

@@ -1,19 +1,23 @@
-"""The seam between the router's front end (HTTP) and its scheduler: plain frozen dataclasses.
+"""The router's domain types: plain frozen dataclasses, no grpc, HTTP or torch.
 
-The front end validates and tokenizes a user request into a `GenerateRequest`, hands it to a
-`Scheduler`, and turns the events it yields into OpenAI / TGI responses. The scheduler owns all
-queueing, batching, replica and migration state. Nothing here imports grpc, HTTP or torch.
+Two seams use them:
+- front end ↔ scheduler: the front end validates and tokenizes a user request into a
+  `GenerateRequest`, hands it to a `Scheduler`, and turns the events it yields into OpenAI / TGI
+  responses. The scheduler owns all queueing, batching, replica and migration state.
+- scheduler ↔ replicas: the replica client (`client.py`, the edge) converts these batches, step
+  results and facts to and from `generate.v2` protobuf; nothing else in the router sees protobuf.
 """
 
 from __future__ import annotations
 
 import enum
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import NewType, Protocol
 
 RequestId = NewType("RequestId", int)
 ReplicaId = NewType("ReplicaId", int)
+BatchId = NewType("BatchId", int)
 
 
 class FinishReason(enum.Enum):
@@ -93,6 +97,9 @@ class Route:
     strategy: str = ""
     migration_bytes: int = 0
     migration_seconds: float = 0.0
+    loading_prefill: bool = False  # prefilled (at least its first layers) by a replica still loading
+    relay_replica: ReplicaId | None = None  # the loaded replica that finished such a prefill
+    requeues: int = 0  # times it was re-run elsewhere after a replica failed
 
 
 @dataclass(frozen=True)
@@ -155,4 +162,117 @@ class Scheduler(Protocol):
 
     def is_healthy(self) -> bool:
         """True when at least one replica can serve."""
+        ...
+
+
+# ---- scheduler ↔ replicas ------------------------------------------------------------------------
+
+
+class PrefillCase(enum.IntFlag):
+    """`PrefillV2Request.forward_case` flags."""
+
+    NORMAL = 0
+    MIGRATE = 1
+    MIGRATE_PROGRESSIVE = 2
+    NAIVE_PP = 4
+    IMMIGRATE = 8
+
+
+@dataclass(frozen=True)
+class ZagOutcome:
+    """How a layer-by-layer prefill (ZagPrefill) ended.
+
+    `resume` is None when it finished here (`result` has the first tokens and the cached batch);
+    else another replica took it over (Relay) and resumes at transformer layer `resume` (0: before
+    any layer, at the embedding), and `result.batch` is the batch kept here (the KV of its layers).
+    """
+
+    result: StepResult
+    resume: int | None
+
+
+@dataclass(frozen=True)
+class WireRequest:
+    """One request of a batch as sent to a replica."""
+
+    id: RequestId
+    request: GenerateRequest
+
+
+@dataclass(frozen=True)
+class BatchSpec:
+    """A new batch for a prefill (or the `Batch` named by a migration)."""
+
+    id: BatchId
+    requests: tuple[WireRequest, ...]
+    max_tokens: int
+
+
+@dataclass(frozen=True)
+class CachedBatch:
+    """A batch cached on a replica."""
+
+    id: BatchId
+    request_ids: tuple[RequestId, ...]
+    max_tokens: int = 0
+
+
+@dataclass(frozen=True)
+class Finished:
+    """A request finished in this step."""
+
+    text: str
+    generated_tokens: int
+    reason: FinishReason
+    seed: int | None = None
+
+
+@dataclass(frozen=True)
+class Generation:
+    """One request's output of one step."""
+
+    request_id: RequestId
+    tokens: tuple[TokenInfo, ...]
+    prefill_tokens: tuple[TokenInfo, ...] = ()
+    finished: Finished | None = None
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """A prefill or decode step: generations and the cached batch (None when all finished)."""
+
+    generations: tuple[Generation, ...]
+    batch: CachedBatch | None
+
+
+@dataclass(frozen=True)
+class ReplicaInfo:
+    """The replica's Info facts the router uses."""
+
+    model_id: str
+    dtype: str
+    num_layers: int
+    block_size: int
+    num_blocks_total: int
+    num_blocks_free: int
+    rank: int
+    max_input_tokens: int
+    max_total_tokens: int
+    num_layers_loaded: int = 0
+    embed_ready: bool = False
+    lm_head_ready: bool = False
+    num_cached_batches: int = 0
+    device_type: str = "cpu"
+
+    @property
+    def loaded(self) -> bool:
+        """Every weight region has arrived: the replica can run a full forward."""
+        return self.embed_ready and self.lm_head_ready and self.num_layers_loaded >= self.num_layers
+
+
+class TokenDecoder(Protocol):
+    """Token ids → text (the router's tokenizer: `router.tokenizer.Tokenizer` is one)."""
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        """The text of `ids`."""
         ...

@@ -4,15 +4,31 @@ One batch of `batch_size` requests (`input_len` random prompt tokens, exactly `o
 tokens, greedy, EOS ignored) is prefilled, then decoded step by step until every request is done;
 after a warm-up, `repeats` times, keeping the fastest. Decode tokens/s counts the tokens of the
 decode steps over their wall time.
+
+The prefill is cut into batches as the router's batcher cuts its queue (`router/queue.py`: the FIFO
+prefix under the prompt-token and batch-size budgets, a head request alone past the token budget
+still taken); the decode then steps all of them merged into one batch, as a decode replica does.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+
+def router_default(name: str) -> int:
+    """The default of a `pdcluster router` flag (the budgets its batcher cuts prefill batches by)."""
+    from router.config import RouterConfig
+
+    default = next(f.default for f in dataclasses.fields(RouterConfig) if f.name == name)
+    if not isinstance(default, int):
+        raise TypeError(f"router flag {name} has no integer default")
+    return default
 
 
 @dataclass(frozen=True)
@@ -38,6 +54,22 @@ class BaselineResult:
         return self.batch_size * self.input_len / max(self.prefill_seconds, 1e-9)
 
 
+def prefill_groups(prompt_lens: Sequence[int], max_prefill_tokens: int, max_batch_size: int) -> list[range]:
+    """Consecutive index ranges, each one prefill batch: the longest FIFO prefix within
+    `max_prefill_tokens` prompt tokens and `max_batch_size` requests (at least one request)."""
+    groups: list[range] = []
+    start = 0
+    while start < len(prompt_lens):
+        end, tokens = start, 0
+        while (end < len(prompt_lens) and end - start < max_batch_size
+               and (end == start or tokens + prompt_lens[end] <= max_prefill_tokens)):
+            tokens += prompt_lens[end]
+            end += 1
+        groups.append(range(start, end))
+        start = end
+    return groups
+
+
 def run_engine_baseline(
     model: Path,
     batch_size: int,
@@ -47,6 +79,7 @@ def run_engine_baseline(
     seed: int = 0,
     repeats: int = 3,
     threads: int = 0,
+    max_batch_size: int = 0,
 ) -> BaselineResult:
     """Prefill one batch and decode it to the end on an in-process engine; the best of `repeats` runs."""
     import torch
@@ -56,7 +89,7 @@ def run_engine_baseline(
 
     if threads:
         torch.set_num_threads(threads)  # as many as one replica of the cluster gets
-    from replica.engine.types import BatchId, RequestId, RequestSpec, StoppingParams
+    from replica.engine.types import RequestId, RequestSpec, StoppingParams
 
     pages_per_request = -(-(input_len + output_len) // block_size)
     config = ReplicaConfig(
@@ -74,24 +107,34 @@ def run_engine_baseline(
         for i in range(batch_size)
     )
     _warm_up(engine, requests[0])
-    runs = [_measure(engine, requests, BatchId(2 + r)) for r in range(max(1, repeats))]
+    budget = min(engine.limits.max_prefill_tokens, router_default("max_batch_prefill_tokens"))
+    per_batch = max_batch_size or router_default("max_batch_size")
+    groups = prefill_groups([input_len] * batch_size, budget, per_batch)
+    batches = [tuple(requests[i] for i in group) for group in groups]
+    runs = [_measure(engine, batches, 2 + r * len(batches)) for r in range(max(1, repeats))]
     # The best run is the ceiling: the others lost time to whatever else shares the CPU.
     prefill_s, decode_s, tokens, steps = min(runs, key=lambda run: run[1] / max(run[2], 1))
     return BaselineResult(batch_size, input_len, output_len, prefill_s, decode_s, tokens, steps)
 
 
-def _measure(engine: Any, requests: tuple[Any, ...], batch_id: Any) -> tuple[float, float, int, int]:
-    """(prefill seconds, decode seconds, decode tokens, decode steps) of one batch run to the end."""
-    from replica.engine.types import BatchSpec, DecodeInput
+def _measure(engine: Any, batches: list[tuple[Any, ...]], first_id: int) -> tuple[float, float, int, int]:
+    """(prefill seconds, decode seconds, decode tokens, decode steps) of the batches prefilled one
+    after another, then decoded merged until every request is done."""
+    from replica.engine.types import BatchId, BatchSpec, DecodeInput
 
     start = time.perf_counter()
-    result = engine.prefill(BatchSpec(id=batch_id, requests=requests))
+    cached = []
+    for offset, requests in enumerate(batches):
+        result = engine.prefill(BatchSpec(id=BatchId(first_id + offset), requests=requests))
+        if result.batch is not None:
+            cached.append(result.batch.id)
     prefilled = time.perf_counter()
     tokens = steps = 0
-    while result.batch is not None:
-        result = engine.decode([DecodeInput(batch_id=result.batch.id)])
+    while cached:
+        result = engine.decode([DecodeInput(batch_id=batch_id) for batch_id in cached])
         tokens += sum(len(g.tokens.ids) for g in result.generations)
         steps += 1
+        cached = [result.batch.id] if result.batch is not None else []
     return prefilled - start, time.perf_counter() - prefilled, tokens, steps
 
 

@@ -87,7 +87,20 @@ COMMANDS: dict[str, Command] = {
         "pdcluster.bench.serving.bench:BenchServingConfig",
         "pdcluster.bench.serving.bench:run",
     ),
+    "experiment run": Command(
+        "run an experiment file's matrix of cells (resumable), then write its report",
+        "pdcluster.experiment.cli:ExperimentRunConfig",
+        "pdcluster.experiment.cli:run",
+    ),
+    "experiment report": Command(
+        "rebuild an experiment's report and plots from its output folder",
+        "pdcluster.experiment.cli:ExperimentReportConfig",
+        "pdcluster.experiment.cli:report",
+    ),
 }
 
-GROUPS: dict[str, str] = {"bench": "benchmarks; JSON results with --json"}
+GROUPS: dict[str, str] = {
+    "bench": "benchmarks; JSON results with --json",
+    "experiment": "experiment matrices over strategies, policies, workloads and topologies",
+}
 """The one-line help of each command group."""

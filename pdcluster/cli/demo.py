@@ -100,8 +100,8 @@ def run(config: DemoConfig) -> int:
     import openai
 
     model_dir = ensure_model(config.workdir)
-    up = UpConfig(model=model_dir, prefill=1, decode=1, strategy=config.strategy, http_port=0, admin_port=0,
-                  num_blocks=256, log_dir=config.workdir / "logs")
+    up = UpConfig(model=model_dir, prefill=1, decode=1, strategy=config.strategy.value, http_port=0,
+                  admin_port=0, num_blocks=256, log_dir=config.workdir / "logs")
     print(f"starting 1 prefill + 1 decode replica and the router (strategy {config.strategy.value}) ...",
           flush=True)
     with LocalCluster(up) as cluster:

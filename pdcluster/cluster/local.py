@@ -36,7 +36,9 @@ from pdcluster.cluster.processes import (
 )
 from pdcluster.cluster.replica_process import free_ports
 from pdcluster.cluster.supervisor import RestartPolicy, supervise
+from router import strategies
 from router.config import Strategy
+from router.scaling import policies
 
 
 @dataclass
@@ -47,7 +49,10 @@ class UpConfig:
     prefill: int = field(default=1, metadata={"help": "prefill replicas"})
     decode: int = field(default=1, metadata={"help": "decode replicas"})
     inactive: int = field(default=0, metadata={"help": "inactive replicas (no weights; scale-up targets)"})
-    strategy: Strategy = field(default=Strategy.FULL, metadata={"help": "migration strategy"})
+    strategy: str = field(default=Strategy.FULL.value, metadata={
+        "help": "migration strategy (a name registered in router/strategies/)"})
+    scaling: str = field(default="static", metadata={"help": (
+        "scaling policy of the router: static, multicast, live, stop-the-world, host-cache")})
     http_port: int = field(default=8080, metadata={"help": "router HTTP port (0 = free port)"})
     admin_port: int = field(default=50100, metadata={"help": "router admin gRPC port (0 = free port)"})
     host: str = field(default="127.0.0.1", metadata={"help": "address every process binds"})
@@ -61,6 +66,18 @@ class UpConfig:
         "give each decode replica's engine thread a CPU core of its own (`--engine-cpus`; the router, the "
         "prefill and inactive replicas and the decode replicas' other threads and gRPC front processes "
         "share the other cores), as each would have its own device in a real deployment")})
+    router_flag: list[str] = field(default_factory=list, metadata={"help": (
+        "more router flags, NAME=VALUE each (e.g. min-prefill=1 max-prefill=3 keep-alive=5 "
+        "timeline=/tmp/t.jsonl; see `pdcluster router --help`)")})
+    link_gbps: float = field(default=0.0, metadata={"help": (
+        "emulated NIC of each replica, Gbit/s: every replica is its own node and the transfer "
+        "fabric paces KV and weights to this rate (0 = loopback speed)")})
+    disk_gbps: float = field(default=0.0, metadata={"help": (
+        "emulated disk of LoadParams, Gbit/s (0 = unpaced)")})
+    host_gbps: float = field(default=0.0, metadata={"help": (
+        "emulated host-memory bandwidth of LoadParams from host memory, Gbit/s (0 = unpaced)")})
+    host_cache: bool = field(default=False, metadata={"help": (
+        "inactive replicas keep the checkpoint in host memory from the start (the host-cache baseline)")})
     max_restarts: int = field(default=3, metadata={"help": (
         "restarts of one replica within --restart-window before `up` stops everything and exits 1")})
     restart_window: float = field(default=300.0, metadata={"help": "seconds over which restarts are counted"})
@@ -69,11 +86,33 @@ class UpConfig:
         self.model = Path(self.model)
         if self.max_restarts < 0 or self.restart_window <= 0:
             raise ValueError("--max-restarts must be >= 0 and --restart-window > 0")
-        if isinstance(self.strategy, str):
-            self.strategy = Strategy(self.strategy)
+        self.strategy = strategies.get(self.strategy).name  # an unknown name → ValueError naming them
+        policies.get(self.scaling)
         if min(self.prefill, self.decode, self.inactive) < 0 or self.prefill + self.decode < 1:
             raise ValueError("need at least one prefill or decode replica, and no negative counts")
+        bad = [f for f in self.router_flag if "=" not in f or f.startswith("-")]
+        if bad:
+            raise ValueError(f"--router-flag takes NAME=VALUE (without dashes), got {bad}")
+        if self.inactive and not (self.model / "config.json").is_file():
+            raise ValueError(f"--inactive replicas load from the model root, but {self.model} has no "
+                             "config.json the replicas can read")
 
+    def router_args(self) -> list[str]:
+        """The router flags of `--scaling` and `--router-flag`."""
+        args = ["--scaling", self.scaling]
+        for flag in self.router_flag:
+            name, _, value = flag.partition("=")
+            args += [f"--{name}", value]
+        return args
+
+    def replica_args(self) -> list[str]:
+        """The replica flags of the emulated devices."""
+        args: list[str] = []
+        if self.disk_gbps:
+            args += ["--disk-gbps", str(self.disk_gbps)]
+        if self.host_gbps:
+            args += ["--host-gbps", str(self.host_gbps)]
+        return args
 
 
 class LocalCluster:
@@ -142,9 +181,9 @@ class LocalCluster:
         for rank, role in enumerate(self.roles()):
             args = ["replica", "--model", str(c.model), "--host", c.host, "--port", str(ports[rank]),
                     "--rank", str(rank), "--num-blocks", str(c.num_blocks), "--torch-threads", str(threads),
-                    *fabric]
+                    *fabric, *c.replica_args()]
             if role == "inactive":
-                args.append("--inactive")
+                args += ["--inactive", *(["--host-cache"] if c.host_cache else [])]
             args += self._engine_args(role, rank - c.prefill)
             cpus = self._cpus(role, rank - c.prefill)
             self.replicas.append(self._spawn(f"replica-{rank}-{role}", role, args, REPLICA_READY, cpus))
@@ -152,7 +191,7 @@ class LocalCluster:
         for proc in self.replicas:
             proc.address = proc.wait_ready(deadline)[len(REPLICA_READY):].strip()
         args = ["router", "--model", str(c.model), "--host", c.host, "--http-port", str(c.http_port),
-                "--admin-port", str(c.admin_port), "--strategy", c.strategy.value,
+                "--admin-port", str(c.admin_port), "--strategy", c.strategy, *c.router_args(),
                 "--replica", *[p.address for p in self.replicas], "--role", *self.roles()]
         if c.admin_token:
             args += ["--admin-token", c.admin_token]
@@ -165,6 +204,9 @@ class LocalCluster:
         from transfer.ranktable import RankTable
 
         table = RankTable.local(ports, self.config.host)
+        if self.config.link_gbps:  # every replica its own node behind an emulated NIC
+            table = RankTable(tuple(dataclasses.replace(e, node=f"n{e.rank}", link_gbps=self.config.link_gbps)
+                                    for e in table.entries))
         path = self.log_dir / "ranks.json"
         path.write_text(table.to_json())
         return ["--cluster", str(path), "--fabric", "tcp"]
@@ -174,7 +216,8 @@ class LocalCluster:
         reps = " ".join(f"{p.role}@{p.address}" for p in self.replicas)
         pinned = f" pinned=({self.placement.describe()})" if self.placement else ""
         return (f"pdcluster up ready: http={self.http_url} admin={self.admin_address} "
-                f"strategy={self.config.strategy.value} replicas=[{reps}] logs={self.log_dir}{pinned}")
+                f"strategy={self.config.strategy} scaling={self.config.scaling} replicas=[{reps}] "
+                f"logs={self.log_dir}{pinned}")
 
     def stop(self, timeout: float = 10.0) -> None:
         """SIGTERM the router, then the replicas; SIGKILL whatever is still alive after `timeout`."""

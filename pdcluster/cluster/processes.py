@@ -90,7 +90,11 @@ class Proc:
         self.ready_line = ""
         self._ready.clear()
         self.log.parent.mkdir(parents=True, exist_ok=True)
-        with self.log.open("a" if append else "w") as err:
+        if not append:
+            self.log.write_text("")
+        # O_APPEND for the child's stderr too: the pump appends its stdout lines to the same file, and
+        # a write at the child's own offset would overwrite them.
+        with self.log.open("a") as err:
             self._popen = subprocess.Popen(
                 exec_argv(self.argv, self.cpus), stdout=subprocess.PIPE, stderr=err, text=True,
                 cwd=SOURCE_ROOT,

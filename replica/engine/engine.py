@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from replica.engine.batch import Batch, BatchStore, RequestState, merge
-from replica.engine.detokenizer import Detokenizer, DetokState
+from replica.engine.detokenizer import Detokenizer
 from replica.engine.generation import appended_generation, prefill_tokens, step_generation
 from replica.engine.runner import ForwardOutput, ModelRunner, SeqInput
 from replica.engine.sampling import RowInput, choose_next
@@ -99,7 +99,7 @@ class Engine:
             prompt_len=len(prompt),
             pages=pages,
             stop=StopChecker.resuming(spec.stopping, self.eos_token_ids, self._prefix_text(spec, prompt)),
-            detok=DetokState.after_prompt(len(prompt)),
+            detok=self.detok.state_after(prompt),
         )
 
     def _prefix_text(self, spec: RequestSpec, prompt: list[int]) -> str:

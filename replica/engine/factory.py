@@ -66,7 +66,9 @@ def build_engine_and_params(config: ReplicaConfig, device: str = "cpu") -> tuple
         layout, buffer, model = loaded.layout, loaded.buffer, loaded.model
     readiness = ParamReadiness(model_config.num_layers, loaded=not config.inactive)
     root = config.model_root or Path(config.model).resolve().parent
-    params = ParamStore(layout, buffer, readiness, root)
+    params = ParamStore(layout, buffer, readiness, root, config.disk_gbps, config.host_gbps)
+    if config.host_cache:
+        params.warm_host_copy(Path(config.model))
     if config.num_blocks is not None:
         num_blocks = config.num_blocks
     else:

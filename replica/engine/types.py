@@ -1,6 +1,6 @@
 """The engine's messages: plain frozen dataclasses and NamedTuples (protobuf stops at the server's edge).
 
-The servicer converts `generate_pb2` messages into these and back; tests hand-build them.
+The gRPC edge converts `generate_pb2` messages into these and back; tests hand-build them.
 """
 
 from __future__ import annotations
@@ -143,9 +143,10 @@ class StepResult:
     concat_ns: int = 0
 
 
-@dataclass(frozen=True)
-class DecodeInput:
-    """One cached batch to step, with the tokens to append first (one per request, or none)."""
+class DecodeInput(NamedTuple):
+    """One cached batch to step, with the tokens to append first (one per request, or none).
+
+    Built by the gRPC edge for every decode call: a NamedTuple, like TokenList, for its cost."""
 
     batch_id: BatchId
     last_iter_tokens: tuple[int, ...] = ()

@@ -48,7 +48,7 @@ class EngineWorker:
 
     Besides its queue, the thread can serve one attached socket (`attach`): when the socket is
     readable and the queue is empty, the thread reads a message itself and runs the item it makes,
-    so a call arriving over the socket wakes no other thread of this process (replica/server/hotpath.py).
+    so a call arriving over the socket wakes no other thread of this process (replica/server/lanes.py).
     """
 
     def __init__(self, name: str = "engine") -> None:

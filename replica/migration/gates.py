@@ -26,6 +26,8 @@ from dataclasses import dataclass
 from replica.errors import PeerTimeout, PeerUnavailable
 from replica.migration.plan import Header
 
+_POLL_S = 0.2  # how often a wait for the gate looks at its caller's cancellation
+
 
 class SendGates:
     """One lock per peer rank, held by the migration sending to it."""
@@ -34,12 +36,19 @@ class SendGates:
         self._locks: dict[int, threading.Lock] = {}
         self._guard = threading.Lock()
 
-    def acquire(self, peer: int, timeout: float) -> Callable[[], None]:
-        """Take the gate to `peer` within `timeout` s; returns the release function."""
+    def acquire(
+        self, peer: int, timeout: float, cancelled: threading.Event | None = None
+    ) -> Callable[[], None]:
+        """Take the gate to `peer` within `timeout` s (unless `cancelled` is set first); returns the
+        release function."""
         with self._guard:
             lock = self._locks.setdefault(peer, threading.Lock())
-        if not lock.acquire(timeout=max(timeout, 0.0)):
-            raise PeerTimeout(f"another migration to rank {peer} still runs (waited {timeout:.1f} s)")
+        end = time.monotonic() + max(timeout, 0.0)
+        while not lock.acquire(timeout=max(min(end - time.monotonic(), _POLL_S), 0.0)):
+            if cancelled is not None and cancelled.is_set():
+                raise PeerUnavailable(f"the caller cancelled while another migration to rank {peer} ran")
+            if time.monotonic() >= end:
+                raise PeerTimeout(f"another migration to rank {peer} still runs (waited {timeout:.1f} s)")
         return lock.release
 
 

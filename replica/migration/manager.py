@@ -8,7 +8,7 @@
                                                       (failure: free what was allocated)
 ```
 Only the engine thread allocates, frees and touches the batch store (work items through
-`EngineWorker`); transfers run on the fabric's threads and this (gRPC handler) thread waits for
+`EngineWorker`); transfers run on the fabric's threads and the call's own thread waits for
 them with a deadline: the smaller of `--transfer-timeout` and the call's own deadline.
 
 The sender's batch leaves the store when its migration starts (so no decode, filter or clear can
@@ -26,6 +26,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
 
+from replica.cancellation import aborting
 from replica.cluster import ReplicaCluster
 from replica.engine.batch import Batch
 from replica.engine.engine import Engine
@@ -115,11 +116,17 @@ class Migrations:
 
     # ----------------------------------------------------------------------------- sender
     def migrate(
-        self, spec: BatchSpec, route: Route, call_remaining: float | None, after_reply: Defer = _now
+        self,
+        spec: BatchSpec,
+        route: Route,
+        call_remaining: float | None,
+        after_reply: Defer = _now,
+        cancelled: threading.Event | None = None,
     ) -> CachedBatchInfo:
         """Send the cached batch's KV of `route`'s layers to the peer; the batch is gone here afterwards.
 
-        `after_reply` schedules the log line (the caller runs it once the answer went out).
+        `after_reply` schedules the log line (the caller runs it once the answer went out). Once
+        `cancelled` is set the transfer is aborted and the pages freed (nobody takes the answer).
         """
         self.check_peer(route.peer)
         layers = layer_range(route.half, route.split, self.engine.runner.num_layers)
@@ -129,7 +136,8 @@ class Migrations:
         info = batch.info(self.engine.block_size)
         taken = time.perf_counter()
         try:
-            self.send_batch(batch, route.peer, layers, deadline, self._all_layers(batch, layers), False)
+            regions = self._all_layers(batch, layers)
+            self.send_batch(batch, route.peer, layers, deadline, regions, False, cancelled)
         finally:
             self.later(lambda: self._free(batch))
         after_reply(_rate_line("sent", batch, self.geometry(), layers, start, taken))
@@ -143,18 +151,22 @@ class Migrations:
         deadline: Deadline,
         regions: Iterator[Sequence[Region]],
         streamed: bool,
+        cancelled: threading.Event | None = None,
     ) -> None:
         """Serialised with other migrations to `peer`: header, the runs of regions, the receiver's ack.
 
-        `regions` yields one run per layer when `streamed`, else a single run over all layers.
+        `regions` yields one run per layer when `streamed`, else a single run over all layers. A
+        caller giving up (`cancelled`) aborts the pair's KV streams: every wait below fails at once.
         """
         geometry = self.geometry()
         seqs = seq_pages(batch)
         nbytes = total_bytes(geometry, seqs, layers)
         header = Header(int(batch.id), secrets.randbits(63), layers, nbytes, streamed)
-        release = self.gates.acquire(peer, deadline.remaining())
+        release = self.gates.acquire(peer, deadline.remaining(), cancelled)
+        fabric = self.cluster.fabric
         try:
-            wire.send_kv(self.cluster.fabric, peer, header, regions, deadline)
+            with aborting(cancelled, lambda: wire.abort_sender(fabric, peer, "the caller cancelled")):
+                wire.send_kv(fabric, peer, header, regions, deadline)
         except TransferError as exc:
             raise wire.as_replica_error(exc) from exc
         finally:

@@ -23,6 +23,7 @@ transfer) the pages are freed too and the call fails with the error's status.
 from __future__ import annotations
 
 import queue
+import threading
 import time
 from collections.abc import Iterator, Sequence
 from concurrent.futures import TimeoutError as FutureTimeout
@@ -70,8 +71,16 @@ class MigratingPrefill:
     def __init__(self, migrations: Migrations) -> None:
         self.m = migrations
 
-    def run(self, spec: BatchSpec, peer: int, progressive: bool, call_remaining: float | None) -> StepResult:
-        """The whole PrefillV2 MIGRATE / MIGRATE_PROGRESSIVE call."""
+    def run(
+        self,
+        spec: BatchSpec,
+        peer: int,
+        progressive: bool,
+        call_remaining: float | None,
+        cancelled: threading.Event | None = None,
+    ) -> StepResult:
+        """The whole PrefillV2 MIGRATE / MIGRATE_PROGRESSIVE call (`cancelled`: the caller is gone,
+        the transfer is aborted and the pages freed)."""
         m = self.m
         m.check_peer(peer)
         deadline = m.deadline(call_remaining)
@@ -84,7 +93,7 @@ class MigratingPrefill:
                 regions = self._streamed(events, batch, deadline)
             else:
                 regions = self._after(item, batch, deadline)
-            m.send_batch(batch, peer, layers, deadline, regions, streamed=progressive)
+            m.send_batch(batch, peer, layers, deadline, regions, progressive, cancelled)
             forwarded = _result(item, deadline)
         except BaseException:
             m.later(lambda: self._free_forwarded(item))

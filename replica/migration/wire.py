@@ -88,6 +88,12 @@ def send_kv(
     _await_ack(fabric, peer, header.nonce, error, deadline)
 
 
+def abort_sender(fabric: Fabric, peer: int, reason: str) -> None:
+    """Fail a sender's every wait on `peer` at once: its KV stream and the stream of its ack."""
+    fabric.abort(peer, KV_STREAM, reason)
+    fabric.abort(peer, control_stream(KV_STREAM), reason)
+
+
 def _connect(fabric: Fabric, peer: int, deadline: Deadline) -> None:
     """The KV connection to `peer` (at once when it is up), within `CONNECT_GRACE_S`: past that the
     receiver is gone (`PeerGone`), unless the migration's own deadline came first (`TransferTimeout`)."""

@@ -12,8 +12,15 @@ the model: nothing is copied into the model afterwards.
 Host-memory copy (what LOAD_FROM_HOST_MEM reads): taken when ResetStatus unloads a complete buffer
 (like a GPU replica that keeps evicted weights in host DRAM, ServerlessLLM-style), kept for the
 process's life (refreshed by the next unload of a complete buffer). Before any such unload there is
-none and LOAD_FROM_HOST_MEM is FAILED_PRECONDITION. Loading never copies, so it stays as fast as a
-raw read of the checkpoint.
+none and LOAD_FROM_HOST_MEM is FAILED_PRECONDITION, unless `warm_host_copy` filled it from the
+checkpoint at start (`--host-cache`: the node keeps the checkpoint in host memory, the host-cache
+baseline of scaling experiments). Loading never copies, so it stays as fast as a raw read of the
+checkpoint.
+
+Emulated bandwidths (`--disk-gbps`, `--host-gbps`, Gbit/s; 0 = as fast as this machine goes): each
+region (disk) or chunk (host) is marked ready no earlier than the emulated device would have
+delivered it, so a scale-up from disk or host memory costs here what it costs on the emulated
+cluster, and readiness rises layer by layer at that pace (what live prefill sees).
 """
 
 from __future__ import annotations
@@ -31,6 +38,8 @@ from replica.model.config import ModelConfig
 from replica.model.layout import Region, WeightLayout
 from replica.model.weights import load_weights
 from replica.params.readiness import ParamReadiness
+from transfer.core import Deadline
+from transfer.tcp.ratelimit import LinkPacer
 
 log = logging.getLogger(__name__)
 
@@ -41,13 +50,16 @@ class ParamStore:
     """The weight buffer (uint8, `layout.total_bytes`), its layout and readiness."""
 
     def __init__(
-        self, layout: WeightLayout, buffer: torch.Tensor, readiness: ParamReadiness, model_root: Path
+        self, layout: WeightLayout, buffer: torch.Tensor, readiness: ParamReadiness, model_root: Path,
+        disk_gbps: float = 0.0, host_gbps: float = 0.0,
     ) -> None:
         self.layout = layout
         self.buffer = buffer
         self.readiness = readiness
         self.model_root = Path(model_root)
         self.host_copy: torch.Tensor | None = None
+        self.disk_gbps = disk_gbps
+        self.host_gbps = host_gbps
 
     # ------------------------------------------------------------------------ region facts
     def regions(self) -> list[tuple[int, int]]:
@@ -93,10 +105,12 @@ class ParamStore:
         self._check_layout(path)
         self.begin_fill("LoadParams from disk")
         start = time.perf_counter()
+        pace = _pacer(self.disk_gbps)
         with _progress(self.layout, f"loading {path.name}") as advance:
 
             def landed(name: str) -> None:
                 region = self.layout.region(name)
+                pace(region.nbytes)
                 self.readiness.mark(region.kind, region.index)
                 advance(region)
 
@@ -112,14 +126,24 @@ class ParamStore:
             )
         self.begin_fill("LoadParams from host memory")
         start = time.perf_counter()
+        pace = _pacer(self.host_gbps)
         with _progress(self.layout, "loading from host memory") as advance:
             for region in self.layout.regions:
                 for lo in range(region.offset, region.end, _HOST_COPY_CHUNK):
                     hi = min(lo + _HOST_COPY_CHUNK, region.end)
                     self.buffer[lo:hi].copy_(copy[lo:hi])
+                    pace(hi - lo)
                 self.readiness.mark(region.kind, region.index)
                 advance(region)
         _log_speed("loaded from host memory", self.layout.total_bytes, start)
+
+    def warm_host_copy(self, path: Path) -> None:
+        """Read the checkpoint at `path` into the host-memory copy (not into the buffer, not paced)."""
+        self._check_layout(path)
+        copy = torch.empty_like(self.buffer)
+        load_weights(path, self.layout, copy, lambda _name: None)
+        self.host_copy = copy
+        log.info("host cache: %.1f MB of %s kept in host memory", copy.numel() / 1e6, path.name)
 
     def unload(self) -> None:
         """ResetStatus: keep the bytes as the host copy when complete, then mark nothing loaded."""
@@ -150,6 +174,14 @@ class _Progress:
 
 def _progress(layout: WeightLayout, desc: str) -> _Progress:
     return _Progress(layout, desc)
+
+
+def _pacer(gbps: float) -> Callable[[int], None]:
+    """`pace(nbytes)` blocks until an emulated device of `gbps` would have delivered them (0: never)."""
+    if gbps <= 0:
+        return lambda _nbytes: None
+    pacer, never = LinkPacer(gbps), Deadline(float("inf"))
+    return lambda nbytes: pacer.take(nbytes, never)
 
 
 def _log_speed(what: str, nbytes: int, start: float) -> None:

@@ -15,9 +15,11 @@ layer i+1 is still on the wire. Who plays which part is derived from the rank li
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable, Sequence
 
+from replica.cancellation import aborting
 from replica.errors import (
     FailedPrecondition,
     InvalidArgument,
@@ -138,8 +140,11 @@ class WeightMover:
         else:
             self.store.begin_fill("receiving a weight multicast")
 
-    def chain(self, chain: Sequence[int], deadline: Deadline) -> None:
-        """Chain multicast from `chain[0]`; receivers mark regions as they land."""
+    def chain(
+        self, chain: Sequence[int], deadline: Deadline, cancelled: threading.Event | None = None
+    ) -> None:
+        """Chain multicast from `chain[0]`; receivers mark regions as they land; `cancelled` (the
+        caller gave up) aborts it at once."""
         on_region = None if chain[0] == self.rank else self.store.mark_region
         self._run(
             lambda: chain_broadcast(
@@ -154,6 +159,7 @@ class WeightMover:
             ),
             f"weight multicast along {list(chain)}",
             chain,
+            cancelled,
         )
 
     def prepare_tanz(self, sources: Sequence[int], dests: Sequence[int]) -> None:
@@ -176,8 +182,15 @@ class WeightMover:
         else:
             self.store.begin_fill("receiving a Tanz broadcast")
 
-    def tanz(self, sources: Sequence[int], dests: Sequence[int], deadline: Deadline) -> None:
-        """Tanz: sources feed stripes down lanes of receivers, which then ring-exchange them."""
+    def tanz(
+        self,
+        sources: Sequence[int],
+        dests: Sequence[int],
+        deadline: Deadline,
+        cancelled: threading.Event | None = None,
+    ) -> None:
+        """Tanz: sources feed stripes down lanes of receivers, which then ring-exchange them;
+        `cancelled` (the caller gave up) aborts it at once."""
         on_region = None if self.rank in sources else self.store.mark_region
         self._run(
             lambda: tanz_broadcast(
@@ -193,12 +206,20 @@ class WeightMover:
             ),
             f"Tanz broadcast {list(sources)} -> {list(dests)}",
             [*sources, *dests],
+            cancelled,
         )
 
-    def _run(self, move: Callable[[], None], what: str, members: Sequence[int]) -> None:
+    def _run(
+        self,
+        move: Callable[[], None],
+        what: str,
+        members: Sequence[int],
+        cancelled: threading.Event | None = None,
+    ) -> None:
         start = time.perf_counter()
         try:
-            move()
+            with aborting(cancelled, lambda: self._abort(members, f"{what}: the caller cancelled")):
+                move()
         except TransferError as exc:
             self._forget_confirmations(members, what)
             raise replica_error(exc, what) from exc
@@ -214,6 +235,13 @@ class WeightMover:
             seconds,
             nbytes / seconds / 1e9,
         )
+
+    def _abort(self, members: Sequence[int], reason: str) -> None:
+        """Fail every transfer of this rank's part at once (the peers see the reset and fail too)."""
+        for peer in members:
+            if peer != self.rank:
+                self.fabric.abort(peer, Stream.PARAMS, reason)
+                self.fabric.abort(peer, control_stream(Stream.PARAMS), reason)
 
     def _forget_confirmations(self, members: Sequence[int], what: str) -> None:
         """After a failed collective, drop its confirmation connections (both directions).

@@ -1,1 +1,1 @@
-"""The replica's gRPC edge: servicer, pb<->dataclass conversion, error interceptor, process main."""
+"""The replica's gRPC edge: the RPC table, the call schema, the core's table, both placements."""

@@ -1,4 +1,4 @@
-"""Protobuf <-> engine dataclasses. The only place (with the servicer) that touches `generate_pb2`.
+"""Protobuf <-> engine dataclasses. With `rpcs.py`, the only place that touches `generate_pb2`.
 
 Proto3 scalars cannot be absent, so zeros that make no sense as values mean "unset" here:
 temperature 0 → 1.0, top_p / typical_p 0 → 1.0, repetition_penalty 0 → 1.0, truncate 0 → none, and
@@ -86,24 +86,13 @@ def cached_batch_to_pb(info: CachedBatchInfo) -> pb.CachedBatch:
 
 def decode_inputs_from_pb(
     batches: Sequence[pb.CachedBatch], last: Sequence[pb.Tokens] = ()
-) -> list[DecodeInput]:
+) -> tuple[DecodeInput, ...]:
     """Batches to step, each with the tokens to append first (none, or one list per batch)."""
     if last and len(last) != len(batches):
         raise InvalidArgument(f"{len(last)} last_iter_tokens entries for {len(batches)} batches")
-    appended = [tuple(t.ids) for t in last] if last else [()] * len(batches)
-    return [DecodeInput(BatchId(b.id), ids) for b, ids in zip(batches, appended, strict=True)]
-
-
-def decode_pairs_from_pb(
-    batches: Sequence[pb.CachedBatch], last: Sequence[pb.Tokens] = ()
-) -> list[tuple[int, tuple[int, ...]]]:
-    """`decode_inputs_from_pb` as (batch id, tokens) pairs: what the front process sends (plain
-    tuples pickle ~5x faster than the dataclasses; `hotpath` builds the DecodeInputs)."""
-    if last and len(last) != len(batches):
-        raise InvalidArgument(f"{len(last)} last_iter_tokens entries for {len(batches)} batches")
     if last:
-        return [(b.id, tuple(t.ids)) for b, t in zip(batches, last, strict=True)]
-    return [(b.id, ()) for b in batches]
+        return tuple(DecodeInput(BatchId(b.id), tuple(t.ids)) for b, t in zip(batches, last, strict=True))
+    return tuple(DecodeInput(BatchId(b.id)) for b in batches)
 
 
 # Filling fields of messages in place is several times faster than building sub-messages and
@@ -127,6 +116,47 @@ def fill_generation(msg: pb.Generation, gen: Generation) -> None:
     """Write one request's output of a step into `msg`."""
     msg.request_id = gen.request_id
     fill_tokens(msg.tokens, gen.tokens)
+    _fill_rest(msg, gen)
+
+
+def generation_to_pb(gen: Generation) -> pb.Generation:
+    """One request's output of a step as a new message."""
+    msg = pb.Generation()
+    fill_generation(msg, gen)
+    return msg
+
+
+def fill_step(response: Any, result: StepResult) -> None:
+    """Write generations and the cached batch (left unset when every request finished) into a
+    response. The edge does this for every step, so it unpacks the NamedTuples (Generation,
+    TokenList) instead of reading them field by field and appends a decode step's single token
+    (cheaper than extend)."""
+    add = response.generations.add
+    for gen in result.generations:
+        rid, tokens, prefill, done, tops = gen
+        msg = add(request_id=rid)
+        ids, logprobs, texts, special = tokens
+        out = msg.tokens
+        if len(ids) == 1:
+            out.ids.append(ids[0])
+            out.logprobs.append(logprobs[0])
+            out.texts.append(texts[0])
+            out.is_special.append(special[0])
+        else:
+            fill_tokens(out, tokens)
+        if prefill is not None or done is not None or tops:
+            _fill_rest(msg, gen)
+    batch = result.batch
+    if batch is not None:
+        out_batch = response.batch
+        out_batch.id = batch.id
+        out_batch.request_ids.extend(batch.request_ids)
+        out_batch.size = len(batch.request_ids)
+        out_batch.max_tokens = batch.max_tokens
+
+
+def _fill_rest(msg: pb.Generation, gen: Generation) -> None:
+    """The parts of a generation other than its new tokens."""
     if gen.prefill_tokens is not None:
         fill_tokens(msg.prefill_tokens, gen.prefill_tokens)
     if gen.generated_text is not None:
@@ -138,62 +168,6 @@ def fill_generation(msg: pb.Generation, gen: Generation) -> None:
             out.seed = done.seed
     for top in gen.top_tokens:
         fill_tokens(msg.top_tokens.add(), top)
-
-
-def generation_to_pb(gen: Generation) -> pb.Generation:
-    """One request's output of a step as a new message."""
-    msg = pb.Generation()
-    fill_generation(msg, gen)
-    return msg
-
-
-def fill_step(response: Any, result: StepResult) -> None:
-    """Write generations and the cached batch (left unset when every request finished) into a response."""
-    for gen in result.generations:
-        fill_generation(response.generations.add(), gen)
-    if result.batch is not None:
-        fill_cached_batch(response.batch, result.batch)
-
-
-def _fill_token_tuple(msg: pb.Tokens, t: tuple[Any, ...]) -> None:
-    msg.ids.extend(t[0])
-    msg.logprobs.extend(t[1])
-    msg.texts.extend(t[2])
-    msg.is_special.extend(t[3])
-
-
-def fill_encoded_step(response: Any, step: tuple[Any, ...]) -> None:
-    """`fill_step` from `wire.encode_step`'s tuples, without rebuilding the dataclasses (the front
-    process does this per decode step: ~4x cheaper than decode_step + fill_step at batch 32)."""
-    add = response.generations.add
-    for rid, tokens, prefill, text, tops in step[0]:
-        msg = add(request_id=rid)
-        ids, logprobs, texts, special = tokens
-        out = msg.tokens
-        if len(ids) == 1:  # a decode step's one new token: append is cheaper than extend
-            out.ids.append(ids[0])
-            out.logprobs.append(logprobs[0])
-            out.texts.append(texts[0])
-            out.is_special.append(special[0])
-        else:
-            _fill_token_tuple(out, tokens)
-        if prefill is not None:
-            _fill_token_tuple(msg.prefill_tokens, prefill)
-        if text is not None:
-            out = msg.generated_text
-            out.text, out.generated_tokens = text[0], text[1]
-            out.finish_reason = pb.FinishReason.ValueType(text[2])
-            if text[3] is not None:
-                out.seed = text[3]
-        for top in tops:
-            _fill_token_tuple(msg.top_tokens.add(), top)
-    batch = step[1]
-    if batch is not None:
-        out_batch = response.batch
-        out_batch.id = batch[0]
-        out_batch.request_ids.extend(batch[1])
-        out_batch.size = len(batch[1])
-        out_batch.max_tokens = batch[2]
 
 
 def fill_cached_batch(msg: pb.CachedBatch, info: CachedBatchInfo) -> None:

@@ -11,46 +11,39 @@ import logging
 import signal
 import sys
 import threading
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable
 from dataclasses import dataclass
 from types import FrameType
+from typing import Protocol
 
-import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
-
-from protos import generate_pb2 as pb
-from protos import generate_pb2_grpc as pb_grpc
 from replica.cluster import ReplicaCluster, build_cluster
 from replica.config import ReplicaConfig
 from replica.engine.factory import build_engine_and_params
 from replica.engine.worker import EngineWorker
 from replica.placement import CpuPlacement, PlacementError, allowed_cpus
-from replica.registration import RouterRegistration
+from replica.server.core import ReplicaCore
 from replica.server.front_process import FrontProcess
-from replica.server.interceptor import ErrorInterceptor
-from replica.server.servicer import ReplicaServicer
+from replica.server.grpc_server import GrpcServer
+from replica.server.local import LocalCore
+from replica.server.registration import RouterRegistration
+from replica.server.rpcs import Edge
 
 log = logging.getLogger("replica")
 
-SERVICE_NAME = pb.DESCRIPTOR.services_by_name["TextGenerationService"].full_name
 READY_PREFIX = "pdcluster replica serving on"
-_MESSAGE_BYTES = 64 * 1024 * 1024
 
 
-def _build_server(config: ReplicaConfig, address: str) -> tuple[grpc.Server, int]:
-    server = grpc.server(
-        ThreadPoolExecutor(max_workers=config.grpc_workers, thread_name_prefix="grpc"),
-        interceptors=[ErrorInterceptor()],
-        options=[
-            ("grpc.max_send_message_length", _MESSAGE_BYTES),
-            ("grpc.max_receive_message_length", _MESSAGE_BYTES),
-        ],
-    )
-    port = server.add_insecure_port(address)
-    if port == 0:
-        raise OSError(f"cannot listen on {address}")
-    return server, port
+class Placement(Protocol):
+    """Where the gRPC edge runs: in this process (`GrpcServer` over `LocalCore`) or in the front
+    process (`FrontProcess`, its edge over `RemoteCore`). The same edge and core either way."""
+
+    port: int
+
+    def set_serving(self, serving: bool) -> None:
+        """What grpc.health.v1 says."""
+
+    def stop(self) -> None:
+        """No new calls; calls in flight finish."""
 
 
 def _install_signal_handlers(stop: threading.Event) -> None:
@@ -75,57 +68,59 @@ def _register(config: ReplicaConfig, port: int) -> RouterRegistration | None:
 
 @dataclass
 class _Services:
-    """The running gRPC server and what it serves."""
+    """The running replica: its core, engine thread, gRPC placement and (once loaded) fabric."""
 
-    server: grpc.Server
-    port: int
+    core: ReplicaCore
     worker: EngineWorker
-    servicer: ReplicaServicer
-    health: health.HealthServicer
+    placement: Placement
     cluster: ReplicaCluster | None = None  # the fabric, once the model is loaded
+    stopped: bool = False
 
-    def set_health(self, status: int) -> None:
-        for name in ("", SERVICE_NAME):
-            self.health.set(name, status)
+    @property
+    def port(self) -> int:
+        """The public gRPC port."""
+        return self.placement.port
 
     def stop(self) -> None:
-        self.health.enter_graceful_shutdown()
-        self.server.stop(grace=5.0).wait(10.0)
+        """Stop serving, close the fabric, end the engine thread (once; later calls do nothing)."""
+        if self.stopped:
+            return
+        self.stopped = True
+        self.placement.set_serving(False)
+        self.placement.stop()  # first: no new calls reach the engine
         if self.cluster is not None:
             self.cluster.close()
         self.worker.stop()
 
 
-def _start_services(config: ReplicaConfig, internal: bool = False) -> _Services:
-    """Bind, register the generate.v2, health and reflection services, start serving (not ready yet).
-
-    `internal`: on 127.0.0.1:0, for the front process only (`serve` with `--grpc-frontend`), which
-    forwards grpc.health.v1 to it (the service's own calls come over frames: hotpath.py, service_channel.py).
-    """
-    server, port = _build_server(config, "127.0.0.1:0" if internal else f"{config.host}:{config.port}")
+def _start_services(
+    config: ReplicaConfig, front: bool = False, on_lost: Callable[[], None] = lambda: None
+) -> _Services:
+    """The core and its engine thread, and the gRPC edge placed in this process or in the front
+    process (`front`); serving, not ready yet (engine calls answer "still loading")."""
     worker = EngineWorker()
-    servicer = ReplicaServicer(config, worker)
-    servicer.address = f"{config.host}:{port}"
-    health_servicer = health.HealthServicer()
-    pb_grpc.add_TextGenerationServiceServicer_to_server(servicer, server)
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
-    server.start()
-    services = _Services(server, port, worker, servicer, health_servicer)
-    services.set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
-    return services
+    core = ReplicaCore(config, worker)
+    try:
+        if front:
+            placement: Placement = FrontProcess.start(config, core, on_lost)
+        else:
+            placement = GrpcServer(f"{config.host}:{config.port}", config.grpc_workers, Edge(LocalCore(core)))
+    except BaseException:
+        worker.stop()
+        raise
+    return _Services(core, worker, placement)
 
 
 def load_and_connect(config: ReplicaConfig, services: _Services) -> None:
     """Load the model on the engine thread, create the fabric (buffers registered), start serving."""
     engine, params = services.worker.call(lambda: build_engine_and_params(config))
     services.cluster = build_cluster(config, services.port, engine)
-    services.servicer.attach(engine, params, services.cluster)
-    services.set_health(health_pb2.HealthCheckResponse.SERVING)
+    services.core.attach(engine, params, services.cluster)
+    services.placement.set_serving(True)
 
 
 def launch(config: ReplicaConfig) -> _Services:
-    """A serving replica in this process (what `serve` runs; in-process multi-replica tests use it)."""
+    """A serving replica with its gRPC edge in this process (in-process multi-replica tests)."""
     services = _start_services(config)
     try:
         load_and_connect(config, services)
@@ -155,22 +150,26 @@ def serve(config: ReplicaConfig) -> int:
         log.info("CPU placement: %s", placement.describe())
     stop, lost = threading.Event(), threading.Event()
     _install_signal_handlers(stop)
-    services = _start_services(config, internal=config.grpc_frontend)
+
+    def on_lost() -> None:  # the front died: this replica can no longer be reached
+        lost.set()
+        stop.set()
+
+    services = _start_services(config, front=config.grpc_frontend, on_lost=on_lost)
     if placement is not None:
         services.worker.call(placement.apply_to_engine_thread)
-    front = _start_front(config, services, stop, lost) if config.grpc_frontend else None
     try:
         load_and_connect(config, services)
     except Exception:
         log.exception("cannot load the model from %s or start the fabric", config.model)
-        _stop(services, front)
+        services.stop()
         return 1
     print(f"{READY_PREFIX} {config.host}:{services.port}", flush=True)
     registration = _register(config, services.port)
     stop.wait()
     if registration is not None:
         registration.stop()
-    _stop(services, front)
+    services.stop()
     log.info("replica stopped")
     return 1 if lost.is_set() else 0
 
@@ -180,31 +179,3 @@ def _placement(config: ReplicaConfig) -> CpuPlacement | None:
     if not config.engine_cpus:
         return None
     return CpuPlacement.plan(config.engine_cpus, allowed_cpus(), config.torch_threads)
-
-
-def _start_front(
-    config: ReplicaConfig, services: _Services, stop: threading.Event, lost: threading.Event
-) -> FrontProcess:
-    """The gRPC front process on the public port; `services.port` becomes its port."""
-
-    def on_lost() -> None:  # the front died: this replica can no longer be reached
-        lost.set()
-        stop.set()
-
-    servicer = services.servicer
-    try:
-        front = FrontProcess.start(
-            config, f"127.0.0.1:{services.port}", services.worker, lambda: servicer.engine, servicer, on_lost
-        )
-    except BaseException:
-        services.stop()
-        raise
-    services.port = front.port
-    servicer.address = f"{config.host}:{front.port}"
-    return front
-
-
-def _stop(services: _Services, front: FrontProcess | None) -> None:
-    if front is not None:
-        front.stop()  # first: no new calls reach the engine
-    services.stop()

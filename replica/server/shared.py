@@ -1,8 +1,8 @@
-"""`ServerState`: what the servicer and its RPC collaborators share (config, worker, engine, fabric).
+"""`ServerState`: what the core and its call collaborators share (config, worker, engine, fabric).
 
-One object per replica, created with the servicer; `engine` and `cluster` are set once the model
-is loaded and the fabric exists (`ReplicaServicer.attach`). The collaborators (`WeightRpcs`,
-`MigrationRpcs`) read it instead of inheriting the servicer's attributes.
+One object per replica, created with the core; `engine` and `cluster` are set once the model
+is loaded and the fabric exists (`ReplicaCore.attach`). The collaborators (`WeightCalls`,
+`MigrationCalls`) read it instead of reaching into the core.
 """
 
 from __future__ import annotations

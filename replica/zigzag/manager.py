@@ -22,27 +22,19 @@ import threading
 import time
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
-from dataclasses import dataclass
 
 import torch
 
 from replica.engine.engine import Engine
-from replica.engine.types import BatchId, BatchSpec
+from replica.engine.types import BatchSpec
 from replica.engine.worker import EngineWorker
 from replica.errors import AlreadyExists, DeadlineExceeded, InvalidArgument, ReplicaError, ShuttingDown
 from replica.params.readiness import Readiness
 from replica.zigzag.activation import ActivationLink
-from replica.zigzag.task import OutcomeKind, ZagOutcome, ZagTask
+from replica.zigzag.outcome import OutcomeKind, Relayed, ZagOutcome
+from replica.zigzag.task import ZagTask
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class Relayed:
-    """What Relay answers: the relayed batch and its sequence number."""
-
-    batch_id: BatchId
-    seq: int
 
 
 class ZigzagManager:

@@ -4,7 +4,7 @@ The batch is admitted here (pages for all layers), the activation after layer k 
 the new replica, or the local embedding when k = 0) runs through layers k … L-1 and the head; only
 those layers' K/V are written here, so the batch's KV is split: [0, k) on the new replica, [k, L)
 on this one. Each layer waits for its weights with the call's deadline (normally all are loaded).
-The servicer receives the activation before this runs (off the engine thread): a batch refused
+The edge's call receives the activation before this runs (off the engine thread): a batch refused
 here (pages, limits) then leaves the (peer, ACTIVATION stream) channel aligned for the next relay.
 """
 

@@ -1,8 +1,7 @@
-"""A layer-level prefill task and its outcome (the engine thread alone touches a task)."""
+"""A layer-level prefill task (the engine thread alone touches a task); its outcome is in `outcome.py`."""
 
 from __future__ import annotations
 
-import enum
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
@@ -10,27 +9,9 @@ import torch
 
 from replica.engine.batch import Batch
 from replica.engine.runner import SeqInput
-from replica.engine.types import CachedBatchInfo, StepResult
 from replica.model.attention import AttentionContext
 from replica.params.readiness import Readiness
-
-
-class OutcomeKind(enum.Enum):
-    """How a ZagPrefill ended (the response's `pp_info` encodes it)."""
-
-    FINISHED = "finished"  # every layer and the head ran here: generations valid, pp_info unset
-    RELAYED = "relayed"  # handed to a peer after `layers` layers (tfm_layer = layers), activation sent
-    RELAYED_UNSTARTED = "relayed_unstarted"  # handed over before any layer (embedding_layer = 1)
-
-
-@dataclass(frozen=True)
-class ZagOutcome:
-    """What a ZagPrefill returns."""
-
-    kind: OutcomeKind
-    result: StepResult | None = None  # FINISHED only
-    batch: CachedBatchInfo | None = None  # the batch kept here (RELAYED*: its first k layers' KV)
-    layers: int = 0  # layers run here
+from replica.zigzag.outcome import ZagOutcome
 
 
 @dataclass(eq=False)

@@ -9,9 +9,13 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from router.http import openai_api, tgi_api
-from router.http.common import Backend, backend_of, json_response
+from router.http.access import Access, ApiKeyMiddleware
+from router.http.common import Backend, backend_of
 from router.http.errors import APIError, Flavor, error_body
 from router.http.info import ServingInfo
+from router.http.keys import KeyTable
+from router.http.openapi import build_openapi
+from router.http.responses import json_response
 from router.tokenizer import Tokenizer
 from router.types import Scheduler
 
@@ -23,16 +27,26 @@ def create_app(
     tokenizer: Tokenizer,
     info: ServingInfo,
     render_metrics: Callable[[], tuple[bytes, str]],
+    api_keys: KeyTable | None = None,
 ) -> FastAPI:
-    """Build the HTTP front end; serve it with uvicorn (`uvicorn.Server(uvicorn.Config(app, ...))`)."""
+    """Build the HTTP front end; serve it with uvicorn (`uvicorn.Server(uvicorn.Config(app, ...))`).
+
+    With `api_keys`, every /v1/* and TGI generation route needs `Authorization: Bearer KEY` and
+    each key's limits apply (access.py); without, the routes are open.
+    """
     app = FastAPI(title="pdcluster router", version=info.version, docs_url="/docs", redoc_url=None)
-    app.state.backend = Backend(scheduler, tokenizer, info, render_metrics)
+    access = Access.from_table(api_keys) if api_keys is not None else None
+    app.state.backend = Backend(scheduler, tokenizer, info, render_metrics, access)
     app.include_router(openai_api.router)
     app.include_router(tgi_api.router)
     app.add_api_route("/health", health, methods=["GET"])
     app.add_api_route("/metrics", metrics, methods=["GET"])
     app.add_exception_handler(APIError, _api_error)  # type: ignore[arg-type]
     app.add_exception_handler(Exception, _unexpected)
+    if access is not None:
+        app.add_middleware(ApiKeyMiddleware, access=access)
+    document = build_openapi(app.title, info, tokenizer.vocab_size, keys=access is not None)
+    app.openapi = lambda: document  # type: ignore[method-assign]  # the routes parse bodies themselves
     return app
 
 
@@ -43,8 +57,11 @@ async def health(request: Request) -> Response:
 
 
 async def metrics(request: Request) -> Response:
-    """Prometheus text from the scheduler's metrics."""
-    body, content_type = backend_of(request).render_metrics()
+    """Prometheus text from the scheduler's metrics (and the API keys' when configured)."""
+    backend = backend_of(request)
+    body, content_type = backend.render_metrics()
+    if backend.access is not None:
+        body += backend.access.metrics.render()
     return Response(body, media_type=content_type)
 
 
@@ -53,7 +70,7 @@ def _flavor(request: Request) -> Flavor:
 
 
 async def _api_error(request: Request, exc: APIError) -> Response:
-    return json_response(exc.body(), exc.status)
+    return json_response(exc.body(), exc.status, exc.headers)
 
 
 async def _unexpected(request: Request, exc: Exception) -> Response:

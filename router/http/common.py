@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import json
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 from starlette.requests import Request
 from starlette.responses import Response
@@ -16,6 +15,9 @@ from router.http.events import EventFeed, collect, submit, unless_disconnected
 from router.http.info import ServingInfo
 from router.tokenizer import Tokenizer
 from router.types import ErrorEvent, Event, FinishEvent, GenerateRequest, Scheduler
+
+if TYPE_CHECKING:
+    from router.http.access import Access
 
 CLIENT_CLOSED_REQUEST = 499  # nginx's status for "the client went away first"; never seen by a client
 
@@ -28,25 +30,13 @@ class Backend:
     tokenizer: Tokenizer
     info: ServingInfo
     render_metrics: Callable[[], tuple[bytes, str]]
+    access: Access | None = None  # API keys and limits; None = open
 
 
 def backend_of(request: Request) -> Backend:
     """The app's backend."""
     backend: Backend = request.app.state.backend
     return backend
-
-
-_ENCODER = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"))  # built once, not per call
-
-
-def dumps(obj: Any) -> str:
-    """Compact JSON text (non-ASCII kept as is)."""
-    return _ENCODER.encode(obj)
-
-
-def json_response(obj: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
-    """A JSON response from a plain object."""
-    return Response(dumps(obj), status_code=status, media_type="application/json", headers=headers)
 
 
 def new_request_id(prefix: str) -> str:
@@ -57,9 +47,17 @@ def new_request_id(prefix: str) -> str:
 async def start(request: Request, req: GenerateRequest, flavor: Flavor) -> tuple[EventFeed, Event]:
     """Submit and wait for the first event, so a rejection or an early failure gets a proper HTTP status.
 
-    Raises `ClientGone` when the client leaves while the request waits (the feed is closed).
+    Raises `ClientGone` when the client leaves while the request waits (the feed is closed). With
+    API keys, the request's tokens are charged to its key first (429 or 400 over its tpm).
     """
-    feed = submit(backend_of(request).scheduler, req, flavor)
+    backend = backend_of(request)
+    lease = backend.access.charge_tokens(request, req, flavor) if backend.access is not None else None
+    try:
+        feed = submit(backend.scheduler, req, flavor, lease.observe if lease is not None else None)
+    except APIError:
+        if lease is not None:
+            lease.refund()  # never queued: nothing to charge
+        raise
     first = await unless_disconnected(feed.next(), request.receive, feed)
     if first is None:
         await feed.close()

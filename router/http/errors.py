@@ -20,7 +20,13 @@ class Flavor(enum.Enum):
 
 
 _OPENAI_TYPES = {400: "invalid_request_error", 404: "not_found_error", 429: "rate_limit_error"}
-_TGI_TYPES = {400: "validation", 404: "validation", 422: "validation", 429: "overloaded"}
+_TGI_TYPES = {
+    400: "validation",
+    401: "authentication",
+    404: "validation",
+    422: "validation",
+    429: "overloaded",
+}
 
 
 class APIError(Exception):
@@ -33,6 +39,7 @@ class APIError(Exception):
         flavor: Flavor = Flavor.OPENAI,
         param: str | None = None,
         code: str | None = None,
+        headers: dict[str, str] | None = None,
     ) -> None:
         super().__init__(message)
         self.message = message
@@ -40,6 +47,7 @@ class APIError(Exception):
         self.flavor = flavor
         self.param = param
         self.code = code
+        self.headers = headers  # e.g. Retry-After on a 429, WWW-Authenticate on a 401
 
     def body(self) -> dict[str, Any]:
         """The JSON body of this error in its route's flavour."""

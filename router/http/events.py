@@ -39,9 +39,12 @@ class ClientGone(Exception):
 class EventFeed:
     """One request's scheduler events; `close()` is idempotent and survives cancellation."""
 
-    def __init__(self, events: AsyncIterator[Event], flavor: Flavor) -> None:
+    def __init__(
+        self, events: AsyncIterator[Event], flavor: Flavor, observe: Callable[[Event], None] | None = None
+    ) -> None:
         self._events = events
         self._flavor = flavor
+        self._observe = observe  # sees every event (an API key's token count)
         self._closed = False
         self._ended = False
 
@@ -59,6 +62,8 @@ class EventFeed:
             raise APIError(str(exc), exc.http_status, self._flavor) from exc
         if isinstance(event, FinishEvent | ErrorEvent):
             self._ended = True
+        if self._observe is not None:
+            self._observe(event)
         return event
 
     async def close(self) -> None:
@@ -75,10 +80,15 @@ class EventFeed:
             await aclose()
 
 
-def submit(scheduler: Scheduler, request: GenerateRequest, flavor: Flavor) -> EventFeed:
+def submit(
+    scheduler: Scheduler,
+    request: GenerateRequest,
+    flavor: Flavor,
+    observe: Callable[[Event], None] | None = None,
+) -> EventFeed:
     """Hand a request to the scheduler; `RequestRejected` becomes an `APIError` with its status."""
     try:
-        return EventFeed(scheduler.submit(request), flavor)
+        return EventFeed(scheduler.submit(request), flavor, observe)
     except RequestRejected as exc:
         raise APIError(str(exc), exc.http_status, flavor) from exc
 

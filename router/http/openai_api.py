@@ -11,18 +11,18 @@ from starlette.responses import Response
 
 from router.http.common import (
     backend_of,
-    dumps,
     finish_all,
     gone_response,
-    json_response,
     new_request_id,
     start,
 )
 from router.http.errors import APIError, Flavor, error_body
 from router.http.events import ClientGone, EventFeed, EventStreamResponse, failed_event, sse
 from router.http.openai_format import OpenAIAnswer, OpenAIContext
+from router.http.responses import dumps, json_response
 from router.http.schemas import ChatCompletionRequest, CompletionRequest
 from router.http.validation import (
+    check_max_new_range,
     check_model,
     check_openai_unsupported,
     check_prompt,
@@ -76,6 +76,8 @@ async def completions(request: Request) -> Response:
         raise APIError("suffix is not supported by this server", 400, param="suffix")
     text, raw_ids = _completion_prompt(body.prompt, request)
     ids = check_prompt(raw_ids, backend.info, backend.tokenizer.vocab_size, OPENAI)
+    if text is None:  # token ids: decoded only once they are known to be in the vocabulary
+        text = backend.tokenizer.decode(list(ids), skip_special_tokens=False) if body.echo else ""
     max_new = max_new_tokens(
         body.max_tokens, COMPLETIONS_DEFAULT_MAX_TOKENS, len(ids), backend.info, OPENAI, "max_tokens"
     )
@@ -118,6 +120,8 @@ async def chat_completions(request: Request) -> Response:
         if body.max_completion_tokens is not None
         else (body.max_tokens, "max_tokens")
     )
+    if param == "max_completion_tokens":  # the one that loses is still held to its range
+        check_max_new_range(body.max_tokens, backend.info, OPENAI, "max_tokens")
     max_new = max_new_tokens(
         asked, backend.info.default_max_new_tokens, len(ids), backend.info, OPENAI, param
     )
@@ -135,8 +139,9 @@ async def chat_completions(request: Request) -> Response:
 
 def _completion_prompt(
     prompt: str | list[int] | list[str] | list[list[int]], request: Request
-) -> tuple[str, list[int]]:
-    """One prompt's text and token ids; several prompts in one request are refused (like n > 1)."""
+) -> tuple[str | None, list[int]]:
+    """One prompt's text (None when given as token ids) and token ids; several prompts in one
+    request are refused (like n > 1)."""
     tokenizer = backend_of(request).tokenizer
     if not prompt or prompt == [""]:
         raise APIError("the prompt is empty", 400, param="prompt")
@@ -144,13 +149,12 @@ def _completion_prompt(
         return prompt, tokenizer.encode(prompt)
     first = prompt[0]
     if isinstance(first, int):
-        ids = [t for t in prompt if isinstance(t, int)]
-        return tokenizer.decode(ids, skip_special_tokens=False), ids
+        return None, [t for t in prompt if isinstance(t, int)]
     if len(prompt) != 1:
         raise APIError("only one prompt per request is supported", 400, param="prompt")
     if isinstance(first, str):
         return first, tokenizer.encode(first)
-    return tokenizer.decode(first, skip_special_tokens=False), list(first)
+    return None, list(first)
 
 
 def _context(

@@ -50,6 +50,9 @@ def route_dict(route: Route) -> dict[str, Any]:
         "strategy": route.strategy,
         "migration_bytes": route.migration_bytes,
         "migration_seconds": route.migration_seconds,
+        "loading_prefill": route.loading_prefill,
+        "relay_replica": route.relay_replica,
+        "requeues": route.requeues,
     }
 
 

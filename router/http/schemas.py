@@ -1,7 +1,9 @@
 """Request bodies of the OpenAI and TGI routes (pydantic, strict: wrong types are refused, not coerced).
 
 Strict mode keeps `"max_tokens": "5"` or `"stream": "yes"` from silently meaning something; NaN
-and infinities are refused everywhere. Unknown fields are ignored, as the upstream APIs do.
+and infinities are refused everywhere. Unknown fields are ignored, as the upstream APIs do. JSON has
+one number type, so a whole number written `5.0` is the integer 5 (as JSON Schema says; `5.5` is
+refused).
 Range checks that need the model's limits (prompt length, max_tokens) live in `validation.py`.
 """
 
@@ -9,10 +11,22 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 
+
+def _whole_number(value: object) -> object:
+    """`5.0` → 5: the schema's "integer" admits it (JSON Schema); `5.5`, `"5"`, `true` stay refused."""
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return value
+
+
+# Bounds go before the validator, so that they reach the JSON schema (pydantic writes bounds given
+# after a validator as unknown `gt`/`ge` keywords).
+WHOLE = BeforeValidator(_whole_number)
+Int = Annotated[int, WHOLE]
 Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]
-Seed = Annotated[int, Field(ge=0, le=2**63 - 1)]
+Seed = Annotated[int, Field(ge=0, le=2**63 - 1), WHOLE]
 
 
 class _Strict(BaseModel):
@@ -29,16 +43,16 @@ class _OpenAISampling(_Strict):
     """Fields shared by /v1/completions and /v1/chat/completions."""
 
     model: str | None = None
-    max_tokens: int | None = None
+    max_tokens: Int | None = None
     temperature: Annotated[float, Field(ge=0.0, le=2.0)] | None = None
     top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
-    top_k: Annotated[int, Field(ge=-1)] | None = None
+    top_k: Annotated[int, Field(ge=-1), WHOLE] | None = None
     presence_penalty: Penalty = 0.0
     frequency_penalty: Penalty = 0.0
     repetition_penalty: Annotated[float, Field(gt=0.0)] | None = None
     stop: str | list[str] | None = None
     seed: Seed | None = None
-    n: int = 1
+    n: Int = 1
     logit_bias: dict[str, float] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -49,10 +63,10 @@ class _OpenAISampling(_Strict):
 class CompletionRequest(_OpenAISampling):
     """POST /v1/completions: one prompt, as text or as token ids."""
 
-    prompt: str | list[int] | list[str] | list[list[int]]
+    prompt: str | list[Int] | list[str] | list[list[Int]]
     echo: bool = False
-    logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
-    best_of: int | None = None
+    logprobs: Annotated[int, Field(ge=0, le=20), WHOLE] | None = None
+    best_of: Int | None = None
     suffix: str | None = None
 
 
@@ -84,8 +98,8 @@ class ChatCompletionRequest(_OpenAISampling):
 
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     logprobs: bool = False
-    top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
-    max_completion_tokens: int | None = None
+    top_logprobs: Annotated[int, Field(ge=0, le=20), WHOLE] | None = None
+    max_completion_tokens: Int | None = None
     add_generation_prompt: bool = True
 
 
@@ -93,7 +107,7 @@ class TGIParameters(_Strict):
     """TGI's `parameters` object (the text-generation client sends every field, mostly null)."""
 
     do_sample: bool = False
-    max_new_tokens: int | None = None
+    max_new_tokens: Int | None = None
     repetition_penalty: Annotated[float, Field(gt=0.0)] | None = None
     frequency_penalty: Penalty | None = None
     presence_penalty: Penalty | None = None
@@ -101,15 +115,15 @@ class TGIParameters(_Strict):
     stop: list[str] = Field(default_factory=list)
     seed: Seed | None = None
     temperature: Annotated[float, Field(gt=0.0)] | None = None
-    top_k: Annotated[int, Field(gt=0)] | None = None
+    top_k: Annotated[int, Field(gt=0), WHOLE] | None = None
     top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
-    truncate: Annotated[int, Field(gt=0)] | None = None
+    truncate: Annotated[int, Field(gt=0), WHOLE] | None = None
     typical_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
-    best_of: int | None = None
+    best_of: Int | None = None
     watermark: bool = False
     details: bool = False
     decoder_input_details: bool = False
-    top_n_tokens: Annotated[int, Field(ge=0)] | None = None
+    top_n_tokens: Annotated[int, Field(ge=0), WHOLE] | None = None
     grammar: Any | None = None
 
 

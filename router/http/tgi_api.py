@@ -11,15 +11,14 @@ from starlette.responses import Response
 
 from router.http.common import (
     backend_of,
-    dumps,
     finish_all,
     gone_response,
-    json_response,
     new_request_id,
     start,
 )
 from router.http.errors import APIError, Flavor, error_body
 from router.http.events import ClientGone, EventFeed, EventStreamResponse, failed_event, sse
+from router.http.responses import dumps, json_response
 from router.http.schemas import TGIRequest
 from router.http.tgi_format import TGIContext, Timeline, generate_object, stream_object
 from router.http.validation import (
@@ -125,11 +124,12 @@ def _prepare(request: Request, raw: bytes) -> _Prepared:
     top_n = params.top_n_tokens or 0
     req = generate_request(
         prompt,
-        tgi_sampling(params),
+        tgi_sampling(params, backend.tokenizer.vocab_size),
         stopping,
         prefill_logprobs=params.decoder_input_details,
         top_n_tokens=top_n,
-        truncate=params.truncate,
+        # the prompt is already cut; the replica is told no more than it can hold (a 32-bit count)
+        truncate=None if params.truncate is None else min(params.truncate, len(prompt)),
     )
     ctx = TGIContext(
         details=params.details,

@@ -68,39 +68,58 @@ def openai_logit_bias(bias: dict[str, float] | None, vocab_size: int) -> tuple[t
     return tuple(sorted(pairs))
 
 
+# The replicas get sampling values as 32-bit floats and top_k as a 32-bit count, and refuse a
+# zero or infinite temperature / top_p / typical_p / repetition_penalty: a refusal fails the whole
+# batch, other clients' requests included. Values the schema admits are brought into that range
+# here without changing what they mean.
+GREEDY_BELOW = 1e-5  # a temperature under this samples like greedy decoding (vLLM's epsilon)
+F32_MAX = 3.4028234663852886e38
+F32_TINY = 1.1754943508222875e-38  # smallest normal 32-bit float
+
+
+def _f32(value: float) -> float:
+    """`value` (> 0) within the positive normal 32-bit floats."""
+    return min(max(value, F32_TINY), F32_MAX)
+
+
+def _top_k(top_k: int | None, vocab_size: int) -> int:
+    """0 = off; keeping the whole vocabulary or more is off too."""
+    return top_k if top_k is not None and 0 < top_k < vocab_size else 0
+
+
 def openai_sampling(body: _OpenAISampling, vocab_size: int) -> SamplingParams:
     """OpenAI semantics: temperature defaults to 1 (sampling); temperature 0 means greedy."""
     temperature = 1.0 if body.temperature is None else body.temperature
-    greedy = temperature == 0.0
-    top_k = body.top_k if body.top_k is not None and body.top_k > 0 else 0
+    greedy = temperature < GREEDY_BELOW
     return SamplingParams(
         temperature=1.0 if greedy else temperature,
-        top_k=0 if greedy else top_k,
-        top_p=1.0 if greedy or body.top_p is None else body.top_p,
+        top_k=0 if greedy else _top_k(body.top_k, vocab_size),
+        top_p=1.0 if greedy or body.top_p is None else _f32(body.top_p),
         do_sample=not greedy,
         seed=body.seed,
-        repetition_penalty=body.repetition_penalty or 1.0,
+        repetition_penalty=_f32(body.repetition_penalty or 1.0),
         frequency_penalty=body.frequency_penalty,
         presence_penalty=body.presence_penalty,
         logit_bias=openai_logit_bias(body.logit_bias, vocab_size),
     )
 
 
-def tgi_sampling(params: TGIParameters) -> SamplingParams:
+def tgi_sampling(params: TGIParameters, vocab_size: int) -> SamplingParams:
     """TGI semantics: greedy unless `do_sample` or a warper (temperature, top-k/p, typical-p) is set."""
     temperature = params.temperature if params.temperature is not None else 1.0
     top_k = params.top_k or 0
     top_p = params.top_p if params.top_p is not None else 1.0
     typical_p = params.typical_p if params.typical_p is not None else 1.0
     warped = temperature != 1.0 or top_k != 0 or top_p < 1.0 or typical_p < 1.0
+    greedy = temperature < GREEDY_BELOW or not (params.do_sample or warped)
     return SamplingParams(
-        temperature=temperature,
-        top_k=top_k,
-        top_p=top_p,
-        typical_p=typical_p,
-        do_sample=params.do_sample or warped,
+        temperature=1.0 if greedy else _f32(temperature),
+        top_k=0 if greedy else _top_k(top_k, vocab_size),
+        top_p=1.0 if greedy else _f32(top_p),
+        typical_p=1.0 if greedy else _f32(typical_p),
+        do_sample=not greedy,
         seed=params.seed,
-        repetition_penalty=params.repetition_penalty or 1.0,
+        repetition_penalty=_f32(params.repetition_penalty or 1.0),
         frequency_penalty=params.frequency_penalty or 0.0,
         presence_penalty=params.presence_penalty or 0.0,
     )
@@ -148,6 +167,12 @@ def check_prompt(
             "context_length_exceeded",
         )
     return tuple(ids)
+
+
+def check_max_new_range(requested: int | None, info: ServingInfo, flavor: Flavor, param: str) -> None:
+    """A maximum of new tokens within what any prompt could leave room for: [1, max_total_tokens - 1]."""
+    if requested is not None and not 1 <= requested < info.max_total_tokens:
+        raise APIError(f"`{param}` must be in [1, {info.max_total_tokens - 1}]", 400, flavor, param)
 
 
 def max_new_tokens(

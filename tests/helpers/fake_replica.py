@@ -78,10 +78,16 @@ class FakeReplica(pb_grpc.TextGenerationServiceServicer):
         self.migrate = migrate
         self.step_delay = 0.0
         self.immigrate_delay = 0.0
+        # A replica frees a migrated batch's pages on its engine thread after answering Migrate; a
+        # call sent after that answer can overtake the free there. Seconds the fake lags by.
+        self.free_after_migrate = 0.0
+        self.refused_pages = 0  # PrefillV2 calls refused for want of pages
         self.immigrating = 0
         self.max_immigrating = 0
         self.cancelled: list[str] = []  # calls whose caller cancelled them while they waited
         self.param_op = ""  # the parameter operation in the background (one at a time, as on a replica)
+        self.param_delay = 0.0  # seconds a weight transfer takes (blocking ones, or until WaitRdmaDone)
+        self.host_copy = True  # LoadParams from host memory finds a copy
         self.prefilling = 0  # PrefillV2 calls being served now, and the most at once
         self.max_prefilling = 0
         self.server: grpc.aio.Server | None = None
@@ -169,7 +175,10 @@ class FakeReplica(pb_grpc.TextGenerationServiceServicer):
                               max_tokens=sum(r.pages for r in reqs) * self.block_size)
 
     def _free(self, batch_id: int) -> None:
-        for r in self.batches.pop(batch_id, []):
+        self._give_back(self.batches.pop(batch_id, []))
+
+    def _give_back(self, reqs: list[FakeRequest]) -> None:
+        for r in reqs:
             self.free += r.pages
 
     async def PrefillV2(self, request: pb.PrefillV2Request, context: grpc.aio.ServicerContext
@@ -182,6 +191,7 @@ class FakeReplica(pb_grpc.TextGenerationServiceServicer):
         try:
             reqs = self._admit(request.batch)
         except ValueError:
+            self.refused_pages += 1
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "not enough pages")
         self.prefilling += 1
         self.max_prefilling = max(self.max_prefilling, self.prefilling)
@@ -268,7 +278,11 @@ class FakeReplica(pb_grpc.TextGenerationServiceServicer):
         sent = [FakeRequest(r.id, r.tokens[:-1], r.max_new, r.pages) for r in reqs]
         self.fabric.slot(self.rank, request.dst[0], request.batch.id).set_result(sent)
         cached = self._cached(request.batch.id)
-        self._free(request.batch.id)
+        gone = self.batches.pop(request.batch.id, [])
+        if self.free_after_migrate:
+            asyncio.get_running_loop().call_later(self.free_after_migrate, self._give_back, gone)
+        else:
+            self._give_back(gone)
         return pb.MigrateResponse(batch=cached)
 
     async def Immigrate(self, request: pb.ImmigrateRequest, context: grpc.aio.ServicerContext
@@ -319,6 +333,8 @@ class FakeReplica(pb_grpc.TextGenerationServiceServicer):
     async def WaitRdmaDone(self, request: pb.WaitRdmaDoneRequest, context: grpc.aio.ServicerContext
                            ) -> pb.WaitRdmaDoneResponse:
         await self._enter("WaitRdmaDone", context)
+        if self.param_op:
+            await asyncio.sleep(self.param_delay)  # the background transfer's time
         self.param_op = ""  # joined: the next operation may start
         return pb.WaitRdmaDoneResponse()
 
@@ -327,6 +343,31 @@ class FakeReplica(pb_grpc.TextGenerationServiceServicer):
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                                 f"{name}: another parameter operation ({self.param_op}) is in flight")
         self.param_op = name
+
+    async def TanzBroadcast(self, request: pb.BroadcastRequest, context: grpc.aio.ServicerContext
+                            ) -> pb.BroadcastResponse:
+        await self._enter("TanzBroadcast", context)
+        await self._start_param_op("TanzBroadcast", context)
+        try:
+            await asyncio.sleep(self.param_delay)
+        finally:
+            self.param_op = ""  # blocking: nothing left in the background
+        if self.rank in request.dst_ranks:
+            self.loaded = True
+        return pb.BroadcastResponse()
+
+    async def LoadParams(self, request: pb.LoadParamsRequest, context: grpc.aio.ServicerContext
+                         ) -> pb.LoadParamsResponse:
+        await self._enter("LoadParams", context)
+        if request.load_case == pb.LOAD_FROM_HOST_MEM and not self.host_copy:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "no host-memory copy")
+        await self._start_param_op("LoadParams", context)
+        try:
+            await asyncio.sleep(self.param_delay)
+        finally:
+            self.param_op = ""
+        self.loaded = True
+        return pb.LoadParamsResponse()
 
     async def ResetStatus(self, request: pb.ResetStatusRequest, context: grpc.aio.ServicerContext
                           ) -> pb.ResetStatusResponse:

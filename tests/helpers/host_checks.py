@@ -77,7 +77,9 @@ def check_serving(
     before = sent_bytes(hosts, 0)
     ratios, moved = [], 0
     for _ in range(3):
-        route = complete(LONG_PROMPT, 2)["pdcluster_route"]
+        body = complete(LONG_PROMPT, 2)
+        assert "pdcluster_route" in body, body
+        route = body["pdcluster_route"]
         assert isinstance(route, dict) and route["prefill_replica"] != route["decode_replica"]
         ideal = route["migration_bytes"] / LINK_BYTES_PER_S
         ratios.append(route["migration_seconds"] / ideal)

@@ -24,7 +24,7 @@ from protos import generate_pb2 as pb
 from protos import generate_pb2_grpc as pb_grpc
 from replica.config import ReplicaConfig
 from replica.server.main import launch
-from replica.server.weights_rpcs import WeightState
+from replica.server.weight_calls import WeightState
 
 CALL_TIMEOUT = 60.0
 
@@ -41,7 +41,7 @@ class InProcReplica:
     @property
     def weights(self) -> WeightState:
         """The replica's parameter store, guard and zigzag queue (white-box checks)."""
-        state = self.services.servicer.weights.state
+        state = self.services.core.weights.state
         assert state is not None
         return state
 

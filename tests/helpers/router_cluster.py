@@ -11,8 +11,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from router.client import ReplicaClient, ReplicaInfo
+from router.client import ReplicaClient
 from router.tokenizer import Tokenizer
+from router.types import ReplicaInfo
 
 GRPCURL = str(Path(sys.executable).parent / "grpcurl")
 

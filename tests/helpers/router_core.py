@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Coroutine, Sequence
+from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
 from pathlib import Path
 from typing import Any
 
+from router.client import ReplicaClient
 from router.config import RouterConfig, Strategy
-from router.replicas import Role
+from router.replica_api import ReplicaApi
+from router.replicas import State
+from router.requests import now
 from router.scheduler import ClusterScheduler
 from router.types import (
     ErrorEvent,
@@ -57,7 +60,24 @@ def error_of(events: list[Event]) -> ErrorEvent:
     return last
 
 
-def config(strategy: Strategy = Strategy.FULL, **overrides: Any) -> RouterConfig:
+class FakeDecoder:
+    """The fake replica's detokenizer: token id i prints "<i>" (tests/helpers/fake_replica.py)."""
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        """The text of `ids`."""
+        return "".join(f"<{i}>" for i in ids)
+
+
+def scheduler(cfg: RouterConfig, kv_bytes_per_token: int = 0, clock: Callable[[], float] = now
+              ) -> ClusterScheduler:
+    """A scheduler over gRPC clients of (fake) replicas, with the fake replica's detokenizer."""
+    def connect(address: str) -> ReplicaApi:
+        return ReplicaClient(address, cfg.rpc_timeout, cfg.transfer_timeout)
+
+    return ClusterScheduler(cfg, FakeDecoder(), connect, kv_bytes_per_token=kv_bytes_per_token, clock=clock)
+
+
+def config(strategy: Strategy | str = Strategy.FULL, **overrides: Any) -> RouterConfig:
     """A router config for in-process tests (fast liveness checks)."""
     values: dict[str, Any] = {"model": Path("."), "strategy": strategy, "heartbeat_interval": 0.1,
                               "heartbeat_timeout": 0.5, "rpc_timeout": 10.0, "transfer_timeout": 10.0}
@@ -66,13 +86,13 @@ def config(strategy: Strategy = Strategy.FULL, **overrides: Any) -> RouterConfig
 
 
 @contextlib.asynccontextmanager
-async def fake_cluster(roles: Sequence[Role], strategy: Strategy = Strategy.FULL, kv_bytes_per_token: int = 8,
-                       num_blocks: int = 256, **overrides: Any
+async def fake_cluster(roles: Sequence[State], strategy: Strategy | str = Strategy.FULL,
+                       kv_bytes_per_token: int = 8, num_blocks: int = 256, **overrides: Any
                        ) -> AsyncIterator[tuple[ClusterScheduler, list[FakeReplica]]]:
     """Fake replicas (ranks 0..n-1) with the given roles behind a started scheduler."""
     fabric = FakeFabric()
     fakes = [FakeReplica(rank, fabric, num_blocks=num_blocks) for rank in range(len(roles))]
-    sched = ClusterScheduler(config(strategy, **overrides), kv_bytes_per_token=kv_bytes_per_token)
+    sched = scheduler(config(strategy, **overrides), kv_bytes_per_token)
     try:
         for fake, role in zip(fakes, roles, strict=True):
             await sched.add_replica(await fake.start(), role)

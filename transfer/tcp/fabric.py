@@ -23,6 +23,7 @@ from transfer.errors import FabricClosed, LayoutMismatch, PeerGone, TransferErro
 from transfer.fabric import Fabric
 from transfer.ranktable import RankTable
 from transfer.tcp.inbound import InboundChannel, RecvOp
+from transfer.tcp.liveness import PeerLiveness
 from transfer.tcp.outbound import REFUSED_GRACE_S, OutboundChannel, SendOp, hard_close
 from transfer.tcp.ratelimit import LinkPacer
 from transfer.tcp.wire import PROTOCOL_VERSION, Hello, HelloStatus, read_hello, write_reply
@@ -43,6 +44,7 @@ class TcpFabric(Fabric):
     ) -> None:
         super().__init__(table, rank)
         self._refused_grace_s = refused_grace_s
+        self._liveness = PeerLiveness()  # a peer that left and refuses connections is gone at once
         self.buffers = BufferRegistry()
         self._layouts: dict[int, str] = {}
         self._outbound: dict[tuple[Rank, int], OutboundChannel] = {}
@@ -140,7 +142,7 @@ class TcpFabric(Fabric):
                 pacer = self._intra if self.table.same_node(self.rank, peer) else self._inter
                 layout = self._layouts.get(stream, "")
                 channel = OutboundChannel(self.rank, self.table[peer], stream, layout, pacer,
-                                          self._refused_grace_s)
+                                          self._refused_grace_s, self._liveness)
                 self._outbound[(peer, stream)] = channel
             return channel
 
@@ -150,7 +152,8 @@ class TcpFabric(Fabric):
                 raise FabricClosed(f"rank {self.rank}: fabric closed")
             channel = self._inbound.get((peer, stream))
             if channel is None:
-                channel = self._inbound[(peer, stream)] = InboundChannel(self.rank, peer, stream)
+                channel = InboundChannel(self.rank, peer, stream, self._liveness)
+                self._inbound[(peer, stream)] = channel
             return channel
 
     # accepting ----------------------------------------------------------------------------

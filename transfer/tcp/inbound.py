@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 from transfer.core import Handle
 from transfer.errors import FabricClosed, PeerGone, TransferError
+from transfer.tcp.liveness import PeerLiveness
 from transfer.tcp.outbound import hard_close, unblock
 from transfer.tcp.wire import HEADER, IOV_BATCH, MESSAGE_MAGIC
 
@@ -55,8 +56,9 @@ class _Connection:
 class InboundChannel:
     """Messages from `peer` to this rank on `stream`, matched to receives in posting order."""
 
-    def __init__(self, me: int, peer: int, stream: int) -> None:
+    def __init__(self, me: int, peer: int, stream: int, liveness: PeerLiveness | None = None) -> None:
         self.me, self.peer, self.stream = me, peer, stream
+        self.liveness = liveness or PeerLiveness()  # shared by the fabric's channels
         self._recvs: deque[RecvOp] = deque()
         self._cond = threading.Condition()
         self._conn: _Connection | None = None
@@ -142,6 +144,7 @@ class InboundChannel:
             self._threads.append(conn.thread)
             self._cond.notify_all()
         conn.thread.start()
+        self.liveness.reached(self.peer)
 
     def abort(self, error: TransferError) -> None:
         """Fail pending receives and reset the connection; the next receive waits for a new one."""
@@ -268,5 +271,6 @@ class InboundChannel:
                 return  # replaced or aborted on purpose: nothing to report
             self._conn = None
             failed = self._take_all()
+        self.liveness.lost(self.peer)  # closed or reset from its side
         for op in failed:
             op.handle._fail(error if isinstance(error, PeerGone) else PeerGone(str(error)))

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from transfer.core import Deadline, Handle
 from transfer.errors import FabricClosed, PeerGone, PeerTimeout, TransferError
 from transfer.ranktable import RankEntry
+from transfer.tcp.liveness import PeerLiveness
 from transfer.tcp.ratelimit import LinkPacer
 from transfer.tcp.wire import HEADER, IOV_BATCH, MESSAGE_MAGIC, PROTOCOL_VERSION, Hello, read_reply
 
@@ -70,17 +71,17 @@ class OutboundChannel:
 
     def __init__(
         self, me: int, peer: RankEntry, stream: int, layout: str, pacer: LinkPacer | None,
-        refused_grace_s: float = REFUSED_GRACE_S,
+        refused_grace_s: float = REFUSED_GRACE_S, liveness: PeerLiveness | None = None,
     ) -> None:
         self.me, self.peer, self.stream, self.layout, self.pacer = me, peer, stream, layout, pacer
         self.refused_grace_s = refused_grace_s
+        self.liveness = liveness or PeerLiveness()  # shared by the fabric's channels
         self._queue: deque[SendOp] = deque()
         self._cond = threading.Condition()
         self._sock: socket.socket | None = None
         self._busy = False
         self._generation = 0
         self._closed = False
-        self._peer_lost = False  # `refresh` found the connection dead: a refused reconnect fails at once
         self._header = bytearray(HEADER.size)
         self._thread = threading.Thread(target=self._run, name=f"tcp-send-{peer.rank}-{stream}", daemon=True)
         self._thread.start()
@@ -168,7 +169,7 @@ class OutboundChannel:
                 pass  # reset
             self._generation += 1
             self._sock = None
-            self._peer_lost = True
+        self.liveness.lost(self.peer.rank)  # a refused reconnect now fails at once
         hard_close(sock)
 
     def abort(self, error: TransferError) -> None:
@@ -209,6 +210,8 @@ class OutboundChannel:
                     self._write(sock, op)
                 self._finish(op, generation)
             except (OSError, TransferError) as exc:
+                if isinstance(exc, ConnectionResetError | BrokenPipeError) and generation == self._generation:
+                    self.liveness.lost(self.peer.rank)  # the peer reset it (our abort bumps the generation)
                 self._fail(sock, generation, self._as_error(exc, op))
 
     def _finish(self, op: SendOp, generation: int) -> None:
@@ -245,9 +248,9 @@ class OutboundChannel:
                 sock = socket.create_connection(address, timeout=max(0.001, min(deadline.remaining(), 2.0)))
                 break
             except (ConnectionRefusedError, ConnectionResetError, TimeoutError) as exc:
-                if self._peer_lost and isinstance(exc, ConnectionRefusedError):
-                    raise PeerGone(f"rank {self.peer.rank} at {address} closed our connection and is "
-                                   f"not listening: {exc}") from exc
+                if self.liveness.gone(self.peer.rank) and isinstance(exc, ConnectionRefusedError):
+                    raise PeerGone(f"rank {self.peer.rank} at {address} closed a connection with us and "
+                                   f"is not listening: {exc}") from exc
                 if isinstance(exc, ConnectionRefusedError):
                     now = time.monotonic()
                     refused_since = now if refused_since is None else refused_since
@@ -282,7 +285,7 @@ class OutboundChannel:
             if generation != self._generation:
                 raise PeerGone(f"rank {self.me}: channel to {self.peer.rank} aborted while connecting")
             self._sock = sock
-            self._peer_lost = False
+        self.liveness.reached(self.peer.rank)
         return sock
 
     def _write(self, sock: socket.socket, op: SendOp) -> None:

@@ -26,15 +26,15 @@ import asyncio
 import json
 import math
 import os
-import random
 import signal
 import sys
-import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pdcluster.bench.serving.client import get_json, stream_completion
+from pdcluster.bench.serving.prompts import PromptMaker
+from pdcluster.bench.serving.sender import Served, model_vocab_size, probe, send_all
 from pdcluster.bench.serving.stats import (
     RequestRecord,
     cluster_decode_rate,
@@ -46,7 +46,6 @@ from pdcluster.bench.serving.stats import (
 from pdcluster.bench.serving.workload import Arrival, clip, load_trace, poisson_arrivals
 from pdcluster.cluster.local import LocalCluster, UpConfig
 from pdcluster.cluster.placement import Placement
-from router.config import Strategy
 
 DECODE_GOAL = 0.80  # cluster decode tokens/s ÷ in-process, the issue's goal
 
@@ -77,7 +76,7 @@ class BenchServingConfig:
     )
     trace: Path | None = field(
         default=None,
-        metadata={"help": "replay arrivals and lengths of a Mooncake .jsonl or Azure .csv trace"},
+        metadata={"help": "replay arrivals and lengths of a Mooncake .jsonl, Azure or BurstGPT .csv trace"},
     )
     trace_speed: float = field(default=1.0, metadata={"help": "trace time compression (2 = twice as fast)"})
     slo: list[str] = field(
@@ -93,6 +92,11 @@ class BenchServingConfig:
         "prefill replica, the decode replicas' gRPC fronts, this load generator) on the other cores; the "
         "in-process run on the first decode core")})
     seed: int = field(default=0, metadata={"help": "seed of arrivals and prompts"})
+    max_model_len: int = field(default=0, metadata={"help": (
+        "--url: context length when the server tells none (it has no /info and no max_model_len)")})
+    vocab_size: int = field(default=0, metadata={"help": (
+        "--url: vocabulary size when the server has no /info and no --model is given (prompts are "
+        "token ids below it)")})
     request_timeout: float = field(default=600.0, metadata={"help": "seconds one request may take"})
     startup_timeout: float = field(
         default=180.0, metadata={"help": "seconds the local cluster may take to start"}
@@ -106,16 +110,6 @@ class BenchServingConfig:
         if not self.rate > 0:
             raise ValueError("--rate must be > 0 (inf: all at once)")
         parse_slos(self.slo)
-
-
-@dataclass(frozen=True)
-class Served:
-    """What the router says about its model."""
-
-    model_id: str
-    max_input_tokens: int
-    max_total_tokens: int
-    vocab_size: int
 
 
 def run(config: BenchServingConfig) -> int:
@@ -162,19 +156,11 @@ def _run_client(config: BenchServingConfig, url: str) -> dict[str, Any]:
 
 
 async def _bench(config: BenchServingConfig, url: str) -> dict[str, Any]:
-    served = _served(url)
+    served = probe(url, config.max_model_len, config.vocab_size or model_vocab_size(config.model))
     arrivals = _workload(config, served)
-    rng = random.Random(config.seed)
-    prompts = [[rng.randrange(3, served.vocab_size) for _ in range(a.input_len)] for a in arrivals]
-    start = time.perf_counter()
-    tasks = [
-        asyncio.create_task(_one(url, served.model_id, i, a, prompts[i], start, config.request_timeout))
-        for i, a in enumerate(arrivals)
-    ]
-    reporter = asyncio.create_task(_progress(tasks))
-    records = await asyncio.gather(*tasks)
-    duration = time.perf_counter() - start
-    reporter.cancel()
+    prompts = PromptMaker(config.seed, served.vocab_size).prompts(arrivals)
+    records, duration, _ = await send_all(url, served.model_id, arrivals, prompts, config.request_timeout,
+                                          _progress())
     summary = summarize(records, duration, parse_slos(config.slo))
     summary.update(
         {
@@ -192,17 +178,6 @@ async def _bench(config: BenchServingConfig, url: str) -> dict[str, Any]:
     return summary
 
 
-def _served(url: str) -> Served:
-    models = get_json(f"{url}/v1/models")["data"]
-    info = get_json(f"{url}/info")
-    return Served(
-        model_id=models[0]["id"],
-        max_input_tokens=int(info["max_input_tokens"]),
-        max_total_tokens=int(info["max_total_tokens"]),
-        vocab_size=int(info.get("vocab_size") or 256),
-    )
-
-
 def _workload(config: BenchServingConfig, served: Served) -> list[Arrival]:
     if config.trace is not None:
         arrivals = load_trace(config.trace, config.num, config.trace_speed)
@@ -211,39 +186,20 @@ def _workload(config: BenchServingConfig, served: Served) -> list[Arrival]:
     return clip(arrivals, served.max_input_tokens, served.max_total_tokens)
 
 
-async def _progress(tasks: list[asyncio.Task[RequestRecord]], every: float = 10.0) -> None:
+def _progress(every: float = 10.0) -> Callable[[list[asyncio.Task[RequestRecord]]], None]:
     """A line on stderr every `every` seconds, so a slow or stuck run is visible."""
-    while True:
-        await asyncio.sleep(every)
+    last = [0.0]
+
+    def report(tasks: list[asyncio.Task[RequestRecord]]) -> None:
+        last[0] += 1.0
+        if last[0] < every:
+            return
+        last[0] = 0.0
         done = [t.result() for t in tasks if t.done()]
         failed = sum(not r.success for r in done)
         print(f"bench serving: {len(done)}/{len(tasks)} done, {failed} failed", file=sys.stderr, flush=True)
 
-
-async def _one(
-    url: str, model: str, index: int, arrival: Arrival, prompt: list[int], t0: float, timeout: float
-) -> RequestRecord:
-    """Send one streamed completion at its arrival time and time every token (within `timeout` s)."""
-    await asyncio.sleep(max(0.0, t0 + arrival.at - time.perf_counter()))
-    record = RequestRecord(index=index, input_len=arrival.input_len, start=time.perf_counter() - t0)
-    body = {
-        "model": model,
-        "prompt": prompt,
-        "max_tokens": arrival.output_len,
-        "temperature": 0,
-        "ignore_eos": True,
-        "logprobs": 0,
-        "stream": True,
-        "stream_options": {"include_usage": True},
-    }
-    try:
-        await asyncio.wait_for(stream_completion(url, body, record), timeout)
-    except TimeoutError:
-        record.success = False
-        record.error = f"no answer within {timeout} s"
-    except Exception as exc:  # a failed request is a data point, not the end of the run
-        record.error = f"{type(exc).__name__}: {exc}"
-    return record
+    return report
 
 
 # ------------------------------------------------------------------------- in-process comparison
@@ -322,7 +278,7 @@ def local_cluster(config: BenchServingConfig) -> LocalCluster:
         ready_timeout=config.startup_timeout,
     )
     if config.strategy:
-        up.strategy = Strategy(config.strategy)
+        up.strategy = config.strategy
     if config.num_blocks:
         up.num_blocks = config.num_blocks
     return LocalCluster(up)

@@ -66,8 +66,12 @@ class StreamTimer:
             self.ended = True
             return
         if chunk.get("choices"):
-            if chunk["choices"][0].get("finish_reason") is None:
+            choice = chunk["choices"][0]
+            if choice.get("finish_reason") is None:
                 self.token(now)
+            else:  # vLLM's last token comes in the chunk with the finish reason; pdcluster's does not
+                for _ in range(_tokens_in(choice)):
+                    self.token(now)
             self.record.route = chunk.get("pdcluster_route", self.record.route)
         if chunk.get("usage"):
             self.record.output_len = int(chunk["usage"]["completion_tokens"])
@@ -92,6 +96,14 @@ class StreamTimer:
         record.success = self.tokens > 0
         if not record.success:
             record.error = "the stream carried no token"
+
+
+def _tokens_in(choice: dict[str, Any]) -> int:
+    """Tokens a streamed choice carries: its logprobs' tokens, else one if it has text."""
+    logprobs = choice.get("logprobs")
+    if isinstance(logprobs, dict) and isinstance(logprobs.get("tokens"), list):
+        return len(logprobs["tokens"])
+    return 1 if choice.get("text") or (choice.get("delta") or {}).get("content") else 0
 
 
 class _StreamProtocol(asyncio.Protocol):

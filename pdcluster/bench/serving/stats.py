@@ -3,8 +3,11 @@
     RequestRecord (one per request) ──summarize()──► {"request_throughput", "mean_ttft_ms", "p99_itl_ms",
                                                       "request_goodput", ...}
 
-TTFT = first token − send; TPOT = (E2EL − TTFT) / (output tokens − 1); ITL = gaps between streamed
-tokens; E2EL = last byte − send. Goodput counts the requests meeting every given SLO (in ms).
+TTFT = first token − send; TPOT = (E2EL − TTFT) / (output tokens − 1), over requests with at least two
+output tokens; ITL = gaps between streamed tokens; E2EL = last byte − send (vLLM's `benchmark_serving`
+definitions). Goodput = requests meeting every given SLO (in ms) per second of the run; a request with
+one output token has TPOT 0 for that check, as in vLLM. SLO attainment = the fraction of all requests
+(failed ones count as missing) meeting one SLO, or all of them.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 METRICS = ("ttft", "tpot", "itl", "e2el")
-PERCENTILES = (90.0, 99.0)
+PERCENTILES = (50.0, 90.0, 95.0, 99.0)
 
 
 @dataclass
@@ -33,6 +36,7 @@ class RequestRecord:
     latency: float = 0.0
     itl: list[float] = field(default_factory=list)
     route: dict[str, Any] | None = None
+    scheduled: float = 0.0  # when the workload said to send it (`start` is when it was sent)
 
     @property
     def tpot(self) -> float | None:
@@ -79,6 +83,16 @@ def meets(record: RequestRecord, slos: dict[str, float]) -> bool:
     return all(observed[name] * 1000.0 <= limit for name, limit in slos.items())
 
 
+def attainment(records: Sequence[RequestRecord], slos: dict[str, float]) -> dict[str, float]:
+    """Fraction of all requests meeting each SLO alone, and all of them (`all`); {} without SLOs."""
+    if not slos or not records:
+        return {}
+    shares = {name: sum(meets(r, {name: limit}) for r in records) / len(records)
+              for name, limit in slos.items()}
+    shares["all"] = sum(meets(r, slos) for r in records) / len(records)
+    return shares
+
+
 def _samples(records: Sequence[RequestRecord], metric: str) -> list[float]:
     done = [r for r in records if r.success]
     if metric == "itl":
@@ -107,6 +121,7 @@ def summarize(records: Sequence[RequestRecord], duration: float, slos: dict[str,
     if slos:
         summary["request_goodput"] = sum(meets(r, slos) for r in records) / span
         summary["slos_ms"] = dict(slos)
+        summary["slo_attainment"] = attainment(records, slos)
     for metric in METRICS:
         values_ms = [v * 1000.0 for v in _samples(records, metric)]
         summary[f"mean_{metric}_ms"] = statistics.fmean(values_ms) if values_ms else 0.0

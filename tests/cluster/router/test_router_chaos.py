@@ -20,6 +20,7 @@ import httpx
 import pytest
 
 from pdcluster.cluster.local import LocalCluster, UpConfig
+from router import strategies
 from router.config import Strategy
 from tests.helpers.router_cluster import grpcurl, wait_pages_free
 
@@ -47,8 +48,8 @@ class Tally:
 @pytest.fixture(scope="module")
 def cluster(tiny_model_factory: Callable[..., Path], tmp_path_factory: pytest.TempPathFactory
             ) -> Iterator[LocalCluster]:
-    config = UpConfig(model=tiny_model_factory(), prefill=1, decode=2, strategy=Strategy.FULL, http_port=0,
-                      admin_port=0, num_blocks=128, admin_token=TOKEN,
+    config = UpConfig(model=tiny_model_factory(), prefill=1, decode=2, strategy=Strategy.FULL.value,
+                      http_port=0, admin_port=0, num_blocks=128, admin_token=TOKEN,
                       log_dir=tmp_path_factory.mktemp("chaos-logs"), ready_timeout=120)
     with LocalCluster(config) as running:
         yield running
@@ -142,9 +143,8 @@ async def _one(client: httpx.AsyncClient, rng: random.Random, model: str, tally:
 async def _flip_strategies(admin: str, rng: random.Random, stop: asyncio.Event) -> None:
     while not stop.is_set():
         await asyncio.sleep(0.3 + 0.5 * rng.random())
-        strategy = rng.choice(list(Strategy))
-        await asyncio.to_thread(grpcurl, admin, "SetMigrationStrategy",
-                                {"strategy": f"MIGRATION_STRATEGY_{strategy.name}"}, TOKEN)
+        strategy = rng.choice(strategies.names())
+        await asyncio.to_thread(grpcurl, admin, "SetMigrationStrategy", {"name": strategy}, TOKEN)
 
 
 @pytest.mark.parametrize("seed", [6, 7, 8])

@@ -14,8 +14,10 @@ import openai
 import pytest
 from text_generation import AsyncClient as TGIAsyncClient
 from text_generation import Client as TGIClient
+from tokenizers import Tokenizer
 
 from pdcluster.cluster.local import LocalCluster, UpConfig
+from router import strategies
 from router.config import Strategy
 from tests.helpers.router_cluster import (
     GreedyOracle,
@@ -34,9 +36,9 @@ def model_dir(tiny_model_factory: Callable[..., Path]) -> Path:
 
 @pytest.fixture(scope="module")
 def cluster(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
-    config = UpConfig(model=model_dir, prefill=1, decode=2, strategy=Strategy.FULL, http_port=0, admin_port=0,
-                      num_blocks=256, admin_token=TOKEN, log_dir=tmp_path_factory.mktemp("up-logs"),
-                      ready_timeout=120)
+    config = UpConfig(model=model_dir, prefill=1, decode=2, strategy=Strategy.FULL.value, http_port=0,
+                      admin_port=0, num_blocks=256, admin_token=TOKEN,
+                      log_dir=tmp_path_factory.mktemp("up-logs"), ready_timeout=120)
     with LocalCluster(config) as running:
         yield running
 
@@ -50,14 +52,14 @@ def addresses(cluster: LocalCluster) -> list[str]:
     return [p.address for p in cluster.replicas]
 
 
-def set_strategy(cluster: LocalCluster, strategy: Strategy) -> None:
-    grpcurl(cluster.admin_address, "SetMigrationStrategy",
-            {"strategy": f"MIGRATION_STRATEGY_{strategy.name}"}, TOKEN)
+def set_strategy(cluster: LocalCluster, strategy: Strategy | str) -> None:
+    name = strategy.value if isinstance(strategy, Strategy) else strategy
+    grpcurl(cluster.admin_address, "SetMigrationStrategy", {"name": name}, TOKEN)
 
 
-@pytest.mark.parametrize("strategy", list(Strategy))
+@pytest.mark.parametrize("strategy", strategies.names())
 def test_greedy_output_equals_transformers(cluster: LocalCluster, oracle: GreedyOracle, model_dir: Path,
-                                           strategy: Strategy) -> None:
+                                           strategy: str) -> None:
     set_strategy(cluster, strategy)
     client = openai.OpenAI(base_url=f"{cluster.http_url}/v1", api_key="x", timeout=60)
     tgi = TGIClient(cluster.http_url, timeout=60)
@@ -68,9 +70,9 @@ def test_greedy_output_equals_transformers(cluster: LocalCluster, oracle: Greedy
                                          temperature=0)
         assert done.choices[0].text == want
         route = (done.model_extra or {})["pdcluster_route"]
-        assert route["strategy"] == strategy.value
-        if strategy is not Strategy.COLOCATED:
-            assert route["prefill_replica"] != route["decode_replica"] or strategy is Strategy.MUTATE
+        assert route["strategy"] == strategy
+        if strategy != Strategy.COLOCATED.value:
+            assert route["prefill_replica"] != route["decode_replica"] or strategy == Strategy.MUTATE.value
         streamed = client.completions.create(model=model_dir.name, prompt=prompt, max_tokens=max_new,
                                              temperature=0, stream=True)
         assert "".join(c.choices[0].text for c in streamed if c.choices) == want
@@ -87,7 +89,7 @@ def test_seeded_sampling_and_penalties_are_the_same_whatever_the_strategy(cluste
     greedily: PROMPTS[1] gives 211, 211, ... without the penalty), as every other strategy does."""
     tgi = TGIClient(cluster.http_url, timeout=60)
     runs = {}
-    for strategy in Strategy:
+    for strategy in strategies.names():
         set_strategy(cluster, strategy)
         sampled = tgi.generate(PROMPTS[0], max_new_tokens=16, do_sample=True, seed=42, temperature=0.9,
                                top_k=50, frequency_penalty=1.5).details
@@ -111,7 +113,7 @@ def test_a_stop_sequence_across_the_first_two_tokens_stops_under_every_strategy(
     one, two = first.choices[0].logprobs.tokens
     assert one and two, "the tiny model's first two tokens have text"
     stop = one[-1] + two[0]
-    for strategy in Strategy:
+    for strategy in strategies.names():
         set_strategy(cluster, strategy)
         done = client.completions.create(model=model_dir.name, prompt=PROMPTS[1], max_tokens=12,
                                          temperature=0, stop=[stop])
@@ -144,9 +146,9 @@ def test_logit_bias_through_the_openai_api(
     assert "logit_bias" in str(refused.value)
 
 
-@pytest.mark.parametrize("strategy", list(Strategy))
+@pytest.mark.parametrize("strategy", strategies.names())
 def test_a_request_done_at_its_first_token_does_not_fail_its_batch(
-    cluster: LocalCluster, oracle: GreedyOracle, model_dir: Path, strategy: Strategy
+    cluster: LocalCluster, oracle: GreedyOracle, model_dir: Path, strategy: str
 ) -> None:
     """Eight requests prefilled together, one of them finished by its first token: the others decode
     on (under `progressive` the batch is no longer on the prefill replica, and pruning it there
@@ -163,6 +165,30 @@ def test_a_request_done_at_its_first_token_does_not_fail_its_batch(
     for i, response in enumerate(asyncio.run(burst())):
         assert response.status_code == 200, (i, response.text)
         assert response.json()["choices"][0]["text"] == oracle.text(PROMPTS[i % 2], 1 if i == 0 else 6)
+    infos = wait_pages_free(addresses(cluster))
+    assert all(i.num_blocks_free == i.num_blocks_total for i in infos)
+
+
+@pytest.mark.parametrize("strategy", strategies.names())
+def test_text_is_the_decode_of_the_generated_ids_when_a_token_is_an_incomplete_character(
+    cluster: LocalCluster, model_dir: Path, strategy: str
+) -> None:
+    """Every token forced to one byte of a multi-byte character (logit_bias): each prints as U+FFFD.
+    Under `recompute` the first comes from the prefill replica and the rest from a re-prefill whose
+    prompt ends with it; the answer used to lack the first U+FFFD."""
+    set_strategy(cluster, strategy)
+    tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+    byte = tokenizer.token_to_id("\u00e2")  # the byte-level symbol of 0xE2, a 3-byte character's lead
+    client = openai.OpenAI(base_url=f"{cluster.http_url}/v1", api_key="x", timeout=60)
+    bias = {str(byte): 100}
+    want = tokenizer.decode([byte] * 4)
+    assert want == "\ufffd" * 4
+    done = client.completions.create(model=model_dir.name, prompt=PROMPTS[0], max_tokens=4, temperature=0,
+                                     logit_bias=bias)
+    assert done.choices[0].text == want
+    streamed = client.completions.create(model=model_dir.name, prompt=PROMPTS[0], max_tokens=4, temperature=0,
+                                         logit_bias=bias, stream=True)
+    assert "".join(c.choices[0].text for c in streamed if c.choices) == want
     infos = wait_pages_free(addresses(cluster))
     assert all(i.num_blocks_free == i.num_blocks_total for i in infos)
 

@@ -3,6 +3,7 @@ SetStatusReady; an inactive replica loaded from disk generates exactly what tran
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -18,8 +19,10 @@ from tests.helpers.weights_cluster import (
     reference,
     weights_cluster,
 )
+from transfer.tcp.ratelimit import MAX_LAG_S
 
 MAX_NEW = 5
+GBPS = 0.05  # a few MB of tiny weights take ~0.1 s: well above the pacer's idle allowance
 
 
 @pytest.fixture(scope="module")
@@ -86,4 +89,31 @@ def test_set_status_ready_needs_the_flag(model: Path, tmp_path: Path) -> None:
     allowed.mkdir()
     with weights_cluster(model, allowed, 1, inactive=[0], allow_set_status_ready=True) as (replica,):
         replica.stub.SetStatusReady(pb.SetStatusReadyRequest(), timeout=CALL_TIMEOUT)
+        assert replica.health() == "serving"
+
+
+def test_host_cache_serves_load_from_host_memory_at_the_emulated_rate(model: Path, tmp_path: Path) -> None:
+    prompts = prompts_for(512, count=2)
+    want = reference(model, prompts, MAX_NEW)
+    # --host-cache: the node keeps the checkpoint in host memory from the start (host-cache baseline)
+    with weights_cluster(model, tmp_path, 1, inactive=[0], host_cache=True, host_gbps=GBPS) as (replica,):
+        store = replica.weights.params
+        seconds = store.layout.total_bytes * 8 / (GBPS * 1e9)
+        start = time.monotonic()
+        _load(replica, pb.LOAD_FROM_HOST_MEM)
+        took = time.monotonic() - start
+        assert replica.health() == "serving"
+        assert generate(replica.stub, 1, prompts, MAX_NEW) == want
+    # a lower bound only: the emulated device never delivers faster than its rate (after the pacer's
+    # allowance for an idle link's first bytes)
+    assert took >= seconds - MAX_LAG_S, f"{store.layout.total_bytes} bytes in {took:.3f} s at {GBPS} Gbit/s"
+
+
+def test_load_from_disk_is_paced_region_by_region(model: Path, tmp_path: Path) -> None:
+    with weights_cluster(model, tmp_path, 1, inactive=[0], disk_gbps=GBPS) as (replica,):
+        store = replica.weights.params
+        seconds = store.layout.total_bytes * 8 / (GBPS * 1e9)
+        start = time.monotonic()
+        _load(replica, pb.LOAD_FROM_DISK, model_name=model.name)
+        assert time.monotonic() - start >= seconds - MAX_LAG_S
         assert replica.health() == "serving"

@@ -1,5 +1,5 @@
 """The admin gRPC service in-process over fake replicas: token, list, stats, strategy, roles,
-and self-registration with heartbeats (replica/registration.py)."""
+and self-registration with heartbeats (replica/server/registration.py)."""
 
 from __future__ import annotations
 
@@ -11,10 +11,10 @@ import pytest
 
 from protos import router_pb2 as pb
 from protos import router_pb2_grpc as pb_grpc
-from replica.registration import RouterRegistration
+from replica.server.registration import RouterRegistration
 from router.admin import start_admin_server
 from router.config import Strategy
-from router.replicas import Role
+from router.replicas import State
 from router.types import ReplicaId
 from tests.helpers.fake_replica import FakeFabric, FakeReplica
 from tests.helpers.router_core import collect, fake_cluster, finish_of, request, run
@@ -24,7 +24,7 @@ TOKEN = (("x-admin-token", "s3cret"),)
 
 def test_admin_calls_token_list_stats_strategy_and_roles() -> None:
     async def body() -> None:
-        async with fake_cluster((Role.PREFILL, Role.DECODE), Strategy.FULL) as (sched, _):
+        async with fake_cluster((State.PREFILL, State.DECODE), Strategy.FULL) as (sched, _):
             server, port = await start_admin_server(sched, "127.0.0.1", 0, token="s3cret")
             try:
                 async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
@@ -43,7 +43,7 @@ def test_admin_calls_token_list_stats_strategy_and_roles() -> None:
                     prev = await stub.SetMigrationStrategy(pb.SetMigrationStrategyRequest(
                         strategy=pb.MIGRATION_STRATEGY_RECOMPUTE), metadata=TOKEN)
                     assert prev.previous == pb.MIGRATION_STRATEGY_FULL
-                    assert sched.strategy is Strategy.RECOMPUTE
+                    assert sched.strategy.name == Strategy.RECOMPUTE.value
                     events = await collect(sched.submit(request([1, 2], 3)))
                     assert finish_of(events).route.strategy == "recompute"
                     with pytest.raises(grpc.aio.AioRpcError) as missing:
@@ -54,7 +54,8 @@ def test_admin_calls_token_list_stats_strategy_and_roles() -> None:
                                            metadata=TOKEN)
                     assert bad.value.code() == grpc.StatusCode.FAILED_PRECONDITION
                     drained = await stub.Drain(pb.DrainRequest(replica_id=1), metadata=TOKEN)
-                    assert drained.replica.role in (pb.REPLICA_ROLE_DRAINING, pb.REPLICA_ROLE_IDLE)
+                    assert drained.replica.role in (pb.REPLICA_ROLE_DRAINING_DECODE, pb.REPLICA_ROLE_IDLE)
+                    assert drained.replica.state in ("draining_decode", "idle")
             finally:
                 await server.stop(None)
     run(body())
@@ -62,7 +63,7 @@ def test_admin_calls_token_list_stats_strategy_and_roles() -> None:
 
 def test_self_registration_heartbeats_and_expiry() -> None:
     async def body() -> None:
-        async with fake_cluster((Role.PREFILL,), Strategy.RECOMPUTE) as (sched, _):
+        async with fake_cluster((State.PREFILL,), Strategy.RECOMPUTE) as (sched, _):
             server, port = await start_admin_server(sched, "127.0.0.1", 0, token="s3cret")
             extra = FakeReplica(5, FakeFabric())
             address = await extra.start()
@@ -74,22 +75,44 @@ def test_self_registration_heartbeats_and_expiry() -> None:
                 assert reg.replica_id == 1
                 handle = sched.replicas[ReplicaId(1)]
 
-                def role() -> Role:
+                def role() -> State:
                     return handle.state.role
 
-                assert handle.state.registered and role() is Role.DECODE
+                assert handle.state.registered and role() is State.DECODE
                 await asyncio.sleep(1.0)  # twice the heartbeat timeout: beats keep it alive
-                assert role() is Role.DECODE
+                assert role() is State.DECODE
                 events = await collect(sched.submit(request([6], 4)))
                 assert finish_of(events).route.decode_replica == 1
                 await asyncio.to_thread(reg.stop)
                 for _ in range(100):
-                    if role() is Role.DEAD:
+                    if role() is State.DEAD:
                         break
                     await asyncio.sleep(0.05)
-                assert role() is Role.DEAD
+                assert role() is State.DEAD
             finally:
                 await asyncio.to_thread(reg.stop)
                 await server.stop(None)
                 await extra.stop()
+    run(body())
+
+
+def test_strategies_are_set_and_reported_by_their_registered_name() -> None:
+    # a plug-in strategy has no enum value: the name fields carry it (enum UNSPECIFIED)
+    async def body() -> None:
+        async with fake_cluster((State.PREFILL, State.DECODE), Strategy.FULL) as (sched, _):
+            server, port = await start_admin_server(sched, "127.0.0.1", 0)
+            try:
+                async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+                    stub = pb_grpc.RouterAdminStub(channel)
+                    prev = await stub.SetMigrationStrategy(pb.SetMigrationStrategyRequest(name="progressive"))
+                    assert (prev.previous, prev.previous_name) == (pb.MIGRATION_STRATEGY_FULL, "full")
+                    stats = await stub.Stats(pb.StatsRequest())
+                    assert stats.strategy == pb.MIGRATION_STRATEGY_PROGRESSIVE
+                    assert stats.strategy_name == "progressive"
+                    with pytest.raises(grpc.aio.AioRpcError) as unknown:
+                        await stub.SetMigrationStrategy(pb.SetMigrationStrategyRequest(name="teleport"))
+                    assert unknown.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+                    assert "teleport" in str(unknown.value.details()) and sched.strategy.name == "progressive"
+            finally:
+                await server.stop(None)
     run(body())

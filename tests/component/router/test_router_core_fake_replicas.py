@@ -7,16 +7,17 @@ import dataclasses
 
 import pytest
 
+from router import strategies
 from router.config import Strategy
-from router.replicas import Role
+from router.replicas import State
 from tests.helpers.fake_replica import expected_tokens
 from tests.helpers.router_core import collect, fake_cluster, finish_of, request, run, tokens_of
 
-PD = (Role.PREFILL, Role.DECODE)
+PD = (State.PREFILL, State.DECODE)
 
 
-@pytest.mark.parametrize("strategy", list(Strategy))
-def test_every_strategy_generates_the_model_tokens_and_frees_pages(strategy: Strategy) -> None:
+@pytest.mark.parametrize("strategy", strategies.names())
+def test_every_strategy_generates_the_model_tokens_and_frees_pages(strategy: str) -> None:
     async def body() -> None:
         async with fake_cluster(PD, strategy) as (sched, fakes):
             prompts = [[5 + i] * (3 + i) for i in range(6)]
@@ -42,6 +43,16 @@ def test_full_migration_route_and_call_sequence() -> None:
             # (each replica was cleared once when it joined: whatever it held was nobody's)
             assert [c for c in p.calls if c != "Info"] == ["ClearCache", "PrefillV2", "Migrate"]
             assert [c for c in d.calls if c != "Info"][:3] == ["ClearCache", "Immigrate", "DecodeV2"]
+    run(body())
+
+
+def test_route_migration_bytes_count_the_prompt_pages_that_move_not_the_reservation() -> None:
+    """A 3-token prompt with 30 new tokens reserves 3 pages but a migration moves 1 (the prompt's):
+    the route said 3 pages' bytes."""
+    async def body() -> None:
+        async with fake_cluster(PD, Strategy.FULL) as (sched, _):
+            events = await collect(sched.submit(request([1, 2, 3], 30)))
+            assert finish_of(events).route.migration_bytes == 16 * 8  # one page of 16 tokens, 8 B each
     run(body())
 
 
@@ -71,8 +82,8 @@ def test_progressive_unimplemented_falls_back() -> None:
     run(body())
 
 
-@pytest.mark.parametrize("strategy", list(Strategy))
-def test_scarce_pages_requests_wait_and_all_complete(strategy: Strategy) -> None:
+@pytest.mark.parametrize("strategy", strategies.names())
+def test_scarce_pages_requests_wait_and_all_complete(strategy: str) -> None:
     async def body() -> None:
         async with fake_cluster(PD, strategy, num_blocks=6) as (sched, fakes):
             prompts = [[20 + i] * 9 for i in range(12)]  # 9 + 12 tokens = 2 pages each: 3 at a time
@@ -87,7 +98,7 @@ def test_scarce_pages_requests_wait_and_all_complete(strategy: Strategy) -> None
 @pytest.mark.parametrize("bound", [1, 2])
 def test_inbound_migrations_per_decode_replica_are_bounded(bound: int) -> None:
     async def body() -> None:
-        roles = (Role.PREFILL, Role.PREFILL, Role.PREFILL, Role.DECODE)
+        roles = (State.PREFILL, State.PREFILL, State.PREFILL, State.DECODE)
         async with fake_cluster(roles, Strategy.FULL, max_inbound_migrations=bound,
                                 max_batch_size=1) as (sched, fakes):
             fakes[3].immigrate_delay = 0.05
@@ -126,4 +137,22 @@ def test_truncate_keeps_the_last_prompt_tokens() -> None:
             events = await collect(sched.submit(req))
             assert tokens_of(events) == expected_tokens(long[-8:], 5)
             assert finish_of(events).prompt_tokens == 8
+    run(body())
+
+
+def test_a_snapshot_shows_roles_pages_and_the_queue() -> None:
+    async def body() -> None:
+        async with fake_cluster(PD, Strategy.FULL, num_blocks=6) as (sched, fakes):
+            fakes[1].step_delay = 0.02
+            tasks = [asyncio.create_task(collect(sched.submit(request([60 + i] * 9, 12)))) for i in range(5)]
+            while "DecodeV2" not in fakes[1].calls:
+                await asyncio.sleep(0.005)
+            view = sched.snapshot()
+            assert [(r.id, r.role) for r in view.replicas] == [(0, State.PREFILL), (1, State.DECODE)]
+            assert view.replicas[1].used_blocks > 0 and view.replicas[1].requests > 0
+            assert view.active_requests == 5 and view.strategy == "full"
+            assert view.queued_prompt_tokens == 9 * view.queued_requests
+            await asyncio.gather(*tasks)
+            done = sched.snapshot()
+            assert (done.active_requests, done.queued_requests, done.queued_prompt_tokens) == (0, 0, 0)
     run(body())

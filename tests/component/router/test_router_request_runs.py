@@ -5,23 +5,25 @@ from __future__ import annotations
 
 import asyncio
 
-from router.client import Finished, Generation
 from router.queue import request_blocks
 from router.requests import RequestState
 from router.types import (
+    Finished,
     FinishEvent,
     FinishReason,
     GenerateRequest,
+    Generation,
     RequestId,
     SamplingParams,
     StoppingParams,
     TokenInfo,
 )
+from tests.helpers.router_core import FakeDecoder
 
 
 def state(max_new: int = 10, seed: int | None = 7, do_sample: bool = True) -> RequestState:
     req = GenerateRequest((1, 2, 3), SamplingParams(do_sample=do_sample, seed=seed), StoppingParams(max_new))
-    return RequestState(RequestId(1), req, lambda: 0.0)
+    return RequestState(RequestId(1), req, lambda: 0.0, FakeDecoder())
 
 
 def token(i: int) -> Generation:
@@ -47,4 +49,18 @@ def test_continuation_keeps_allowance_and_pages_and_reports_the_client_seed() ->
         fin = events[-1]
         assert isinstance(fin, FinishEvent)
         assert fin.text == "<11><12><13><14>" and fin.generated_tokens == 4 and fin.seed == 7
+    asyncio.run(body())
+
+
+def test_the_route_counts_the_re_runs_after_replica_failures() -> None:
+    """The experiment harness reports each request's retries from its route."""
+    async def body() -> None:
+        st = state()
+        st.deliver(token(11))
+        st.requeues += 1  # what the scheduler does when the request's replica died
+        st.new_run()
+        st.deliver(Generation(RequestId(1), (TokenInfo(12, "<12>", 0.0),),
+                              finished=Finished("<12>", 1, FinishReason.LENGTH)))
+        events = [st.events.get_nowait() for _ in range(st.events.qsize())]
+        assert isinstance(events[-1], FinishEvent) and events[-1].route.requeues == 1
     asyncio.run(body())

@@ -29,6 +29,9 @@ ROUTE = {
     "strategy": "full",
     "migration_bytes": 4096,
     "migration_seconds": 0.002,
+    "loading_prefill": False,
+    "relay_replica": None,
+    "requeues": 0,
 }
 
 

@@ -53,6 +53,28 @@ def test_a_peer_that_refuses_connections_past_the_grace_is_gone_before_the_deadl
         fabric.close()
 
 
+def test_a_peer_that_left_and_refuses_connections_is_gone_at_once() -> None:
+    # rank 1 connected to rank 0 (stream 1) and then died; rank 0 sends to it on another stream,
+    # never connected before: the refusal fails it at once, not after REFUSED_GRACE_S (15 s)
+    table = RankTable.local(free_ports(2))
+    fabric, peer = TcpFabric(table, 0), TcpFabric(table, 1)
+    try:
+        fabric.register("x", bytearray(10))
+        peer.register("x", bytearray(10))
+        got = fabric.recv(1, "x", [(0, 10)], 1, Deadline.after(10))
+        peer.send(0, "x", [(0, 10)], 1, Deadline.after(10)).wait(Deadline.after(10))
+        got.wait(Deadline.after(10))
+        peer.close()  # its listener and connections go away
+        time.sleep(0.2)  # rank 0's reader sees the connection closed
+        start = time.monotonic()
+        with pytest.raises(PeerGone, match="closed a connection with us and is not listening"):
+            fabric.send(1, "x", [(0, 10)], 2, Deadline.after(60)).wait(Deadline.after(60))
+        assert time.monotonic() - start < 2.0
+    finally:
+        fabric.close()
+        peer.close()
+
+
 def test_close_while_connecting_is_prompt() -> None:
     table = RankTable.local(free_ports(2))
     fabric = TcpFabric(table, 0)

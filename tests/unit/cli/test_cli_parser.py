@@ -47,13 +47,13 @@ def test_router_lists_and_enum_values() -> None:
                     "--strategy", "progressive", "--http-port", "0"])
     assert isinstance(config, RouterConfig)
     assert config.replica == ["a:1", "b:2"] and config.role == ["prefill", "decode"]
-    assert config.strategy is Strategy.PROGRESSIVE and config.http_port == 0
+    assert config.strategy == Strategy.PROGRESSIVE.value and config.http_port == 0
 
 
 def test_up_and_launch_booleans() -> None:
     up = parse(["up", "--model", "/m", "--prefill", "2", "--strategy", "recompute", "--pin-decode"])
     assert isinstance(up, UpConfig) and up.pin_decode and up.prefill == 2
-    assert up.strategy is Strategy.RECOMPUTE
+    assert up.strategy == Strategy.RECOMPUTE.value
     launch = parse(["launch", "cluster.toml", "--via", "slurm", "--fabric", "rdma", "--dry-run"])
     assert isinstance(launch, LaunchConfig) and launch.dry_run and launch.via == "slurm"
     assert launch.file == Path("cluster.toml") and launch.fabric == "rdma"

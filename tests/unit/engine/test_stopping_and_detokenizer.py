@@ -84,3 +84,41 @@ def test_stray_bytes_are_released_and_the_window_stays_bounded(detok: Detokenize
         texts.append(detok.next_text(tokens[:end], state))
         assert end - state.prefix_offset <= 20  # the decode window never grows with the run
     assert any(texts) and "".join(texts).count("\ufffd") >= 30
+
+
+@pytest.mark.parametrize("prompt_tail", [b"\xe4\xbd", b"\xc3", b"ok \xf0\x9f\x8d"])
+def test_a_prompt_ending_in_half_a_character_does_not_swallow_generated_bytes(
+        detok: Detokenizer, prompt_tail: bytes) -> None:
+    # Random prompt ids (a trace replayed as token ids) can end in the middle of a UTF-8 character.
+    # The text of the generated ids must still be their own decode, however their bytes would
+    # combine with the prompt's.
+    prompt = detok.encode("hello ") + _raw(detok, prompt_tail)
+    generated = _raw(detok, b"\xa0") + detok.encode("Wh") + _raw(detok, b"\x80\xbf") + detok.encode(" tea")
+    tokens = list(prompt)
+    state = detok.state_after(prompt)
+    pieces = []
+    for t in generated:
+        tokens.append(t)
+        pieces.append(detok.next_text(tokens, state))
+    assert "".join(pieces) == detok.decode(generated)
+
+
+def _raw(detok: Detokenizer, data: bytes) -> list[int]:
+    """One byte-level token per byte of `data` (bytes that need not be valid UTF-8)."""
+    tokenizer = detok._tokenizer
+    assert tokenizer is not None
+    alphabet = _byte_to_unicode()
+    return [tokenizer.token_to_id(alphabet[b]) for b in data]
+
+
+def _byte_to_unicode() -> dict[int, str]:
+    """GPT-2's byte → printable character map (the ByteLevel pre-tokenizer's alphabet)."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
+                 *range(ord("®"), ord("ÿ") + 1)]
+    chars, extra = list(printable), 0
+    for b in range(256):
+        if b not in printable:
+            printable.append(b)
+            chars.append(256 + extra)
+            extra += 1
+    return {b: chr(c) for b, c in zip(printable, chars, strict=True)}

@@ -13,10 +13,36 @@ from transfer.ranktable import load_rank_table
 
 
 def test_roles_by_rank_and_validation(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text("{}")
     cluster = LocalCluster(UpConfig(model=tmp_path, prefill=2, decode=1, inactive=1, log_dir=tmp_path))
     assert cluster.roles() == ["prefill", "prefill", "decode", "inactive"]
     with pytest.raises(ValueError):
         UpConfig(model=tmp_path, prefill=0, decode=0)
+
+
+@pytest.mark.parametrize(("fields", "message"), [
+    ({"scaling": "fast"}, "unknown scaling policy 'fast'"),
+    ({"strategy": "teleport"}, "unknown migration strategy 'teleport'"),
+    ({"router_flag": ["--min-prefill=2"]}, "NAME=VALUE"),
+    ({"router_flag": ["min-prefill"]}, "NAME=VALUE"),
+])
+def test_bad_flags_are_refused_at_start(tmp_path: Path, fields: dict[str, object], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        UpConfig(model=tmp_path, **fields)  # type: ignore[arg-type]
+
+
+def test_inactive_replicas_need_a_checkpoint_they_can_load(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match=r"no config\.json"):
+        UpConfig(model=tmp_path / "missing", inactive=2)
+
+
+def test_scaling_and_emulated_devices_reach_the_processes(tmp_path: Path) -> None:
+    config = UpConfig(model=tmp_path, scaling="live", router_flag=["min-prefill=1", "keep-alive=2.5"],
+                      disk_gbps=16.0, host_gbps=200.0, link_gbps=2.0, log_dir=tmp_path)
+    assert config.router_args() == ["--scaling", "live", "--min-prefill", "1", "--keep-alive", "2.5"]
+    assert config.replica_args() == ["--disk-gbps", "16.0", "--host-gbps", "200.0"]
+    table = load_rank_table(LocalCluster(config)._fabric_args([7001, 7002])[1])
+    assert [(e.node, e.link_gbps) for e in table] == [("n0", 2.0), ("n1", 2.0)]
 
 
 def test_rank_table_written_for_every_replica(tmp_path: Path) -> None:

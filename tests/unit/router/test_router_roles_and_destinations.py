@@ -1,15 +1,15 @@
-"""Role state machine, loop modes per strategy, destination choice, heartbeat expiry (fake clock)."""
+"""State state machine, loop modes per strategy, destination choice, heartbeat expiry (fake clock)."""
 
 from __future__ import annotations
 
 import pytest
 
-from router.client import ReplicaInfo
+from router import strategies
 from router.config import RouterConfig, Strategy
-from router.loops import Mode, effective_mode
-from router.migration import choose_destination
-from router.replicas import Heartbeats, ReplicaState, Role, TransitionError, check_transition
-from router.types import ReplicaId, RequestId
+from router.replicas import Heartbeats, ReplicaState, State, TransitionError, Trigger
+from router.strategies.base import Mode
+from router.strategies.base import most_free_pages as choose_destination
+from router.types import ReplicaId, ReplicaInfo, RequestId
 
 
 def info(total: int = 100) -> ReplicaInfo:
@@ -18,7 +18,7 @@ def info(total: int = 100) -> ReplicaInfo:
                        num_layers_loaded=2, embed_ready=True, lm_head_ready=True)
 
 
-def replica(rid: int, role: Role = Role.DECODE, total: int = 100, held: int = 0, inbound: int = 0
+def replica(rid: int, role: State = State.DECODE, total: int = 100, held: int = 0, inbound: int = 0
             ) -> ReplicaState:
     state = ReplicaState(ReplicaId(rid), f"h:{rid}", info(total), role, inbound=inbound)
     if held:
@@ -26,26 +26,15 @@ def replica(rid: int, role: Role = Role.DECODE, total: int = 100, held: int = 0,
     return state
 
 
-def test_allowed_and_refused_transitions() -> None:
-    check_transition(Role.PREFILL, Role.MUTATING_TO_DECODE)
-    check_transition(Role.MUTATING_TO_DECODE, Role.DECODE)
-    check_transition(Role.INACTIVE, Role.LOADING)
-    check_transition(Role.LOADING, Role.PREFILL)
-    check_transition(Role.DRAINING, Role.IDLE)
-    check_transition(Role.IDLE, Role.INACTIVE)
-    check_transition(Role.DECODE, Role.DEAD)
-    for old, new in [(Role.INACTIVE, Role.DECODE), (Role.DEAD, Role.PREFILL), (Role.DRAINING, Role.DECODE),
-                     (Role.MUTATING_TO_DECODE, Role.PREFILL), (Role.DEAD, Role.DEAD)]:
-        with pytest.raises(TransitionError):
-            check_transition(old, new)
-
-
-def test_set_role_returns_old_and_validates() -> None:
-    r = replica(0, Role.PREFILL)
-    assert r.set_role(Role.DRAINING) is Role.PREFILL
+def test_move_returns_the_old_state_validates_and_tells_the_observer() -> None:
+    r = replica(0, State.PREFILL)
+    seen: list[tuple[State, State, Trigger]] = []
+    r.observer = lambda _state, old, new, trigger: seen.append((old, new, trigger))
+    assert r.move(State.DRAINING_PREFILL, Trigger.DRAIN) is State.PREFILL
     with pytest.raises(TransitionError):
-        r.set_role(Role.PREFILL)
-    assert r.role is Role.DRAINING
+        r.move(State.PREFILL, Trigger.ASSIGN)  # only a revive brings it back
+    assert r.role is State.DRAINING_PREFILL
+    assert seen == [(State.PREFILL, State.DRAINING_PREFILL, Trigger.DRAIN)]
 
 
 def test_page_accounting() -> None:
@@ -57,32 +46,34 @@ def test_page_accounting() -> None:
 
 
 @pytest.mark.parametrize(("role", "strategy", "has_decode", "mode"), [
-    (Role.PREFILL, Strategy.FULL, True, Mode.PREFILL),
-    (Role.PREFILL, Strategy.FULL, False, Mode.COLOCATED),
-    (Role.PREFILL, Strategy.MUTATE, False, Mode.PREFILL),
-    (Role.PREFILL, Strategy.COLOCATED, True, Mode.COLOCATED),
-    (Role.DECODE, Strategy.RECOMPUTE, True, Mode.DECODE),
-    (Role.DECODE, Strategy.COLOCATED, True, Mode.COLOCATED),
-    (Role.MUTATING_TO_DECODE, Strategy.MUTATE, True, Mode.DECODE),
-    (Role.COLOCATED, Strategy.FULL, True, Mode.COLOCATED),
-    (Role.DRAINING, Strategy.FULL, True, Mode.DRAIN),
-    (Role.INACTIVE, Strategy.FULL, True, Mode.IDLE),
-    (Role.DEAD, Strategy.FULL, True, Mode.IDLE),
+    (State.PREFILL, Strategy.FULL, True, Mode.PREFILL),
+    (State.PREFILL, Strategy.FULL, False, Mode.COLOCATED),
+    (State.PREFILL, Strategy.MUTATE, False, Mode.PREFILL),
+    (State.PREFILL, Strategy.COLOCATED, True, Mode.COLOCATED),
+    (State.DECODE, Strategy.RECOMPUTE, True, Mode.DECODE),
+    (State.DECODE, Strategy.COLOCATED, True, Mode.COLOCATED),
+    (State.MUTATING_TO_DECODE, Strategy.MUTATE, True, Mode.DECODE),
+    (State.COLOCATED, Strategy.FULL, True, Mode.COLOCATED),
+    (State.DRAINING_PREFILL, Strategy.FULL, True, Mode.DRAIN),
+    (State.DRAINING_DECODE, Strategy.COLOCATED, True, Mode.DRAIN),
+    (State.INACTIVE, Strategy.FULL, True, Mode.IDLE),
+    (State.DEAD, Strategy.FULL, True, Mode.IDLE),
 ])
-def test_loop_mode_per_role_and_strategy(role: Role, strategy: Strategy, has_decode: bool, mode: Mode
+def test_loop_mode_per_role_and_strategy(role: State, strategy: Strategy, has_decode: bool, mode: Mode
                                          ) -> None:
-    assert effective_mode(role, strategy, has_decode) is mode
+    assert strategies.get(strategy).mode(role, has_decode) is mode
 
 
 def test_destination_is_the_decode_replica_with_most_free_pages() -> None:
-    reps = [replica(0, Role.PREFILL, total=500), replica(1, held=50), replica(2, held=10), replica(3, held=5,
+    reps = [replica(0, State.PREFILL, total=500), replica(1, held=50), replica(2, held=10), replica(3, held=5,
                                                                                                    inbound=2)]
     chosen = choose_destination(reps, need_blocks=20, max_inbound=2)
     assert chosen is not None and chosen.id == 2
 
 
 def test_destination_respects_capacity_inbound_bound_and_role() -> None:
-    reps = [replica(1, held=95), replica(2, inbound=1), replica(3, Role.DRAINING), replica(4, Role.DEAD)]
+    reps = [replica(1, held=95), replica(2, inbound=1), replica(3, State.DRAINING_DECODE),
+            replica(4, State.DEAD)]
     assert choose_destination(reps, need_blocks=10, max_inbound=1) is None
     chosen = choose_destination(reps, need_blocks=10, max_inbound=2)
     assert chosen is not None and chosen.id == 2
@@ -106,8 +97,8 @@ def test_router_config_roles_and_validation() -> None:
     assert RouterConfig(model="m", replica=["a:1", "b:2", "c:3"]).roles() == [  # type: ignore[arg-type]
         "prefill", "decode", "decode"]
     cfg = RouterConfig(model="m", replica=["a:1", "b:2"], role=["decode", "prefill"],  # type: ignore[arg-type]
-                       strategy="mutate")  # type: ignore[arg-type]
-    assert cfg.roles() == ["decode", "prefill"] and cfg.strategy is Strategy.MUTATE
+                       strategy="mutate")
+    assert cfg.roles() == ["decode", "prefill"] and cfg.strategy == Strategy.MUTATE.value
     with pytest.raises(ValueError):
         RouterConfig(model="m", replica=["a:1"], role=["decode", "decode"])  # type: ignore[arg-type]
     with pytest.raises(ValueError):
@@ -115,26 +106,30 @@ def test_router_config_roles_and_validation() -> None:
 
 
 @pytest.mark.parametrize(("before", "others", "after"), [
-    (Role.DECODE, [Role.PREFILL], Role.DECODE),
-    (Role.PREFILL, [Role.DECODE], Role.PREFILL),
-    (Role.PREFILL, [Role.PREFILL], Role.DECODE),  # another replica took over prefill meanwhile
-    (Role.MUTATING_TO_DECODE, [], Role.DECODE),
-    (Role.LOADING, [], Role.INACTIVE),
-    (Role.DRAINING, [], Role.IDLE),
-    (Role.COLOCATED, [], Role.COLOCATED),
+    (State.DECODE, [State.PREFILL], State.DECODE),
+    (State.PREFILL, [State.DECODE], State.PREFILL),
+    (State.PREFILL, [State.PREFILL], State.DECODE),  # another replica took over prefill meanwhile
+    (State.MUTATING_TO_DECODE, [], State.DECODE),
+    (State.LOADING_PREFILL, [], State.INACTIVE),
+    (State.LOADING_DECODE, [], State.INACTIVE),
+    (State.NEW_PREFILL, [], State.INACTIVE),
+    (State.OLD_PREFILL, [], State.PREFILL),
+    (State.DRAINING_PREFILL, [], State.IDLE),
+    (State.DRAINING_DECODE, [], State.IDLE),
+    (State.COLOCATED, [], State.COLOCATED),
 ])
 def test_a_dead_replica_that_answers_again_gets_its_settled_role_back(
-    before: Role, others: list[Role], after: Role
+    before: State, others: list[State], after: State
 ) -> None:
     state = ReplicaState(ReplicaId(1), "h:1", info(8), before)
-    state.set_role(Role.DEAD)
+    state.move(State.DEAD, Trigger.DIED)
     assert state.revive(others) is after and state.role is after
     with pytest.raises(TransitionError):
         state.revive(others)  # only a dead one
 
 
 def test_a_revived_replica_without_its_weights_is_inactive() -> None:
-    state = ReplicaState(ReplicaId(1), "h:1", info(8), Role.DECODE)
-    state.set_role(Role.DEAD)
+    state = ReplicaState(ReplicaId(1), "h:1", info(8), State.DECODE)
+    state.move(State.DEAD, Trigger.DIED)
     state.info = ReplicaInfo(**{**state.info.__dict__, "num_layers_loaded": 0})
-    assert state.revive([]) is Role.INACTIVE
+    assert state.revive([]) is State.INACTIVE

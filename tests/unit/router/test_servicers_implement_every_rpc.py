@@ -1,6 +1,7 @@
 """The only `raise NotImplementedError` lines in the tree are grpcio-tools' generated servicer base
 classes (`protos/*_pb2_grpc.py`, kept byte-identical to the generator by `make proto-check`). Every
-RPC of both services is overridden, so no call ever reaches one of them."""
+RPC of the router's admin service is overridden, so no call ever reaches one of them (the replica
+serves its service from a route table instead: tests/unit/server/test_server_schema.py)."""
 
 from __future__ import annotations
 
@@ -8,15 +9,13 @@ import inspect
 
 import pytest
 
-from protos import generate_pb2_grpc, router_pb2_grpc
-from replica.server.servicer import ReplicaServicer
+from protos import router_pb2_grpc
 from router.admin import AdminService
 
 
 @pytest.mark.parametrize(
     ("base", "implementation"),
     [
-        (generate_pb2_grpc.TextGenerationServiceServicer, ReplicaServicer),
         (router_pb2_grpc.RouterAdminServicer, AdminService),
     ],
 )

@@ -99,7 +99,7 @@ def test_traces_and_clipping(tmp_path: Path) -> None:
         '{"timestamp": 3000, "input_length": 900, "output_length": 500, "hash_ids": [1, 2]}\n'
         '{"timestamp": 4000, "input_length": 1, "output_length": 1, "hash_ids": [3]}\n'
     )
-    assert load_trace(moon, 2, speed=2.0) == [Arrival(0.0, 50, 7), Arrival(1.0, 900, 500)]
+    assert load_trace(moon, 2, speed=2.0) == [Arrival(0.0, 50, 7, (0,)), Arrival(1.0, 900, 500, (1, 2))]
     azure = tmp_path / "t.csv"
     azure.write_text(
         "TIMESTAMP,ContextTokens,GeneratedTokens\n"

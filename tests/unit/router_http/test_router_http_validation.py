@@ -151,11 +151,11 @@ def test_openai_sampling_temperature_zero_is_greedy_default_samples() -> None:
 
 
 def test_tgi_sampling_warpers_turn_sampling_on() -> None:
-    assert tgi_sampling(TGIParameters()).do_sample is False
-    assert tgi_sampling(TGIParameters(do_sample=True)).do_sample is True
-    assert tgi_sampling(TGIParameters(top_k=5)).do_sample is True
-    assert tgi_sampling(TGIParameters(typical_p=0.9)).do_sample is True
-    params = tgi_sampling(TGIParameters(repetition_penalty=1.2, seed=9))
+    assert tgi_sampling(TGIParameters(), 50).do_sample is False
+    assert tgi_sampling(TGIParameters(do_sample=True), 50).do_sample is True
+    assert tgi_sampling(TGIParameters(top_k=5), 50).do_sample is True
+    assert tgi_sampling(TGIParameters(typical_p=0.9), 50).do_sample is True
+    params = tgi_sampling(TGIParameters(repetition_penalty=1.2, seed=9), 50)
     assert (params.do_sample, params.repetition_penalty, params.seed) == (False, 1.2, 9)
 
 

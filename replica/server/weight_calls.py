@@ -1,0 +1,234 @@
+"""The weight and layer-level prefill calls of a replica (the core's table sends them here).
+
+```
+ LoadParams ─────────────► ParamOps.run_blocking ─► ParamStore.load_from_disk / load_from_host
+ SendParams / RecvParams ─► ParamOps.start_background ─► WeightMover.send_to / recv_from ─┐
+ Broadcast RDMA ──────────► ParamOps.start_background ─► WeightMover.chain ───────────────┤ WaitRdmaDone
+ Broadcast NVL / TANZ ────► ParamOps.run_blocking ─► WeightMover.chain / tanz              joins
+ ResetStatus / SetStatusReady ─► readiness (refused while an operation holds the guard)
+ ZagPrefill / Relay ─► ZigzagManager;  PipelinedPrefill (NAIVE_PP|IMMIGRATE) ─► naive_pp_prefill
+```
+
+Decisions worth knowing: WaitRdmaDone with no background operation started is FAILED_PRECONDITION
+(out of order, not malformed); SetStatusReady without `--allow-set-status-ready` is PERMISSION_DENIED
+(an admin backdoor that is switched off); background transfers get `--transfer-timeout`, blocking
+ones the smaller of that and the call's deadline. A blocking broadcast whose caller gives up aborts
+its transfers, so the guard is free again at once (`WeightMover` takes the cancellation).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+
+import torch
+
+from replica.cluster import WEIGHT_BUFFER
+from replica.engine.engine import Engine
+from replica.engine.types import HealthState, StepResult
+from replica.engine.validation import admit_batch
+from replica.errors import FailedPrecondition, InvalidArgument, PermissionDenied
+from replica.params.operations import ParamOps
+from replica.params.store import ParamStore
+from replica.params.transfer import WeightMover, chain_of
+from replica.server.calls import CallContext
+from replica.server.messages import (
+    Broadcast,
+    BroadcastKind,
+    LoadCase,
+    LoadParams,
+    PipelinedPrefill,
+    PipeStart,
+    PrefillCase,
+    RecvParams,
+    Relay,
+    SendParams,
+    ZagPrefill,
+)
+from replica.server.shared import ServerState
+from replica.zigzag.activation import ActivationLink
+from replica.zigzag.manager import ZigzagManager
+from replica.zigzag.naive_pp import naive_pp_prefill
+from replica.zigzag.outcome import Relayed, ZagOutcome
+from transfer.core import Deadline, Stream
+
+
+@dataclass
+class WeightState:
+    """What the weight calls work with, created once the engine and the fabric exist."""
+
+    params: ParamStore
+    ops: ParamOps
+    zigzag: ZigzagManager
+    mover: WeightMover | None  # None without a fabric
+    link: ActivationLink | None
+
+
+class WeightCalls:
+    """LoadParams, Send/RecvParams, WaitRdmaDone, broadcasts, Reset/SetStatus*, ZagPrefill, Relay."""
+
+    def __init__(self, shared: ServerState) -> None:
+        self.shared = shared
+        self.state: WeightState | None = None  # set by `attach` once the engine and fabric exist
+
+    def attach(self, engine: Engine, params: ParamStore) -> None:
+        """Wire the parameter store, the guard, the movers and the zigzag queue (after the fabric)."""
+        cluster, config = self.shared.cluster, self.shared.config
+        mover = link = None
+        if cluster is not None:
+            cluster.fabric.set_layout(Stream.PARAMS, "weights:" + json.dumps(params.layout.signature()))
+            mover = WeightMover(cluster.fabric, params, WEIGHT_BUFFER)
+            link = ActivationLink(cluster.fabric, config.transfer_timeout)
+        zigzag = ZigzagManager(engine, self.shared.worker, link)
+        self.state = WeightState(params, ParamOps(), zigzag, mover, link)
+
+    def _state(self) -> WeightState:
+        if self.state is None:
+            raise FailedPrecondition("the replica is still starting")
+        return self.state
+
+    def _mover(self) -> WeightMover:
+        mover = self._state().mover
+        if mover is None:
+            raise FailedPrecondition("no transfer fabric (start the replica with --cluster)")
+        return mover
+
+    def _transfer_deadline(self, ctx: CallContext | None = None) -> Deadline:
+        seconds = self.shared.config.transfer_timeout
+        call = ctx.remaining() if ctx is not None else None
+        return Deadline.after(seconds if call is None else min(seconds, call))
+
+    def health(self) -> HealthState:
+        """serving (all loaded), inactive (nothing loaded) or loading (in between)."""
+        if self.state is None:
+            return HealthState.LOADING
+        ready = self.state.params.readiness.snapshot()
+        if ready.complete:
+            return HealthState.SERVING
+        return HealthState.INACTIVE if ready.empty else HealthState.LOADING
+
+    # ------------------------------------------------------------------------------ loading
+    def load_params(self, call: LoadParams, ctx: CallContext) -> None:
+        """LoadParams from disk (under the model root) or from the host-memory copy."""
+        state = self._state()
+        if call.case == LoadCase.DISK:
+            path = state.params.resolve(call.model_name, call.model_path or None)
+            state.ops.run_blocking("LoadParams(disk)", lambda: state.params.load_from_disk(path))
+        elif call.case == LoadCase.HOST_MEM:
+            state.ops.run_blocking("LoadParams(host)", state.params.load_from_host)
+        else:
+            raise InvalidArgument(f"unknown load_case {call.case}")
+
+    # --------------------------------------------------------------------- p2p and multicast
+    def send_params(self, call: SendParams, ctx: CallContext) -> None:
+        """SendParams: p2p to `dst` in the background."""
+        mover, deadline = self._mover(), self._transfer_deadline()
+        self._state().ops.start_background(
+            "SendParams", lambda: mover.prepare_send(call.dst), lambda: mover.send_to(call.dst, deadline)
+        )
+
+    def recv_params(self, call: RecvParams, ctx: CallContext) -> None:
+        """RecvParams: p2p from `src` in the background."""
+        mover, deadline = self._mover(), self._transfer_deadline()
+        self._state().ops.start_background(
+            "RecvParams", lambda: mover.prepare_recv(call.src), lambda: mover.recv_from(call.src, deadline)
+        )
+
+    def broadcast(self, call: Broadcast, ctx: CallContext) -> None:
+        """RdmaBroadcast (background chain), NvlBroadcast (blocking chain), TanzBroadcast (blocking)."""
+        mover, sources, dests = self._mover(), list(call.src_ranks), list(call.dst_ranks)
+        ops = self._state().ops
+        if call.kind is BroadcastKind.RDMA:
+            chain, deadline = chain_of(sources, dests), self._transfer_deadline()
+            ops.start_background(
+                call.kind.value, lambda: mover.prepare_chain(chain), lambda: mover.chain(chain, deadline)
+            )
+            return
+        deadline, cancelled = self._transfer_deadline(ctx), ctx.cancellation
+        if call.kind is BroadcastKind.NVL:
+            chain = chain_of(sources, dests)
+
+            def run() -> None:
+                mover.prepare_chain(chain)
+                mover.chain(chain, deadline, cancelled)
+
+        else:
+
+            def run() -> None:
+                mover.prepare_tanz(sources, dests)
+                mover.tanz(sources, dests, deadline, cancelled)
+
+        ops.run_blocking(call.kind.value, run)
+
+    def wait_rdma_done(self, ctx: CallContext) -> None:
+        """WaitRdmaDone: join the background operation, raise its error."""
+        self._state().ops.wait(ctx.remaining())
+
+    # --------------------------------------------------------------------------- status
+    def reset_status(self) -> None:
+        """ResetStatus: weights unloaded (a complete buffer is kept in host memory)."""
+        state = self._state()
+        state.ops.run_blocking("ResetStatus", state.params.unload)
+        state.zigzag.reset()
+
+    def set_status_ready(self) -> None:
+        """SetStatusReady: every region loaded (only with --allow-set-status-ready)."""
+        if not self.shared.config.allow_set_status_ready:
+            raise PermissionDenied(
+                "SetStatusReady is disabled (start the replica with --allow-set-status-ready)"
+            )
+        state = self._state()
+        state.ops.run_blocking("SetStatusReady", state.params.readiness.mark_all)
+
+    # ------------------------------------------------------------------ layer-level prefill
+    def zag_prefill(self, call: ZagPrefill, ctx: CallContext) -> ZagOutcome:
+        """ZagPrefill: queue in `seq` order, advance layer by layer; returns finished or relayed."""
+        if not call.forward_case & PrefillCase.NAIVE_PP:
+            raise InvalidArgument(f"ZagPrefill needs forward_case NAIVE_PP, got {call.forward_case}")
+        zigzag = self._state().zigzag
+        future = zigzag.submit(call.batch, call.seq, ctx.remaining())
+        return zigzag.wait(future, ctx.remaining())
+
+    def relay(self, call: Relay, ctx: CallContext) -> Relayed | None:
+        """Relay: hand one queued layer-level prefill to replica `rank` (None: nothing to relay)."""
+        return self._state().zigzag.relay(call.rank, call.relax_not_head, ctx.remaining())
+
+    def pipelined_prefill(self, call: PipelinedPrefill, ctx: CallContext) -> StepResult:
+        """PrefillV2 NAIVE_PP|IMMIGRATE: finish a relayed batch from layer k (`replica.zigzag.naive_pp`)."""
+        if call.forward_case != PrefillCase.NAIVE_PP | PrefillCase.IMMIGRATE:
+            raise InvalidArgument(
+                f"PrefillV2 forward_case {call.forward_case}: NAIVE_PP and IMMIGRATE go together (12)"
+            )
+        engine = self.shared.engine
+        if engine is None:
+            raise FailedPrecondition("the model is still loading")
+        start, hidden = self._incoming_activation(engine, call, ctx)
+        timeout = ctx.remaining()
+        return self.shared.worker.call(
+            lambda: naive_pp_prefill(engine, call.batch, start, hidden, timeout), timeout
+        )
+
+    def _incoming_activation(
+        self, engine: Engine, call: PipelinedPrefill, ctx: CallContext
+    ) -> tuple[int, torch.Tensor | None]:
+        """(first layer to run, received activation or None to embed here) from the call's start."""
+        num_layers = engine.runner.num_layers
+        if call.start is None or call.start is PipeStart.EMBEDDING:
+            return 0, None
+        start = num_layers if call.start is PipeStart.HEAD else call.start_layer
+        if not 0 <= start <= num_layers:
+            raise InvalidArgument(f"pp_info.tfm_layer {start} outside 0..{num_layers}")
+        if len(call.pipe_peer) != 1:
+            raise InvalidArgument(f"pipe_peer must name one rank per TP rank (1), got {list(call.pipe_peer)}")
+        link = self._state().link
+        if link is None:
+            raise FailedPrecondition("no transfer fabric to receive the activation on (use --cluster)")
+        tokenize = engine.detok.encode if engine.detok.available else None
+        # the activation's rows
+        tokens = sum(len(p) for p in admit_batch(call.batch, engine.limits, tokenize))
+        hidden_size = engine.runner.model.config.hidden_size
+        dtype = engine.runner.cache.tensor.dtype
+        remaining = ctx.remaining()
+        timeout = math.inf if remaining is None else remaining  # the link caps it at --transfer-timeout
+        return start, link.receive(call.pipe_peer[0], (tokens, hidden_size), dtype, timeout)

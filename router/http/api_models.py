@@ -1,0 +1,290 @@
+"""The shapes of every answer, for the OpenAPI schema (`openapi.py`) and what /docs shows.
+
+The routes build their answers as plain dicts (`openai_format.py`, `tgi_format.py`, pure and fast);
+these models describe them exactly (`extra="forbid"`: a field the routes add must be added here too,
+or the schema tests fail). Fields without a default are always present, `| None` ones may be null.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class _Answer(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class Route(_Answer):
+    """Where the request ran (pdcluster's extension): replicas, migration strategy, KV bytes moved."""
+
+    prefill_replica: int | None
+    decode_replica: int | None
+    strategy: str
+    migration_bytes: int
+    migration_seconds: float
+    loading_prefill: bool = Field(description="prefilled (at least its first layers) by a replica still "
+                                              "receiving its weights (live scaling)")
+    relay_replica: int | None = Field(description="the loaded replica that finished such a prefill")
+    requeues: int = Field(description="times it ran again on another replica after a replica failed")
+
+
+class Usage(_Answer):
+    """Tokens of the prompt and of the completion."""
+
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class CompletionLogprobs(_Answer):
+    """Per-token logprobs of a completion choice (with `echo`, the prompt's tokens first)."""
+
+    tokens: list[str]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None]
+    text_offset: list[int]
+
+
+FinishReason = Literal["stop", "length"]
+
+
+class CompletionChoice(_Answer):
+    """The one choice of a completion."""
+
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None
+    finish_reason: FinishReason
+
+
+class _Envelope(_Answer):
+    id: str
+    created: int
+    model: str
+    system_fingerprint: str
+
+
+class Completion(_Envelope):
+    """POST /v1/completions, not streamed."""
+
+    object: Literal["text_completion"]
+    choices: list[CompletionChoice]
+    usage: Usage
+    pdcluster_route: Route
+
+
+class CompletionChunkChoice(_Answer):
+    """A streamed completion choice: `finish_reason` only on the last chunk with a choice."""
+
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None
+    finish_reason: FinishReason | None
+
+
+class CompletionChunk(_Envelope):
+    """One SSE event of a streamed completion (then `data: [DONE]`); with `include_usage`, every
+    chunk has `usage: null` and an extra last chunk has no choices and the usage."""
+
+    object: Literal["text_completion"]
+    choices: list[CompletionChunkChoice]
+    usage: Usage | None = None
+    pdcluster_route: Route | None = None
+
+
+class TopLogprob(_Answer):
+    """An alternative token of a chat logprob."""
+
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class ChatTokenLogprob(TopLogprob):
+    """One generated token's logprob and its alternatives."""
+
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(_Answer):
+    """A chat choice's logprobs."""
+
+    content: list[ChatTokenLogprob]
+
+
+class AssistantMessage(_Answer):
+    """The generated message."""
+
+    role: Literal["assistant"]
+    content: str
+
+
+class ChatChoice(_Answer):
+    """The one choice of a chat completion."""
+
+    index: int
+    message: AssistantMessage
+    logprobs: ChatLogprobs | None
+    finish_reason: FinishReason
+
+
+class ChatCompletion(_Envelope):
+    """POST /v1/chat/completions, not streamed."""
+
+    object: Literal["chat.completion"]
+    choices: list[ChatChoice]
+    usage: Usage
+    pdcluster_route: Route
+
+
+class ChatDelta(_Answer):
+    """The text a chunk adds (the first chunk also names the role)."""
+
+    role: Literal["assistant"] | None = None
+    content: str
+
+
+class ChatChunkChoice(_Answer):
+    """A streamed chat choice."""
+
+    index: int
+    delta: ChatDelta
+    logprobs: ChatLogprobs | None
+    finish_reason: FinishReason | None
+
+
+class ChatCompletionChunk(_Envelope):
+    """One SSE event of a streamed chat completion (then `data: [DONE]`)."""
+
+    object: Literal["chat.completion.chunk"]
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = None
+    pdcluster_route: Route | None = None
+
+
+class Model(_Answer):
+    """The served model."""
+
+    id: str
+    object: Literal["model"]
+    created: int
+    owned_by: str
+    max_model_len: int = Field(description="prompt + generated tokens one request may reach")
+
+
+class ModelList(_Answer):
+    """GET /v1/models."""
+
+    object: Literal["list"]
+    data: list[Model]
+
+
+class TGIToken(_Answer):
+    """A generated token (TGI)."""
+
+    id: int
+    text: str
+    logprob: float
+    special: bool
+
+
+class TGIPrefillToken(_Answer):
+    """A prompt token (TGI `decoder_input_details`); the first one has no logprob."""
+
+    id: int
+    text: str
+    logprob: float | None
+
+
+class TGIDetails(_Answer):
+    """`details` of a TGI answer (when `parameters.details`)."""
+
+    finish_reason: Literal["length", "eos_token", "stop_sequence"]
+    generated_tokens: int
+    seed: int | None
+    prefill: list[TGIPrefillToken]
+    tokens: list[TGIToken]
+    best_of_sequences: None
+    top_tokens: list[list[TGIToken]] | None = None
+
+
+class TGIGenerated(_Answer):
+    """POST /generate (and each element of POST /'s list)."""
+
+    generated_text: str
+    details: TGIDetails | None = None
+    pdcluster_route: Route
+
+
+class TGIStreamDetails(_Answer):
+    """`details` of the last stream event."""
+
+    finish_reason: Literal["length", "eos_token", "stop_sequence"]
+    generated_tokens: int
+    seed: int | None
+    input_length: int
+
+
+class TGIStreamEvent(_Answer):
+    """One SSE event of /generate_stream: one per token; the last carries text, details and route."""
+
+    index: int
+    token: TGIToken
+    top_tokens: list[TGIToken] | None
+    generated_text: str | None
+    details: TGIStreamDetails | None
+    pdcluster_route: Route | None = None
+
+
+class TGIInfo(_Answer):
+    """GET /info."""
+
+    model_id: str
+    model_sha: str | None
+    model_dtype: str
+    model_device_type: str
+    model_pipeline_tag: str
+    max_concurrent_requests: int
+    max_best_of: int
+    max_stop_sequences: int
+    max_input_tokens: int
+    max_input_length: int
+    max_total_tokens: int
+    max_batch_total_tokens: int | None
+    max_client_batch_size: int
+    validation_workers: int
+    vocab_size: int
+    router: str
+    version: str
+    sha: str | None
+    docker_label: str | None
+
+
+class Health(_Answer):
+    """GET /health."""
+
+    status: Literal["ok", "unavailable"]
+
+
+class OpenAIErrorDetail(_Answer):
+    """What went wrong; `param` names the offending field, `code` is machine-readable."""
+
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class OpenAIError(_Answer):
+    """Every error of the /v1 routes."""
+
+    error: OpenAIErrorDetail
+
+
+class TGIError(_Answer):
+    """Every error of the TGI routes (what the `text-generation` client parses)."""
+
+    error: str
+    error_type: str

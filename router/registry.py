@@ -1,0 +1,155 @@
+"""The replica registry: every replica the router knows, by id, as the core drives it.
+
+A `ReplicaHandle` is one replica: its `ReplicaState` (role, pages), its client, the inbox of batches
+it is to decode, its running batch and its loop's task. `Replicas` holds them and answers the
+questions asked across replicas (who serves, who may receive a migration, who becomes prefill);
+`snapshot()` is a frozen view of all of them, cheap enough to take every few hundred ms.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+
+from router.batches import InboxItem, LiveBatch
+from router.episode import Episode
+from router.errors import ReplicaCallError
+from router.replica_api import ReplicaApi
+from router.replicas import SERVING, ReplicaState, ReplicaView, State, Trigger
+from router.types import ReplicaId, ReplicaInfo
+
+log = logging.getLogger("pdcluster.router")
+
+_CANNOT_SERVE = frozenset({State.DEAD, State.INACTIVE})  # no loop runs a request without an admin call
+_DECODING = (State.DECODE, State.MUTATING_TO_DECODE)
+
+
+@dataclass
+class ReplicaHandle:
+    """A replica as the core drives it: state, client, inbox of batches to decode, worker task."""
+
+    state: ReplicaState
+    client: ReplicaApi
+    inbox: list[InboxItem] = field(default_factory=list)
+    running: LiveBatch | None = None
+    task: asyncio.Task[None] | None = None
+    zigzag: Episode | None = None  # its layer-by-layer prefills while it loads (live scaling)
+
+    @property
+    def id(self) -> ReplicaId:
+        """The router's id of this replica."""
+        return self.state.id
+
+    @property
+    def rank(self) -> int:
+        """Its global rank (for Migrate src/dst)."""
+        return self.state.info.rank
+
+    @property
+    def alive(self) -> bool:
+        """Not declared dead."""
+        return self.state.alive
+
+    @property
+    def block_size(self) -> int:
+        """Tokens per KV page."""
+        return self.state.info.block_size
+
+    @property
+    def empty(self) -> bool:
+        """Holds nothing for us and expects nothing."""
+        s = self.state
+        return self.running is None and not self.inbox and not s.held and not s.inbound and not s.outbound
+
+    def forget_work(self) -> None:
+        """Drop the batches the router had for it (it died, or it came back and was cleared)."""
+        self.inbox.clear()
+        self.running = None
+
+    async def prune(self, live: LiveBatch) -> LiveBatch | None:
+        """Filter a cached batch here down to the requests still wanted (None: cleared).
+
+        On a failed call the batch's pages are forgotten and the replica's error is raised (the
+        caller re-runs or fails the requests still wanted).
+        """
+        keep = live.wanted_ids()
+        if len(keep) == len(live.members):
+            return live
+        gone = [rid for rid in live.members if rid not in keep]
+        try:
+            if not keep:
+                await self.client.clear_cache(live.id)
+                self.state.release(gone)
+                return None
+            cached = await self.client.filter_batch(live.id, keep)
+        except ReplicaCallError:
+            self.state.release(live.members)
+            raise
+        self.state.release(gone)
+        return LiveBatch(cached, {rid: live.members[rid] for rid in keep}, live.block_size)
+
+
+class Replicas(Mapping[ReplicaId, ReplicaHandle]):
+    """Every replica the router knows (dead ones included), by id."""
+
+    def __init__(self) -> None:
+        self._handles: dict[ReplicaId, ReplicaHandle] = {}
+        self._ids = itertools.count(0)
+
+    def __getitem__(self, rid: ReplicaId) -> ReplicaHandle:
+        handle = self._handles.get(rid)
+        if handle is None:
+            raise KeyError(f"no replica with id {rid}")
+        return handle
+
+    def __iter__(self) -> Iterator[ReplicaId]:
+        return iter(self._handles)
+
+    def __len__(self) -> int:
+        return len(self._handles)
+
+    def add(self, address: str, info: ReplicaInfo, role: State, client: ReplicaApi,
+            registered: bool = False) -> ReplicaHandle:
+        """Register a replica under the next id."""
+        state = ReplicaState(ReplicaId(next(self._ids)), address, info, role, registered)
+        handle = ReplicaHandle(state, client)
+        self._handles[handle.id] = handle
+        return handle
+
+    def serving(self) -> list[ReplicaInfo]:
+        """Info of every replica in a serving role."""
+        return [h.state.info for h in self._handles.values() if h.state.role in SERVING]
+
+    def can_serve(self) -> bool:
+        """Some replica could still run a request (without an admin call bringing one back)."""
+        return any(h.state.role not in _CANNOT_SERVE for h in self._handles.values())
+
+    def has_decode(self) -> bool:
+        """A live decode replica exists (else prefill replicas decode their own batches)."""
+        return any(h.state.role in _DECODING for h in self._handles.values())
+
+    def others(self, src: ReplicaHandle) -> list[ReplicaState]:
+        """Every replica's state but `src`'s (candidates for a migration from it)."""
+        return [h.state for h in self._handles.values() if h is not src]
+
+    def settle_roles(self) -> ReplicaHandle | None:
+        """Keep a prefill replica in a disaggregated cluster: an empty decode replica takes the role.
+
+        Returns the replica that became prefill, if one did.
+        """
+        roles = {h.state.role for h in self._handles.values()}
+        if State.PREFILL in roles or State.COLOCATED in roles:
+            return None
+        for handle in self._handles.values():
+            if handle.state.role is State.DECODE and handle.empty:
+                handle.state.move(State.PREFILL, Trigger.TAKE_PREFILL)
+                log.info("replica %s becomes a prefill replica", handle.id)
+                return handle
+        return None
+
+    def snapshot(self) -> tuple[ReplicaView, ...]:
+        """Every replica's state now, frozen, by id."""
+        return tuple(h.state.snapshot() for h in self._handles.values())

@@ -1,0 +1,115 @@
+"""`ReplicaApi`: the calls the router's core makes on a replica, as plain dataclasses.
+
+The core (loops, migrations, control) depends on this protocol only; `client.ReplicaClient` (the
+gRPC edge) implements it, and `main.py` hands the scheduler a `Connect` that builds one per address.
+Every call raises a `router.errors.ReplicaCallError` subclass when it fails.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Coroutine, Sequence
+from typing import Any, Protocol
+
+from router.types import (
+    BatchId,
+    BatchSpec,
+    CachedBatch,
+    PrefillCase,
+    ReplicaInfo,
+    RequestId,
+    StepResult,
+    ZagOutcome,
+)
+
+
+class ReplicaApi(Protocol):
+    """One replica, as the router drives it (`generate.v2`, see shared/design/REPLICA_RPC.md)."""
+
+    address: str
+
+    async def info(self) -> ReplicaInfo:
+        """Model and cache facts."""
+        ...
+
+    async def prefill(
+        self, batch: BatchSpec, case: PrefillCase = PrefillCase.NORMAL, pipe_peer: Sequence[int] = (),
+        resume: int | None = None,
+    ) -> StepResult:
+        """PrefillV2 of a new batch (with migration flags when `case` asks for them); `resume`: a
+        relayed batch's layer (NAIVE_PP|IMMIGRATE from `pipe_peer`; 0 = at the embedding)."""
+        ...
+
+    async def zag_prefill(self, batch: BatchSpec, seq: int) -> ZagOutcome:
+        """Layer-by-layer prefill on a replica still receiving weights, admitted in `seq` order."""
+        ...
+
+    async def relay(self, old_rank: int, relax_not_head: bool) -> tuple[BatchId, int] | None:
+        """Hand a queued layer-by-layer prefill to `old_rank`: (batch id, seq), or None."""
+        ...
+
+    async def migrate_partial(self, batch: BatchSpec, first: bool, split: int, src: Sequence[int],
+                              dst: Sequence[int]) -> CachedBatch:
+        """Sender side of one half of a split KV: layers [0, split) (first) or [split, L)."""
+        ...
+
+    async def immigrate_partial(self, batch: BatchSpec, first: bool, split: int, src: Sequence[int],
+                                dst: Sequence[int]) -> CachedBatch:
+        """Receiver side of one half; the second half's answer is the decode-ready batch."""
+        ...
+
+    def start_decode(self, batches: Sequence[CachedBatch], last_tokens: Sequence[Sequence[int]],
+                     call_id: str = "", after: str = "") -> Coroutine[Any, Any, StepResult]:
+        """DecodeV2, sent at the caller's next yield; `after` orders it behind a call still on the wire."""
+        ...
+
+    async def filter_batch(self, batch_id: BatchId, keep: Sequence[RequestId]) -> CachedBatch:
+        """Keep only `keep`; the replica frees the others' pages."""
+        ...
+
+    async def clear_cache(self, batch_id: BatchId | None = None) -> None:
+        """Free one batch (or every batch when None)."""
+        ...
+
+    async def migrate(self, batch: BatchSpec, src: Sequence[int], dst: Sequence[int]) -> CachedBatch:
+        """Sender side of a full KV migration."""
+        ...
+
+    async def immigrate(self, batch: BatchSpec, src: Sequence[int], dst: Sequence[int]) -> CachedBatch:
+        """Receiver side of a full KV migration: returns the decode-ready batch."""
+        ...
+
+    async def send_params(self, dst: int) -> None:
+        """Start a background p2p weight send to global rank `dst`."""
+        ...
+
+    async def recv_params(self, src: int) -> None:
+        """Start a background p2p weight receive from global rank `src`."""
+        ...
+
+    async def rdma_broadcast(self, src_ranks: Sequence[int], dst_ranks: Sequence[int]) -> None:
+        """Start this member's part of a chain multicast of the weights."""
+        ...
+
+    async def tanz_broadcast(self, src_ranks: Sequence[int], dst_ranks: Sequence[int]) -> None:
+        """This member's part of a Tanz broadcast of the weights (blocks until it is done)."""
+        ...
+
+    async def load_params(self, from_host: bool, model: str = "") -> None:
+        """Fill the weights from the model root (`model`: a folder under it) or the host-memory copy."""
+        ...
+
+    async def wait_rdma_done(self) -> None:
+        """Join the background weight transfer; raises its error."""
+        ...
+
+    async def reset_status(self) -> None:
+        """Mark the weights unloaded."""
+        ...
+
+    async def close(self) -> None:
+        """Release the connection."""
+        ...
+
+
+Connect = Callable[[str], ReplicaApi]
+"""Builds the client of the replica at an address (`main.py` passes the gRPC one)."""

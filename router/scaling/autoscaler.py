@@ -1,0 +1,140 @@
+"""The autoscaler: every `plan_interval` a snapshot, the planner, the executor — while serving.
+
+```
+ every plan_interval (policy that plans):
+   snapshot (states, pages, busy replicas, queue, rates) ─► planner.plan ─► actions.choose
+   ─► one task per action (Executor.run) ─► timeline: the round, its loads, its actions
+```
+Rounds never overlap, and an action's replicas are left alone until it ends. `set_policy` switches
+the policy at run time (actions in flight finish; `static` stops planning).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Callable
+from dataclasses import asdict
+
+from router.registry import ReplicaHandle
+from router.replicas import State
+from router.scaling import policies
+from router.scaling.actions import Action, Kind, Load, choose
+from router.scaling.executor import Executor, ScalingHost, action_name
+from router.scaling.planner import Bounds, Plan, ReplicaSample, Snapshot, plan
+from router.scaling.policies import Policy
+from router.scaling.rates import Rates
+from router.scaling.timeline import Timeline
+from router.states import PREFILL_LIKE
+
+log = logging.getLogger("pdcluster.router")
+
+
+class Autoscaler:
+    """Plans and scales the cluster by itself under a scaling policy."""
+
+    def __init__(self, host: ScalingHost, policy: str, bounds: Bounds, interval: float, rates: Rates,
+                 timeline: Timeline, on_action: Callable[[str, bool], None] | None = None) -> None:
+        self.host = host
+        self.policy: Policy = policies.get(policy)
+        self.bounds = bounds
+        self.interval = interval
+        self.rates = rates
+        self.timeline = timeline
+        self.executor = Executor(host, timeline, on_action or (lambda _name, _ok: None))
+        self.tasks: set[asyncio.Task[bool]] = set()
+        self.rounds = 0
+        self.up_at: dict[Kind, float] = {}  # when each kind last scaled up (the planner's cooldown)
+        self._task: asyncio.Task[None] | None = None
+
+    def set_policy(self, name: str) -> str:
+        """Switch the policy (ValueError for an unknown name); returns the previous one's name."""
+        previous, self.policy = self.policy, policies.get(name)
+        log.info("scaling policy: %s -> %s", previous.name, self.policy.name)
+        self.timeline.write("policy", previous=previous.name, policy=self.policy.name)
+        return previous.name
+
+    def start(self) -> None:
+        """Plan every interval until `stop` (rounds run only while the policy plans)."""
+        self._task = asyncio.create_task(self._loop(), name="autoscaler")
+
+    async def stop(self) -> None:
+        """Stop planning; cancel the actions in flight (their rollbacks run)."""
+        tasks = [t for t in [self._task, *self.tasks] if t is not None]
+        for task in tasks:
+            task.cancel()
+        for task in tasks:
+            with contextlib.suppress(BaseException):
+                await task
+
+    async def _loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.interval)
+            if not self.policy.plans:
+                continue
+            try:
+                self.round()
+            except Exception:
+                log.exception("scaling round failed")
+
+    def snapshot(self) -> Snapshot:
+        """The cluster as the planner sees it now."""
+        now = self.host.clock()
+        live = [h for h in self.host.replicas.values() if h.state.alive]
+        # KV of prefilled batches still on prefill replicas: what the decode side must take in
+        migrating = sum(h.state.used_blocks * h.block_size for h in live if h.state.role in PREFILL_LIKE)
+        waiting_requests, waiting_tokens = self.host.queued()
+        return Snapshot(
+            now=now, replicas=tuple(self._sample(h) for h in live), waiting_prefill_tokens=waiting_tokens,
+            waiting_requests=waiting_requests, migrating_tokens=migrating,
+            arriving_tokens_per_s=self.rates.arrivals.rate(now),
+            prefill_tokens_per_s=self.rates.prefill.value, migration_tokens_per_s=self.rates.migration.value,
+            prefill_up_at=self.up_at.get(Kind.PREFILL), decode_up_at=self.up_at.get(Kind.DECODE),
+        )
+
+    def _sample(self, h: ReplicaHandle) -> ReplicaSample:
+        s = h.state
+        idle_since = s.since if s.role is State.IDLE else None
+        busy = 1 if h.id in self.executor.busy else 0
+        return ReplicaSample(h.id, s.role, s.used_blocks, s.info.num_blocks_total, busy, idle_since)
+
+    def round(self) -> tuple[Plan, list[Action]]:
+        """One planning round: decide, start the actions, write the round to the timeline."""
+        snapshot = self.snapshot()
+        decided = plan(snapshot, self.bounds)
+        actions = choose(decided, snapshot, self.policy.caps)
+        self.rounds += 1
+        self._record(decided, actions)
+        for kind, delta in ((Kind.PREFILL, decided.prefill.delta), (Kind.DECODE, decided.decode.delta)):
+            if delta > 0 and actions:
+                self.up_at[kind] = snapshot.now
+        for action in actions:
+            task = asyncio.create_task(self.executor.run(action), name=f"scale-{action_name(action)}")
+            self.tasks.add(task)
+            task.add_done_callback(self.tasks.discard)
+        return decided, actions
+
+    def _record(self, decided: Plan, actions: list[Action]) -> None:
+        self.timeline.write(
+            "plan", policy=self.policy.name, loads=decided.loads, prefill=asdict(decided.prefill),
+            decode=asdict(decided.decode), expire=list(decided.expire),
+            actions=[_describe(a) for a in actions],
+        )
+        for action in actions:
+            log.info("scaling: %s", _describe(action))
+
+
+def _describe(action: Action) -> dict[str, object]:
+    """An action as a plain record."""
+    record: dict[str, object] = {"action": action_name(action)}
+    if isinstance(action, Load):
+        record.update(method=action.method.value, sources=list(action.sources),
+                      targets=list(action.targets), kind=action.kind.value, live=action.live)
+    else:
+        record["replica"] = action.replica
+        kind = getattr(action, "kind", None)
+        if isinstance(kind, Kind):
+            record["kind"] = kind.value
+    return record
+

@@ -1,0 +1,184 @@
+"""Moving weights into replicas that have none: the methods, and what a failure leaves behind.
+
+```
+ p2p        SendParams(dst) on a source ‖ RecvParams(src) on the target, then WaitRdmaDone on both
+ chain      RdmaBroadcast([src], targets) on every member, then WaitRdmaDone on every member
+ tanz       TanzBroadcast(sources, targets) on every member (blocking; |targets| % |sources| == 0)
+ load_disk  LoadParams(LOAD_FROM_DISK, model) on each target (blocking)
+ load_host  LoadParams(LOAD_FROM_HOST_MEM) on each target (blocking)
+```
+`become_ready` gives targets whose weights are complete their role. Used by the operator's
+ActivateReplica (`control.py`) and by the autoscaler's executor (`scaling/executor.py`). A failed
+transfer first waits (at most `SETTLE_S`) for every live member's background part to end, so a
+retry finds no parameter operation in flight, then raises.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import logging
+from collections.abc import Awaitable, Sequence
+from typing import Protocol
+
+from router.errors import ReplicaCallError
+from router.registry import ReplicaHandle
+from router.replica_api import ReplicaApi
+from router.replicas import State, TransitionError, Trigger
+from router.types import ReplicaId
+
+log = logging.getLogger("pdcluster.router")
+
+
+class Method(enum.Enum):
+    """How weights reach replicas that have none."""
+
+    TANZ = "tanz"
+    CHAIN = "chain"
+    P2P = "p2p"
+    LOAD_DISK = "load_disk"  # LoadParams from the model root
+    LOAD_HOST = "load_host"  # LoadParams from the node's host-memory copy
+
+
+TRANSFER_METHODS = (Method.TANZ, Method.CHAIN, Method.P2P)  # from replicas that hold weights
+LOAD_METHODS = (Method.LOAD_DISK, Method.LOAD_HOST)  # from storage, no source replica
+
+# How long a failed transfer waits for the members' background parts before raising. A member
+# waiting for a peer that died before connecting only fails at its own deadline: the caller does
+# not wait for that; a retry meanwhile is refused FAILED_PRECONDITION ("another parameter
+# operation is in flight") until it ends.
+SETTLE_S = 30.0
+
+
+class Member(Protocol):
+    """A replica taking part in a weight transfer."""
+
+    @property
+    def rank(self) -> int:
+        """Its global rank."""
+        ...
+
+    @property
+    def client(self) -> ReplicaApi:
+        """Its client."""
+        ...
+
+    @property
+    def alive(self) -> bool:
+        """Not declared dead."""
+        ...
+
+
+async def move(method: Method, sources: Sequence[Member], targets: Sequence[Member], model: str = "") -> None:
+    """Give every target the weights by `method`; on failure settle the members, then raise."""
+    if not targets:
+        raise ValueError("no replica to give weights to")
+    if method in TRANSFER_METHODS and not sources:
+        raise ValueError(f"{method.value} needs a source replica that holds the weights")
+    try:
+        await _RUN[method](sources, targets, model)
+    except BaseException:
+        if method in (Method.P2P, Method.CHAIN):  # their parts run in the background: join them
+            await settle([*sources, *targets])
+        raise
+
+
+async def _all(*calls: Awaitable[object]) -> None:
+    """Run the calls together; on the first failure cancel the others (a replica whose call is
+    cancelled aborts its part and frees its parameter operation at once), then raise it."""
+    tasks = [asyncio.ensure_future(c) for c in calls]
+    try:
+        await asyncio.gather(*tasks)
+    except BaseException:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        raise
+
+
+async def _p2p(sources: Sequence[Member], targets: Sequence[Member], _model: str) -> None:
+    """One source per target (round robin); a source sends to its targets one after another (a
+    replica runs one parameter operation at a time), the sources in parallel."""
+    share: dict[int, tuple[Member, list[Member]]] = {}
+    for i, t in enumerate(targets):
+        src = sources[i % len(sources)]
+        share.setdefault(src.rank, (src, []))[1].append(t)
+    await _all(*(_send_each(src, dsts) for src, dsts in share.values()))
+
+
+async def _send_each(src: Member, targets: list[Member]) -> None:
+    for dst in targets:
+        await _all(src.client.send_params(dst.rank), dst.client.recv_params(src.rank))
+        await _all(src.client.wait_rdma_done(), dst.client.wait_rdma_done())
+
+
+async def _chain(sources: Sequence[Member], targets: Sequence[Member], _model: str) -> None:
+    """Chain multicast source → t1 → t2 …: every member starts its part, then all join."""
+    source = sources[0]
+    members = [source, *targets]
+    src_ranks, dst_ranks = [source.rank], [t.rank for t in targets]
+    await _all(*(m.client.rdma_broadcast(src_ranks, dst_ranks) for m in members))
+    await _all(*(m.client.wait_rdma_done() for m in members))
+
+
+async def _tanz(sources: Sequence[Member], targets: Sequence[Member], _model: str) -> None:
+    """Every source feeds its lane of targets a stripe; the targets ring-exchange the stripes."""
+    if len(targets) % len(sources):
+        raise ValueError(f"Tanz needs the targets ({len(targets)}) in equal lanes of the sources "
+                         f"({len(sources)})")
+    src_ranks, dst_ranks = [s.rank for s in sources], [t.rank for t in targets]
+    await _all(*(m.client.tanz_broadcast(src_ranks, dst_ranks) for m in [*sources, *targets]))
+
+
+async def _load_disk(_sources: Sequence[Member], targets: Sequence[Member], model: str) -> None:
+    await _all(*(t.client.load_params(from_host=False, model=model) for t in targets))
+
+
+async def _load_host(_sources: Sequence[Member], targets: Sequence[Member], _model: str) -> None:
+    await _all(*(t.client.load_params(from_host=True) for t in targets))
+
+
+_RUN = {Method.P2P: _p2p, Method.CHAIN: _chain, Method.TANZ: _tanz, Method.LOAD_DISK: _load_disk,
+        Method.LOAD_HOST: _load_host}
+
+
+async def settle(members: Sequence[Member]) -> None:
+    """After a failed transfer: wait (up to `SETTLE_S`) until every live member's background part
+    has ended, so that a retry finds no operation in flight."""
+    live = [m for m in members if m.alive]
+    joins = asyncio.gather(*(m.client.wait_rdma_done() for m in live), return_exceptions=True)
+    try:
+        await asyncio.wait_for(joins, SETTLE_S)
+    except TimeoutError:
+        log.warning("a weight transfer failed and some members are still transferring after %.0f s",
+                    SETTLE_S)
+
+
+class Mortician(Protocol):
+    """Who declares replicas dead."""
+
+    def mark_dead(self, rid: ReplicaId, reason: str) -> None:
+        """The replica is gone: stop its loop and re-run every request it held."""
+        ...
+
+
+async def become_ready(hub: Mortician, targets: Sequence[ReplicaHandle], role: State) -> None:
+    """Give every target that reports its weights loaded its role; one that cannot be reached any
+    more is dead. Raise naming the targets that did not become ready (the others serve)."""
+    failed: list[str] = []
+    for t in targets:
+        try:
+            info = await t.client.info()
+        except ReplicaCallError as exc:
+            hub.mark_dead(t.id, f"unreachable right after its weights arrived: {exc}")
+            failed.append(f"replica {t.id} is unreachable (marked dead)")
+            continue
+        if not info.loaded:
+            failed.append(f"replica {t.id} reports its weights are not loaded after the transfer")
+            continue
+        t.state.info = info
+        t.state.move(role, Trigger.LOADED)
+        log.info("replica %s activated as %s", t.id, role.value)
+    if failed:
+        ready = [t.id for t in targets if t.state.role is role]
+        raise TransitionError("; ".join(failed) + (f" (activated: {ready})" if ready else ""))

@@ -1,0 +1,107 @@
+"""Schemathesis hooks for the router's schema: schema-valid requests are accepted unless their
+token counts are over the served limits, and then they are refused 400 (both directions checked).
+
+Replaces Schemathesis' own `positive_data_acceptance`, which expects every schema-valid request to
+pass: a JSON schema cannot count a text prompt's tokens, so the router's schema documents those
+limits as a 400 instead (router/http/request_schema.py). This oracle tokenizes each generated body
+with the served checkpoint's tokenizer and reads the limits from /info:
+
+    PDCLUSTER_ST_MODEL_DIR=DIR PDCLUSTER_ST_URL=http://HOST:PORT \\
+    SCHEMATHESIS_HOOKS=tests.helpers.schemathesis_hooks schemathesis run ... \\
+        --exclude-checks positive_data_acceptance
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from pathlib import Path
+from typing import Any
+
+import httpx
+import schemathesis
+
+from router.tokenizer import ChatTemplateError, Tokenizer
+
+
+@functools.cache
+def _tokenizer() -> Tokenizer:
+    return Tokenizer.from_model_dir(Path(os.environ["PDCLUSTER_ST_MODEL_DIR"]))
+
+
+@functools.cache
+def _limits() -> tuple[int, int]:
+    info = httpx.get(f"{os.environ['PDCLUSTER_ST_URL']}/info", timeout=30).json()
+    return int(info["max_input_tokens"]), int(info["max_total_tokens"])
+
+
+def _completion_ids(prompt: Any) -> list[int]:
+    tok = _tokenizer()
+    if isinstance(prompt, str):
+        return tok.encode(prompt)
+    first = prompt[0]
+    if isinstance(first, int | float):  # JSON Schema's integers include 5.0
+        return [int(t) for t in prompt]
+    return tok.encode(first) if isinstance(first, str) else [int(t) for t in first]
+
+
+def _text(content: Any) -> str:
+    if content is None:
+        return ""
+    return content if isinstance(content, str) else "".join(part["text"] for part in content)
+
+
+def _chat_ids(body: dict[str, Any]) -> list[int] | None:
+    tok = _tokenizer()
+    messages = [{"role": m["role"], "content": _text(m.get("content"))} for m in body["messages"]]
+    try:
+        prompt = tok.apply_chat_template(messages, body.get("add_generation_prompt", True))
+    except ChatTemplateError:
+        return None
+    return tok.encode(prompt, add_special_tokens=False)
+
+
+def _ids_and_new(path: str, body: dict[str, Any]) -> tuple[list[int] | None, int | None]:
+    if path == "/v1/completions":
+        return _completion_ids(body["prompt"]), body.get("max_tokens")
+    if path == "/v1/chat/completions":
+        asked = body.get("max_completion_tokens")
+        return _chat_ids(body), asked if asked is not None else body.get("max_tokens")
+    params = body.get("parameters") or {}
+    ids = _tokenizer().encode(body["inputs"])
+    if params.get("truncate") is not None:
+        ids = ids[-int(params["truncate"]) :]
+    return ids, params.get("max_new_tokens")
+
+
+def over_token_limits(path: str, body: dict[str, Any]) -> bool:
+    """Whether the router must refuse this schema-valid body for its token counts."""
+    ids, new = _ids_and_new(path, body)
+    max_input, max_total = _limits()
+    if ids is None or not ids or len(ids) > max_input:
+        return True
+    return len(ids) + (int(new) if new is not None else 1) > max_total
+
+
+_GENERATION = {"/v1/completions", "/v1/chat/completions", "/generate", "/generate_stream", "/"}
+
+
+@schemathesis.check
+def accepted_unless_over_token_limits(
+    ctx: schemathesis.CheckContext, response: schemathesis.Response, case: schemathesis.Case
+) -> bool | None:
+    """A schema-valid request gets 2xx, or 400 exactly when its tokens are over the limits."""
+    meta = case.meta
+    if meta is None or not meta.generation.mode.is_positive:
+        return None
+    status = response.status_code
+    body = case.body if isinstance(case.body, dict) else None
+    refuse = case.path in _GENERATION and body is not None and over_token_limits(case.path, body)
+    if refuse and status != 400:
+        raise AssertionError(f"over the token limits, so 400 was due; got {status}")
+    if not refuse and not 200 <= status < 300:
+        raise AssertionError(
+            f"schema-valid and within the token limits, so 2xx was due; got {status} "
+            f"({meta.phase.name.value} phase, {meta.phase.data!r}, components {meta.components!r})"
+        )
+    return None
