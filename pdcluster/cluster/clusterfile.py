@@ -21,8 +21,15 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, TypeVar
 
+from pdcluster.cluster.extra_flags import (
+    REPLICA_OWN,
+    ROUTER_OWN,
+    Flags,
+    parse_flags,
+    replica_fields,
+    router_fields,
+)
 from pdcluster.cluster.toml_lines import Path_, line_of, locate
-from router.config import Strategy
 
 ROLES = ("prefill", "decode", "colocated", "inactive")
 SERVING_ROLES = ("prefill", "decode", "colocated")
@@ -112,7 +119,9 @@ class RouterSpec:
     http_port: int = 8080
     admin_port: int = 50100
     admin_token: str = ""
-    strategy: Strategy = Strategy.FULL
+    strategy: str = "full"  # a migration strategy registered in router/strategies/
+    scaling: str = "static"  # a scaling policy of router/scaling/policies.py
+    flags: Flags = ()  # more router flags (`extra_flags.py`)
 
 
 @dataclass(frozen=True)
@@ -130,6 +139,7 @@ class LaunchSpec:
     max_restarts: int = 3  # restarts of one replica within `restart_window_s` before the launch gives up
     restart_window_s: float = 300.0
     fanout: int = 32  # ssh / srun sessions opened at once (discovery, stop, log collection)
+    replica_flags: Flags = ()  # more flags of every replica (`extra_flags.py`)
 
 
 @dataclass(frozen=True)
@@ -161,9 +171,9 @@ class ClusterFile:
 
 _TOP = {"model", "router", "launch", "ssh", "nodes"}
 _MODEL = {"path", "root"}
-_ROUTER = {"host", "http_port", "admin_port", "admin_token", "strategy"}
+_ROUTER = {"host", "http_port", "admin_port", "admin_token", "strategy", "scaling", "flags"}
 _LAUNCH = {"via", "fabric", "log_dir", "pdcluster", "workdir", "ready_timeout_s", "num_blocks",
-           "torch_threads", "max_restarts", "restart_window_s", "fanout"}
+           "torch_threads", "max_restarts", "restart_window_s", "fanout", "replica_flags"}
 _SSH = {"config", "identity", "options", "connect_timeout_s"}
 _NODE = {"name", "address", "ssh_user", "ssh_port", "transfer_address", "nic_gbps", "devices", "role",
          "cpu_replicas", "env", "pdcluster", *ROLES}
@@ -203,6 +213,24 @@ class _Table:
         if problem:
             raise self.error((key,), f"{self.name(key)} {problem}")
         return value
+
+    def named(self, key: str, default: str, check: Callable[[str], object]) -> str:
+        """A name `check` accepts (it raises ValueError naming the known ones otherwise)."""
+        text = self.get(key, str, default)
+        try:
+            check(text)
+        except ValueError as exc:
+            raise self.error((key,), f"{self.name(key)}: {exc}") from None
+        return text
+
+    def flags(self, key: str, fields: set[str], own: frozenset[str]) -> Flags:
+        """A table of more flags of a command (`extra_flags.py`)."""
+        table = self.get(key, dict, {})
+
+        def error(name: str, message: str) -> ClusterFileError:
+            return self.error((key, name), f"{self.name(key)}: {message}")
+
+        return parse_flags(table, fields, own, error)
 
     def choice(self, key: str, enum_type: type[enum.Enum], default: enum.Enum) -> Any:
         text = self.get(key, str, default.value)
@@ -265,9 +293,13 @@ def _model(t: _Table, folder: Path) -> ModelSpec:
 
 
 def _router(t: _Table) -> RouterSpec:
+    from router import strategies
+    from router.scaling import policies
+
     return RouterSpec(t.get("host", str, "127.0.0.1"), t.get("http_port", int, 8080, _port),
                       t.get("admin_port", int, 50100, _port), t.get("admin_token", str, ""),
-                      t.choice("strategy", Strategy, Strategy.FULL))
+                      t.named("strategy", "full", strategies.get), t.named("scaling", "static", policies.get),
+                      t.flags("flags", router_fields(), ROUTER_OWN))
 
 
 def _launch(t: _Table, folder: Path, path: Path) -> LaunchSpec:
@@ -282,6 +314,7 @@ def _launch(t: _Table, folder: Path, path: Path) -> LaunchSpec:
         max_restarts=t.get("max_restarts", int, 3, _at_least(0)),
         restart_window_s=t.get("restart_window_s", float, 300.0, _at_least(1)),
         fanout=t.get("fanout", int, 32, _at_least(1)),
+        replica_flags=t.flags("replica_flags", replica_fields(), REPLICA_OWN),
     )
 
 

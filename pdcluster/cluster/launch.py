@@ -230,8 +230,9 @@ class Launch:
     def ready_line(self) -> str:
         """The one line `pdcluster launch` prints once everything serves."""
         reps = " ".join(f"{p.role}@{r.address}" for p, r in zip(self.placements, self.replicas, strict=True))
+        router = self.cluster.router
         return (f"pdcluster launch ready: http={self.http_url} admin={self.admin_address} "
-                f"strategy={self.cluster.router.strategy.value} replicas=[{reps}] logs={self.run_dir}")
+                f"strategy={router.strategy} scaling={router.scaling} replicas=[{reps}] logs={self.run_dir}")
 
     # --- while serving ----------------------------------------------------------------------------
     def lost(self) -> str:

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
 from pdcluster.cluster.clusterfile import ClusterFile, DeviceMode, Fabric, NodeSpec, SshSpec, Via
+from pdcluster.cluster.extra_flags import flag_args
 from pdcluster.discovery.inventory import Inventory
 from transfer.ranktable import RankTable
 
@@ -211,6 +212,7 @@ class Commands:
             args += ["--torch-threads", str(threads)]
         if p.engine_cpus:
             args += ["--engine-cpus", *map(str, p.engine_cpus)]
+        args += flag_args(launch.replica_flags)
         return [*args, "--inactive"] if p.role == "inactive" else args
 
     def replica_script(self, p: Placement) -> str:
@@ -293,6 +295,7 @@ def router_args(cluster: ClusterFile, placements: list[Placement]) -> list[str]:
     """Arguments of `pdcluster router` over the placed replicas."""
     r = cluster.router
     args = ["router", "--model", str(cluster.model.path), "--host", r.host, "--http-port", str(r.http_port),
-            "--admin-port", str(r.admin_port), "--strategy", r.strategy.value,
-            "--replica", *[p.address for p in placements], "--role", *[p.role for p in placements]]
+            "--admin-port", str(r.admin_port), "--strategy", r.strategy, "--scaling", r.scaling,
+            "--replica", *[p.address for p in placements], "--role", *[p.role for p in placements],
+            *flag_args(r.flags)]
     return [*args, "--admin-token", r.admin_token] if r.admin_token else args

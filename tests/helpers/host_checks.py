@@ -20,6 +20,10 @@ LINK_BYTES_PER_S = 1e9 / 8
 # migration moves ~55 MiB, ~0.46 s at 1 Gbit/s: long enough for the link, not the RPCs around it
 # (~15 ms), to decide.
 LONG_PROMPT = " ".join(["the prefill replica reads the whole prompt at once and fills the cache"] * 25)
+# The router polls each replica's Info as its liveness check, and Info waits on the engine thread
+# behind a running prefill: this prompt's prefill takes ~1 s on an idle core and ~10 s on two shared
+# ones, past the router's default 5 s deadline. The deadline is the router's; give it room.
+ROUTER_LINES = ("flags = { heartbeat-timeout = 60 }",)
 
 
 def head_run(

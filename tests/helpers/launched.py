@@ -38,11 +38,13 @@ def write_cluster_file(
     router_host: str,
     launch: Sequence[str] = (),
     ssh_config: Path | None = None,
+    router: Sequence[str] = (),
 ) -> Path:
-    """A cluster file for `nodes`: CPU workers, small KV caches, one torch thread, logs beside the file."""
+    """A cluster file for `nodes`: CPU workers, small KV caches, one torch thread, logs beside the file;
+    `launch` and `router`: more lines of those tables."""
     lines = [
         f'[model]\npath = "{model}"',
-        f'[router]\nhost = "{router_host}"\nhttp_port = 0\nadmin_port = 0',
+        f'[router]\nhost = "{router_host}"\nhttp_port = 0\nadmin_port = 0\n' + "\n".join(router),
         f'[launch]\nvia = "{via}"\nnum_blocks = 256\ntorch_threads = 1\nready_timeout_s = 180\n'
         f'log_dir = "{path.parent / "logs"}"\n' + "\n".join(launch),
     ]

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from tests.helpers.emulated_hosts import EmulatedHosts
-from tests.helpers.host_checks import check_serving, head_run, no_process_left
+from tests.helpers.host_checks import ROUTER_LINES, check_serving, head_run, no_process_left
 from tests.helpers.launched import Launched, NodeLine, pdcluster, write_cluster_file
 from tests.helpers.router_cluster import GreedyOracle
 
@@ -31,7 +31,8 @@ def cluster_file(
         for h, r in zip(hosts.hosts, roles, strict=True)
     ]
     return write_cluster_file(
-        hosts.folder / "cluster.toml", model, nodes, "ssh", hosts.head_address, launch, hosts.ssh_config
+        hosts.folder / "cluster.toml", model, nodes, "ssh", hosts.head_address, launch, hosts.ssh_config,
+        ROUTER_LINES,
     )
 
 

@@ -13,7 +13,7 @@ import pytest
 
 from tests.helpers.emulated_hosts import EmulatedHosts
 from tests.helpers.emulated_slurm import slurm_env
-from tests.helpers.host_checks import check_serving, head_run, no_process_left
+from tests.helpers.host_checks import ROUTER_LINES, check_serving, head_run, no_process_left
 from tests.helpers.launched import Launched, NodeLine, pdcluster, write_cluster_file
 from tests.helpers.router_cluster import GreedyOracle
 
@@ -23,7 +23,9 @@ pytestmark = pytest.mark.timeout(900)  # the first test of a session may install
 def launch_in_allocation(hosts: EmulatedHosts, model: Path) -> tuple[Launched, Path]:
     roles = ({"prefill": 1}, {"decode": 1}, {"decode": 1})
     nodes = [NodeLine(h.name, h.address, r) for h, r in zip(hosts.hosts, roles, strict=True)]
-    file = write_cluster_file(hosts.folder / "cluster.toml", model, nodes, "ssh", hosts.head_address)
+    file = write_cluster_file(
+        hosts.folder / "cluster.toml", model, nodes, "ssh", hosts.head_address, router=ROUTER_LINES
+    )
     argv = [
         "ip",
         "netns",

@@ -7,9 +7,13 @@ from pathlib import Path
 
 import pytest
 
+from pdcluster.cli.main import parse as parse_command
 from pdcluster.cluster.clusterfile import ClusterFileError, DeviceMode, Fabric, Via, parse
+from pdcluster.cluster.extra_flags import flag_args, parse_flags
+from pdcluster.cluster.launch_plan import router_args
 from pdcluster.cluster.toml_lines import line_of, locate
-from router.config import Strategy
+from replica.config import ReplicaConfig
+from router.config import RouterConfig
 
 README = Path(__file__).resolve().parents[3] / "pdcluster" / "cluster" / "README.md"
 
@@ -48,8 +52,11 @@ def test_the_readme_example_parses() -> None:
     assert (cluster.router.host, cluster.router.http_port, cluster.router.strategy) == (
         "0.0.0.0",
         8080,
-        Strategy.FULL,
+        "full",
     )
+    assert cluster.router.scaling == "static"
+    assert flag_args(cluster.router.flags) == ["--heartbeat-timeout", "30"]
+    assert flag_args(cluster.launch.replica_flags) == ["--max-input-tokens", "4096"]
     assert cluster.launch.via is Via.SSH and cluster.launch.fabric is Fabric.TCP
     assert cluster.launch.log_dir == Path("/etc/pd/logs") and cluster.ssh.config == Path("/etc/pd/ssh_config")
     a, b, c = cluster.nodes
@@ -90,6 +97,12 @@ def test_defaults_and_names() -> None:
         (("http_port = 0", 'http_port = 0\n[launch]\nvia = "pigeon"'), 7, "launch.via must be one of"),
         (('devices = "cpu"\ndecode = 1', 'devices = "cpu"\ndecode = 1\nenv = { "1X" = "y" }'), 18, "env"),
         (("prefill = 1\n", "prefill = 1\ncpu_replicas = 2\n"), 12, "cpu_replicas is for CPU nodes"),
+        (("http_port = 0", 'http_port = 0\nstrategy = "fast"'), 6, "unknown migration strategy 'fast'"),
+        (("http_port = 0", 'http_port = 0\nscaling = "more"'), 6, "unknown scaling policy 'more'"),
+        (("http_port = 0", "http_port = 0\nflags = { colour = 1 }"), 6, "'colour' is not a flag"),
+        (("http_port = 0", 'http_port = 0\nflags = { replica = "x:1" }'), 6, "is set by the launch"),
+        (("http_port = 0", "http_port = 0\nflags = { timeline = { a = 1 } }"), 6, "takes a string"),
+        (("http_port = 0", "http_port = 0\n[launch]\nreplica_flags = { rank = 2 }"), 7, "set by the launch"),
     ],
 )
 def test_refusals_name_the_line(change: tuple[str, str], line: int, message: str) -> None:
@@ -99,6 +112,38 @@ def test_refusals_name_the_line(change: tuple[str, str], line: int, message: str
         parse(Path("c.toml"), text)
     assert str(error.value).startswith(f"c.toml:{line}: "), str(error.value)
     assert message in str(error.value)
+
+
+def test_more_router_and_replica_flags_reach_the_commands() -> None:
+    text = BASE.replace("http_port = 0", """http_port = 0
+strategy = "recompute"
+scaling = "live"
+flags = { heartbeat-timeout = 30, min-prefill = 1, timeline = "/tmp/t.jsonl" }
+[launch]
+replica_flags = { host-cache = true, grpc-frontend = false, disk-gbps = 16.5 }""")
+    cluster = parse(Path("c.toml"), text)
+    args = router_args(cluster, [])
+    assert args[args.index("--strategy") : args.index("--strategy") + 4] == [
+        "--strategy", "recompute", "--scaling", "live"
+    ]
+    assert args[-6:] == ["--heartbeat-timeout", "30", "--min-prefill", "1", "--timeline", "/tmp/t.jsonl"]
+    extra = flag_args(cluster.launch.replica_flags)
+    assert extra == ["--host-cache", "--no-grpc-frontend", "--disk-gbps", "16.5"]
+    # both commands take them as given
+    router = parse_command([*args, "--replica", "127.0.0.1:1", "--role", "decode"])
+    assert isinstance(router, RouterConfig)
+    assert (router.heartbeat_timeout, router.min_prefill, router.scaling) == (30.0, 1, "live")
+    replica = parse_command(["replica", "--model", "/m", "--port", "0", *extra])
+    assert isinstance(replica, ReplicaConfig)
+    assert (replica.host_cache, replica.grpc_frontend, replica.disk_gbps) == (True, False, 16.5)
+
+
+def test_a_list_repeats_the_values_after_one_flag() -> None:
+    text = BASE.replace("http_port = 0", 'http_port = 0\nflags = { replica = 1 }')
+    with pytest.raises(ClusterFileError, match="set by the launch"):
+        parse(Path("c.toml"), text)
+    flags = parse_flags({"engine-cpus": [2, 3]}, {"engine_cpus"}, frozenset(), lambda n, m: ValueError(m))
+    assert flag_args(flags) == ["--engine-cpus", "2", "3"]
 
 
 def test_missing_tables_and_bad_toml() -> None:
