@@ -101,6 +101,20 @@ def workstation(root: Path) -> Path:
     return build(root, [gpu], [far, near, Net("lo"), Net("docker0")], {0: "0-15", 1: "16-31"})
 
 
+def h100_vm(root: Path) -> Path:
+    """A cloud VM with one H100, as recorded on one (`ls -l /sys/class/net /sys/class/infiniband`,
+    the GPU's `numa_node`): the GPU at 0000:00:06.0 with no NUMA node (-1), a virtio NIC at
+    0000:00:03.0 on the same root bus, two ifb devices (virtual), no RDMA device; 16 cores."""
+    gpu = Pci("0000:00:06.0", ("pci0000:00",), -1)
+    nic = Pci("0000:00:03.0", ("pci0000:00",), -1)
+    build(root, [gpu, nic], [Net("lo"), Net("ifb0"), Net("ifb1")], {0: "0-15"})
+    virtio = _dir_of(root, nic) / "virtio2"
+    virtio.mkdir()
+    _link(root / "class/net/eth0/device", virtio)
+    (root / "class/infiniband").mkdir(parents=True)
+    return root
+
+
 def cpu_vm(root: Path) -> Path:
     """A CPU-only VM: a virtio NIC (its `device` is virtio0, below the PCI function), no NUMA info."""
     pci = Pci("0000:00:03.0", ("pci0000:00",), -1)

@@ -72,6 +72,18 @@ def test_workstation_gpu_takes_the_nic_on_its_own_root_complex(tmp_path: Path) -
     assert sorted(n.name for n in inv.nics) == ["enp130s0", "enp5s0"]  # docker0, lo: virtual
 
 
+def test_a_recorded_h100_vm_gpu_without_numa_takes_the_virtio_nic(tmp_path: Path) -> None:
+    """nvidia-smi's answer and the sysfs layout recorded on a real single-H100 cloud VM."""
+    gpus = records("nvidia-smi-h100x1-vm.csv")
+    assert gpus == [nvidia.GpuRecord(0, "NVIDIA H100 80GB HBM3", 81559, "0000:00:06.0")]
+    sysfs = Sysfs(sysfs_tree.h100_vm(tmp_path))
+    inv = assemble("h100", sysfs, gpus, "nvidia-smi", range(16), {"eth0": ("10.0.0.9",)})
+    gpu = inv.gpus[0]
+    assert (gpu.numa_node, gpu.nic, gpu.rdma_device) == (None, "eth0", "")  # numa_node -1: unknown
+    assert [n.name for n in inv.nics] == ["eth0"] and inv.rdma_devices == ()  # ifb0, ifb1, lo: virtual
+    assert "cuda:0  NVIDIA H100 80GB HBM3  80 GiB  0000:00:06.0  -" in table(inv)
+
+
 def test_cpu_only_vm_finds_its_virtio_nic_and_no_gpu(tmp_path: Path) -> None:
     sysfs = Sysfs(sysfs_tree.cpu_vm(tmp_path))
     inv = assemble("vm", sysfs, [], "", [0, 1, 2, 3], {"eth0": ("192.0.2.2",), "lo": ("127.0.0.1",)})

@@ -293,3 +293,24 @@ def test_stage_then_stop_script_ends_only_this_runs_processes(tmp_path: Path) ->
         for proc in (ours, stranger):
             proc.kill()
             proc.wait(5)
+
+
+def test_a_recorded_h100_vm_node_gets_its_gpu_and_nic_and_no_rdma(tmp_path: Path) -> None:
+    """Placement on the inventory recorded on a real single-H100 VM: the replica is cuda:0 with the
+    virtio NIC; nccl is accepted there, rdma refused (no RDMA device), naming the node."""
+    text = '[model]\npath = "/m"\n[launch]\nfabric = "FABRIC"\n'
+    text += '[[nodes]]\nname = "h100"\naddress = "10.0.0.9"\nrole = "decode"\n'
+    vm = assemble(
+        "h100",
+        Sysfs(sysfs_tree.h100_vm(tmp_path)),
+        parse_query((RECORDED / "nvidia-smi-h100x1-vm.csv").read_text()),
+        "nvidia-smi",
+        range(16),
+        {"eth0": ("10.0.0.9",)},
+    )
+    found = {0: Inventory("h100", vm.gpus, vm.nics, vm.cpus, vm.gpu_source, (7000, 7001), "eth0")}
+    (placed,) = place(parse(tmp_path / "c.toml", text.replace("FABRIC", "nccl")), found)
+    got = (placed.device, placed.cuda_visible_devices, placed.nic, placed.numa_node)
+    assert got == ("cuda:0", "0", "eth0", None)
+    with pytest.raises(ClusterFileError, match="rdma needs an RDMA NIC, but discovery found none on h100"):
+        place(parse(tmp_path / "c.toml", text.replace("FABRIC", "rdma")), found)
