@@ -11,7 +11,7 @@ BENCH_OUT ?= bench-results
 FUZZ_EXAMPLES ?= 200
 EXPERIMENT_OUT ?= experiment-results/demo
 
-.PHONY: help venv demo test test-unit test-component test-cluster proto proto-check lint bench fuzz experiment-demo clean
+.PHONY: help venv demo test test-unit test-component test-cluster test-hosts proto proto-check lint bench fuzz experiment-demo clean
 
 help:
 	@echo "make demo   - set up, build a tiny model, start a local cluster, serve requests"
@@ -54,6 +54,10 @@ test-component: $(STAMP)
 
 test-cluster: $(STAMP)
 	$(BIN)/pytest -q -m cluster $(PYTEST_ARGS)
+
+# emulated hosts with real sshd and Slurm: root; installs the Debian packages it needs, or skips saying why
+test-hosts: $(STAMP)
+	$(BIN)/pytest -q -m hosts $(PYTEST_ARGS)
 
 demo: $(STAMP)
 	$(BIN)/pdcluster demo --workdir .demo

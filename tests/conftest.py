@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-TIERS = ("unit", "component", "cluster", "gpu", "rdma")
+TIERS = ("unit", "component", "cluster", "hosts", "gpu", "rdma")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

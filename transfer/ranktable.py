@@ -9,7 +9,16 @@ File format (JSON shown; TOML uses `[[ranks]]` tables with the same keys)::
     ]}
 
 `grpc_port` (default 0: none) and `link_gbps` (default 0: unlimited; this rank's emulated NIC for
-traffic leaving its node) are optional; everything else is required.
+traffic leaving its node, paced in-process) are optional; everything else is required. So are the
+fields a launch fills from device discovery (all informational: a fabric chooses nothing by them
+unless it says so):
+
+- `device`: "cpu" or "cuda:N", N the node's own ordinal (the process sees it as its only device
+  through `CUDA_VISIBLE_DEVICES=N`);
+- `nic`: the network interface closest to the device (or holding the transfer address), "" unknown;
+- `rdma_device`: that NIC's RDMA device ("mlx5_0"), "" when it has none;
+- `numa_node`: the device's (or CPU worker's cores') NUMA node, null when unknown;
+- `nic_gbps`: the NIC's line rate as the cluster file gives it (0: not given; not paced).
 """
 
 from __future__ import annotations
@@ -24,6 +33,7 @@ from typing import Any
 from transfer.core import Rank
 
 _REQUIRED = ("rank", "host", "node", "device", "transfer_address")
+_OPTIONAL = ("grpc_port", "link_gbps", "nic", "rdma_device", "numa_node", "nic_gbps")
 
 
 class RankTableError(ValueError):
@@ -41,6 +51,10 @@ class RankEntry:
     transfer_address: str
     grpc_port: int = 0
     link_gbps: float = 0.0
+    nic: str = ""
+    rdma_device: str = ""
+    numa_node: int | None = None
+    nic_gbps: float = 0.0
 
     @property
     def transfer_host(self) -> str:
@@ -117,7 +131,7 @@ def _entry(record: Mapping[str, Any]) -> RankEntry:
     missing = [key for key in _REQUIRED if key not in record]
     if missing:
         raise RankTableError(f"rank table entry {dict(record)} is missing {', '.join(missing)}")
-    unknown = set(record) - {*_REQUIRED, "grpc_port", "link_gbps"}
+    unknown = set(record) - {*_REQUIRED, *_OPTIONAL}
     if unknown:
         raise RankTableError(f"rank table entry has unknown fields {sorted(unknown)}")
     address = str(record["transfer_address"])
@@ -135,7 +149,19 @@ def _entry(record: Mapping[str, Any]) -> RankEntry:
         transfer_address=address,
         grpc_port=int(record.get("grpc_port", 0)),
         link_gbps=float(record.get("link_gbps", 0.0)),
+        nic=str(record.get("nic", "")),
+        rdma_device=str(record.get("rdma_device", "")),
+        numa_node=_numa_node(record.get("numa_node")),
+        nic_gbps=float(record.get("nic_gbps", 0.0)),
     )
+
+
+def _numa_node(value: Any) -> int | None:
+    if value is None:
+        return None
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise RankTableError(f"numa_node {value!r} is not a non-negative integer or null")
+    return value
 
 
 def parse_rank_table(text: str, fmt: str = "json") -> RankTable:

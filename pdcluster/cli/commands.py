@@ -33,9 +33,24 @@ COMMANDS: dict[str, Command] = {
         "pdcluster.cluster.local:run",
     ),
     "launch": Command(
-        "start replicas across nodes over ssh or Slurm srun, then the router",
+        "start the replicas of a cluster file on its nodes (ssh, Slurm srun or local), then the router",
         "pdcluster.cluster.launch:LaunchConfig",
         "pdcluster.cluster.launch:run",
+    ),
+    "status": Command(
+        "show each replica of a launched cluster file: address, device, health, role at the router",
+        "pdcluster.cluster.status:StatusConfig",
+        "pdcluster.cluster.status:run_status",
+    ),
+    "down": Command(
+        "stop everything a launch of a cluster file started, from any shell",
+        "pdcluster.cluster.status:DownConfig",
+        "pdcluster.cluster.status:run_down",
+    ),
+    "devices": Command(
+        "list this node's CUDA devices (NUMA node, nearest NIC), NICs and CPU cores",
+        "pdcluster.discovery.command:DevicesConfig",
+        "pdcluster.discovery.command:run",
     ),
     "demo": Command(
         "set up a tiny model and cluster, serve a few requests",

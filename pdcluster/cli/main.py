@@ -25,6 +25,7 @@ import tyro
 from tyro.constructors import ConstructorRegistry, StructConstructorSpec, StructFieldSpec, StructTypeInfo
 
 from pdcluster.cli.commands import COMMANDS, GROUPS
+from pdcluster.cli.preflight import problem_of
 
 DESCRIPTION = (
     "The `pdcluster` command: one subcommand per process or tool, each generated from a config dataclass."
@@ -142,13 +143,55 @@ def parse(argv: Sequence[str] | None = None) -> object:
                     config=(tyro.conf.EnumChoicesFromValues,))
 
 
+DEBUG_FLAG = "--debug"
+"""Anywhere on the command line: a failure shows its traceback instead of one line."""
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of the `pdcluster` console script: the subcommand's exit code (2: bad arguments)."""
+    """Entry point of the `pdcluster` console script: the subcommand's exit code (2: bad arguments).
+
+    A failure the command knows about prints one line, `pdcluster NAME: CAUSE`, and exits non-zero;
+    an unexpected one too (naming its type), with the traceback only under `--debug`.
+    """
+    args = list(sys.argv[1:] if argv is None else argv)
+    debug = DEBUG_FLAG in args
+    args = [a for a in args if a != DEBUG_FLAG]
     try:
-        config = parse(argv)
+        config = parse(args)
     except SystemExit as done:  # --help (0), or arguments the parser refused (2)
         return done.code if isinstance(done.code, int) else int(done.code is not None)
     if isinstance(config, Refused):
         print(f"pdcluster: invalid arguments: {config.reason}", file=sys.stderr)
         return 2
-    return int(runner_of(config)(config) or 0)
+    name = command_name(config)
+    problem = problem_of(config)
+    if problem:
+        print(f"pdcluster {name}: {problem}", file=sys.stderr)
+        return 2
+    try:
+        return int(runner_of(config)(config) or 0)
+    except KeyboardInterrupt:
+        return 130
+    except Exception as exc:
+        if debug:
+            raise
+        print(f"pdcluster {name}: {_one_line(exc)}", file=sys.stderr)
+        return 2 if isinstance(exc, ValueError) else 1
+
+
+def _one_line(exc: BaseException) -> str:
+    """What to print for a failure: our errors' messages say it all; others get their type named."""
+    text = str(exc).strip()
+    if isinstance(exc, (ValueError, RuntimeError)) and text:
+        return text
+    if isinstance(exc, OSError) and exc.strerror:
+        return f"{exc.strerror}: {exc.filename}" if exc.filename else exc.strerror
+    return f"{type(exc).__name__}: {text or '(no message)'} (run with --debug for the traceback)"
+
+
+def command_name(config: object) -> str:
+    """The subcommand whose config this is ("bench serving", "up", …)."""
+    for name, command in COMMANDS.items():
+        if type(config) is resolve(command.config):
+            return name
+    return type(config).__name__

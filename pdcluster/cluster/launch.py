@@ -1,15 +1,19 @@
-"""`pdcluster launch`: replicas across nodes (ssh or Slurm srun), then the router here, one ready line.
+"""`pdcluster launch FILE`: replicas on every node of a cluster file, the router here, one ready line.
 
 ```
- pdcluster launch ─┬─ ssh -tt node1 '…; exec pdcluster replica --rank 0 …'      ─┐ streamed back:
-                   ├─ srun --nodelist=node2 bash -c '…; exec pdcluster replica …' ─┤ "…serving on H:P"
-                   └─ pdcluster router --replica H:P … --role …  (here)  "pdcluster router ready: …"
+ pdcluster launch FILE ─┬─ discover: `pdcluster devices --json --ports N …` on every node (bounded pool)
+                        ├─ place replicas on what was found, rank table from the ports drawn there
+                        ├─ stage the rank table on every node (stdin of one short session each)
+                        ├─ one session per replica: ssh -tt NODE | srun --nodelist=NODE | bash -c
+                        │     'echo $$ > PIDFILE; export CUDA_VISIBLE_DEVICES=…; exec pdcluster replica …'
+                        ├─ wait for every replica's ready line (a progress line per node, one deadline)
+                        └─ pdcluster router --replica … (here) ─► "pdcluster launch ready: …"
 ```
-Placement, the rank table and the commands are pure data (`pdcluster.cluster.launch_plan`); the process
-wrapper, ready-line waiting and stop logic are `pdcluster.cluster.processes`'s. On Ctrl-C / SIGTERM the
-router stops first, then every ssh/srun/local process: killing `ssh -tt` hangs up the remote
-terminal (the replica, exec'd as the session's process, gets SIGHUP); SIGTERM to srun is forwarded
-to its step.
+Then the supervisor keeps it up (`supervisor.py`: restarts, giving up when the allocation ended or
+no node answers). `LOG_DIR/run.json` records the run for `pdcluster status` and `down`; every
+replica's output (its log) streams back over its session into `LOG_DIR/RUN_ID/NODE/`.
+Stopping: the router, then each node's replicas by their pid files (SIGTERM, SIGKILL after 15 s),
+then the sessions. The pure half (placement, rank table, commands) is `launch_plan.py`.
 """
 
 from __future__ import annotations
@@ -18,24 +22,14 @@ import os
 import shlex
 import subprocess
 import sys
-import tempfile
 import time
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
 from pdcluster import SOURCE_ROOT
-from pdcluster.cluster.launch_plan import (
-    Node,
-    Placement,
-    Transport,
-    assign,
-    parse_hosts,
-    rank_table,
-    remote_script,
-    replica_args,
-    router_args,
-    wrap,
-)
+from pdcluster.cluster.clusterfile import ClusterFile, Fabric, NodeSpec, Via, parse, with_fabric
+from pdcluster.cluster.launch_plan import Commands, Placement, place, rank_table, router_args, wrap
 from pdcluster.cluster.processes import (
     REPLICA_READY,
     ROUTER_READY,
@@ -44,176 +38,342 @@ from pdcluster.cluster.processes import (
     pdcluster_argv,
     spawn,
     stop_procs,
-    supervise,
 )
-from router.config import Strategy
+from pdcluster.cluster.remote import SSH_FAILED, Answer, fan_out
+from pdcluster.cluster.runstate import (
+    ReplicaRecord,
+    RunFile,
+    RunPhase,
+    RunRecord,
+    launcher_alive,
+    this_launcher,
+)
+from pdcluster.cluster.supervisor import RestartPolicy, supervise
+from pdcluster.discovery.checks import port_problem
+from pdcluster.discovery.inventory import Inventory
 
-ROOT = SOURCE_ROOT
+PROBE_TIMEOUT_S = 120.0
+STOP_TIMEOUT_S = 30.0
 
 
 @dataclass
 class LaunchConfig:
     """Flags of `pdcluster launch`."""
 
-    model: Path = field(metadata={"help": "checkpoint folder (same path on every node)"})
-    hosts: Path | None = field(default=None, metadata={"help": (
-        "hosts file: one `host [slots=N] [transfer_host=IP]` per line, # comments")})
-    slurm: bool = field(default=False, metadata={"help": (
-        "nodes from SLURM_JOB_NODELIST (scontrol show hostnames)")})
-    slots: int = field(default=1, metadata={"help": "replicas per node with --slurm"})
-    prefill: int = field(default=1, metadata={"help": "prefill replicas"})
-    decode: int = field(default=1, metadata={"help": "decode replicas"})
-    inactive: int = field(default=0, metadata={"help": "inactive replicas (no weights; scale-up targets)"})
-    base_port: int = field(default=50051, metadata={"help": (
-        "gRPC port of a node's first replica (+1 per slot)")})
-    transfer_base_port: int = field(default=7100, metadata={"help": (
-        "transfer port of a node's first replica (+1 per slot)")})
-    strategy: Strategy = field(default=Strategy.FULL, metadata={"help": "migration strategy"})
-    http_port: int = field(default=8080, metadata={"help": "router HTTP port (0 = free port)"})
-    admin_port: int = field(default=50100, metadata={"help": "router admin gRPC port (0 = free port)"})
-    router_host: str = field(default="127.0.0.1", metadata={"help": "address the router binds here"})
-    python: str = field(default="", metadata={"help": (
-        "pdcluster command on the nodes (a path or a command line); empty = this venv's pdcluster")})
-    workdir: Path = field(default=ROOT, metadata={"help": "folder the replicas start in on every node"})
-    transport: Transport = field(default=Transport.SSH, metadata={"help": "how replicas are started"})
-    shared_dir: Path | None = field(default=None, metadata={"help": (
-        "folder shared by all nodes for the rank table; unset = sent inline to each node")})
-    num_blocks: int = field(default=512, metadata={"help": "KV pages per replica"})
-    torch_threads: int = field(default=0, metadata={"help": (
-        "torch threads per replica (0 = the replica's default)")})
-    log_dir: Path | None = field(default=None, metadata={"help": "folder of process logs; unset = temp"})
-    ready_timeout: float = field(default=300.0, metadata={"help": "seconds to wait for all ready lines"})
+    file: Path = field(metadata={"help": "cluster file (TOML; see pdcluster/cluster/README.md)",
+                                 "positional": True})
+    via: str = field(default="", metadata={"help": "how replicas reach their nodes; empty = launch.via",
+                                           "choices": ["", "ssh", "slurm", "local"]})
+    fabric: str = field(default="", metadata={"help": "transfer fabric; empty = launch.fabric",
+                                              "choices": ["", "tcp", "nccl", "rdma"]})
     dry_run: bool = field(default=False, metadata={"help": (
-        "print the rank table and every command; start nothing")})
+        "discover every node, print the placement, rank table and commands; start nothing")})
 
     def __post_init__(self) -> None:
-        self.model = Path(self.model)
-        if isinstance(self.strategy, str):
-            self.strategy = Strategy(self.strategy)
-        if isinstance(self.transport, str):
-            self.transport = Transport(self.transport)
-        if (self.hosts is None) == (not self.slurm):
-            raise ValueError("give exactly one of --hosts FILE and --slurm")
-        if min(self.prefill, self.decode, self.inactive) < 0 or self.prefill + self.decode < 1:
-            raise ValueError("need at least one prefill or decode replica, and no negative counts")
-
-    def roles(self) -> list[str]:
-        """The role of each replica, by rank."""
-        return ["prefill"] * self.prefill + ["decode"] * self.decode + ["inactive"] * self.inactive
+        self.file = Path(self.file)
 
 
-def slurm_nodes(nodelist: str, slots: int) -> list[Node]:
-    """Nodes of a Slurm allocation (`scontrol show hostnames` expands the compressed list)."""
-    out = subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True,
-                         check=True, timeout=30).stdout
-    return [Node(host, slots) for host in out.split()]
+class LaunchError(RuntimeError):
+    """The launch cannot go on; the message names the node and the cause."""
 
 
-def pdcluster_command(python: str) -> list[str]:
-    """The pdcluster command line on the nodes."""
-    if python:
-        return shlex.split(python)
+def pdcluster_command(configured: str) -> list[str]:
+    """The pdcluster command line on the nodes: the configured one, else this venv's."""
+    if configured:
+        return shlex.split(configured)
     script = Path(sys.executable).parent / "pdcluster"
     return [str(script)] if script.exists() else pdcluster_argv()
 
 
-class Launch:
-    """Plan, start, wait for and stop one multi-node cluster."""
+def load(config: LaunchConfig) -> tuple[ClusterFile, Via]:
+    """The cluster file with the command line's overrides applied (ClusterFileError when unusable)."""
+    cluster = parse(config.file)
+    if config.fabric:
+        cluster = with_fabric(cluster, Fabric(config.fabric))
+    return cluster, Via(config.via) if config.via else cluster.launch.via
 
-    def __init__(self, config: LaunchConfig, nodes: list[Node]) -> None:
-        self.config = config
-        self.placements = assign(config.roles(), nodes, config.base_port, config.transfer_base_port)
-        self.table_json = rank_table(self.placements).to_json()
-        # Names this run's log folder here and its rank-table folder on the nodes (nothing is created yet).
-        self.run_id = f"pdcluster-launch-{os.getpid()}-{int(time.time())}"
-        self.log_dir = config.log_dir or Path(tempfile.gettempdir()) / self.run_id
+
+class Launch:
+    """Discover, place, start, watch and stop one multi-node cluster."""
+
+    def __init__(self, cluster: ClusterFile, via: Via, run_id: str = "") -> None:
+        self.cluster = cluster
+        self.via = via
+        self.run_id = run_id or f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
+        self.run_dir = cluster.launch.log_dir / self.run_id
+        command = tuple(pdcluster_command(cluster.launch.pdcluster))
+        self.commands = Commands(cluster, self.run_id, command,
+                                 PurePosixPath(cluster.launch.workdir or SOURCE_ROOT))
+        self.policy = RestartPolicy(cluster.launch.max_restarts, cluster.launch.restart_window_s)
+        self.slurm_job = os.environ.get("SLURM_JOB_ID", "") if via is Via.SLURM else ""
+        self.run_file = RunFile(cluster.launch.log_dir)
+        self.placements: list[Placement] = []
         self.replicas: list[Proc] = []
         self.router: Proc | None = None
         self.http_url = ""
         self.admin_address = ""
+        self.staged: list[NodeSpec] = []
+        self.started_at = time.monotonic()
+        self.failure = ""
+        self.allocation_gone = False  # Slurm ended the steps already: no srun reaches the nodes now
+        self.claimed = False  # run.json is this launch's (another live launch's record is never overwritten)
 
-    def _ranks_path(self, rank: int) -> Path:
-        if self.config.shared_dir is not None:
-            return self.config.shared_dir / f"{self.run_id}-ranks.json"
-        # One file per rank: ranks sharing a node must not rewrite each other's file while it is read.
-        return Path("/tmp") / self.run_id / f"ranks-r{rank}.json"
+    # --- sessions ---------------------------------------------------------------------------------
+    def argv(self, node: NodeSpec, script: str, tty: bool = False, name: str = "") -> list[str]:
+        """How `script` runs on `node` by this launch's way of reaching nodes."""
+        return wrap(self.via, self.cluster, node, script, tty, name)
 
-    def node_log(self, rank: int) -> Path:
-        """Where replica `rank` writes its stderr, on its node."""
-        return Path("/tmp") / self.run_id / f"replica-{rank}.log"
+    def _fan_out(self, nodes: list[NodeSpec], script_of: Callable[[NodeSpec], str], timeout: float,
+                 stdin: str | None = None) -> list[Answer]:
+        fanout = self.cluster.launch.fanout
+        return fan_out(nodes, lambda n: self.argv(n, script_of(n)), timeout, fanout, stdin)
 
-    def replica_argv(self, p: Placement) -> list[str]:
-        """The local argv that starts replica `p` on its node."""
-        c = self.config
-        extra = ["--num-blocks", str(c.num_blocks)]
-        extra += ["--torch-threads", str(c.torch_threads)] if c.torch_threads else []
-        path = self._ranks_path(p.rank)
-        args = replica_args(p, c.model, path, extra)
-        inline = None if c.shared_dir is not None else self.table_json
-        script = remote_script(pdcluster_command(c.python), args, c.workdir, path, inline,
-                               self.node_log(p.rank))
-        return wrap(c.transport, p.node.host, script, p.rank)
+    def _timeout(self, deadline: float) -> float:
+        return max(1.0, min(PROBE_TIMEOUT_S, deadline - time.monotonic()))
 
-    def dry_run(self) -> str:
-        """The rank table and every command, as text."""
-        lines = ["# rank table", self.table_json]
-        lines += [f"# rank {p.rank} ({p.role}) on {p.node.host}\n{shlex.join(self.replica_argv(p))}"
-                  for p in self.placements]
-        router = router_args(self.placements, [p.address for p in self.placements], self.config.model,
-                             self.config.router_host, self.config.http_port, self.config.admin_port,
-                             self.config.strategy.value)
-        return "\n".join([*lines, "# router (here)", shlex.join(["pdcluster", *router])])
+    # --- start ------------------------------------------------------------------------------------
+    def discover(self, deadline: float) -> dict[int, Inventory]:
+        """Every node's inventory (LaunchError naming the first node that did not answer)."""
+        answers = self._fan_out(list(self.cluster.nodes), self.commands.probe_script, self._timeout(deadline))
+        inventories = {}
+        for answer in answers:
+            node = answer.node
+            if not answer.ok:
+                raise LaunchError(f"{_node(node)}: discovery failed: {answer.why(self.via)}")
+            inventory = _inventory(answer)
+            if inventory is None:
+                said = (answer.err or answer.out).strip()[-300:]
+                raise LaunchError(f"{_node(node)}: `pdcluster devices` printed no inventory: {said}")
+            inventories[node.index] = inventory
+            _progress(f"{_node(node)}: {_describe(inventory)}, answered in {answer.seconds:.1f} s")
+        return inventories
+
+    def plan(self, inventories: dict[int, Inventory]) -> None:
+        """Place every replica (ClusterFileError naming the line when a node cannot take its share)."""
+        self.placements = place(self.cluster, inventories)
+
+    def stage(self, deadline: float) -> None:
+        """Write the rank table on every node that runs a replica."""
+        self.staged = _unique(p.node for p in self.placements)
+        table = rank_table(self.placements).to_json()
+        stage = self.commands.stage_script()
+        for answer in self._fan_out(self.staged, lambda _: stage, self._timeout(deadline), stdin=table):
+            if not answer.ok:
+                why = answer.why(self.via)
+                raise LaunchError(f"{_node(answer.node)}: cannot store the rank table: {why}")
+
+    def start_replicas(self) -> None:
+        """One session per replica; its output streams into the run's log folder."""
+        for p in self.placements:
+            log = self.run_dir / p.node.name / f"{p.name}.log"
+            argv = self.argv(p.node, self.commands.replica_script(p), tty=True, name=f"pdcluster-r{p.rank}")
+            proc = spawn(p.name, p.role, argv, log, ready_prefix=REPLICA_READY, node=p.node.name)
+            self.replicas.append(proc)
+
+    def wait_ready(self, deadline: float) -> None:
+        """Until every replica printed its ready line: one progress line per node as it completes."""
+        pending = {n.name: [r for r in self.replicas if r.node == n.name]
+                   for n in _unique(p.node for p in self.placements)}
+        while pending:
+            for name, procs in list(pending.items()):
+                for proc in procs:
+                    if not proc.ready and proc.returncode is not None:
+                        raise self._node_failed(proc, proc.exit_message(proc.returncode))
+                if all(proc.ready for proc in procs):
+                    del pending[name]
+                    _progress(f"node {name}: {len(procs)}/{len(procs)} replica(s) serving after "
+                              f"{time.monotonic() - self.started_at:.1f} s")
+            if pending and time.monotonic() > deadline:
+                late = next(p for procs in pending.values() for p in procs if not p.ready)
+                raise self._node_failed(late, f"{late.where} printed no ready line within "
+                                              f"{self.cluster.launch.ready_timeout_s:g} s (log: {late.log})")
+            time.sleep(0.1)
+        for proc, p in zip(self.replicas, self.placements, strict=True):
+            proc.address = proc.ready_line[len(REPLICA_READY):].strip() or p.address
+
+    def _node_failed(self, proc: Proc, message: str) -> LaunchError:
+        tail = "\n".join(f"    {line}" for line in proc.tail(6))
+        node = next(p.node for p in self.placements if p.name == proc.name)
+        return LaunchError(f"{_node(node)} failed to start: {message}"
+                           + (f"\n  its log ends:\n{tail}" if tail else ""))
+
+    def start_router(self, deadline: float) -> None:
+        """The router here, over every started replica."""
+        args = router_args(self.cluster, self.placements)
+        self.router = spawn("router", "router", pdcluster_argv(*args), self.run_dir / "router.log",
+                            ready_prefix=ROUTER_READY)
+        self.http_url, self.admin_address = parse_router_ready(self.router.wait_ready(deadline))
 
     def start(self) -> None:
-        """Start every replica, wait for their ready lines, then the router and its ready line."""
-        c = self.config
-        self.log_dir.mkdir(parents=True, exist_ok=True)
-        if c.shared_dir is not None:
-            self._ranks_path(0).write_text(self.table_json)
-        for p in self.placements:
-            name = f"replica-{p.rank}-{p.role}"
-            log = self.log_dir / f"{name}.log"  # the ssh/srun side; the replica's own log is on its node
-            proc = spawn(f"{name} on {p.node.host} (node log {self.node_log(p.rank)})", p.role,
-                         self.replica_argv(p), log)
-            self.replicas.append(proc)
-        deadline = time.monotonic() + c.ready_timeout
-        for proc in self.replicas:
-            proc.address = proc.wait_line(REPLICA_READY, deadline)[len(REPLICA_READY):].strip()
-        args = router_args(self.placements, [p.address for p in self.replicas], c.model, c.router_host,
-                           c.http_port, c.admin_port, c.strategy.value)
-        self.router = spawn("router", "router", pdcluster_argv(*args),
-                            self.log_dir / "router.log")
-        line = self.router.wait_line(ROUTER_READY, time.monotonic() + c.ready_timeout)
-        self.http_url, self.admin_address = parse_router_ready(line)
+        """Discover, place, stage, start every replica, wait for them, then the router."""
+        self._claim()
+        deadline = self.started_at + self.cluster.launch.ready_timeout_s
+        _check_router_ports(self.cluster)
+        self.plan(self.discover(deadline))
+        self._record(RunPhase.STARTING)
+        self.stage(deadline)
+        self.start_replicas()
+        self.wait_ready(deadline)
+        self.start_router(deadline)
+        self._record(RunPhase.READY)
+
+    def _claim(self) -> None:
+        """Refuse to start over a run of the same file that is still up."""
+        old = self.run_file.read()
+        live = (RunPhase.STARTING.value, RunPhase.READY.value)
+        if old is not None and old.phase in live and launcher_alive(old):
+            raise LaunchError(f"{self.cluster.path} is already launched (run {old.run_id}, pid "
+                              f"{old.launcher_pid}); `pdcluster down {self.cluster.path}` stops it")
+        self.claimed = True
+        self._record(RunPhase.STARTING)
 
     def ready_line(self) -> str:
         """The one line `pdcluster launch` prints once everything serves."""
-        reps = " ".join(f"{p.role}@{p.address}" for p in self.replicas)
+        reps = " ".join(f"{p.role}@{r.address}" for p, r in zip(self.placements, self.replicas, strict=True))
+        router = self.cluster.router
         return (f"pdcluster launch ready: http={self.http_url} admin={self.admin_address} "
-                f"strategy={self.config.strategy.value} replicas=[{reps}] logs={self.log_dir}")
+                f"strategy={router.strategy} scaling={router.scaling} replicas=[{reps}] logs={self.run_dir}")
 
-    def stop(self, timeout: float = 10.0) -> None:
-        """Router first, then every replica process (ssh / srun / local)."""
-        stop_procs([self.router] if self.router else [], self.replicas, timeout=timeout)
+    # --- while serving ----------------------------------------------------------------------------
+    def lost(self) -> str:
+        """Why the cluster cannot come back ("" while it can)."""
+        if self.via is Via.SLURM and self.slurm_job:
+            state = slurm_job_state(self.slurm_job)
+            if state is not None and state != "RUNNING":
+                self.allocation_gone = True
+                return f"the Slurm allocation {self.slurm_job} ended ({state or 'no longer known to Slurm'})"
+        unreachable = [not r.running and r.exits and r.exits[-1] == SSH_FAILED for r in self.replicas]
+        if self.via is Via.SSH and self.replicas and all(unreachable):
+            return "every node is unreachable (ssh exited with 255 for every replica)"
+        return ""
+
+    def changed(self) -> None:
+        """Record every replica's state for `pdcluster status`."""
+        self._record(RunPhase.READY if self.router is not None else RunPhase.STARTING)
+
+    def failed(self, message: str) -> None:
+        """Keep why the run failed (recorded when it stops)."""
+        self.failure = message
+
+    # --- stop -------------------------------------------------------------------------------------
+    def stop(self) -> None:
+        """The router, then each node's replicas (pid files), then the sessions; record the end."""
+        self._record(RunPhase.STOPPING)
+        stop_procs([self.router] if self.router else [], timeout=10)
+        if self.staged and not self.allocation_gone:
+            stop = self.commands.stop_script()
+            for answer in self._fan_out(self.staged, lambda _: stop, STOP_TIMEOUT_S):
+                if not answer.ok:
+                    _progress(f"{_node(answer.node)}: stopping its replicas failed: {answer.why(self.via)}")
+        stop_procs(self.replicas, timeout=10)
+        self._record(RunPhase.FAILED if self.failure else RunPhase.STOPPED)
+
+    def _record(self, phase: RunPhase) -> None:
+        if self.claimed:
+            self.run_file.write(self.record(phase))
+
+    def record(self, phase: RunPhase) -> RunRecord:
+        """This run as `run.json` holds it."""
+        return RunRecord(
+            run_id=self.run_id, cluster_file=str(self.cluster.path.resolve()), via=self.via.value,
+            node_dir=str(self.commands.node_dir), slurm_job=self.slurm_job, phase=phase.value,
+            http=self.http_url, admin=self.admin_address,
+            admin_token_set=bool(self.cluster.router.admin_token), replicas=self._replica_records(),
+            nodes=tuple(n.name for n in self.staged), logs=str(self.run_dir), message=self.failure,
+            **this_launcher())
+
+    def _replica_records(self) -> tuple[ReplicaRecord, ...]:
+        procs: list[Proc | None] = [*self.replicas] or [None] * len(self.placements)
+        return tuple(ReplicaRecord(p.rank, p.role, p.node.name, p.address, p.device, p.nic,
+                                   str(r.log) if r else "", _state(r), len(r.restarts) if r else 0)
+                     for p, r in zip(self.placements, procs, strict=True))
+
+    def dry_run(self) -> str:
+        """The placement, rank table and every command, as text (after discovery)."""
+        self.plan(self.discover(time.monotonic() + self.cluster.launch.ready_timeout_s))
+        lines = ["# placement", *map(_describe_placement, self.placements),
+                 "# rank table", rank_table(self.placements).to_json()]
+        for p in self.placements:
+            argv = self.argv(p.node, self.commands.replica_script(p), True, f"pdcluster-r{p.rank}")
+            lines += [f"# rank {p.rank} ({p.role}) on {p.node.name}", shlex.join(argv)]
+        router = shlex.join(["pdcluster", *router_args(self.cluster, self.placements)])
+        return "\n".join([*lines, "# router (here)", router])
 
 
-def _nodes(config: LaunchConfig) -> list[Node]:
-    if config.slurm:
-        nodelist = os.environ.get("SLURM_JOB_NODELIST", "")
-        if not nodelist:
-            raise ValueError("--slurm but SLURM_JOB_NODELIST is not set (run inside an allocation)")
-        return slurm_nodes(nodelist, config.slots)
-    assert config.hosts is not None
-    return parse_hosts(config.hosts.read_text())
+def _state(proc: Proc | None) -> str:
+    if proc is None:
+        return "planned"
+    code = proc.returncode
+    if code is not None:
+        return f"exited {code}"
+    return "serving" if proc.ready else ("restarting" if proc.restarts else "starting")
+
+
+def _node(node: NodeSpec) -> str:
+    return f"node {node.name} ({node.address})"
+
+
+def _unique(nodes: Iterable[NodeSpec]) -> list[NodeSpec]:
+    """The nodes in order of first appearance."""
+    seen: dict[int, NodeSpec] = {}
+    for node in nodes:
+        seen.setdefault(node.index, node)
+    return list(seen.values())
+
+
+def _inventory(answer: Answer) -> Inventory | None:
+    """The inventory a node printed (its last JSON line: a login shell may print other lines first)."""
+    for line in reversed(answer.out.splitlines()):
+        if line.strip().startswith("{"):
+            try:
+                return Inventory.from_json(line.strip())
+            except ValueError:
+                return None
+    return None
+
+
+def _describe(inv: Inventory) -> str:
+    devices = f"{len(inv.gpus)} CUDA device(s)" if inv.gpus else f"CPU only ({len(inv.cpus.cores)} cores)"
+    nic = f", transfer NIC {inv.transfer_nic}" if inv.transfer_nic else ""
+    return f"host {inv.hostname}, {devices}{nic}"
+
+
+def _describe_placement(p: Placement) -> str:
+    cores = f" cores={','.join(map(str, p.engine_cpus))}" if p.engine_cpus else ""
+    return (f"rank {p.rank} {p.role} on {p.node.name}: {p.device} nic={p.nic or '-'} grpc={p.address} "
+            f"transfer={p.node.transfer_host}:{p.transfer_port}{cores}")
+
+
+def _progress(text: str) -> None:
+    print(f"pdcluster launch: {text}", file=sys.stderr, flush=True)
+
+
+def _check_router_ports(cluster: ClusterFile) -> None:
+    r = cluster.router
+    for key, port in (("http_port", r.http_port), ("admin_port", r.admin_port)):
+        problem = port_problem(r.host, port)
+        if problem:
+            raise cluster.error(("router", key), f"router.{key}: {problem}")
+
+
+def slurm_job_state(job: str) -> str | None:
+    """The job's state ("RUNNING", "COMPLETING", …; "" when Slurm no longer knows it), None if unknown."""
+    try:
+        done = subprocess.run(["squeue", "-h", "-j", job, "-o", "%T"], capture_output=True, text=True,
+                              timeout=10, check=False)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    if done.returncode != 0:
+        return "" if "Invalid job id" in done.stderr else None
+    return done.stdout.strip()
 
 
 def run(config: LaunchConfig) -> int:
-    """Entry point of `pdcluster launch`: start, print the ready line, run until Ctrl-C / SIGTERM."""
-    try:
-        launch = Launch(config, _nodes(config))
-    except (ValueError, OSError, subprocess.SubprocessError) as exc:
-        print(f"pdcluster launch: {exc}", file=sys.stderr)
-        return 2
+    """Entry point of `pdcluster launch`: start, print the ready line, supervise until Ctrl-C / SIGTERM."""
+    cluster, via = load(config)
+    if via is Via.SLURM and not os.environ.get("SLURM_JOB_ID"):
+        raise LaunchError("--via slurm runs inside an allocation (salloc / sbatch): SLURM_JOB_ID is not set")
+    launch = Launch(cluster, via)
     if config.dry_run:
         print(launch.dry_run(), flush=True)
         return 0

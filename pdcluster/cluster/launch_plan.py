@@ -1,152 +1,301 @@
-"""The pure half of `pdcluster launch`: nodes, replica placement, the rank table and the commands.
+"""The pure half of `pdcluster launch`: replicas placed on what discovery found, the rank table, and
+every command line (probe, stage, replica, stop, router), for each way of reaching a node.
 
-Nothing here starts a process or reads the environment, so every piece is unit-tested as data.
+```
+ ClusterFile + {node: Inventory} ──place()──► [Placement: rank, role, node, device, NIC, cores, ports]
+                                             ──rank_table()──► RankTable (JSON, staged on every node)
+ Placement ──replica_script()──► bash script ──wrap(via, node)──► ssh -tt … | srun … | bash -c …
+```
+Nothing here starts a process or reads the environment: every piece is unit-tested as data.
 """
 
 from __future__ import annotations
 
-import enum
 import shlex
 from dataclasses import dataclass
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
+from pdcluster.cluster.clusterfile import ClusterFile, DeviceMode, Fabric, NodeSpec, SshSpec, Via
+from pdcluster.cluster.extra_flags import flag_args
+from pdcluster.discovery.inventory import Inventory
 from transfer.ranktable import RankTable
 
-
-class Transport(enum.Enum):
-    """How a replica command reaches its node."""
-
-    SSH = "ssh"
-    SRUN = "srun"
-    LOCAL = "local"  # the "remote" command runs as a local subprocess (tests, one-node debugging)
-
-
-@dataclass(frozen=True)
-class Node:
-    """One line of the hosts file: `host [slots=N] [transfer_host=IP]`."""
-
-    host: str
-    slots: int = 1
-    transfer_host: str = ""
-
-    @property
-    def transfer_ip(self) -> str:
-        """Address of the transfer fabric on this node (the host itself unless told otherwise)."""
-        return self.transfer_host or self.host
+PORTS_PER_REPLICA = 2  # gRPC, transfer
+AUTO_DEVICE_BOUND = 16  # ports drawn for a node whose device count only discovery knows
 
 
 @dataclass(frozen=True)
 class Placement:
-    """One replica: its rank, role, node and the two ports it listens on there."""
+    """One replica: its rank and role, where it runs, on what, and the two ports it listens on."""
 
     rank: int
     role: str
-    node: Node
+    node: NodeSpec
+    device: str  # "cpu" or "cuda:N"
     port: int
     transfer_port: int
+    engine_cpus: tuple[int, ...] = ()  # a CPU worker's own cores (cpu_replicas > 1)
+    nic: str = ""
+    rdma_device: str = ""
+    numa_node: int | None = None
 
     @property
     def address(self) -> str:
         """gRPC address HOST:PORT."""
-        return f"{self.node.host}:{self.port}"
+        return f"{self.node.address}:{self.port}"
+
+    @property
+    def cuda_visible_devices(self) -> str:
+        """`CUDA_VISIBLE_DEVICES` of this replica: its one device, or none for a CPU worker."""
+        return self.device.removeprefix("cuda:") if self.device.startswith("cuda:") else ""
+
+    @property
+    def name(self) -> str:
+        """"replica-R-ROLE", the name in logs and messages."""
+        return f"replica-{self.rank}-{self.role}"
 
 
-def parse_hosts(text: str) -> list[Node]:
-    """Nodes of a hosts file; `#` starts a comment; unknown keys or bad slot counts raise ValueError."""
-    nodes = []
-    for number, raw in enumerate(text.splitlines(), 1):
-        words = raw.split("#", 1)[0].split()
-        if not words:
-            continue
-        opts: dict[str, str] = {}
-        for word in words[1:]:
-            key, sep, value = word.partition("=")
-            if not sep or key not in ("slots", "transfer_host") or not value:
-                raise ValueError(f"hosts line {number}: expected slots=N or transfer_host=IP, got {word!r}")
-            opts[key] = value
-        slots = int(opts.get("slots", "1"))
-        if slots < 1:
-            raise ValueError(f"hosts line {number}: slots must be >= 1")
-        nodes.append(Node(words[0], slots, opts.get("transfer_host", "")))
-    if not nodes:
-        raise ValueError("the hosts file names no node")
-    return nodes
+def ports_wanted(node: NodeSpec) -> int:
+    """How many ports to draw on `node` before its device count is known."""
+    if node.devices.mode is DeviceMode.LIST:
+        slots = len(node.devices.ordinals)
+    elif node.role and node.devices.mode is DeviceMode.AUTO:
+        slots = max(AUTO_DEVICE_BOUND, node.cpu_replicas)
+    else:
+        slots = max(node.cpu_replicas, sum(n for _, n in node.counts))
+    return PORTS_PER_REPLICA * slots
 
 
-def assign(roles: list[str], nodes: list[Node], base_port: int, transfer_base_port: int) -> list[Placement]:
-    """Rank r goes to the next node (round-robin) that has a slot left; ports count up per node."""
-    if len(roles) > sum(n.slots for n in nodes):
-        raise ValueError(f"{len(roles)} replicas but only {sum(n.slots for n in nodes)} slots")
-    used = [0] * len(nodes)
-    placements = []
-    index = 0
-    for rank, role in enumerate(roles):
-        while used[index] >= nodes[index].slots:
-            index = (index + 1) % len(nodes)
-        local = used[index]
-        used[index] += 1
-        placements.append(Placement(rank, role, nodes[index], base_port + local, transfer_base_port + local))
-        index = (index + 1) % len(nodes)
+@dataclass(frozen=True)
+class _Slot:
+    device: str
+    engine_cpus: tuple[int, ...]
+    nic: str
+    rdma_device: str
+    numa_node: int | None
+
+
+def _gpu_slots(cluster: ClusterFile, node: NodeSpec, inv: Inventory) -> list[_Slot]:
+    found = {g.index: g for g in inv.gpus}
+    wanted = node.devices.ordinals if node.devices.mode is DeviceMode.LIST else tuple(sorted(found))
+    missing = [o for o in wanted if o not in found]
+    if missing:
+        raise cluster.error(("nodes", node.index, "devices"),
+                            f"{node.name} lists CUDA device {missing[0]} but discovery found "
+                            f"{_found(inv)}")
+    return [_Slot(found[o].device, (), found[o].nic or inv.transfer_nic, found[o].rdma_device,
+                  found[o].numa_node) for o in wanted]
+
+
+def _found(inv: Inventory) -> str:
+    return f"{len(inv.gpus)} ({', '.join(str(g.index) for g in inv.gpus)})" if inv.gpus else "none"
+
+
+def cpu_sets(cores: tuple[int, ...], numa: dict[int, tuple[int, ...]], n: int) -> list[tuple[int, ...]]:
+    """`n` disjoint, equal-sized core sets, NUMA node by NUMA node (left-over cores are not used)."""
+    if n > len(cores):
+        raise ValueError(f"{n} CPU workers but only {len(cores)} cores")
+    ordered = sorted(cores, key=lambda c: (next((k for k, v in numa.items() if c in v), -1), c))
+    size = len(ordered) // n
+    return [tuple(sorted(ordered[i * size:(i + 1) * size])) for i in range(n)]
+
+
+def _cpu_slots(cluster: ClusterFile, node: NodeSpec, inv: Inventory) -> list[_Slot]:
+    n = node.cpu_replicas
+    if n == 1:  # one worker: all the node's cores, no placement
+        return [_Slot("cpu", (), inv.transfer_nic, "", _one_numa(inv, inv.cpus.cores))]
+    try:
+        sets = cpu_sets(inv.cpus.cores, inv.cpus.numa, n)
+    except ValueError as exc:
+        raise cluster.error(("nodes", node.index, "cpu_replicas"), f"{node.name}: {exc}") from None
+    return [_Slot("cpu", cores, inv.transfer_nic, "", _one_numa(inv, cores)) for cores in sets]
+
+
+def _one_numa(inv: Inventory, cores: tuple[int, ...]) -> int | None:
+    nodes = {inv.cpus.numa_of(c) for c in cores}
+    return nodes.pop() if len(nodes) == 1 else None
+
+
+def _slots(cluster: ClusterFile, node: NodeSpec, inv: Inventory) -> list[_Slot]:
+    mode = node.devices.mode
+    if mode is DeviceMode.LIST or (mode is DeviceMode.AUTO and inv.gpus):
+        return _gpu_slots(cluster, node, inv)
+    return _cpu_slots(cluster, node, inv)
+
+
+def _check_fabric(cluster: ClusterFile, node: NodeSpec, inv: Inventory, slots: list[_Slot]) -> None:
+    fabric = cluster.launch.fabric
+    if fabric is Fabric.NCCL and any(s.device == "cpu" for s in slots):
+        raise cluster.error(("launch", "fabric"), f"fabric nccl needs a CUDA device for every replica, but "
+                                                  f"discovery found none on {node.name}")
+    if fabric is Fabric.RDMA and not inv.rdma_devices:
+        raise cluster.error(("launch", "fabric"), f"fabric rdma needs an RDMA NIC, but discovery found none "
+                                                  f"on {node.name} (/sys/class/infiniband is empty)")
+
+
+def place(cluster: ClusterFile, inventories: dict[int, Inventory]) -> list[Placement]:
+    """Every replica of the cluster file on the devices each node reported; ranks in node order."""
+    placements: list[Placement] = []
+    for node in cluster.nodes:
+        inv = inventories[node.index]
+        if inv.model_problem:
+            raise cluster.error(("model", "path"), f"on {node.name}: {inv.model_problem}")
+        slots = _slots(cluster, node, inv)
+        roles = node.roles(len(slots))
+        if len(roles) > len(slots):
+            kind = "CUDA device(s)" if slots and slots[0].device != "cpu" else "CPU worker(s)"
+            raise cluster.error(("nodes", node.index), f"{node.name} asks for {len(roles)} replicas but has "
+                                                       f"{len(slots)} {kind}")
+        _check_fabric(cluster, node, inv, slots[:len(roles)])
+        if len(inv.ports) < PORTS_PER_REPLICA * len(roles):
+            raise cluster.error(("nodes", node.index), f"{node.name} drew {len(inv.ports)} free ports, "
+                                                       f"{PORTS_PER_REPLICA * len(roles)} needed")
+        for local, (role, slot) in enumerate(zip(roles, slots, strict=False)):
+            placements.append(Placement(
+                len(placements), role, node, slot.device, inv.ports[2 * local], inv.ports[2 * local + 1],
+                slot.engine_cpus, slot.nic, slot.rdma_device, slot.numa_node))
     return placements
 
 
 def rank_table(placements: list[Placement]) -> RankTable:
-    """The rank table every replica reads (same format as `pdcluster up`'s)."""
+    """The rank table every replica reads (the same format as `pdcluster up`'s)."""
     return RankTable.from_records(
-        {"rank": p.rank, "host": p.node.host, "node": p.node.host, "device": "cpu",
-         "transfer_address": f"{p.node.transfer_ip}:{p.transfer_port}", "grpc_port": p.port}
+        {"rank": p.rank, "host": p.node.address, "node": p.node.name, "device": p.device,
+         "transfer_address": f"{p.node.transfer_host}:{p.transfer_port}", "grpc_port": p.port,
+         "nic": p.nic, "rdma_device": p.rdma_device, "numa_node": p.numa_node, "nic_gbps": p.node.nic_gbps}
         for p in placements)
 
 
+# --- commands -----------------------------------------------------------------------------------
+
 @dataclass(frozen=True)
-class ReplicaCommand:
-    """What `pdcluster launch` runs for one replica, as argv on this machine."""
+class Commands:
+    """What every command line of one launch needs to know besides the placement."""
 
-    placement: Placement
-    argv: list[str]
+    cluster: ClusterFile
+    run_id: str
+    pdcluster: tuple[str, ...]  # the pdcluster command on the nodes (default for each)
+    workdir: PurePosixPath
+
+    @property
+    def node_dir(self) -> PurePosixPath:
+        """This run's folder on every node: the staged rank table and the replicas' pid files."""
+        return PurePosixPath("/tmp") / f"pdcluster-{self.run_id}"
+
+    def command_of(self, node: NodeSpec) -> list[str]:
+        """The pdcluster command on `node`."""
+        return shlex.split(node.pdcluster) if node.pdcluster else list(self.pdcluster)
+
+    def probe_script(self, node: NodeSpec) -> str:
+        """Discovery on `node`: its devices, free ports, the NIC of its transfer address, the model."""
+        args = ["devices", "--json", "--ports", str(ports_wanted(node)), "--bind", node.transfer_host,
+                "--check-model", str(self.cluster.model.path)]
+        return f"cd {_q(self.workdir)} || exit 1\nexec {shlex.join([*self.command_of(node), *args])}"
+
+    def stage_script(self) -> str:
+        """Store the rank table read from stdin on a node (before any replica there starts)."""
+        ranks = self.node_dir / "ranks.json"
+        # the temporary file is this node's own: nodes sharing a /tmp must not rename each other's
+        temp = f"{_q(ranks)}.$(hostname).$$"
+        return f"mkdir -p {_q(self.node_dir)} && cat > {temp} && mv {temp} {_q(ranks)}"
+
+    def replica_args(self, p: Placement) -> list[str]:
+        """Arguments of `pdcluster replica` for one placement."""
+        launch, model = self.cluster.launch, self.cluster.model
+        args = ["replica", "--model", str(model.path), "--rank", str(p.rank),
+                "--cluster", str(self.node_dir / "ranks.json"), "--fabric", launch.fabric.value,
+                "--host", p.node.address, "--port", str(p.port), "--num-blocks", str(launch.num_blocks)]
+        if model.root is not None:
+            args += ["--model-root", str(model.root)]
+        threads = launch.torch_threads or len(p.engine_cpus)
+        if threads:
+            args += ["--torch-threads", str(threads)]
+        if p.engine_cpus:
+            args += ["--engine-cpus", *map(str, p.engine_cpus)]
+        args += flag_args(launch.replica_flags)
+        return [*args, "--inactive"] if p.role == "inactive" else args
+
+    def replica_script(self, p: Placement) -> str:
+        """The script run on the node: record its pid, set its device, exec the replica.
+
+        `exec` keeps the pid written (so `down` can find it) and makes the replica the session's
+        own process, so a hangup (ssh) or a step signal (srun) reaches it directly.
+        """
+        env = [("CUDA_VISIBLE_DEVICES", p.cuda_visible_devices), *p.node.env]
+        exports = " ".join(f"{k}={shlex.quote(v)}" for k, v in env)
+        pid = self.node_dir / f"{p.name}.pid"
+        return "\n".join([
+            f"cd {_q(self.workdir)} || exit 1",
+            f"echo $$ > {_q(pid)} || exit 1",
+            f"export {exports}",
+            f"exec {shlex.join([*self.command_of(p.node), *self.replica_args(p)])} 2>&1",
+        ])
+
+    def stop_script(self, grace_s: float = 15.0) -> str:
+        """SIGTERM this run's replicas on a node (by their pid files, and only processes whose command
+        line names this run), SIGKILL what outlives `grace_s`, remove the run's folder."""
+        d, tag = _q(self.node_dir), shlex.quote(self.run_id)
+        ticks = max(1, int(grace_s * 10))
+        return f"""d={d}; tag={tag}
+[ -d "$d" ] || exit 0
+mine() {{ tr '\\0' ' ' < /proc/$1/cmdline 2>/dev/null | grep -q -- "$tag"; }}
+pids=""
+for f in "$d"/*.pid; do [ -f "$f" ] || continue; p=$(cat "$f"); mine "$p" && pids="$pids $p"; done
+[ -n "$pids" ] && kill -TERM $pids 2>/dev/null
+left="$pids"
+for _ in $(seq {ticks}); do
+  [ -z "$left" ] && break
+  sleep 0.1; now=""; for p in $left; do mine "$p" && now="$now $p"; done; left="$now"
+done
+[ -n "$left" ] && kill -KILL $left 2>/dev/null
+rm -rf "$d"
+echo "stopped:$pids killed:$left"
+"""
 
 
-def replica_args(p: Placement, model: Path, ranks_path: Path, extra: list[str]) -> list[str]:
-    """Arguments of `pdcluster replica` for one placement."""
-    args = ["replica", "--model", str(model), "--rank", str(p.rank), "--cluster", str(ranks_path),
-            "--fabric", "tcp", "--host", p.node.host, "--port", str(p.port), *extra]
-    return [*args, "--inactive"] if p.role == "inactive" else args
+def _q(path: PurePosixPath | Path) -> str:
+    return shlex.quote(str(path))
 
 
-def remote_script(pdcluster: list[str], args: list[str], workdir: Path, ranks_path: Path,
-                  table_json: str | None, log_path: Path) -> str:
-    """The shell script run on the node: write the rank table (unless shared), then exec the replica.
+def ssh_argv(ssh: SshSpec, node: NodeSpec, tty: bool) -> list[str]:
+    """`ssh` up to (and with) the destination: BatchMode (no password prompt), the file's options."""
+    argv = ["ssh", "-tt" if tty else "-T", "-o", "BatchMode=yes",
+            "-o", f"ConnectTimeout={ssh.connect_timeout_s:g}"]
+    if ssh.config is not None:
+        argv += ["-F", str(ssh.config)]
+    if ssh.identity is not None:
+        argv += ["-i", str(ssh.identity)]
+    for option in ssh.options:
+        argv += ["-o", option]
+    if node.ssh_port != 22:
+        argv += ["-p", str(node.ssh_port)]
+    if node.ssh_user:
+        argv += ["-l", node.ssh_user]
+    return [*argv, node.address]
 
-    `exec` makes the replica the session's own process, so a hangup or signal reaches it directly.
-    Its stderr goes to `log_path` on the node: under `ssh -tt` it would otherwise share the streamed
-    stdout and pile up here after the ready line.
+
+def wrap(via: Via, cluster: ClusterFile, node: NodeSpec, script: str, tty: bool = False,
+         name: str = "") -> list[str]:
+    """argv that runs `script` on `node` and streams its output back here.
+
+    ssh: `-tt` (for replicas) gives the command a terminal, so closing the session hangs it up and
+    the replica dies with it; the remote login shell runs `bash -c SCRIPT`. srun: one task on that
+    node of the allocation this launch runs in; signalling srun signals the step.
     """
-    lines = [f"cd {shlex.quote(str(workdir))} || exit 1",
-             f"mkdir -p {shlex.quote(str(log_path.parent))} || exit 1"]
-    if table_json is not None:
-        lines += [f"mkdir -p {shlex.quote(str(ranks_path.parent))} || exit 1",
-                  f"cat > {shlex.quote(str(ranks_path))} <<'PDCLUSTER_RANKS'", table_json, "PDCLUSTER_RANKS"]
-    lines.append("exec " + shlex.join([*pdcluster, *args]) + " 2>>" + shlex.quote(str(log_path)))
-    return "\n".join(lines)
-
-
-def wrap(transport: Transport, host: str, script: str, rank: int) -> list[str]:
-    """argv that runs `script` on `host` and streams its stdout back here.
-
-    ssh: `-tt` gives the remote command a terminal, so closing the session (ssh killed) hangs it
-    up and the replica dies with it. srun: one task on that node; signalling srun signals the step.
-    """
-    if transport is Transport.SSH:
-        return ["ssh", "-tt", "-o", "BatchMode=yes", host, "bash -c " + shlex.quote(script)]
-    if transport is Transport.SRUN:
-        return ["srun", "--nodes=1", "--ntasks=1", f"--nodelist={host}", "--overlap", "--kill-on-bad-exit=1",
-                f"--job-name=pdcluster-r{rank}", "bash", "-c", script]
+    if via is Via.SSH:
+        return [*ssh_argv(cluster.ssh, node, tty), "bash -c " + shlex.quote(script)]
+    if via is Via.SLURM:
+        extra = [f"--job-name={name}", "--kill-on-bad-exit=1"] if name else []
+        return ["srun", "--nodes=1", "--ntasks=1", f"--nodelist={node.name}", "--overlap", *extra,
+                "bash", "-c", script]
     return ["bash", "-c", script]
 
 
-def router_args(placements: list[Placement], addresses: list[str], model: Path, host: str,
-                http_port: int, admin_port: int, strategy: str) -> list[str]:
-    """Arguments of `pdcluster router` over the started replicas."""
-    return ["router", "--model", str(model), "--host", host, "--http-port", str(http_port),
-            "--admin-port", str(admin_port), "--strategy", strategy, "--replica", *addresses,
-            "--role", *[p.role for p in placements]]
+def router_args(cluster: ClusterFile, placements: list[Placement]) -> list[str]:
+    """Arguments of `pdcluster router` over the placed replicas."""
+    r = cluster.router
+    args = ["router", "--model", str(cluster.model.path), "--host", r.host, "--http-port", str(r.http_port),
+            "--admin-port", str(r.admin_port), "--strategy", r.strategy, "--scaling", r.scaling,
+            "--replica", *[p.address for p in placements], "--role", *[p.role for p in placements],
+            *flag_args(r.flags)]
+    return [*args, "--admin-token", r.admin_token] if r.admin_token else args

@@ -8,11 +8,13 @@ processes and a router — with one ready line, and a clean stop of everything i
 ```
 Children get SIGTERM when this process dies (Linux parent-death signal), so none is orphaned even
 if `pdcluster up` itself is killed; on Ctrl-C / SIGTERM the router stops first, then the replicas.
+Under `pdcluster up` a replica that dies is restarted on its own ports (`supervisor.py`); when the
+restart budget is spent the router is stopped too and `up` exits 1.
 With `--engine simulated` the replicas behave like `--gpu` running `--model-card` (no torch, one
 process each, no gRPC front process); `--model` then only lends its tokenizer, and every bandwidth
 flag is the emulated cluster's full-scale figure (the replicas pace at it times `--byte-scale`).
-`LocalCluster` is the same thing as a context manager: the one local cluster of the demo, the
-serving benchmark and the cluster tests. Processes and their stop: `pdcluster.cluster.processes`.
+`LocalCluster` is the same thing as a context manager (no restarts): the one local cluster of the
+demo, the serving benchmark and the cluster tests. Processes and their stop: `processes.py`.
 """
 
 from __future__ import annotations
@@ -35,9 +37,9 @@ from pdcluster.cluster.processes import (
     pdcluster_argv,
     spawn,
     stop_procs,
-    supervise,
 )
 from pdcluster.cluster.replica_process import free_ports
+from pdcluster.cluster.supervisor import RestartPolicy, supervise
 from router import strategies
 from router.config import Strategy
 from router.scaling import policies
@@ -105,9 +107,14 @@ class UpConfig:
         "simulated weights, KV pages and link rates are the card's and the flags' times this")})
     profile: Path | None = field(default=None, metadata={"help": (
         "simulated step times from this profile table (replica/engine/sim/profile.py)")})
+    max_restarts: int = field(default=3, metadata={"help": (
+        "restarts of one replica within --restart-window before `up` stops everything and exits 1")})
+    restart_window: float = field(default=300.0, metadata={"help": "seconds over which restarts are counted"})
 
     def __post_init__(self) -> None:
         self.model = Path(self.model)
+        if self.max_restarts < 0 or self.restart_window <= 0:
+            raise ValueError("--max-restarts must be >= 0 and --restart-window > 0")
         self.strategy = strategies.get(self.strategy).name  # an unknown name → ValueError naming them
         policies.get(self.scaling)
         if min(self.prefill, self.decode, self.inactive) < 0 or self.prefill + self.decode < 1:
@@ -160,13 +167,14 @@ class UpConfig:
         return args
 
 
-
 class LocalCluster:
     """Start replicas and a router as subprocesses; `stop()` ends every one of them."""
 
     def __init__(self, config: UpConfig) -> None:
-        self.config = config
-        self.log_dir = config.log_dir or Path(tempfile.mkdtemp(prefix="pdcluster-up-"))
+        # The children start in SOURCE_ROOT: a path relative to the caller's folder must not change meaning.
+        self.config = dataclasses.replace(config, model=config.model.resolve(),
+                                          log_dir=config.log_dir.resolve() if config.log_dir else None)
+        self.log_dir = self.config.log_dir or Path(tempfile.mkdtemp(prefix="pdcluster-up-"))
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.replicas: list[Proc] = []
         self.router: Proc | None = None
@@ -174,6 +182,7 @@ class LocalCluster:
         self.admin_address = ""
         self.model_dir = config.model  # the router's --model (a simulated engine's: made by start)
         self.placement = Placement.plan(config.decode) if config.pin_decode else None
+        self.policy = RestartPolicy(config.max_restarts, config.restart_window)
 
     def __enter__(self) -> LocalCluster:
         try:
@@ -187,8 +196,9 @@ class LocalCluster:
                  ) -> None:
         self.stop()
 
-    def _spawn(self, name: str, role: str, args: list[str], cpus: frozenset[int] | None = None) -> Proc:
-        return spawn(name, role, pdcluster_argv(*args), self.log_dir / f"{name}.log", cpus)
+    def _spawn(self, name: str, role: str, args: list[str], ready: str, cpus: frozenset[int] | None = None
+               ) -> Proc:
+        return spawn(name, role, pdcluster_argv(*args), self.log_dir / f"{name}.log", cpus, ready)
 
     def _cpus(self, role: str, decode_index: int) -> frozenset[int] | None:
         """The cores of one process (None: not pinned); a decode replica puts its engine thread on its
@@ -217,31 +227,33 @@ class LocalCluster:
         # decode replica has one core).
         shared = max(1, (os.cpu_count() or 1) // len(self.roles()))
         threads = c.torch_threads or (1 if self.placement else shared)
-        fabric = self._fabric_args()
+        # Fixed gRPC ports (not --port 0): a restarted replica comes back where the router looks for it.
+        n = len(self.roles())
+        drawn = free_ports(2 * n, c.host)  # drawn together: a gRPC and a transfer port never coincide
+        ports, fabric = drawn[:n], self._fabric_args(drawn[n:])
         security = c.tls_args() + self._token_args()
         engine = c.engine_spec()
         self.model_dir = engine.model_folder(c.model, self.log_dir / "model" / engine.model_card)
         pages = c.num_blocks if engine.simulated else (c.num_blocks or 512)
         for rank, role in enumerate(self.roles()):
-            args = ["replica", "--model", str(self.model_dir), "--host", c.host, "--port", "0",
+            args = ["replica", "--model", str(self.model_dir), "--host", c.host, "--port", str(ports[rank]),
                     "--rank", str(rank), *(["--num-blocks", str(pages)] if pages else []),
-                    "--torch-threads", str(threads), *fabric]
-            args += c.replica_args() + security
+                    "--torch-threads", str(threads), *fabric, *c.replica_args(), *security]
             if role == "inactive":
                 args += ["--inactive", *(["--host-cache"] if c.host_cache else [])]
             args += self._engine_args(role, rank - c.prefill)
             cpus = self._cpus(role, rank - c.prefill)
-            self.replicas.append(self._spawn(f"replica-{rank}-{role}", role, args, cpus))
+            self.replicas.append(self._spawn(f"replica-{rank}-{role}", role, args, REPLICA_READY, cpus))
         deadline = time.monotonic() + c.ready_timeout
         for proc in self.replicas:
-            proc.address = proc.wait_line(REPLICA_READY, deadline)[len(REPLICA_READY):].strip()
+            proc.address = proc.wait_ready(deadline)[len(REPLICA_READY):].strip()
         args = ["router", "--model", str(self.model_dir), "--host", c.host, "--http-port", str(c.http_port),
                 "--admin-port", str(c.admin_port), "--strategy", c.strategy, *c.router_args(),
                 "--replica", *[p.address for p in self.replicas], "--role", *self.roles(), *security]
         if c.admin_token:
             args += ["--admin-token", c.admin_token]
-        self.router = self._spawn("router", "router", args, self._cpus("router", 0))
-        line = self.router.wait_line(ROUTER_READY, time.monotonic() + c.ready_timeout)
+        self.router = self._spawn("router", "router", args, ROUTER_READY, self._cpus("router", 0))
+        line = self.router.wait_ready(time.monotonic() + c.ready_timeout)
         self.http_url, self.admin_address = parse_router_ready(line)
 
     def _token_args(self) -> list[str]:
@@ -258,11 +270,11 @@ class LocalCluster:
             out.write(c.cluster_token + "\n")
         return ["--cluster-token-file", str(path.resolve())]
 
-    def _fabric_args(self) -> list[str]:
-        """`--cluster RANKS --fabric tcp`: a rank table of this machine, one free port per replica."""
+    def _fabric_args(self, ports: list[int]) -> list[str]:
+        """`--cluster RANKS --fabric tcp`: this machine's rank table (replica i's transfer port: ports[i])."""
         from transfer.ranktable import RankTable
 
-        table = RankTable.local(free_ports(len(self.roles()), self.config.host), self.config.host)
+        table = RankTable.local(ports, self.config.host)
         if self.config.link_gbps:  # every replica its own node behind an emulated NIC
             table = RankTable(tuple(dataclasses.replace(e, node=f"n{e.rank}", link_gbps=self.config.link_gbps)
                                     for e in table.entries))
@@ -289,7 +301,17 @@ class LocalCluster:
         """SIGTERM the router, then the replicas; SIGKILL whatever is still alive after `timeout`."""
         stop_procs([self.router] if self.router else [], self.replicas, timeout=timeout)
 
+    def lost(self) -> str:
+        """Never lost for good on one machine: the restart budget decides."""
+        return ""
+
+    def changed(self) -> None:
+        """Nothing records a local cluster's state."""
+
+    def failed(self, message: str) -> None:
+        """Said on stderr by the supervisor already."""
+
 
 def run(config: UpConfig) -> int:
     """Entry point of `pdcluster up`: start, print the ready line, run until Ctrl-C / SIGTERM."""
-    return supervise("pdcluster up", LocalCluster(dataclasses.replace(config)))
+    return supervise("pdcluster up", LocalCluster(config))

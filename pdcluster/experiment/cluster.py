@@ -98,11 +98,12 @@ class CellCluster:
                     "--torch-threads", str(self._threads()), "--cluster", str(self.folder / "ranks.json"),
                     "--fabric", "tcp", *(["--inactive"] if role == "inactive" else []),
                     *engine.replica_args(), *self.shape.replica_args]
-            self.replicas.append(self._spawn(f"replica-{rank}-{role}", role, args, logs, self.nodes[rank]))
+            self.replicas.append(self._spawn(f"replica-{rank}-{role}", role, args, logs, self.nodes[rank],
+                                             REPLICA_READY))
         for proc in self.replicas:
-            proc.address = self._ready(proc, REPLICA_READY, deadline)[len(REPLICA_READY):].strip()
-        self.router = self._spawn("router", "router", self._router_args(flags), logs, None)
-        self.http_url, _ = parse_router_ready(self._ready(self.router, ROUTER_READY, deadline))
+            proc.address = self._ready(proc, deadline)[len(REPLICA_READY):].strip()
+        self.router = self._spawn("router", "router", self._router_args(flags), logs, None, ROUTER_READY)
+        self.http_url, _ = parse_router_ready(self._ready(self.router, deadline))
 
     def _router_args(self, flags: set[str]) -> list[str]:
         host = HEAD_ADDRESS if self.network else "127.0.0.1"
@@ -139,16 +140,17 @@ class CellCluster:
                                          link_gbps=gbps))
         return RankTable(tuple(entries))
 
-    def _spawn(self, name: str, role: str, args: list[str], logs: Path, node_index: int | None) -> Proc:
+    def _spawn(self, name: str, role: str, args: list[str], logs: Path, node_index: int | None,
+               ready: str) -> Proc:
         argv = pdcluster_argv(*args)
         if self.network is not None:
             node = self.network.head if node_index is None else self.network.node_of(node_index)
             argv = node.exec_argv(argv)
-        return spawn(name, role, argv, logs / f"{name}.log")
+        return spawn(name, role, argv, logs / f"{name}.log", ready_prefix=ready)
 
-    def _ready(self, proc: Proc, prefix: str, deadline: float) -> str:
+    def _ready(self, proc: Proc, deadline: float) -> str:
         try:
-            return proc.wait_line(prefix, deadline)
+            return proc.wait_ready(deadline)
         except RuntimeError as exc:
             raise RuntimeError(f"{exc}\n{log_tail(proc.log)}") from None
 

@@ -13,7 +13,6 @@ from pdcluster.cli import main
 from pdcluster.cli.commands import COMMANDS
 from pdcluster.cli.main import parse
 from pdcluster.cluster.launch import LaunchConfig
-from pdcluster.cluster.launch_plan import Transport
 from pdcluster.cluster.local import UpConfig
 from pdcluster.tools.tiny_model import TinyModelConfig
 from replica.config import DType, ReplicaConfig
@@ -55,8 +54,10 @@ def test_up_and_launch_booleans() -> None:
     up = parse(["up", "--model", "/m", "--prefill", "2", "--strategy", "recompute", "--pin-decode"])
     assert isinstance(up, UpConfig) and up.pin_decode and up.prefill == 2
     assert up.strategy == Strategy.RECOMPUTE.value
-    launch = parse(["launch", "--hosts", "h.txt", "--model", "/m", "--transport", "local", "--dry-run"])
-    assert isinstance(launch, LaunchConfig) and launch.dry_run and launch.transport is Transport.LOCAL
+    launch = parse(["launch", "cluster.toml", "--via", "slurm", "--fabric", "rdma", "--dry-run"])
+    assert isinstance(launch, LaunchConfig) and launch.dry_run and launch.via == "slurm"
+    assert launch.file == Path("cluster.toml") and launch.fabric == "rdma"
+    assert parse(["launch", "c.toml"]) == LaunchConfig(Path("c.toml"))
 
 
 def test_positional_and_choices() -> None:

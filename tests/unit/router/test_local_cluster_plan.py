@@ -41,13 +41,13 @@ def test_scaling_and_emulated_devices_reach_the_processes(tmp_path: Path) -> Non
                       disk_gbps=16.0, host_gbps=200.0, link_gbps=2.0, log_dir=tmp_path)
     assert config.router_args() == ["--scaling", "live", "--min-prefill", "1", "--keep-alive", "2.5"]
     assert config.replica_args() == ["--disk-gbps", "16.0", "--host-gbps", "200.0"]
-    table = load_rank_table(LocalCluster(config)._fabric_args()[1])
+    table = load_rank_table(LocalCluster(config)._fabric_args([7001, 7002])[1])
     assert [(e.node, e.link_gbps) for e in table] == [("n0", 2.0), ("n1", 2.0)]
 
 
 def test_rank_table_written_for_every_replica(tmp_path: Path) -> None:
     cluster = LocalCluster(UpConfig(model=tmp_path, prefill=1, decode=2, log_dir=tmp_path))
-    args = cluster._fabric_args()
+    args = cluster._fabric_args([7001, 7002, 7003])
     assert args[0] == "--cluster" and args[2:] == ["--fabric", "tcp"]
     table = load_rank_table(args[1])
     assert [e.rank for e in table] == [0, 1, 2]

@@ -61,3 +61,17 @@ def test_duplicates_are_rejected() -> None:
         RankTable.from_records([record, {**record, "rank": 1}])
     with pytest.raises(KeyError):
         RankTable.from_records([record])[5]
+
+
+def test_launch_fields_device_nic_numa_and_rate_round_trip() -> None:
+    record = {"rank": 0, "host": "10.0.0.1", "node": "dgx", "device": "cuda:3",
+              "transfer_address": "10.0.0.1:7000", "nic": "ibp25s0", "rdma_device": "mlx5_3", "numa_node": 1,
+              "nic_gbps": 400}
+    table = RankTable.from_records([record, {**record, "rank": 1, "transfer_address": "10.0.0.1:7001",
+                                             "numa_node": None}])
+    first = table[0]
+    assert (first.nic, first.rdma_device, first.numa_node, first.nic_gbps) == ("ibp25s0", "mlx5_3", 1, 400.0)
+    assert table[1].numa_node is None and parse_rank_table(table.to_json()) == table
+    assert table[0].link_gbps == 0.0  # the NIC's rate is recorded, never paced
+    with pytest.raises(RankTableError, match="numa_node"):
+        RankTable.from_records([{**record, "numa_node": -1}])

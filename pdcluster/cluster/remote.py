@@ -1,0 +1,71 @@
+"""Short commands on many nodes at once: a bounded pool of ssh / srun / local sessions, each with a
+deadline, each answer kept with the node it came from.
+
+```
+ fan_out(nodes, argv_of, stdin, timeout, parallel=32) ─► [Answer(node, rc, out, err, seconds)]
+```
+Used for discovery, staging the rank table, stopping a run's replicas and collecting node logs.
+The long-lived replica sessions are `processes.Proc`s instead.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+from pdcluster import SOURCE_ROOT
+from pdcluster.cluster.clusterfile import NodeSpec, Via
+
+SSH_FAILED = 255  # ssh's own exit code: the connection or the authentication failed
+
+
+@dataclass(frozen=True)
+class Answer:
+    """What one node answered."""
+
+    node: NodeSpec
+    rc: int  # -1: the deadline passed first
+    out: str
+    err: str
+    seconds: float
+
+    @property
+    def ok(self) -> bool:
+        """Exit code 0."""
+        return self.rc == 0
+
+    def why(self, via: Via) -> str:
+        """One line saying why the command failed on this node."""
+        err = next((line.strip() for line in reversed(self.err.splitlines()) if line.strip()), "")
+        if self.rc == -1:
+            return f"no answer within {self.seconds:.0f} s"
+        if via is Via.SSH and self.rc == SSH_FAILED:
+            return f"ssh to {self.node.address} failed: {err or 'exit 255'}"
+        return f"exited with {self.rc}" + (f": {err}" if err else "")
+
+
+def run_once(node: NodeSpec, argv: Sequence[str], stdin: str | None, timeout: float) -> Answer:
+    """Run `argv` (in its own process group, so a timeout kills ssh / srun and their children)."""
+    start = time.monotonic()
+    proc = subprocess.Popen(list(argv), stdin=subprocess.PIPE if stdin is not None else subprocess.DEVNULL,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=SOURCE_ROOT,
+                            start_new_session=True)
+    try:
+        out, err = proc.communicate(stdin, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        return Answer(node, -1, out, err, time.monotonic() - start)
+    return Answer(node, proc.returncode, out, err, time.monotonic() - start)
+
+
+def fan_out(nodes: Sequence[NodeSpec], argv_of: Callable[[NodeSpec], Sequence[str]], timeout: float,
+            parallel: int, stdin: str | None = None) -> list[Answer]:
+    """`argv_of(node)` on every node, at most `parallel` at once; answers in `nodes` order."""
+    with ThreadPoolExecutor(max_workers=max(1, min(parallel, len(nodes)))) as pool:
+        return list(pool.map(lambda n: run_once(n, argv_of(n), stdin, timeout), nodes))

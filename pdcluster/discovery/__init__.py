@@ -1,0 +1,1 @@
+"""Device discovery: what one node has (CUDA devices, NICs, CPU cores), as `pdcluster devices` prints it."""

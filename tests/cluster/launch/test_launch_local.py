@@ -1,0 +1,118 @@
+"""`pdcluster launch --via local` on two "nodes" of this machine (127.0.0.1 and 127.0.0.2): it serves,
+`status` lists it, a killed replica is restarted on its address and taken back by the router, `down`
+from another shell leaves no process; a node whose replica cannot start fails the launch naming it
+and stops the replica already started on the other; a second launch of a running file is refused."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import httpx
+
+from tests.helpers.launched import Launched, NodeLine, pdcluster, ready_fields, write_cluster_file
+from tests.helpers.processes import alive, descendants
+
+
+def cluster_file(tmp_path: Path, model: Path, b_extra: tuple[str, ...] = ()) -> Path:
+    nodes = [NodeLine("a", "127.0.0.1", {"prefill": 1}), NodeLine("b", "127.0.0.2", {"decode": 1}, b_extra)]
+    return write_cluster_file(
+        tmp_path / "cluster.toml", model, nodes, "local", "127.0.0.1", launch=("max_restarts = 2",)
+    )
+
+
+def run(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(pdcluster(*args), capture_output=True, text=True, timeout=120, check=False)
+
+
+def complete(url: str, model: Path) -> dict[str, object]:
+    body = {"model": model.name, "prompt": "hello", "max_tokens": 5, "temperature": 0}
+    answer: dict[str, object] = httpx.post(f"{url}/v1/completions", json=body, timeout=60).json()
+    return answer
+
+
+def taken_back(file: Path) -> bool:
+    """`status` shows every replica serving, each in its role at the router."""
+    rows = [line.split() for line in run("status", str(file)).stdout.splitlines()]
+    rows = [row for row in rows if row and row[0].isdigit()]
+    return [(row[6], row[7]) for row in rows] == [("SERVING", "prefill"), ("SERVING", "decode")]
+
+
+def wait_for(check: Callable[[], bool], timeout: float, what: str) -> None:
+    end = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < end, what
+        time.sleep(0.2)
+
+
+def test_local_launch_status_restart_and_down(
+    tiny_model_factory: Callable[..., Path], tmp_path: Path
+) -> None:
+    model = tiny_model_factory()
+    file = cluster_file(tmp_path, model)
+    launched = Launched(pdcluster("launch", str(file)))
+    try:
+        fields = ready_fields(launched.ready(180))
+        assert "prefill@127.0.0.1:" in fields["replicas"] and "decode@127.0.0.2:" in fields["replicas"]
+        first = complete(fields["http"], model)
+        status = run("status", str(file))
+        assert status.returncode == 0 and status.stdout.count("SERVING") == 2, status.stdout
+        record = json.loads((tmp_path / "logs" / "run.json").read_text())
+        pid = int(Path(record["node_dir"], "replica-1-decode.pid").read_text())
+        os.kill(pid, signal.SIGKILL)
+        wait_for(lambda: "replica-1-decode on b is serving again" in launched.stderr, 60, launched.stderr)
+        # the router polls the address it knows and takes the replica back
+        wait_for(lambda: taken_back(file), 60, run("status", str(file)).stdout)
+        try:
+            again = complete(fields["http"], model)
+        except httpx.TimeoutException as exc:
+            router = Path(record["logs"], "router.log").read_text().splitlines()[-40:]
+            raise AssertionError(
+                "\n".join(["a request after the restart hung; the router log ends:", *router])
+            ) from exc
+        assert again["choices"] == first["choices"]
+        status = run("status", str(file))
+        assert status.returncode == 0 and status.stdout.splitlines()[-1].split()[-1] == "1"  # one restart
+        children = descendants(launched.proc.pid)
+        down = run("down", str(file))
+        assert down.returncode == 0, down.stderr
+        assert launched.wait(60) == 0
+        wait_for(lambda: not any(alive(c) for c in children), 20, "children left")
+        assert not Path(record["node_dir"]).exists() and run("status", str(file)).returncode == 3
+    finally:
+        launched.kill()
+
+
+def test_a_node_that_fails_to_start_is_named_and_the_others_stopped(
+    tiny_model_factory: Callable[..., Path], tmp_path: Path
+) -> None:
+    file = cluster_file(tmp_path, tiny_model_factory(), b_extra=('env = { PYTHONHOME = "/nonexistent" }',))
+    launched = Launched(pdcluster("launch", str(file)))
+    try:
+        assert launched.wait(120) == 1
+        assert "node b (127.0.0.2) failed to start: replica-1-decode on b exited with 1" in launched.stderr
+        record = json.loads((tmp_path / "logs" / "run.json").read_text())
+        assert record["phase"] == "failed"
+        assert Path(record["logs"], "a", "replica-0-prefill.log").exists()  # a's replica had started
+        assert not Path(record["node_dir"]).exists()  # its stop ran there
+    finally:
+        launched.kill()
+
+
+def test_a_second_launch_of_a_running_file_is_refused(
+    tiny_model_factory: Callable[..., Path], tmp_path: Path
+) -> None:
+    file = cluster_file(tmp_path, tiny_model_factory())
+    launched = Launched(pdcluster("launch", str(file)))
+    try:
+        launched.ready(180)
+        second = run("launch", str(file))
+        assert second.returncode == 1 and "is already launched" in second.stderr
+        assert run("down", str(file)).returncode == 0 and launched.wait(60) == 0
+    finally:
+        launched.kill()
