@@ -86,8 +86,8 @@ class VirtualReplica:
     # ---- facts and steps -------------------------------------------------------------------------
 
     async def info(self) -> ReplicaInfo:
-        """Info (an engine call, queued like one)."""
-        return await self.on_engine("Info", lambda: convert.info(self.engine.info(), self.rank))
+        """Info: answered at once, beside the engine's queue (as the replica's server does)."""
+        return convert.info(self.engine.info(), self.rank)
 
     async def prefill(self, batch: BatchSpec, case: PrefillCase = PrefillCase.NORMAL,
                       pipe_peer: Sequence[int] = (), resume: int | None = None) -> StepResult:

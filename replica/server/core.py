@@ -63,12 +63,12 @@ class ReplicaCore:
             m.Prefill: lambda e, c: e.prefill(c.batch),
             m.Filter: lambda e, c: e.filter(c.batch_id, c.keep),
             m.Clear: lambda e, c: e.clear(c.batch_id),
-            m.Info: lambda e, c: m.ReplicaInfo(e.info(), config.rank, tp_size=1),
             m.Warmup: lambda e, c: warmup(e, c.spec, fraction),
         }
         w, mig = self.weights, self.migration
         self._service_calls: dict[type[m.Call], ServiceHandler] = {
             m.Health: lambda c, ctx: self.health(),
+            m.Info: lambda c, ctx: self.info(),
             m.Discover: lambda c, ctx: self.discover(),
             m.Migrate: mig.migrate,
             m.Immigrate: mig.immigrate,
@@ -125,6 +125,14 @@ class ReplicaCore:
         return self.worker.call(work, ctx.remaining())
 
     # --------------------------------------------------------------------------- facts
+    def info(self) -> m.ReplicaInfo:
+        """The engine's facts, read on the calling thread: every one is a single read the engine
+        thread's updates cannot tear, so a poll answers while a long prefill runs."""
+        engine = self.shared.engine
+        if engine is None:
+            raise FailedPrecondition("the model is still loading")
+        return m.ReplicaInfo(engine.info(), self.config.rank, tp_size=1)
+
     def health(self) -> HealthState:
         """loading until the model is built; then serving / inactive / loading by weight readiness."""
         if not self.worker.alive:

@@ -14,8 +14,8 @@ engine's own types back (no second, positional encoding of a step).
  Decode(inputs)                                             ENGINE  StepResult
  Prefill(batch)                                             ENGINE  StepResult (orphan → Clear)
  Filter(batch_id, keep) · Clear(batch_id)                   ENGINE  CachedBatchInfo · None
- Info() · Warmup(spec)                                      ENGINE  ReplicaInfo · int | None
- Health() · Discover()                                      SERVICE HealthState · Discovery
+ Warmup(spec)                                               ENGINE  int | None
+ Health() · Discover() · Info()                             SERVICE HealthState · Discovery · ReplicaInfo
  Migrate · Immigrate · MigratePartial · ImmigratePartial    SERVICE CachedBatchInfo
  MigratingPrefill · PipelinedPrefill · ZagPrefill           SERVICE StepResult · ZagOutcome
  LoadParams · SendParams · RecvParams · Broadcast ·         SERVICE None
@@ -24,7 +24,8 @@ engine's own types back (no second, positional encoding of a step).
 ```
 `lane` says where a call runs: ENGINE calls are one work item on the engine thread (in the front
 placement the engine thread reads them from the socket itself); SERVICE calls run on a thread of
-their own because they wait for peers or for long engine items that only such a call can unblock.
+their own because they wait for peers or for long engine items that only such a call can unblock,
+or, like Info, must answer while the engine thread runs a long item (the router's liveness poll).
 `orphan(reply)` is the call that undoes a result nobody took (its caller left while it ran).
 Case fields keep the proto's numbers (`PrefillCase`, `PartialCase`, `LoadCase`, checked equal to
 the proto's in the tests) so the core can judge them without importing protobuf.
@@ -166,9 +167,8 @@ class Clear(Call, frozen=True):
 
 
 class Info(Call, frozen=True):
-    """Info."""
+    """Info: read beside the engine thread (a long prefill must not look like a dead replica)."""
 
-    lane = Lane.ENGINE
     reply = ReplicaInfo
 
 

@@ -25,6 +25,7 @@ from replica.engine.types import (
     BatchId,
     CachedBatchInfo,
     DecodeInput,
+    EngineInfo,
     FinishReason,
     GeneratedText,
     Generation,
@@ -79,6 +80,14 @@ class _FakeEngine:
 
     def clear(self, batch_id: BatchId | None) -> None:
         self.store.discard(batch_id)
+
+    def info(self) -> EngineInfo:
+        return EngineInfo(
+            model_id="fake", dtype="float32", device_type="cpu", num_layers=2, block_size=8,
+            num_blocks_total=16, num_blocks_free=16 - len(self.store), embed_ready=True,
+            num_layers_loaded=2, lm_head_ready=True, num_cached_batches=len(self.store),
+            max_input_tokens=63, max_total_tokens=64, window_size=None,
+        )
 
 
 class _Service:
@@ -277,6 +286,22 @@ def test_a_prefill_whose_caller_cancelled_is_cleared(wired: _Wired) -> None:
     wired.engine.release.set()
     thread.join(5)
     eventually(lambda: wired.engine.store == set())
+
+
+def test_info_answers_while_the_engine_thread_runs_a_long_prefill(wired: _Wired) -> None:
+    """The router polls Info for liveness: a prefill longer than its heartbeat deadline must not
+    make a busy replica look dead."""
+    wired.engine.release.clear()
+    request = pb.PrefillV2Request(batch=pb.Batch(id=5, requests=[pb.Request(id=1, input_tokens=[1])]))
+    handler = wired.edge.handler(RPCS["PrefillV2"])
+    thread = threading.Thread(target=lambda: handler(request, _Context(timeout=None)), daemon=True)
+    thread.start()
+    eventually(lambda: wired.engine.prefilled == [5])  # the engine thread is inside the prefill
+    info = wired.call("Info", pb.InfoRequest(), _Context(timeout=1.0))
+    assert info.num_blocks_free == 16 and info.num_cached_batches == 0
+    wired.engine.release.set()
+    thread.join(5)
+    assert wired.call("Info", pb.InfoRequest()).num_cached_batches == 1
 
 
 def _migrate_in_background(wired: _Wired, context: _Context) -> list[BaseException]:
