@@ -11,9 +11,6 @@ Shared by `pdcluster up` (`pdcluster.cluster.local`) and `pdcluster launch` (`pd
 
 from __future__ import annotations
 
-import contextlib
-import ctypes
-import os
 import queue
 import signal
 import subprocess
@@ -29,7 +26,6 @@ from pdcluster import SOURCE_ROOT
 
 REPLICA_READY = "pdcluster replica serving on "
 ROUTER_READY = "pdcluster router ready:"
-_PR_SET_PDEATHSIG = 1
 
 
 def pdcluster_argv(*args: str) -> list[str]:
@@ -37,11 +33,17 @@ def pdcluster_argv(*args: str) -> list[str]:
     return [sys.executable, "-m", "pdcluster", *args]
 
 
-def _die_with_parent() -> None:
-    """In the child before exec: get SIGTERM when the parent dies (Linux)."""
-    with contextlib.suppress(OSError):
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+def _wrapped(argv: list[str], cpus: frozenset[int] | None) -> list[str]:
+    """`argv` behind `setpriv --pdeathsig TERM` (SIGTERM when the spawning thread dies; Linux) and
+    `taskset` (its cores): both set before exec, with no Python code in the forked child.
 
+    A `preexec_fn` would do the same, but it makes `subprocess` fork (not vfork) and run gRPC's
+    fork handlers while other threads of this process are in gRPC calls (a benchmark's probes): the
+    child then aborted now and then before exec (`epoll_wait error: Bad file descriptor`, exit -6).
+    """
+    if cpus is not None:
+        argv = ["taskset", "--cpu-list", ",".join(map(str, sorted(cpus))), *argv]
+    return ["setpriv", "--pdeathsig", "TERM", *argv]
 
 
 @dataclass
@@ -86,15 +88,9 @@ def spawn(name: str, role: str, argv: list[str], log: Path, cpus: frozenset[int]
     `cpus`: the cores it (and every thread it starts) may run on.
     """
 
-    def before_exec() -> None:
-        _die_with_parent()
-        if cpus is not None:
-            os.sched_setaffinity(0, cpus)
-
     popen = subprocess.Popen(
-        argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=log.open("w"), text=True,
-        preexec_fn=before_exec,
-        cwd=SOURCE_ROOT,
+        _wrapped(argv, cpus), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=log.open("w"),
+        text=True, cwd=SOURCE_ROOT,
     )
     proc = Proc(name, role, popen, log)
     threading.Thread(target=proc.pump, daemon=True, name=f"pump-{name}").start()
