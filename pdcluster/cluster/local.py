@@ -206,6 +206,28 @@ class LocalCluster:
                 f"strategy={self.config.strategy} scaling={self.config.scaling} replicas=[{reps}] "
                 f"logs={self.log_dir}{pinned}")
 
+    def restart_replica(self, rank: int) -> Proc:
+        """Start replica `rank` again after it exited (killed, say): the same flags, rank and gRPC port,
+        so the router, which polls a dead replica's address, takes it back. Returns at once; wait for
+        it with `wait_replica`. Call it from a thread that outlives the replica: Linux sends the
+        parent-death signal when the *thread* that spawned a child exits (a worker thread of
+        `asyncio.to_thread` would take the replica down with it)."""
+        old = self.replicas[rank]
+        if old.popen.poll() is None:
+            raise RuntimeError(f"{old.name} is still running")
+        argv = [str(a) for a in old.popen.args]  # type: ignore[union-attr]
+        argv[argv.index("--port") + 1] = old.address.rsplit(":", 1)[1]
+        lives = len(list(self.log_dir.glob(f"{old.name}.*.log"))) + 1  # each life keeps its log
+        proc = spawn(old.name, old.role, argv, self.log_dir / f"{old.name}.{lives}.log", self._cpus(
+            old.role, rank - self.config.prefill))
+        proc.address = old.address
+        self.replicas[rank] = proc
+        return proc
+
+    def wait_replica(self, proc: Proc, timeout: float | None = None) -> None:
+        """Return once a (re)started replica serves (RuntimeError if it exits or is late)."""
+        proc.wait_line(REPLICA_READY, time.monotonic() + (timeout or self.config.ready_timeout))
+
     def stop(self, timeout: float = 10.0) -> None:
         """SIGTERM the router, then the replicas; SIGKILL whatever is still alive after `timeout`."""
         stop_procs([self.router] if self.router else [], self.replicas, timeout=timeout)
