@@ -215,7 +215,7 @@ class LocalCluster:
         old = self.replicas[rank]
         if old.popen.poll() is None:
             raise RuntimeError(f"{old.name} is still running")
-        argv = [str(a) for a in old.popen.args]  # type: ignore[union-attr]
+        argv = list(old.argv)
         argv[argv.index("--port") + 1] = old.address.rsplit(":", 1)[1]
         lives = len(list(self.log_dir.glob(f"{old.name}.*.log"))) + 1  # each life keeps its log
         proc = spawn(old.name, old.role, argv, self.log_dir / f"{old.name}.{lives}.log", self._cpus(
@@ -223,6 +223,22 @@ class LocalCluster:
         proc.address = old.address
         self.replicas[rank] = proc
         return proc
+
+    def restart_router(self) -> None:
+        """Start the router again after it exited, on the same HTTP and admin ports, against the same
+        replicas (it clears what they still cache for the router that died); returns once it is ready.
+        Call it from a thread that outlives the router (see `restart_replica`)."""
+        old = self.router
+        if old is None or old.popen.poll() is None:
+            raise RuntimeError("the router is not started, or still running")
+        argv = list(old.argv)
+        argv[argv.index("--http-port") + 1] = self.http_url.rsplit(":", 1)[1]
+        argv[argv.index("--admin-port") + 1] = self.admin_address.rsplit(":", 1)[1]
+        lives = len(list(self.log_dir.glob("router.*.log"))) + 1
+        log = self.log_dir / f"router.{lives}.log"
+        self.router = spawn(old.name, old.role, argv, log, self._cpus("router", 0))
+        line = self.router.wait_line(ROUTER_READY, time.monotonic() + self.config.ready_timeout)
+        self.http_url, self.admin_address = parse_router_ready(line)
 
     def wait_replica(self, proc: Proc, timeout: float | None = None) -> None:
         """Return once a (re)started replica serves (RuntimeError if it exits or is late)."""

@@ -56,6 +56,7 @@ class Proc:
     log: Path
     address: str = ""
     lines: queue.Queue[str] = field(default_factory=queue.Queue)
+    argv: list[str] = field(default_factory=list)  # as given to `spawn` (a restart runs it again)
 
     def pump(self) -> None:
         """Forward stdout lines to the queue (a thread; keeps the pipe drained)."""
@@ -92,7 +93,7 @@ def spawn(name: str, role: str, argv: list[str], log: Path, cpus: frozenset[int]
         _wrapped(argv, cpus), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=log.open("w"),
         text=True, cwd=SOURCE_ROOT,
     )
-    proc = Proc(name, role, popen, log)
+    proc = Proc(name, role, popen, log, argv=list(argv))
     threading.Thread(target=proc.pump, daemon=True, name=f"pump-{name}").start()
     return proc
 
