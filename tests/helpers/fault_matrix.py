@@ -35,6 +35,7 @@ class Result:
     error: str
     seconds: float
     events: int = 0
+    decode_replica: int | None = None  # the router's id of the replica that decoded it (its route)
 
 
 @dataclass
@@ -89,14 +90,16 @@ class Flight:
                     events += 1
                     self.first_token.set()
                     if chunk["choices"][0].get("finish_reason"):
-                        self._end(True, "", start, events)
+                        route = chunk.get("pdcluster_route") or {}
+                        self._end(True, "", start, events, route.get("decode_replica"))
                         return
             self._end(False, "the stream ended without a finish", start, events)
         except httpx.HTTPError as exc:  # the router went away: the connection broke
             self._end(False, f"{type(exc).__name__}: {exc}", start, events)
 
-    def _end(self, finished: bool, error: str, start: float, events: int) -> None:
-        self.results.append(Result(finished, error, time.monotonic() - start, events))
+    def _end(self, finished: bool, error: str, start: float, events: int, decoder: int | None = None
+             ) -> None:
+        self.results.append(Result(finished, error, time.monotonic() - start, events, decoder))
 
     def check(self, deadline_s: float, clear: tuple[str, ...] = ("HTTP 5", "stream error")) -> list[Result]:
         """Every request ended within `deadline_s`, finished or with an error that starts like one of
@@ -114,7 +117,7 @@ class Admin:
     def __init__(self, address: str, token: str) -> None:
         self.channel = grpc.insecure_channel(address)
         self.stub = pb_grpc.RouterAdminStub(self.channel)
-        self.token = token
+        self.metadata = (("x-admin-token", token),)
 
     def replicas(self) -> dict[int, pb.ReplicaStatus]:
         """Every replica by rank."""

@@ -37,7 +37,6 @@ TOKEN = "faults-token"
 HEARTBEAT_TIMEOUT = 3.0
 TRANSFER_TIMEOUT = 20.0
 DEADLINE = 90.0  # a request: its prefill, a failed migration (transfer timeout), a re-run
-PREFILL, DECODE_A, DECODE_B = 0, 1, 2
 
 
 @pytest.fixture(scope="module")
@@ -63,9 +62,19 @@ def _flight(cluster: LocalCluster, n: int = 6) -> Flight:
     return Flight(cluster.http_url, cluster.config.model.name, n=n)
 
 
-def _migrating(admin: Admin, rank: int, direction: str) -> bool:
-    status = admin.replicas()[rank]
-    return (status.inbound_migrations if direction == "in" else status.outbound_migrations) > 0
+def _migrating(admin: Admin, direction: str) -> int | None:
+    """The rank of a replica with a migration in flight into it (`in`) or out of it (`out`), if any.
+
+    Roles move between ranks as replicas die and come back (a decode replica takes the prefill role),
+    so each case finds its victim by what it does, not by its rank."""
+    for rank, status in admin.replicas().items():
+        if (status.inbound_migrations if direction == "in" else status.outbound_migrations) > 0:
+            return rank
+    return None
+
+
+def _ranks(admin: Admin, role: int) -> list[int]:
+    return sorted(rank for rank, status in admin.replicas().items() if status.role == role)
 
 
 def _kill(cluster: LocalCluster, rank: int) -> None:
@@ -77,9 +86,9 @@ def _kill(cluster: LocalCluster, rank: int) -> None:
 @pytest.mark.timeout(300)
 def test_receiver_killed_mid_migration(cluster: LocalCluster, admin: Admin) -> None:
     with _flight(cluster) as flight:
-        wait_for(lambda: _migrating(admin, DECODE_A, "in") or _migrating(admin, DECODE_B, "in"), 60,
-                 "a migration in flight")
-        victim = DECODE_A if _migrating(admin, DECODE_A, "in") else DECODE_B
+        wait_for(lambda: _migrating(admin, "in") is not None, 60, "a migration in flight")
+        victim = _migrating(admin, "in")
+        assert victim is not None
         _kill(cluster, victim)
     results = flight.check(DEADLINE)
     assert sum(r.finished for r in results) >= 1
@@ -90,13 +99,14 @@ def test_receiver_killed_mid_migration(cluster: LocalCluster, admin: Admin) -> N
 @pytest.mark.timeout(300)
 def test_sender_killed_mid_migration(cluster: LocalCluster, admin: Admin) -> None:
     with _flight(cluster) as flight:
-        wait_for(lambda: _migrating(admin, PREFILL, "out") and (_migrating(admin, DECODE_A, "in") or
-                                                               _migrating(admin, DECODE_B, "in")),
-                 60, "a migration in flight")
-        _kill(cluster, PREFILL)
+        wait_for(lambda: _migrating(admin, "out") is not None and _migrating(admin, "in") is not None, 60,
+                 "a migration in flight")
+        victim = _migrating(admin, "out")
+        assert victim is not None
+        _kill(cluster, victim)
     flight.check(DEADLINE)
-    pages_back(cluster, [DECODE_A, DECODE_B])
-    heal(cluster, admin, PREFILL)
+    pages_back(cluster, [r for r in range(3) if r != victim])
+    heal(cluster, admin, victim)
 
 
 @pytest.mark.timeout(300)
@@ -104,9 +114,9 @@ def test_receiver_stalled_mid_migration(cluster: LocalCluster, admin: Admin) -> 
     """SIGSTOP: the replica's sockets stay open and its process never answers (its gRPC front child
     too), as a hung host would."""
     flight = _flight(cluster).__enter__()
-    wait_for(lambda: _migrating(admin, DECODE_A, "in") or _migrating(admin, DECODE_B, "in"), 60,
-             "a migration in flight")
-    victim = DECODE_A if _migrating(admin, DECODE_A, "in") else DECODE_B
+    wait_for(lambda: _migrating(admin, "in") is not None, 60, "a migration in flight")
+    victim = _migrating(admin, "in")
+    assert victim is not None
     pids = [cluster.replicas[victim].popen.pid, *descendants(cluster.replicas[victim].popen.pid)]
     for pid in pids:
         os.kill(pid, signal.SIGSTOP)
@@ -125,17 +135,23 @@ def test_receiver_stalled_mid_migration(cluster: LocalCluster, admin: Admin) -> 
 
 @pytest.mark.timeout(300)
 def test_replica_restarted_with_its_rank_serves_again(cluster: LocalCluster, admin: Admin) -> None:
+    first, other = _ranks(admin, pb.REPLICA_ROLE_DECODE)
     with _flight(cluster) as flight:
         flight.first_token.wait(60)
-        _kill(cluster, DECODE_B)
+        _kill(cluster, first)
     flight.check(DEADLINE)
-    heal(cluster, admin, DECODE_B)
-    _kill(cluster, DECODE_A)  # now only the restarted replica can decode
-    with _flight(cluster, n=3) as again:
+    heal(cluster, admin, first)
+    assert admin.replicas()[first].role == pb.REPLICA_ROLE_DECODE
+    other_id = admin.replicas()[other].id
+    admin.stub.Drain(pb.DrainRequest(replica_id=other_id), timeout=30, metadata=admin.metadata)
+    wait_for(lambda: admin.replicas()[other].role == pb.REPLICA_ROLE_IDLE, 60, "the other one idle")
+    with _flight(cluster, n=3) as again:  # only the restarted replica decodes now
         pass
-    assert all(r.finished for r in again.check(DEADLINE))
-    assert admin.replicas()[DECODE_B].role == pb.REPLICA_ROLE_DECODE
-    heal(cluster, admin, DECODE_A)
+    results = again.check(DEADLINE)
+    assert [(r.finished, r.decode_replica) for r in results] == [(True, admin.replicas()[first].id)] * 3
+    admin.stub.SetRole(pb.SetRoleRequest(replica_id=other_id, role=pb.REPLICA_ROLE_DECODE), timeout=30,
+                       metadata=admin.metadata)
+    pages_back(cluster, range(3))
 
 
 @pytest.mark.timeout(300)
@@ -152,5 +168,6 @@ def test_router_killed_mid_stream_then_restarted(cluster: LocalCluster, admin: A
     pages_back(cluster, range(3))
     with _flight(cluster, n=3) as again:
         pass
-    assert all(r.finished for r in again.check(DEADLINE))
+    results = again.check(DEADLINE)
+    assert all(r.finished for r in results), results
     pages_back(cluster, range(3))
