@@ -102,6 +102,11 @@ COMMANDS: dict[str, Command] = {
         "pdcluster.experiment.scaling.bench:BenchScalingConfig",
         "pdcluster.experiment.scaling.bench:run",
     ),
+    "bench soak": Command(
+        "a local cluster under mixed traffic, admin churn and replica kills; fails on unbounded growth",
+        "pdcluster.bench.soak.bench:BenchSoakConfig",
+        "pdcluster.bench.soak.bench:run",
+    ),
     "experiment run": Command(
         "run an experiment file's matrix of cells (resumable), then write its report",
         "pdcluster.experiment.cli:ExperimentRunConfig",

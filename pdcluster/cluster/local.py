@@ -297,6 +297,36 @@ class LocalCluster:
             return ""
         return f" engine=simulated:{engine.gpu}:{engine.model_card}:{engine.byte_scale}"
 
+    def restart_replica(self, rank: int) -> Proc:
+        """Start replica `rank` again after it exited (killed, say): the same flags, rank and gRPC port
+        (fixed at start), so the router, which polls a dead replica's address, takes it back; its log
+        is appended to. Returns at once; wait for it with `wait_replica`. Call it from a thread that
+        outlives the replica: Linux sends the parent-death signal when the *thread* that spawned a
+        child exits (a worker thread of `asyncio.to_thread` would take the replica down with it)."""
+        proc = self.replicas[rank]
+        if proc.running:
+            raise RuntimeError(f"{proc.name} is still running")
+        proc.respawn()
+        return proc
+
+    def restart_router(self) -> None:
+        """Start the router again after it exited, on the same HTTP and admin ports, against the same
+        replicas (it clears what they still cache for the router that died); returns once it is ready.
+        Call it from a thread that outlives the router (see `restart_replica`)."""
+        proc = self.router
+        if proc is None or proc.running:
+            raise RuntimeError("the router is not started, or still running")
+        argv = proc.argv
+        argv[argv.index("--http-port") + 1] = self.http_url.rsplit(":", 1)[1]
+        argv[argv.index("--admin-port") + 1] = self.admin_address.rsplit(":", 1)[1]
+        proc.respawn()
+        self.http_url, self.admin_address = parse_router_ready(
+            proc.wait_ready(time.monotonic() + self.config.ready_timeout))
+
+    def wait_replica(self, proc: Proc, timeout: float | None = None) -> None:
+        """Return once a (re)started replica serves (RuntimeError if it exits or is late)."""
+        proc.wait_ready(time.monotonic() + (timeout or self.config.ready_timeout))
+
     def stop(self, timeout: float = 10.0) -> None:
         """SIGTERM the router, then the replicas; SIGKILL whatever is still alive after `timeout`."""
         stop_procs([self.router] if self.router else [], self.replicas, timeout=timeout)

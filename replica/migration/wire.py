@@ -122,7 +122,11 @@ def read_header(
     buffer = bytearray(HEADER_BYTES)
     fabric.register(name, buffer)
     try:
-        # connect the acknowledgement stream early: the sender then sees our death while it sends
+        # connect the acknowledgement stream early: the sender then sees our death while it sends.
+        # A connection to the sender's previous life (it died and restarted with its rank) is dropped
+        # first: a record written into it is lost without an error, and the sender would wait for its
+        # ack until the deadline.
+        fabric.refresh(peer, control_stream(KV_STREAM))
         fabric.connect(peer, control_stream(KV_STREAM), deadline)
         handle = fabric.recv(peer, name, [(0, HEADER_BYTES)], KV_STREAM, deadline)
         _await_or_withdraw(fabric, peer, handle, deadline, cancelled)
