@@ -128,17 +128,17 @@ def check_files(security: Security, nodes: Iterable[tuple[int, str]], router_hos
     _pair(certs, name, where, f"the router ({name})", error)
     if security.mutual:
         _pair(certs, security.client, ("tls", "client"),
-              f"`pdcluster status` under mutual TLS (client {security.client!r})", error)
+              f"`pdcluster status` under mutual TLS (client {security.client!r})", error, "--client")
 
 
-def _pair(certs: Path, name: str, where: Where, whose: str, error: Error) -> None:
+def _pair(certs: Path, name: str, where: Where, whose: str, error: Error, flag: str = "--host") -> None:
     for suffix in (".crt", ".key"):
         path = certs / f"{name}{suffix}"
         try:
             path.read_bytes()
         except OSError as exc:
             raise error(where, f"{whose} needs {path}: {exc.strerror or exc} (make it with "
-                               f"`pdcluster make-certs {certs} --host {name}`)") from None
+                               f"`pdcluster make-certs {certs} {flag} {name}`)") from None
 
 
 def bundle(files: dict[str, bytes]) -> str:

@@ -150,7 +150,7 @@ def _line(text: str, needle: str) -> int:
             "router_name =",
             "the router (router.example)",
         ),
-        (lambda f: (f / "certs" / "client.key").unlink(), "[tls]", "`pdcluster status` under mutual TLS"),
+        (lambda f: (f / "certs" / "client.key").unlink(), "[tls]", "--client client"),
         (lambda f: (f / "token").unlink(), "token_file =", "No such file"),
         (lambda f: (f / "token").write_text("\n"), "token_file =", "is empty"),
         (lambda f: (f / "token").write_text("two words\n"), "token_file =", "printable ASCII without spaces"),
