@@ -1,10 +1,10 @@
 """`pdcluster status FILE` and `pdcluster down FILE`, from another shell than the launch's.
 
 ```
- status ─ LOG_DIR/run.json ─┬─ launcher alive? (pid + start time)       (over TLS with [tls]: the CA,
-                            │                                             client.crt under mutual TLS)
+ status ─ LOG_DIR/run.json ─┬─ launcher alive? (pid + start time)
                             ├─ each replica: grpc.health.v1 Check on its address (2 s)
                             └─ the router's view: router.v1.RouterAdmin/ListReplicas (role, requests)
+          both over TLS when the file has [tls]: its CA, and its client certificate under mutual TLS
  down   ─ LOG_DIR/run.json ─┬─ SIGTERM the launcher, wait for it (it stops the router, then the replicas)
                             └─ then on every node: the run's stop script (pid files; only this run's
                                processes), in case the launcher was killed before it could
