@@ -2,13 +2,16 @@
 
 ```
  cluster.toml ──tomllib──► values ──┐
-             ──toml_lines─► lines ──┴─► parse() ─► ClusterFile (model, router, launch, ssh, nodes)
+             ──toml_lines─► lines ──┴─► parse() ─► ClusterFile (model, router, launch, ssh, nodes,
+                                                                     security: [tls], [cluster])
                                         every check names its line: "cluster.toml:14: ..."
 ```
 Checked before anything starts: unknown keys, duplicate node addresses or names, a CUDA device
 listed twice, more replicas on a node than it has devices (or CPU workers), a fabric the nodes
-cannot use. What only discovery can tell (how many devices `devices = "auto"` finds) is checked
-against the same lines once each node has answered (`ClusterFile.error`).
+cannot use, a certificate or token file the launch would hand out that is missing or unreadable
+(`security.check_files`; `pdcluster down` skips those, to stop a run whatever became of them).
+What only discovery can tell (how many devices `devices = "auto"` finds) is checked against the
+same lines once each node has answered (`ClusterFile.error`).
 The commented example is in `pdcluster/cluster/README.md`.
 """
 
@@ -17,7 +20,7 @@ from __future__ import annotations
 import enum
 import tomllib
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -29,6 +32,7 @@ from pdcluster.cluster.extra_flags import (
     replica_fields,
     router_fields,
 )
+from pdcluster.cluster.security import Security, check_files
 from pdcluster.cluster.toml_lines import Path_, line_of, locate
 
 ROLES = ("prefill", "decode", "colocated", "inactive")
@@ -163,13 +167,16 @@ class ClusterFile:
     ssh: SshSpec
     nodes: tuple[NodeSpec, ...]
     lines: dict[Path_, int]
+    security: Security = field(default_factory=Security)  # [tls] and [cluster] token_file
 
     def error(self, where: Path_, message: str) -> ClusterFileError:
         """An error about the value at `where` (e.g. ("nodes", 2, "devices")), naming its line."""
         return ClusterFileError(f"{self.path}:{line_of(self.lines, where)}: {message}")
 
 
-_TOP = {"model", "router", "launch", "ssh", "nodes"}
+_TOP = {"model", "router", "launch", "ssh", "nodes", "tls", "cluster"}
+_TLS = {"certs", "mutual", "router_name", "client"}
+_CLUSTER = {"token_file"}
 _MODEL = {"path", "root"}
 _ROUTER = {"host", "http_port", "admin_port", "admin_token", "strategy", "scaling", "flags"}
 _LAUNCH = {"via", "fabric", "log_dir", "pdcluster", "workdir", "ready_timeout_s", "num_blocks",
@@ -255,8 +262,9 @@ def _under(folder: Path, text: str) -> Path:
     return path if path.is_absolute() else (folder / path).resolve()
 
 
-def parse(path: Path, text: str | None = None) -> ClusterFile:
-    """Read and check the cluster file at `path` (or its `text`)."""
+def parse(path: Path, text: str | None = None, files: bool = True) -> ClusterFile:
+    """Read and check the cluster file at `path` (or its `text`); `files`: also the certificate and
+    token files it names."""
     path = Path(path)
     if text is None:
         try:
@@ -280,8 +288,12 @@ def parse(path: Path, text: str | None = None) -> ClusterFile:
     model = _model(_Table(path, lines, ("model",), data["model"], _MODEL), folder)
     router = _router(_Table(path, lines, ("router",), data.get("router", {}), _ROUTER))
     ssh = _ssh(_Table(path, lines, ("ssh",), data.get("ssh", {}), _SSH), folder)
-    cluster = ClusterFile(path, model, router, launch, ssh, nodes, lines)
+    security = _security(_Table(path, lines, ("tls",), data.get("tls", {}), _TLS),
+                         _Table(path, lines, ("cluster",), data.get("cluster", {}), _CLUSTER), folder)
+    cluster = ClusterFile(path, model, router, launch, ssh, nodes, lines, security)
     _check_nodes(cluster)
+    if files:
+        check_files(security, [(n.index, n.address) for n in nodes], router.host, cluster.error)
     return cluster
 
 
@@ -316,6 +328,16 @@ def _launch(t: _Table, folder: Path, path: Path) -> LaunchSpec:
         fanout=t.get("fanout", int, 32, _at_least(1)),
         replica_flags=t.flags("replica_flags", replica_fields(), REPLICA_OWN),
     )
+
+
+def _security(tls: _Table, cluster: _Table, folder: Path) -> Security:
+    token = cluster.get("token_file", str, "")
+    if "certs" not in tls.values and tls.values:
+        raise tls.error((), "[tls] needs certs = the folder `pdcluster make-certs` wrote")
+    certs = tls.get("certs", str, "")
+    names = {key: tls.get(key, str, default) for key, default in (("router_name", ""), ("client", "client"))}
+    return Security(_under(folder, certs) if certs else None, tls.get("mutual", bool, False),
+                    names["router_name"], names["client"], _under(folder, token) if token else None)
 
 
 def _ssh(t: _Table, folder: Path) -> SshSpec:

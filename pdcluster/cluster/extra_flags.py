@@ -22,11 +22,14 @@ from collections.abc import Callable, Mapping
 
 Flags = tuple[tuple[str, tuple[str, ...]], ...]  # (name, its arguments: "--name", values...)
 
-# Flags the launch gives from the rest of the file; set there, not here.
+# Flags the launch gives from the rest of the file; set there, not here. TLS and the token come from
+# [tls] and [cluster] token_file (a token given as a flag would show in the process list).
+_SECURITY = frozenset({"tls_cert", "tls_key", "tls_ca", "tls_client_ca", "cluster_token",
+                       "cluster_token_file"})
 ROUTER_OWN = frozenset({"model", "replica", "role", "host", "http_port", "admin_port", "strategy", "scaling",
-                        "admin_token"})
+                        "admin_token", *_SECURITY})
 REPLICA_OWN = frozenset({"model", "port", "host", "rank", "num_blocks", "torch_threads", "engine_cpus",
-                         "fabric", "cluster", "inactive", "model_root", "role", "router"})
+                         "fabric", "cluster", "inactive", "model_root", "role", "router", *_SECURITY})
 
 
 def router_fields() -> set[str]:

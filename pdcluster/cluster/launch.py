@@ -3,7 +3,9 @@
 ```
  pdcluster launch FILE ─┬─ discover: `pdcluster devices --json --ports N …` on every node (bounded pool)
                         ├─ place replicas on what was found, rank table from the ports drawn there
-                        ├─ stage the rank table on every node (stdin of one short session each)
+                        ├─ stage the rank table on every node (stdin of one short session each), with
+                        │     [tls] / a token: the node's certificate and key, the CA, the token file
+                        │     (security.py)
                         ├─ one session per replica: ssh -tt NODE | srun --nodelist=NODE | bash -c
                         │     'echo $$ > PIDFILE; export CUDA_VISIBLE_DEVICES=…; exec pdcluster replica …'
                         ├─ wait for every replica's ready line (a progress line per node, one deadline)
@@ -48,6 +50,7 @@ from pdcluster.cluster.runstate import (
     launcher_alive,
     this_launcher,
 )
+from pdcluster.cluster.security import bundle
 from pdcluster.cluster.supervisor import RestartPolicy, supervise
 from pdcluster.discovery.checks import port_problem
 from pdcluster.discovery.inventory import Inventory
@@ -124,9 +127,9 @@ class Launch:
         return wrap(self.via, self.cluster, node, script, tty, name)
 
     def _fan_out(self, nodes: list[NodeSpec], script_of: Callable[[NodeSpec], str], timeout: float,
-                 stdin: str | None = None) -> list[Answer]:
+                 stdin_of: Callable[[NodeSpec], str] | None = None) -> list[Answer]:
         fanout = self.cluster.launch.fanout
-        return fan_out(nodes, lambda n: self.argv(n, script_of(n)), timeout, fanout, stdin)
+        return fan_out(nodes, lambda n: self.argv(n, script_of(n)), timeout, fanout, stdin_of)
 
     def _timeout(self, deadline: float) -> float:
         return max(1.0, min(PROBE_TIMEOUT_S, deadline - time.monotonic()))
@@ -153,14 +156,19 @@ class Launch:
         self.placements = place(self.cluster, inventories)
 
     def stage(self, deadline: float) -> None:
-        """Write the rank table on every node that runs a replica."""
+        """Write the rank table (and the node's TLS files and the token) on every node that runs a replica."""
         self.staged = _unique(p.node for p in self.placements)
-        table = rank_table(self.placements).to_json()
+        table = rank_table(self.placements).to_json().encode()
         stage = self.commands.stage_script()
-        for answer in self._fan_out(self.staged, lambda _: stage, self._timeout(deadline), stdin=table):
+
+        def files(node: NodeSpec) -> str:
+            local = self.commands.staged_files(node)
+            return bundle({"ranks.json": table, **{name: path.read_bytes() for name, path in local.items()}})
+
+        for answer in self._fan_out(self.staged, lambda _: stage, self._timeout(deadline), stdin_of=files):
             if not answer.ok:
                 why = answer.why(self.via)
-                raise LaunchError(f"{_node(answer.node)}: cannot store the rank table: {why}")
+                raise LaunchError(f"{_node(answer.node)}: cannot store the rank table and its files: {why}")
 
     def start_replicas(self) -> None:
         """One session per replica; its output streams into the run's log folder."""

@@ -193,11 +193,18 @@ class Commands:
         return f"cd {_q(self.workdir)} || exit 1\nexec {shlex.join([*self.command_of(node), *args])}"
 
     def stage_script(self) -> str:
-        """Store the rank table read from stdin on a node (before any replica there starts)."""
-        ranks = self.node_dir / "ranks.json"
-        # the temporary file is this node's own: nodes sharing a /tmp must not rename each other's
-        temp = f"{_q(ranks)}.$(hostname).$$"
-        return f"mkdir -p {_q(self.node_dir)} && cat > {temp} && mv {temp} {_q(ranks)}"
+        """Store the files read from stdin (`security.bundle`: base64 of a tar of the rank table and,
+        with [tls] / a token, this node's certificate, key, CA and the token) in this run's folder on
+        a node, owner-only, before any replica there starts."""
+        d = _q(self.node_dir)
+        # unpacked beside the folder, then renamed in: nodes sharing a /tmp never see a half-written file
+        temp = f"{d}/.stage.$(hostname).$$"
+        return (f"umask 077 && mkdir -p {d} && mkdir {temp} && base64 -d | tar -x -C {temp} && "
+                f"mv -f {temp}/* {d}/ && rmdir {temp}")
+
+    def staged_files(self, node: NodeSpec) -> dict[str, Path]:
+        """The files of this machine staged on `node` besides the rank table (name there -> file here)."""
+        return self.cluster.security.node_files(node.address)
 
     def replica_args(self, p: Placement) -> list[str]:
         """Arguments of `pdcluster replica` for one placement."""
@@ -212,6 +219,7 @@ class Commands:
             args += ["--torch-threads", str(threads)]
         if p.engine_cpus:
             args += ["--engine-cpus", *map(str, p.engine_cpus)]
+        args += self.cluster.security.replica_args(p.node.address, self.node_dir)
         args += flag_args(launch.replica_flags)
         return [*args, "--inactive"] if p.role == "inactive" else args
 
@@ -297,5 +305,5 @@ def router_args(cluster: ClusterFile, placements: list[Placement]) -> list[str]:
     args = ["router", "--model", str(cluster.model.path), "--host", r.host, "--http-port", str(r.http_port),
             "--admin-port", str(r.admin_port), "--strategy", r.strategy, "--scaling", r.scaling,
             "--replica", *[p.address for p in placements], "--role", *[p.role for p in placements],
-            *flag_args(r.flags)]
+            *cluster.security.router_args(r.host), *flag_args(r.flags)]
     return [*args, "--admin-token", r.admin_token] if r.admin_token else args

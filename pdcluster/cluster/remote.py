@@ -2,7 +2,7 @@
 deadline, each answer kept with the node it came from.
 
 ```
- fan_out(nodes, argv_of, stdin, timeout, parallel=32) ─► [Answer(node, rc, out, err, seconds)]
+ fan_out(nodes, argv_of, timeout, parallel=32, stdin_of) ─► [Answer(node, rc, out, err, seconds)]
 ```
 Used for discovery, staging the rank table, stopping a run's replicas and collecting node logs.
 The long-lived replica sessions are `processes.Proc`s instead.
@@ -65,7 +65,11 @@ def run_once(node: NodeSpec, argv: Sequence[str], stdin: str | None, timeout: fl
 
 
 def fan_out(nodes: Sequence[NodeSpec], argv_of: Callable[[NodeSpec], Sequence[str]], timeout: float,
-            parallel: int, stdin: str | None = None) -> list[Answer]:
-    """`argv_of(node)` on every node, at most `parallel` at once; answers in `nodes` order."""
+            parallel: int, stdin_of: Callable[[NodeSpec], str] | None = None) -> list[Answer]:
+    """`argv_of(node)` on every node (`stdin_of(node)` on its stdin), at most `parallel` at once;
+    answers in `nodes` order."""
+    def one(node: NodeSpec) -> Answer:
+        return run_once(node, argv_of(node), stdin_of(node) if stdin_of else None, timeout)
+
     with ThreadPoolExecutor(max_workers=max(1, min(parallel, len(nodes)))) as pool:
-        return list(pool.map(lambda n: run_once(n, argv_of(n), stdin, timeout), nodes))
+        return list(pool.map(one, nodes))

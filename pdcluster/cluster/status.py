@@ -4,6 +4,7 @@
  status ─ LOG_DIR/run.json ─┬─ launcher alive? (pid + start time)
                             ├─ each replica: grpc.health.v1 Check on its address (2 s)
                             └─ the router's view: router.v1.RouterAdmin/ListReplicas (role, requests)
+          both over TLS when the file has [tls]: its CA, and its client certificate under mutual TLS
  down   ─ LOG_DIR/run.json ─┬─ SIGTERM the launcher, wait for it (it stops the router, then the replicas)
                             └─ then on every node: the run's stop script (pid files; only this run's
                                processes), in case the launcher was killed before it could
@@ -27,6 +28,7 @@ from pdcluster.cluster.clusterfile import ClusterFile, NodeSpec, Via, parse
 from pdcluster.cluster.launch_plan import Commands, wrap
 from pdcluster.cluster.remote import fan_out
 from pdcluster.cluster.runstate import RunFile, RunPhase, RunRecord, launcher_alive
+from pdcluster.cluster.security import CA_NAME
 from protos import router_pb2, router_pb2_grpc
 
 NOT_RUNNING = 3  # `status` exit code when no launch of the file runs (as `systemctl status` has it)
@@ -58,22 +60,49 @@ def _record(cluster: ClusterFile) -> RunRecord | None:
     return RunFile(cluster.launch.log_dir).read()
 
 
-def health(address: str, timeout: float) -> str:
+@dataclass(frozen=True)
+class Tls:
+    """How `status` reaches TLS servers: the CA (and client certificate) and the router's name."""
+
+    credentials: grpc.ChannelCredentials
+    router_name: str  # the name the router's certificate carries (its admin address may be 0.0.0.0)
+
+
+def tls_of(cluster: ClusterFile) -> Tls | None:
+    """`[tls]` of the file as client credentials; None without TLS."""
+    sec = cluster.security
+    if not sec.tls:
+        return None
+    pair = (sec.local(f"{sec.client}.key").read_bytes(), sec.local(f"{sec.client}.crt").read_bytes()) \
+        if sec.mutual else (None, None)
+    credentials = grpc.ssl_channel_credentials(sec.local(CA_NAME).read_bytes(), *pair)
+    return Tls(credentials, sec.router_name or cluster.router.host)
+
+
+def channel(address: str, tls: Tls | None, name: str = "") -> grpc.Channel:
+    """A channel to `address`; over TLS when `tls`, checking the certificate names `name` if given."""
+    if tls is None:
+        return grpc.insecure_channel(address)
+    options = [("grpc.ssl_target_name_override", name)] if name else []
+    return grpc.secure_channel(address, tls.credentials, options)
+
+
+def health(address: str, timeout: float, tls: Tls | None = None) -> str:
     """SERVING / NOT_SERVING (still loading) / UNREACHABLE: the replica's grpc.health.v1 answer."""
-    with grpc.insecure_channel(address) as channel:
+    with channel(address, tls) as channel_:
         try:
-            stub = health_pb2_grpc.HealthStub(channel)
+            stub = health_pb2_grpc.HealthStub(channel_)
             answer = stub.Check(health_pb2.HealthCheckRequest(), timeout=timeout)
         except grpc.RpcError:
             return "UNREACHABLE"
     return str(health_pb2.HealthCheckResponse.ServingStatus.Name(answer.status))
 
 
-def router_view(admin: str, timeout: float) -> dict[str, str]:
+def router_view(admin: str, timeout: float, tls: Tls | None = None) -> dict[str, str]:
     """Replica address -> its role as the router sees it ({} when the router does not answer)."""
-    with grpc.insecure_channel(admin) as channel:
+    with channel(admin, tls, tls.router_name if tls else "") as channel_:
         try:
-            answer = router_pb2_grpc.RouterAdminStub(channel).ListReplicas(
+            answer = router_pb2_grpc.RouterAdminStub(channel_).ListReplicas(
                 router_pb2.ListReplicasRequest(), timeout=timeout)
         except grpc.RpcError:
             return {}
@@ -101,11 +130,12 @@ def run_status(config: StatusConfig) -> int:
         print(f"  {record.message.splitlines()[0]}")
     if not alive:
         return NOT_RUNNING
-    view = router_view(record.admin, config.timeout) if record.admin else {}
+    tls = tls_of(cluster)
+    view = router_view(record.admin, config.timeout, tls) if record.admin else {}
     print(f"router: http={record.http or '-'} admin={record.admin or '-'} "
           f"({'answering' if view else 'not answering'}); logs {record.logs}")
     with ThreadPoolExecutor(max_workers=16) as pool:
-        states = list(pool.map(lambda r: health(r.address, config.timeout), record.replicas))
+        states = list(pool.map(lambda r: health(r.address, config.timeout, tls), record.replicas))
     rows = [["RANK", "ROLE", "NODE", "ADDRESS", "DEVICE", "NIC", "HEALTH", "ROUTER", "LAUNCHER", "RESTARTS"]]
     rows += [[str(r.rank), r.role, r.node, r.address, r.device, r.nic or "-", state, view.get(r.address, "-"),
               r.state, str(r.restarts)] for r, state in zip(record.replicas, states, strict=True)]
@@ -152,8 +182,9 @@ def sweep(cluster: ClusterFile, record: RunRecord) -> list[str]:
 
 
 def run_down(config: DownConfig) -> int:
-    """Entry point of `pdcluster down`: stop the launch of FILE and everything it started."""
-    cluster = parse(config.file)
+    """Entry point of `pdcluster down`: stop the launch of FILE and everything it started (even when
+    its certificate or token files are gone: it needs none of them)."""
+    cluster = parse(config.file, files=False)
     record = _record(cluster)
     if record is None:
         print(f"{config.file}: nothing to stop (never launched)")

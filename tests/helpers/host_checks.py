@@ -4,12 +4,15 @@ shaped link at the link's rate, `pdcluster status` lists it, and nothing is left
 from __future__ import annotations
 
 import json
+import ssl
 import subprocess
+import sys
 import time
 from pathlib import Path
 
 import httpx
 
+from pdcluster.tools.certs import MakeCertsConfig, make_certs
 from tests.helpers.emulated_hosts import EmulatedHosts, in_netns
 from tests.helpers.launched import Launched, pdcluster, ready_fields
 from tests.helpers.router_cluster import GreedyOracle
@@ -117,3 +120,50 @@ def no_process_left(hosts: EmulatedHosts, timeout: float = 30) -> None:
     while any(hosts.processes(h) for h in hosts.hosts):
         assert time.monotonic() < end, {h.name: hosts.processes(h) for h in hosts.hosts}
         time.sleep(0.2)
+
+
+def secure(hosts: EmulatedHosts, file: Path) -> Path:
+    """Certificates for every host and the head, a token file, and `[tls]` (mutual) with `[cluster]
+    token_file` added to `file`; returns the certificate folder."""
+    certs = hosts.folder / "certs"
+    make_certs(MakeCertsConfig(out=certs, host=[*(h.address for h in hosts.hosts), hosts.head_address]))
+    (hosts.folder / "token").write_text("hosts-s3cret\n")
+    tables = '[tls]\ncerts = "certs"\nmutual = true\n[cluster]\ntoken_file = "token"\n'
+    file.write_text(f"{file.read_text()}\n{tables}")
+    return certs
+
+
+def check_tls_and_token(
+    hosts: EmulatedHosts, launched: Launched, file: Path, model: Path, env: dict[str, str] | None = None
+) -> None:
+    """A launch of a `secure` file: HTTPS with the CA and a client certificate, `status` over TLS
+    sees every replica serving, a replica answers grpcurl's ClearCache without the token Unauthenticated."""
+    certs = hosts.folder / "certs"
+    fields = ready_fields(launched.ready(240))
+    assert fields["http"].startswith(f"https://{hosts.head_address}:"), fields
+    context = ssl.create_default_context(cafile=str(certs / "ca.crt"))
+    context.load_cert_chain(str(certs / "client.crt"), str(certs / "client.key"))
+    body = {"model": model.name, "prompt": "hello", "max_tokens": 4, "temperature": 0}
+
+    def complete() -> httpx.Response:
+        with httpx.Client(verify=context, timeout=120) as http:
+            return http.post(f"{fields['http']}/v1/completions", json=body)
+
+    answer = in_netns(hosts.head, complete)
+    assert answer.status_code == 200, answer.text
+    status = head_run(hosts, "status", str(file), env=env)
+    assert status.returncode == 0 and status.stdout.count("SERVING") == len(hosts.hosts), (
+        status.stdout + status.stderr
+    )
+    replica = json.loads((file.parent / "logs" / "run.json").read_text())["replicas"][1]["address"]
+    tls = ["-cacert", str(certs / "ca.crt"), "-cert", str(certs / "client.crt")]
+    tls += ["-key", str(certs / "client.key")]
+    grpcurl = [str(Path(sys.executable).parent / "grpcurl"), "-max-time", "30", *tls, replica]
+    refused = subprocess.run(
+        ["ip", "netns", "exec", hosts.head, *grpcurl, "generate.v2.TextGenerationService/ClearCache"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert refused.returncode != 0 and "Unauthenticated" in refused.stdout + refused.stderr, refused

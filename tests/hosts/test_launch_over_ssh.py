@@ -1,18 +1,28 @@
 """`pdcluster launch --via ssh` over real OpenSSH servers on three emulated hosts with 1 Gbit/s links:
 1 prefill + 2 decode replicas serve transformers' greedy output, a KV migration crosses a shaped
 link at the link's rate, `status` lists every replica, `down` leaves nothing on any host; a host
-that refuses the key, and one whose replica cannot start, fail the launch naming the host."""
+that refuses the key, and one whose replica cannot start, fail the launch naming the host; with
+`[tls]` (mutual) and a token file the certificates and token reach the hosts over ssh, the router
+serves HTTPS, `status` reaches every replica over TLS and a replica wants the token."""
 
 from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
 from tests.helpers.emulated_hosts import EmulatedHosts
-from tests.helpers.host_checks import ROUTER_LINES, check_serving, head_run, no_process_left
+from tests.helpers.host_checks import (
+    ROUTER_LINES,
+    check_serving,
+    check_tls_and_token,
+    head_run,
+    no_process_left,
+    secure,
+)
 from tests.helpers.launched import Launched, NodeLine, pdcluster, write_cluster_file
 from tests.helpers.router_cluster import GreedyOracle
 
@@ -95,5 +105,20 @@ def test_a_replica_that_cannot_start_stops_the_others(ssh_hosts: EmulatedHosts, 
         started = [p.parent.name for p in Path(record["logs"]).glob("*/replica-*.log")]
         assert sorted(started) == ["h1", "h2", "h3"]  # the others' sessions had started ...
         no_process_left(ssh_hosts)  # ... and were stopped
+    finally:
+        launched.kill()
+
+
+def test_ssh_launch_with_mutual_tls_and_a_token(
+    ssh_hosts: EmulatedHosts, tiny_model_factory: Callable[..., Path]
+) -> None:
+    model = tiny_model_factory()
+    file = cluster_file(ssh_hosts, model)
+    secure(ssh_hosts, file)
+    launched = launch(ssh_hosts, file)
+    try:
+        check_tls_and_token(ssh_hosts, launched, file, model)
+        assert head_run(ssh_hosts, "down", str(file)).returncode == 0 and launched.wait(60) == 0
+        no_process_left(ssh_hosts)
     finally:
         launched.kill()

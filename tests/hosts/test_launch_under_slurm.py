@@ -1,31 +1,42 @@
 """`pdcluster launch --via slurm` inside a real Slurm allocation (`salloc`; slurmctld on the head node,
 one slurmd per emulated host): the same checks as over ssh, and `scancel` of the allocation stops
-the launcher and its router within seconds, leaving nothing behind."""
+the launcher and its router within seconds, leaving nothing behind; with `[tls]` (mutual) and a
+token file the staged files reach the hosts through `srun` as they do over ssh."""
 
 from __future__ import annotations
 
 import json
 import subprocess
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
 from tests.helpers.emulated_hosts import EmulatedHosts
 from tests.helpers.emulated_slurm import slurm_env
-from tests.helpers.host_checks import ROUTER_LINES, check_serving, head_run, no_process_left
+from tests.helpers.host_checks import (
+    ROUTER_LINES,
+    check_serving,
+    check_tls_and_token,
+    head_run,
+    no_process_left,
+    secure,
+)
 from tests.helpers.launched import Launched, NodeLine, pdcluster, write_cluster_file
 from tests.helpers.router_cluster import GreedyOracle
 
 pytestmark = pytest.mark.timeout(900)  # the first test of a session may install packages first
 
 
-def launch_in_allocation(hosts: EmulatedHosts, model: Path) -> tuple[Launched, Path]:
+def launch_in_allocation(hosts: EmulatedHosts, model: Path, tls: bool = False) -> tuple[Launched, Path]:
     roles = ({"prefill": 1}, {"decode": 1}, {"decode": 1})
     nodes = [NodeLine(h.name, h.address, r) for h, r in zip(hosts.hosts, roles, strict=True)]
     file = write_cluster_file(
         hosts.folder / "cluster.toml", model, nodes, "ssh", hosts.head_address, router=ROUTER_LINES
     )
+    if tls:
+        secure(hosts, file)
     argv = [
         "ip",
         "netns",
@@ -88,5 +99,19 @@ def test_scancel_stops_the_launch_and_its_router(slurm_hosts: EmulatedHosts, kv_
         record = json.loads((file.parent / "logs" / "run.json").read_text())
         assert record["phase"] == "failed" and "allocation" in record["message"]
         assert head_run(slurm_hosts, "status", str(file), env=slurm_env(slurm_hosts)).returncode == 3
+    finally:
+        launched.kill()
+
+
+def test_slurm_launch_with_mutual_tls_and_a_token(
+    slurm_hosts: EmulatedHosts, tiny_model_factory: Callable[..., Path]
+) -> None:
+    model = tiny_model_factory()
+    launched, file = launch_in_allocation(slurm_hosts, model, tls=True)
+    try:
+        check_tls_and_token(slurm_hosts, launched, file, model, env=slurm_env(slurm_hosts))
+        down = head_run(slurm_hosts, "down", str(file), env=slurm_env(slurm_hosts))
+        assert down.returncode == 0 and launched.wait(60) == 0, down.stdout + down.stderr
+        no_process_left(slurm_hosts)
     finally:
         launched.kill()

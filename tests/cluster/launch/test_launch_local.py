@@ -1,20 +1,29 @@
 """`pdcluster launch --via local` on two "nodes" of this machine (127.0.0.1 and 127.0.0.2): it serves,
 `status` lists it, a killed replica is restarted on its address and taken back by the router, `down`
 from another shell leaves no process; a node whose replica cannot start fails the launch naming it
-and stops the replica already started on the other; a second launch of a running file is refused."""
+and stops the replica already started on the other; a second launch of a running file is refused;
+with `[tls]` (mutual) and `[cluster] token_file` it serves over HTTPS, `status` reaches every
+replica and the router over TLS, and a replica refuses a state-changing call without the token."""
 
 from __future__ import annotations
 
 import json
 import os
 import signal
+import ssl
+import stat
 import subprocess
 import time
 from collections.abc import Callable
 from pathlib import Path
 
+import grpc
 import httpx
+import pytest
 
+from pdcluster.tools.certs import MakeCertsConfig, make_certs
+from protos import generate_pb2 as pb
+from protos import generate_pb2_grpc as pb_grpc
 from tests.helpers.launched import Launched, NodeLine, pdcluster, ready_fields, write_cluster_file
 from tests.helpers.processes import alive, descendants
 
@@ -114,5 +123,58 @@ def test_a_second_launch_of_a_running_file_is_refused(
         second = run("launch", str(file))
         assert second.returncode == 1 and "is already launched" in second.stderr
         assert run("down", str(file)).returncode == 0 and launched.wait(60) == 0
+    finally:
+        launched.kill()
+
+
+def test_tls_and_token_launch_serves_over_https_and_replicas_want_the_token(
+    tiny_model_factory: Callable[..., Path], tmp_path: Path
+) -> None:
+    model = tiny_model_factory()
+    certs = tmp_path / "certs"
+    make_certs(MakeCertsConfig(out=certs, host=["127.0.0.1", "127.0.0.2"], client=["client"]))
+    (tmp_path / "token").write_text("launch-s3cret\n")
+    file = cluster_file(tmp_path, model)
+    file.write_text(
+        file.read_text() + '\n[tls]\ncerts = "certs"\nmutual = true\n[cluster]\ntoken_file = "token"\n'
+    )
+    launched = Launched(pdcluster("launch", str(file)))
+    try:
+        fields = ready_fields(launched.ready(180))
+        assert fields["http"].startswith("https://127.0.0.1:"), fields
+        context = ssl.create_default_context(cafile=str(certs / "ca.crt"))
+        context.load_cert_chain(str(certs / "client.crt"), str(certs / "client.key"))
+        body = {"model": model.name, "prompt": "hello", "max_tokens": 5, "temperature": 0}
+        with httpx.Client(verify=context, timeout=60) as http:
+            answer = http.post(f"{fields['http']}/v1/completions", json=body)
+        assert answer.status_code == 200 and answer.json()["choices"][0]["text"], answer.text
+        with pytest.raises(httpx.TransportError):  # plain HTTP gets nothing
+            httpx.get(fields["http"].replace("https://", "http://") + "/health", timeout=30)
+        status = run("status", str(file))
+        assert status.returncode == 0 and status.stdout.count("SERVING") == 2, status.stdout
+        assert taken_back(file) and "(answering)" in status.stdout, status.stdout
+        record = json.loads((tmp_path / "logs" / "run.json").read_text())
+        credentials = grpc.ssl_channel_credentials(
+            (certs / "ca.crt").read_bytes(),
+            (certs / "client.key").read_bytes(),
+            (certs / "client.crt").read_bytes(),
+        )
+        with grpc.secure_channel(record["replicas"][1]["address"], credentials) as channel:
+            stub = pb_grpc.TextGenerationServiceStub(channel)
+            with pytest.raises(grpc.RpcError) as refused:
+                stub.ClearCache(pb.ClearCacheRequest(), timeout=30)
+            assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
+            with pytest.raises(grpc.RpcError) as passed:  # with the token: past the check, no such batch
+                stub.ClearCache(
+                    pb.ClearCacheRequest(id=10**9),
+                    timeout=30,
+                    metadata=[("x-cluster-token", "launch-s3cret")],
+                )
+            assert passed.value.code() == grpc.StatusCode.NOT_FOUND, passed.value.details()
+        staged = Path(record["node_dir"])
+        assert stat.S_IMODE((staged / "127.0.0.2.key").stat().st_mode) == 0o600
+        down = run("down", str(file))
+        assert down.returncode == 0, down.stderr
+        assert launched.wait(60) == 0 and not staged.exists()
     finally:
         launched.kill()

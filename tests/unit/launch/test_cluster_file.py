@@ -45,7 +45,7 @@ def readme_example() -> str:
 
 
 def test_the_readme_example_parses() -> None:
-    cluster = parse(Path("/etc/pd/cluster.toml"), readme_example())
+    cluster = parse(Path("/etc/pd/cluster.toml"), readme_example(), files=False)  # no certs/ here
     assert cluster.model.path == Path("/shared/models/llama-7b") and cluster.model.root == Path(
         "/shared/models"
     )
@@ -57,6 +57,10 @@ def test_the_readme_example_parses() -> None:
     assert cluster.router.scaling == "static"
     assert flag_args(cluster.router.flags) == ["--heartbeat-timeout", "30"]
     assert flag_args(cluster.launch.replica_flags) == ["--max-input-tokens", "4096"]
+    sec = cluster.security
+    assert (sec.certs, sec.mutual) == (Path("/etc/pd/certs"), True)
+    assert (sec.router_name, sec.client) == ("router.example", "client")
+    assert sec.token_file == Path("/etc/pd/cluster-token")
     assert cluster.launch.via is Via.SSH and cluster.launch.fabric is Fabric.TCP
     assert cluster.launch.log_dir == Path("/etc/pd/logs") and cluster.ssh.config == Path("/etc/pd/ssh_config")
     a, b, c = cluster.nodes

@@ -23,6 +23,7 @@ from pdcluster.cluster.launch_plan import (
     router_args,
     wrap,
 )
+from pdcluster.cluster.security import bundle
 from pdcluster.discovery.discover import assemble
 from pdcluster.discovery.inventory import Cpus, Inventory
 from pdcluster.discovery.nvidia import parse_query
@@ -269,7 +270,8 @@ def test_stage_then_stop_script_ends_only_this_runs_processes(tmp_path: Path) ->
     c = Commands(cluster, f"unit{os.getpid()}", ("true",), PurePosixPath("/"))
     assert (
         subprocess.run(
-            ["bash", "-c", c.stage_script()], input='{"ranks": []}', text=True, timeout=10, check=False
+            ["bash", "-c", c.stage_script()], input=bundle({"ranks.json": b'{"ranks": []}'}), text=True,
+            timeout=10, check=False
         ).returncode
         == 0
     )
