@@ -60,6 +60,7 @@ class ReplicaWorker:
         self.limits = limits
         self.decode = DecodeLoop(cluster, handle, wakeups, self._reprefill, limits.max_batch_prefill_tokens)
         self._prefills: set[asyncio.Task[None]] = set()  # PREFILL mode: prefills on the wire
+        self._took = False  # this step took a batch off the queue
 
     async def run(self) -> None:
         """Step until the replica dies; unexpected errors are logged, never fatal to the router."""
@@ -76,6 +77,7 @@ class ReplicaWorker:
         while self.h.state.alive and not self.cluster.stopping:
             token = wakeup.token()
             self.wakeups.stepping(self.h.id)
+            self._took = False
             try:
                 did = await self.step()
             except ReplicaCallError as exc:
@@ -84,6 +86,7 @@ class ReplicaWorker:
             except Exception:
                 log.exception("replica %s loop step failed", self.h.id)
                 did = False
+            self.wakeups.stepped(self.h.id, self._took, self.cluster.queued()[0])
             if did:
                 await asyncio.sleep(0)
             else:
@@ -182,6 +185,8 @@ class ReplicaWorker:
         taken = self.cluster.take_batch(self.h)
         if taken is None:
             self.wakeups.wants_batch(self.h.id)
+        else:
+            self._took = True
         return taken
 
     async def _sync_pages(self) -> None:

@@ -6,12 +6,14 @@ A task takes a token *before* it looks for work, then waits on it: a `notify` in
 Each replica's loop sleeps on a `Wakeup` of its own, and the migration tasks waiting for a
 destination share one, so a change wakes only the tasks it can give work to:
 
-| change                                                  | wakes                                  |
-|---------------------------------------------------------|----------------------------------------|
-| the queue gained requests (`queue`)                     | the loops that last found no batch     |
-| a replica's inbox, prefill slots, outbound (`replica`)  | that replica's loop                    |
-| pages or an inbound slot freed on a replica (`pages`)   | that replica's loop, the migration tasks |
-| a role, the strategy, a replica joined or died (`all`)  | every loop and every migration task    |
+| change                                                 | wakes                                    |
+|--------------------------------------------------------|------------------------------------------|
+| the queue gained requests (`queue`)                    | as many loops that found no batch as     |
+|                                                        | requests wait; one of them that takes    |
+|                                                        | none wakes the next (`stepped`)          |
+| a replica's inbox, prefill or outbound slot (`replica`) | that replica's loop                      |
+| pages or an inbound slot freed on a replica (`pages`)  | that loop and the waiting hand-offs      |
+| a role, the strategy, a replica joined or died (`all`) | every loop and every waiting hand-off    |
 
 Every wait keeps its timeout (`SAFETY_TIMEOUT_S`), so a loop still looks again now and then.
 """
@@ -19,6 +21,7 @@ Every wait keeps its timeout (`SAFETY_TIMEOUT_S`), so a loop still looks again n
 from __future__ import annotations
 
 import asyncio
+import itertools
 
 # The longest a task sleeps without a notify: it looks for work again after it (self-healing).
 SAFETY_TIMEOUT_S = 0.5
@@ -59,6 +62,8 @@ class Wakeups:
         self.moves = Wakeup()  # hand-offs waiting for a destination (pages, inbound slots, roles)
         self._loops: dict[int, Wakeup] = {}
         self._takers: dict[int, None] = {}  # loops whose last look at the queue found no batch, in order
+        self._called: set[int] = set()  # loops the queue woke that have not ended a step since
+        self._tried: set[int] = set()  # loops the queue woke since it last gained requests
 
     def loop(self, replica: int) -> Wakeup:
         """The wake-up of `replica`'s loop (the same one across restarts of the loop)."""
@@ -75,12 +80,33 @@ class Wakeups:
         """`replica`'s loop found no batch it could take: wake it when the queue gains requests."""
         self._takers[replica] = None
 
-    def queue(self) -> None:
-        """The queue gained requests (new, re-run or retried) or lost a dead head: wake the loops
-        waiting for a batch."""
-        takers, self._takers = self._takers, {}
-        for replica in takers:
-            self.replica(replica)
+    def queue(self, waiting: int) -> None:
+        """The queue gained requests (new, re-run or retried) or lost a dead head; `waiting` requests
+        are queued: wake that many of the loops waiting for a batch, oldest first (each takes one
+        request at least, or hands the call on when it ends its step: `stepped`)."""
+        self._tried = set()
+        for replica in list(itertools.islice(self._takers, waiting)):
+            self._call(replica)
+
+    def stepped(self, replica: int, took: bool, waiting: int) -> None:
+        """`replica`'s loop ended a step (`took`: it took a batch). If the queue had woken it and it
+        took nothing while `waiting` requests are queued, the next loop waiting for a batch that
+        the queue has not woken since it last gained requests is woken in its place."""
+        if replica not in self._called:
+            return
+        self._called.discard(replica)
+        if took or not waiting:
+            return
+        for other in self._takers:
+            if other not in self._tried:
+                self._call(other)
+                return
+
+    def _call(self, replica: int) -> None:
+        self._takers.pop(replica, None)
+        self._tried.add(replica)
+        self._called.add(replica)
+        self.replica(replica)
 
     def replica(self, replica: int) -> None:
         """Work arrived for `replica`'s loop (inbox, a prefill slot or an outbound slot free)."""
@@ -100,3 +126,4 @@ class Wakeups:
         for wakeup in self._loops.values():
             wakeup.notify()
         self._takers.clear()
+        self._called.clear()

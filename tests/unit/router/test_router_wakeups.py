@@ -28,24 +28,83 @@ def woken(change: Callable[[Wakeups], None], takers: tuple[int, ...] = ()) -> se
 
 
 def test_the_queue_wakes_only_the_loops_that_found_no_batch() -> None:
-    assert woken(Wakeups.queue, takers=(0, 2)) == {"0", "2"}
-    assert woken(Wakeups.queue) == set()
+    assert woken(lambda w: w.queue(5), takers=(0, 2)) == {"0", "2"}
+    assert woken(lambda w: w.queue(5)) == set()
+
+
+def test_the_queue_wakes_as_many_loops_as_requests_wait_oldest_first() -> None:
+    assert woken(lambda w: w.queue(1), takers=(2, 0, 1)) == {"2"}
+    assert woken(lambda w: w.queue(2), takers=(2, 0, 1)) == {"2", "0"}
 
 
 def test_a_loop_that_stepped_again_is_no_longer_woken_by_the_queue() -> None:
     def change(w: Wakeups) -> None:
         w.stepping(0)
-        w.queue()
+        w.queue(5)
     assert woken(change, takers=(0, 1)) == {"1"}
 
 
 def test_the_queue_wakes_a_taker_once_until_it_looks_again() -> None:
     def change(w: Wakeups) -> None:
-        w.queue()
+        w.queue(5)
         tokens = [w.loop(rid).token() for rid in LOOPS]
-        w.queue()
+        w.queue(5)
         assert not any(t.is_set() for t in tokens)
     assert woken(change, takers=(1,)) == {"1"}
+
+
+def after_a_call(w: Wakeups, took: bool, waiting: int) -> set[int]:
+    """The queue woke loop 0 of takers 0, 1, 2; loop 0 ends its step: which loops wake next."""
+    w.queue(1)
+    w.stepping(0)
+    if not took:
+        w.wants_batch(0)  # it looked and found nothing that fits it
+    tokens = {rid: w.loop(rid).token() for rid in LOOPS}
+    w.stepped(0, took, waiting)
+    return {rid for rid, token in tokens.items() if token.is_set()}
+
+
+def test_a_woken_loop_that_takes_nothing_wakes_the_next_waiting_loop() -> None:
+    w = Wakeups()
+    for rid in LOOPS:
+        w.wants_batch(rid)
+    assert after_a_call(w, took=False, waiting=1) == {1}
+
+
+def test_a_woken_loop_that_took_a_batch_or_emptied_the_queue_wakes_nobody() -> None:
+    for took, waiting in ((True, 1), (False, 0)):
+        w = Wakeups()
+        for rid in LOOPS:
+            w.wants_batch(rid)
+        assert after_a_call(w, took=took, waiting=waiting) == set()
+
+
+def test_the_call_goes_round_the_waiting_loops_once_per_change_of_the_queue() -> None:
+    w = Wakeups()
+    for rid in LOOPS:
+        w.wants_batch(rid)
+    w.queue(1)
+    order = [0]
+    for _ in range(5):  # each loop takes nothing and looks again: the head fits none of them
+        rid = order[-1]
+        w.stepping(rid)
+        w.wants_batch(rid)
+        tokens = {r: w.loop(r).token() for r in LOOPS}
+        w.stepped(rid, False, 1)
+        order += [r for r, token in tokens.items() if token.is_set()]
+    assert order == [0, 1, 2]  # then nobody: no loop is woken twice for the same queue
+    tokens = {r: w.loop(r).token() for r in LOOPS}
+    w.queue(1)  # the queue changed: the oldest waiting loop is tried again
+    assert {r for r, token in tokens.items() if token.is_set()} == {0}
+
+
+def test_a_step_the_queue_did_not_wake_hands_nothing_on() -> None:
+    w = Wakeups()
+    for rid in LOOPS:
+        w.wants_batch(rid)
+    tokens = {rid: w.loop(rid).token() for rid in LOOPS}
+    w.stepped(0, False, 3)
+    assert not any(token.is_set() for token in tokens.values())
 
 
 def test_work_for_a_replica_wakes_its_loop_only() -> None:
