@@ -9,6 +9,7 @@ an idle loop or a waiting hand-off that no change woke would sleep through the t
 | one pending migration per prefill replica  | a hand-off's end wakes its prefill loop                  |
 | prefill replica dies                       | the change of roles wakes the decode replica's loop      |
 | the strategy changes to colocated          | the change wakes every loop                              |
+| a request fits only the second waiting loop | the first one woken hands the call on to it             |
 """
 
 from __future__ import annotations
@@ -103,4 +104,17 @@ def test_idle_loops_wake_when_the_strategy_becomes_colocated() -> None:
             sched.set_strategy(Strategy.COLOCATED)
             await serve(sched, [[70 + i] * 3 for i in range(4)], 5)
             await pages_back(fakes)
+    run(body(), timeout=DEADLINE_S)
+
+
+def test_a_request_that_fits_only_a_later_waiting_loop_reaches_it() -> None:
+    async def body() -> None:
+        roles = (State.PREFILL, State.PREFILL, State.DECODE)
+        async with fake_cluster(roles, Strategy.FULL) as (sched, fakes):
+            await asyncio.sleep(0.1)  # both prefill loops found no batch, replica 0's first
+            small = sched.replicas[ReplicaId(0)].state
+            small.promised = small.free_blocks - 1  # as if a migration to it held all but one page
+            await serve(sched, [[80, 81, 82]], 20)  # 2 pages: only replica 1 has them
+            assert fakes[0].calls.count("PrefillV2") == 0
+            assert fakes[1].calls.count("PrefillV2") == 1
     run(body(), timeout=DEADLINE_S)
