@@ -4,7 +4,7 @@ A loop drives one replica (`loops.ReplicaWorker`); everything that concerns othe
 requests as a whole goes through this protocol, which `scheduler.ClusterScheduler` implements.
 
 ```
- ReplicaWorker ── take_batch / deliver / on_error ──► requests (queue, streams)
+ ReplicaWorker ── queued / take_batch / deliver / on_error ──► requests (queue, streams)
                ── strategy / has_decode / settle_roles ──► roles and the strategy in use
                ── moves ──► the migration queue (hand-offs of prefilled batches)
                ── zigzag_replicas ──► new prefill replicas an old one takes batches over from
@@ -53,6 +53,10 @@ class Cluster(Protocol):
 
     def has_decode(self) -> bool:
         """A decode replica exists (else prefill replicas decode their own batches)."""
+        ...
+
+    def queued(self) -> tuple[int, int]:
+        """Requests and prompt tokens waiting for a prefill."""
         ...
 
     def take_batch(self, replica: ReplicaHandle) -> tuple[BatchId, list[Member]] | None:

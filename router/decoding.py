@@ -28,7 +28,7 @@ from router.errors import ReplicaCallError, ReplicaUnavailable
 from router.registry import ReplicaHandle
 from router.replicas import ReplicaState
 from router.types import BatchId, RequestId, StepResult
-from router.wakeup import Wakeup
+from router.wakeup import Wakeups
 
 # DecodeV2 calls a decode loop keeps on the wire while its batch goes on unchanged: the replica
 # has the next step queued when one ends, so neither the round trip (~1 ms of gRPC client to
@@ -44,11 +44,11 @@ Prefill = Callable[[list[Member], BatchId], Awaitable[LiveBatch | None]]
 class DecodeLoop:
     """Decode steps of one replica; also the `batches.DecodeSide` its inbox items are taken with."""
 
-    def __init__(self, cluster: Cluster, handle: ReplicaHandle, wakeup: Wakeup, prefill: Prefill,
+    def __init__(self, cluster: Cluster, handle: ReplicaHandle, wakeups: Wakeups, prefill: Prefill,
                  max_prefill_tokens: int) -> None:
         self.cluster = cluster
         self.h = handle
-        self.wakeup = wakeup
+        self.wakeups = wakeups
         self._prefill = prefill
         self._max_prefill_tokens = max_prefill_tokens
         self._flights: collections.deque[_InFlight] = collections.deque()  # decode steps on the wire
@@ -116,8 +116,8 @@ class DecodeLoop:
             self.cluster.deliver(result, members)
             self.h.state.release(members)
             self.h.running = None
-            self.wakeup.notify()  # its pages are free (a step that only streamed tokens changes nothing
-            return  # another loop waits for: no wake-up then, or every step woke every loop)
+            self.wakeups.pages(self.h.id)  # its pages are free (a step that only streamed tokens
+            return  # changes nothing another task waits for: no wake-up then)
         live = LiveBatch.of(result.batch, list(members.values()), self.h.block_size)
         self.h.running = live
         if not self.h.inbox and len(live.wanted_ids()) == len(live.members):
@@ -179,6 +179,7 @@ class DecodeLoop:
                 await self.h.client.clear_cache(b.id)
             self.h.state.release(b.members)
         self.h.running = None
+        self.wakeups.pages(self.h.id)
 
     async def prune(self, live: LiveBatch) -> LiveBatch | None:
         """Drop finished, cancelled and stale requests from a cached batch (the replica frees them)."""
@@ -188,7 +189,7 @@ class DecodeLoop:
             self.cluster.on_error(self.h, exc, [m for m in live.members.values() if m.wanted])
             return None
         if pruned is not live:
-            self.wakeup.notify()
+            self.wakeups.pages(self.h.id)
         return pruned
 
 

@@ -26,18 +26,18 @@ from router.types import (
     StepResult,
     TokenDecoder,
 )
-from router.wakeup import Wakeup
+from router.wakeup import Wakeups
 
 
 class Requests:
     """Every accepted request that has not ended, and the queue of those waiting for a prefill."""
 
     def __init__(self, metrics: RouterMetrics, clock: Callable[[], float], decoder: TokenDecoder,
-                 wakeup: Wakeup, max_requeues: int) -> None:
+                 wakeups: Wakeups, max_requeues: int) -> None:
         self.metrics = metrics
         self.clock = clock
         self.decoder = decoder
-        self.wakeup = wakeup
+        self.wakeups = wakeups
         self.max_requeues = max_requeues
         self.queue = RequestQueue()
         self._states: dict[RequestId, RequestState] = {}
@@ -60,7 +60,7 @@ class Requests:
         self._states[state.id] = state
         self.queue.push(QueueEntry(state.id, request, _alive(state)))
         self._queue_gauges()
-        self.wakeup.notify()
+        self.wakeups.queue(len(self.queue))
         return RequestStream(state, self._closed)
 
     def take(self, budgets: Budgets) -> tuple[PlannedBatch, list[Member]] | None:
@@ -99,7 +99,7 @@ class Requests:
             self.metrics.requeued.inc()
             self.queue.push_front(QueueEntry(state.id, state.current(), _alive(state)))
         self._queue_gauges()
-        self.wakeup.notify()
+        self.wakeups.queue(len(self.queue))
 
     def retry(self, members: Iterable[Member], reason: str) -> None:
         """A replica refused these requests' batch for want of pages: queue them again, same run
@@ -114,7 +114,7 @@ class Requests:
             state.refusals += 1
             self.queue.push_front(QueueEntry(state.id, member.request, _alive(state)))
         self._queue_gauges()
-        self.wakeup.notify()
+        self.wakeups.queue(len(self.queue))
 
     def fail(self, members: Iterable[Member], message: str, http_status: int = 500) -> None:
         """End these requests with an error event."""
@@ -144,7 +144,11 @@ class Requests:
 
     def _closed(self, state: RequestState) -> None:
         self._finish(state, "cancelled")
-        self.wakeup.notify()
+        # its queued run goes (a head that did not fit may be gone) and a hand-off of its batch
+        # waiting for a destination may be over; a batch on a replica is pruned by that loop's next step
+        if len(self.queue):
+            self.wakeups.queue(len(self.queue))
+        self.wakeups.moves.notify()
 
     def _finish(self, state: RequestState, outcome: str) -> None:
         if self._states.pop(state.id, None) is None:

@@ -32,7 +32,7 @@ from router.registry import ReplicaHandle
 from router.replicas import State, Trigger
 from router.strategies.base import MigrationStrategy, Mode
 from router.types import BatchId, PrefillCase
-from router.wakeup import Wakeup
+from router.wakeup import Wakeups
 
 __all__ = ["PIPELINE_DEPTH", "PREFILL_DEPTH", "ReplicaWorker"]
 
@@ -53,13 +53,14 @@ PAGE_SYNC_POLL_S = 0.005
 class ReplicaWorker:
     """The loop of one replica."""
 
-    def __init__(self, cluster: Cluster, handle: ReplicaHandle, wakeup: Wakeup, limits: LoopLimits) -> None:
+    def __init__(self, cluster: Cluster, handle: ReplicaHandle, wakeups: Wakeups, limits: LoopLimits) -> None:
         self.cluster = cluster
         self.h = handle
-        self.wakeup = wakeup
+        self.wakeups = wakeups
         self.limits = limits
-        self.decode = DecodeLoop(cluster, handle, wakeup, self._reprefill, limits.max_batch_prefill_tokens)
+        self.decode = DecodeLoop(cluster, handle, wakeups, self._reprefill, limits.max_batch_prefill_tokens)
         self._prefills: set[asyncio.Task[None]] = set()  # PREFILL mode: prefills on the wire
+        self._took = False  # this step took a batch off the queue
 
     async def run(self) -> None:
         """Step until the replica dies; unexpected errors are logged, never fatal to the router."""
@@ -72,8 +73,11 @@ class ReplicaWorker:
                     task.cancel()
 
     async def _steps(self) -> None:
+        wakeup = self.wakeups.loop(self.h.id)  # woken by the changes that give this loop work
         while self.h.state.alive and not self.cluster.stopping:
-            token = self.wakeup.token()
+            token = wakeup.token()
+            self.wakeups.stepping(self.h.id)
+            self._took = False
             try:
                 did = await self.step()
             except ReplicaCallError as exc:
@@ -82,10 +86,11 @@ class ReplicaWorker:
             except Exception:
                 log.exception("replica %s loop step failed", self.h.id)
                 did = False
+            self.wakeups.stepped(self.h.id, self._took, self.cluster.queued()[0])
             if did:
                 await asyncio.sleep(0)
             else:
-                await self.wakeup.wait(token)
+                await wakeup.wait(token)
 
     async def step(self) -> bool:
         """One iteration; True when it did work."""
@@ -157,7 +162,7 @@ class ReplicaWorker:
         self._prefills.discard(task)
         if not task.cancelled() and (exc := task.exception()) is not None:
             log.error("replica %s prefill failed", self.h.id, exc_info=exc)
-        self.wakeup.notify()  # a slot on the wire is free
+        self.wakeups.replica(self.h.id)  # a slot on the wire is free
 
     async def prefill_local(self) -> bool:
         """COLOCATED mode: one batch from the queue, prefilled here and joined to the running batch."""
@@ -177,7 +182,12 @@ class ReplicaWorker:
         replica's own count caught up)."""
         if self.h.state.page_sync:
             await self._sync_pages()
-        return self.cluster.take_batch(self.h)
+        taken = self.cluster.take_batch(self.h)
+        if taken is None:
+            self.wakeups.wants_batch(self.h.id)
+        else:
+            self._took = True
+        return taken
 
     async def _sync_pages(self) -> None:
         """The replica refused a batch for pages the router counted free: wait (a bounded while)
@@ -216,6 +226,7 @@ class ReplicaWorker:
             result = await self.h.client.prefill(spec, case, pipe_peer, resume)
         except ReplicaCallError as exc:
             self.h.state.release(pages)
+            self.wakeups.pages(self.h.id)
             if raise_errors:
                 raise
             self.cluster.on_error(self.h, exc, members)
@@ -224,6 +235,7 @@ class ReplicaWorker:
         self.cluster.deliver(result, {m.id: m for m in members})
         if result.batch is None:
             self.h.state.release(pages)
+            self.wakeups.pages(self.h.id)
             return None
         live = LiveBatch.of(result.batch, members, self.h.block_size)
         if case is not PrefillCase.NORMAL:
@@ -250,7 +262,7 @@ class ReplicaWorker:
         if not did and self.h.empty:
             self.h.state.move(State.IDLE, Trigger.DRAINED)
             log.info("replica %s drained", self.h.id)
-            self.wakeup.notify()
+            self.wakeups.all()
         return did
 
 

@@ -29,7 +29,7 @@ from router.registry import ReplicaHandle, Replicas
 from router.replicas import ReplicaState, State
 from router.scaling.rates import Rates
 from router.types import BatchId, CachedBatch, ReplicaId
-from router.wakeup import Wakeup
+from router.wakeup import Wakeups
 
 log = logging.getLogger("pdcluster.router")
 
@@ -71,13 +71,13 @@ class Host(Protocol):
 class Migrations:
     """Hand-off tasks, destination reservations and the moves of a batch between replicas."""
 
-    def __init__(self, host: Host, replicas: Replicas, requests: Requests, wakeup: Wakeup,
+    def __init__(self, host: Host, replicas: Replicas, requests: Requests, wakeups: Wakeups,
                  metrics: RouterMetrics, clock: Callable[[], float], max_inbound: int,
                  kv_bytes_per_token: int = 0, rates: Rates | None = None) -> None:
         self.host = host
         self.replicas = replicas
         self.requests = requests
-        self.wakeup = wakeup
+        self.wakeups = wakeups
         self.metrics = metrics
         self.clock = clock
         self.max_inbound = max_inbound
@@ -104,7 +104,7 @@ class Migrations:
             log.exception("migration from replica %s failed", src.id)
         finally:
             src.state.outbound -= 1
-            self.wakeup.notify()
+            self.wakeups.pages(src.id)  # an outbound slot, and the pages the batch held there
 
     # ---- destinations ------------------------------------------------------------------------------
 
@@ -121,7 +121,7 @@ class Migrations:
                 raise Abandoned
             if src.state.role in LOCAL_ROLES:
                 return None
-            token = self.wakeup.token()
+            token = self.wakeups.moves.token()
             chosen = choose(self.replicas.others(src), need, self.max_inbound)
             if chosen is not None:
                 chosen.inbound += 1
@@ -129,13 +129,13 @@ class Migrations:
                 return self.replicas[chosen.id]
             if not self.replicas.has_decode() and not wait_for_decode:
                 return None
-            await self.wakeup.wait(token)
+            await self.wakeups.moves.wait(token)
 
     def unreserve(self, dst: ReplicaHandle, need: int) -> None:
         """The reservation made by `reserve` is over (the batch arrived or failed)."""
         dst.state.inbound -= 1
         dst.state.promised -= need
-        self.wakeup.notify()
+        self.wakeups.pages(dst.id)
 
     # ---- moves -----------------------------------------------------------------------------------
 
@@ -145,7 +145,7 @@ class Migrations:
         for m in live.members.values():
             m.state.decoding(src.id, local)
         src.inbox.append(Arrived(live, {}))
-        self.wakeup.notify()
+        self.wakeups.replica(src.id)
 
     async def transfer_kv(self, src: ReplicaHandle, dst: ReplicaHandle, live: LiveBatch) -> CachedBatch:
         """Migrate on `src` ‖ Immigrate on `dst`; the batch as cached on `dst`, or `MigrationFailed`."""
@@ -203,7 +203,7 @@ class Migrations:
         self.metrics.migration(strategy, moved, seconds)
         self.rates.migrated(sum(len(m.request.input_ids) for m in live.members.values()), seconds)
         dst.inbox.append(Arrived(live, lasts))
-        self.wakeup.notify()
+        self.wakeups.replica(dst.id)
 
     async def prune(self, handle: ReplicaHandle, live: LiveBatch) -> LiveBatch | None:
         """Filter the batch on `handle` to the requests still wanted (a failure re-runs or fails them)."""
@@ -213,7 +213,7 @@ class Migrations:
             self.host.on_error(handle, exc, [m for m in live.members.values() if m.wanted])
             return None
         if pruned is not live:
-            self.wakeup.notify()
+            self.wakeups.pages(handle.id)
         return pruned
 
     async def clear(self, handle: ReplicaHandle, batch_id: BatchId) -> None:

@@ -4,6 +4,8 @@ A `ReplicaHandle` is one replica: its `ReplicaState` (role, pages), its client, 
 it is to decode, its running batch and its loop's task. `Replicas` holds them and answers the
 questions asked across replicas (who serves, who may receive a migration, who becomes prefill);
 `snapshot()` is a frozen view of all of them, cheap enough to take every few hundred ms.
+The count of replicas in each state is kept as they move (`ReplicaState.move`), so the questions a
+loop asks every step (`has_decode`) cost the same whatever the number of replicas.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+from collections import Counter
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 
@@ -18,7 +21,7 @@ from router.batches import InboxItem, LiveBatch
 from router.episode import Episode
 from router.errors import ReplicaCallError
 from router.replica_api import ReplicaApi
-from router.replicas import SERVING, ReplicaState, ReplicaView, State, Trigger
+from router.replicas import SERVING, Observer, ReplicaState, ReplicaView, State, Trigger
 from router.states import PREFILL_LIKE
 from router.types import ReplicaId, ReplicaInfo
 
@@ -26,6 +29,7 @@ log = logging.getLogger("pdcluster.router")
 
 _CANNOT_SERVE = frozenset({State.DEAD, State.INACTIVE})  # no loop runs a request without an admin call
 _DECODING = (State.DECODE, State.MUTATING_TO_DECODE)
+_PREFILLING = PREFILL_LIKE | {State.COLOCATED}  # a replica in one of these makes `settle_roles` a no-op
 
 
 @dataclass
@@ -99,6 +103,8 @@ class Replicas(Mapping[ReplicaId, ReplicaHandle]):
     def __init__(self) -> None:
         self._handles: dict[ReplicaId, ReplicaHandle] = {}
         self._ids = itertools.count(0)
+        self._roles: Counter[State] = Counter()  # replicas in each state, kept by `_moved`
+        self.on_move: Observer | None = None  # told of every state change after the counts
 
     def __getitem__(self, rid: ReplicaId) -> ReplicaHandle:
         handle = self._handles.get(rid)
@@ -116,9 +122,21 @@ class Replicas(Mapping[ReplicaId, ReplicaHandle]):
             registered: bool = False) -> ReplicaHandle:
         """Register a replica under the next id."""
         state = ReplicaState(ReplicaId(next(self._ids)), address, info, role, registered)
+        state.observer = self._moved
         handle = ReplicaHandle(state, client)
         self._handles[handle.id] = handle
+        self._roles[role] += 1
         return handle
+
+    def _moved(self, state: ReplicaState, old: State, new: State, trigger: Trigger) -> None:
+        self._roles[old] -= 1
+        self._roles[new] += 1
+        if self.on_move is not None:
+            self.on_move(state, old, new, trigger)
+
+    def count(self, roles: frozenset[State] | tuple[State, ...]) -> int:
+        """How many replicas are in one of `roles` now."""
+        return sum(self._roles[role] for role in roles)
 
     def serving(self) -> list[ReplicaInfo]:
         """Info of every replica in a serving role."""
@@ -126,11 +144,11 @@ class Replicas(Mapping[ReplicaId, ReplicaHandle]):
 
     def can_serve(self) -> bool:
         """Some replica could still run a request (without an admin call bringing one back)."""
-        return any(h.state.role not in _CANNOT_SERVE for h in self._handles.values())
+        return len(self._handles) > self.count(_CANNOT_SERVE)
 
     def has_decode(self) -> bool:
         """A live decode replica exists (else prefill replicas decode their own batches)."""
-        return any(h.state.role in _DECODING for h in self._handles.values())
+        return self.count(_DECODING) > 0
 
     def others(self, src: ReplicaHandle) -> list[ReplicaState]:
         """Every replica's state but `src`'s (candidates for a migration from it)."""
@@ -143,8 +161,7 @@ class Replicas(Mapping[ReplicaId, ReplicaHandle]):
 
         Returns the replica that became prefill, if one did.
         """
-        roles = {h.state.role for h in self._handles.values()}
-        if roles & PREFILL_LIKE or State.COLOCATED in roles:
+        if self.count(_PREFILLING) or not self.count((State.DECODE,)):
             return None
         for handle in self._handles.values():
             if handle.state.role is State.DECODE and handle.empty:

@@ -9,7 +9,8 @@ front end and `cluster.Cluster` for the replica loops).
                           Replicas (registry.py: states, roles, clients, inboxes)
 ```
 Everything runs on one asyncio loop; state changes happen between awaits, so no locks are needed.
-Loops and migration tasks sleep on the shared `Wakeup` and are woken by `notify`.
+Loops and migration tasks sleep on their own wake-ups (`wakeup.Wakeups`): a change wakes the tasks
+it gives work to, a change of roles or of the strategy wakes them all.
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ from router.scaling.rates import Rates
 from router.scaling.timeline import Timeline
 from router.strategies.base import MigrationStrategy
 from router.types import BatchId, GenerateRequest, ReplicaId, RequestId, StepResult, TokenDecoder
-from router.wakeup import Wakeup
+from router.wakeup import Wakeups
 
 log = logging.getLogger("pdcluster.router")
 
@@ -64,14 +65,15 @@ class ClusterScheduler:
         self.config = config
         self.metrics = metrics or RouterMetrics()
         self.clock = clock
-        self.wakeup = Wakeup()
+        self.wakeups = Wakeups()
         self.replicas = Replicas()
-        self.requests = Requests(self.metrics, clock, decoder, self.wakeup, config.max_requeues)
+        self.replicas.on_move = self._moved
+        self.requests = Requests(self.metrics, clock, decoder, self.wakeups, config.max_requeues)
         self.heartbeats = Heartbeats(config.heartbeat_timeout)
         self._strategy = strategies.get(config.strategy)
         self.rates = Rates(config.prefill_tokens_per_s, config.migration_tokens_per_s)
         self.timeline = Timeline(config.timeline, clock)
-        self._moves = Migrations(self, self.replicas, self.requests, self.wakeup, self.metrics, clock,
+        self._moves = Migrations(self, self.replicas, self.requests, self.wakeups, self.metrics, clock,
                                  config.max_inbound_migrations, kv_bytes_per_token, self.rates)
         self._connect = connect
         self._limits = LoopLimits(config.max_pending_migrations, config.max_batch_prefill_tokens)
@@ -189,7 +191,7 @@ class ClusterScheduler:
     def settle_roles(self) -> None:
         """Keep a prefill replica in a disaggregated cluster: an empty decode replica takes the role."""
         if not self._strategy.colocates and self.replicas.settle_roles() is not None:
-            self.wakeup.notify()
+            self.wakeups.all()
 
     # ---- replicas ----------------------------------------------------------------------------------
 
@@ -208,29 +210,30 @@ class ClusterScheduler:
             role = State.INACTIVE
         handle = self.replicas.add(address, info, role, client, registered)
         handle.state.since = self.clock()
-        handle.state.observer = self._moved
         self.timeline.write("replica", replica=handle.id, address=address, state=role, rank=info.rank)
         self._start_loop(handle)
         return handle.id
 
     def _moved(self, state: ReplicaState, old: State, new: State, trigger: Trigger) -> None:
-        """Every replica state change: stamp it, log it, write it to the timeline and the gauges."""
+        """Every replica state change: stamp it, log it, write it to the timeline and the gauges,
+        and wake every loop and hand-off (what each may do follows the roles)."""
         state.since = self.clock()
         log.info("replica %s: %s -> %s (%s)", state.id, old.value, new.value, trigger.value)
         self.timeline.write("transition", replica=state.id, source=old, target=new, trigger=trigger)
         self.metrics.update_replicas([state])
         self.metrics.count_states(h.state.role for h in self.replicas.values())
+        self.wakeups.all()
 
     def _start_loop(self, handle: ReplicaHandle) -> None:
         self.heartbeats.beat(handle.id, self.clock())
-        worker = ReplicaWorker(self, handle, self.wakeup, self._limits)
+        worker = ReplicaWorker(self, handle, self.wakeups, self._limits)
         handle.task = asyncio.create_task(worker.run(), name=f"replica-{handle.id}")
         self.metrics.update_replicas([handle.state])
-        self.wakeup.notify()
+        self.wakeups.all()
 
     def notify(self) -> None:
-        """Something changed (roles, pages): wake every waiting loop."""
-        self.wakeup.notify()
+        """Something changed (roles, pages): wake every waiting loop and hand-off."""
+        self.wakeups.all()
 
     def heartbeat(self, rid: ReplicaId) -> bool:
         """A registered replica is alive; False when unknown or already declared dead."""
@@ -245,7 +248,7 @@ class ClusterScheduler:
         previous, self._strategy = self._strategy, strategies.get(name)
         log.info("migration strategy: %s -> %s", previous.name, self._strategy.name)
         self.settle_roles()
-        self.wakeup.notify()
+        self.wakeups.all()
         return previous
 
     def mark_dead(self, rid: ReplicaId, reason: str) -> None:

@@ -34,7 +34,7 @@ from router.registry import ReplicaHandle
 from router.replicas import State, Trigger
 from router.strategies.base import MigrationStrategy, most_free_pages
 from router.types import BatchId, PrefillCase, RequestId, ZagOutcome
-from router.wakeup import Wakeup
+from router.wakeup import Wakeups
 
 log = logging.getLogger("pdcluster.router")
 
@@ -49,7 +49,7 @@ class ReplicaWorker(Protocol):
 
     h: ReplicaHandle
     cluster: Cluster
-    wakeup: Wakeup
+    wakeups: Wakeups
 
     async def take_batch(self) -> tuple[BatchId, list[Member]] | None:
         """The next batch from the queue that fits this replica."""
@@ -81,7 +81,7 @@ async def zig_step(worker: ReplicaWorker, moves: Migrations, handoff: MigrationS
     if h.state.role is State.REFRACTORY_PREFILL and not episode.tasks:
         h.zigzag = None
         h.state.move(State.PREFILL, Trigger.ZIGZAG_DONE)
-        worker.wakeup.notify()
+        worker.wakeups.all()
         return True
     return did
 
@@ -118,8 +118,9 @@ async def _admit(worker: ReplicaWorker, episode: Episode, now: float) -> bool:
         m.state.zigzag(h.id)
     seq, episode.next_seq = episode.next_seq, episode.next_seq + 1
     call = asyncio.create_task(h.client.zag_prefill(spec_for(batch_id, members, h.block_size), seq))
-    call.add_done_callback(lambda _done: worker.wakeup.notify())
+    call.add_done_callback(lambda _done: worker.wakeups.all())
     episode.tasks.append(ZagTask(seq, batch_id, members, pages, call))
+    worker.wakeups.all()  # an old replica's loop may relay it
     return True
 
 
@@ -192,7 +193,7 @@ async def relay_step(worker: ReplicaWorker, moves: Migrations, handoff: Migratio
     news = worker.cluster.zigzag_replicas()
     if not news:
         h.state.move(State.PREFILL, Trigger.RELAY_END)
-        worker.wakeup.notify()
+        worker.wakeups.all()
         return True
     if not worker.cluster.has_decode():
         return False
@@ -227,7 +228,7 @@ async def _relay_from(worker: ReplicaWorker, new: ReplicaHandle, episode: Episod
     finally:
         if task in episode.tasks:
             episode.tasks.remove(task)
-        worker.wakeup.notify()
+        worker.wakeups.all()
     await _take_over(worker, new, task, outcome, moves, handoff)
     return True
 

@@ -62,6 +62,7 @@ async def send_tokens(moves: Migrations, src: ReplicaHandle, live: LiveBatch, vi
     members = [m for m in live.members.values() if m.wanted]
     await moves.clear(src, live.id)
     src.state.release(live.members)
+    moves.wakeups.pages(src.id)
     if not members:
         return
     fresh = []
@@ -78,7 +79,7 @@ async def send_tokens(moves: Migrations, src: ReplicaHandle, live: LiveBatch, vi
     for m in fresh:
         m.state.sent_to(target.id)
     target.inbox.append(Reprefill(tuple(fresh), need if dst else 0, moves.now(), label))
-    moves.wakeup.notify()
+    moves.wakeups.replica(target.id)
 
 
 STRATEGY = Recompute()
