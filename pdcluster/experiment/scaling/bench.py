@@ -73,16 +73,18 @@ SIMULATED = Preset(
     tiny={"arch": "llama", "layers": 1, "hidden": 64, "heads": 2, "kv_heads": 1, "intermediate": 128,
           "vocab": 512},
     # Llama-2-7B on an A100 (roofline, 0.6 of peak FLOP/s): ~13 k prompt tokens/s, so a 1280-token
-    # mean prompt takes ~0.1 s and one prefill replica keeps up with ~10 requests/s; 3/s is 30 % of
-    # one, the burst of 12/s 1.2 replicas' worth (the peak shape has 2 prefill replicas). A decode
-    # step takes ~10 ms; outputs are short so the router's per-token work on a CPU stays small.
-    phases=((20.0, 3.0), (30.0, 12.0), (30.0, 3.0)), input_len=(512, 2048), output_len=(16, 48),
+    # mean prompt takes ~0.1 s and one prefill replica keeps up with ~10 requests/s; 2/s is ~20 % of
+    # one (under the planner's 0.3 busy floor, so the quiet phase holds one), the burst of 12/s
+    # 1.2–1.4 replicas' worth (the peak shape has 2 prefill replicas). A decode step takes ~10 ms;
+    # outputs are short so the router's per-token work on a CPU stays small.
+    phases=((20.0, 2.0), (30.0, 12.0), (30.0, 2.0)), input_len=(512, 2048), output_len=(16, 48),
     # chat SLOs of a 7 B model on A100s (DistServe's are 0.25–1 s TTFT, 0.1 s TPOT)
     slo_ttft_ms=1000.0, slo_tpot_ms=100.0, keep_alive=5.0, cooldown=5.0, num_blocks=None,
     bandwidths=Bandwidths.full_scale(),
-    # scale prefill when 0.2 s of prompt work queues per replica (a fifth of the TTFT SLO), back
-    # down under 0.05 s; the router's heartbeat allows for replicas sharing a loaded 2-core machine
-    router_args=("--prefill-lower", "0.05", "--prefill-upper", "0.2", "--heartbeat-timeout", "30"),
+    # scale prefill when 0.5 s of prompt work queues per replica (half the TTFT SLO; at 0.2 s a
+    # Poisson clump of three long prompts in the quiet phase already scaled up), back down under
+    # 0.1 s; the router's heartbeat allows for replicas sharing a loaded 2-core machine
+    router_args=("--prefill-lower", "0.1", "--prefill-upper", "0.5", "--heartbeat-timeout", "30"),
     request_timeout=120.0)
 
 
