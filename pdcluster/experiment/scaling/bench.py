@@ -72,7 +72,7 @@ SIMULATED = Preset(
     # only the tokenizer is read (texts); the weights of this checkpoint are a few hundred KB
     tiny={"arch": "llama", "layers": 1, "hidden": 64, "heads": 2, "kv_heads": 1, "intermediate": 128,
           "vocab": 512},
-    # Llama-2-7B on an A100 (roofline, 0.6 of peak FLOP/s): ~13 k prompt tokens/s, so a 1280-token
+    # Llama-2-7B on an A100 (roofline, 0.6 of peak FLOP/s): ~14 k prompt tokens/s, so a 1280-token
     # mean prompt takes ~0.1 s and one prefill replica keeps up with ~10 requests/s; 2/s is ~20 % of
     # one (under the planner's 0.3 busy floor, so the quiet phase holds one), the burst of 12/s
     # 1.2–1.4 replicas' worth (the peak shape has 2 prefill replicas). A decode step takes ~10 ms;
