@@ -75,7 +75,8 @@ SIMULATED = Preset(
     # Llama-2-7B on an A100 (roofline, 0.6 of peak FLOP/s): ~14 k prompt tokens/s, so a 1280-token
     # mean prompt takes ~0.1 s and one prefill replica keeps up with ~10 requests/s; 2/s is ~20 % of
     # one (under the planner's 0.3 busy floor, so the quiet phase holds one), the burst of 12/s
-    # 1.2–1.4 replicas' worth (the peak shape has 2 prefill replicas). A decode step takes ~10 ms;
+    # ~1.1 replicas' worth at the roofline's speed, more with the replicas' own overhead (the peak
+    # shape has 2 prefill replicas). A decode step takes ~10 ms;
     # outputs are short so the router's per-token work on a CPU stays small.
     phases=((20.0, 2.0), (30.0, 12.0), (30.0, 2.0)), input_len=(512, 2048), output_len=(16, 48),
     # chat SLOs of a 7 B model on A100s (DistServe's are 0.25–1 s TTFT, 0.1 s TPOT)
