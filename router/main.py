@@ -53,16 +53,33 @@ def kv_bytes_per_token(model_dir: Path, dtype: str) -> int:
 
 def weight_bytes(model_dir: Path, dtype: str) -> int:
     """Bytes of one replica's weights in `dtype`: the checkpoint's parameter count (from its
-    safetensors headers) times the dtype's size (what a scale-up moves per new replica)."""
+    safetensors headers) times the dtype's size (what a scale-up moves per new replica). A folder
+    without weight files (simulated replicas serve a model card's config.json) counts the parameters
+    its config.json describes."""
     numel = 0
-    for path in sorted(model_dir.glob("*.safetensors")):
+    files = sorted(model_dir.glob("*.safetensors"))
+    for path in files:
         with path.open("rb") as f:
             size = int.from_bytes(f.read(8), "little")
             header = json.loads(f.read(size))
         for name, entry in header.items():
             if name != "__metadata__":
                 numel += math.prod(entry["shape"])
+    if not files and (model_dir / "config.json").is_file():
+        numel = config_numel(json.loads((model_dir / "config.json").read_text()))
     return numel * _DTYPE_BYTES.get(dtype, 4)
+
+
+def config_numel(cfg: dict[str, Any]) -> int:
+    """Parameters of the Llama-style decoder a config.json describes: embeddings, per layer the
+    attention and gated-MLP matrices and two norms, the final norm and the LM head unless tied
+    (biases are left out: a fraction of a percent where a model has them)."""
+    h, layers, vocab = int(cfg["hidden_size"]), int(cfg["num_hidden_layers"]), int(cfg["vocab_size"])
+    heads = int(cfg["num_attention_heads"])
+    head_dim = int(cfg.get("head_dim") or h // heads)
+    q, kv = heads * head_dim, int(cfg.get("num_key_value_heads") or heads) * head_dim
+    layer = 2 * q * h + 2 * kv * h + 3 * h * int(cfg["intermediate_size"]) + 2 * h
+    return vocab * h * (1 if cfg.get("tie_word_embeddings") else 2) + layers * layer + h
 
 
 def serving_info(config: RouterConfig, sched: ClusterScheduler) -> ServingInfo:

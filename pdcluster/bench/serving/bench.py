@@ -7,6 +7,9 @@
  OUT.jsonl (one line per request) + OUT (summary: throughput, TTFT/TPOT/ITL/E2EL, goodput)
         + the replica engine in-process at the same batch size: cluster decode tokens/s ÷ in-process
 ```
+With `--engine simulated` the local cluster's replicas behave like `--gpu` running `--model-card`
+(`pdcluster up --engine simulated`; `--model` lends its tokenizer only) and the in-process comparison
+is skipped: it measures the torch engine, which a simulated cluster does not run.
 
 The goal's ratio (`decode_ratio`), for a burst (`--rate inf`): the cluster's decode tokens/s while
 every request is in a decode batch (from the last request's first decoded token to the first
@@ -44,10 +47,13 @@ from pdcluster.bench.serving.stats import (
     summarize,
 )
 from pdcluster.bench.serving.workload import Arrival, clip, load_trace, poisson_arrivals
+from pdcluster.cluster.engine import ENGINES, EngineSpec
 from pdcluster.cluster.local import LocalCluster, UpConfig
 from pdcluster.cluster.placement import Placement
 
 DECODE_GOAL = 0.80  # cluster decode tokens/s ÷ in-process, the issue's goal
+SIMULATED_NOTE = ("skipped: the replicas are simulated GPUs (--engine simulated), the in-process run "
+                  "measures the torch engine")
 
 
 @dataclass
@@ -85,7 +91,19 @@ class BenchServingConfig:
     json: Path | None = field(
         default=None, metadata={"help": "summary JSON file; per-request lines go to .jsonl"}
     )
-    in_process: bool = field(default=True, metadata={"help": "also run the replica engine in-process"})
+    in_process: bool = field(default=True, metadata={
+        "help": "also run the replica engine in-process (not with --engine simulated)"})
+    engine: str = field(default="torch", metadata={
+        "help": "local cluster: torch runs --model; simulated: replicas behave like --gpu running "
+                "--model-card (replica/engine/sim/README.md; --model lends its tokenizer only)",
+        "choices": list(ENGINES)})
+    gpu: str = field(default="a100-80g", metadata={"help": "simulated GPU (replica/engine/sim/gpus.py)"})
+    model_card: str = field(default="llama-2-7b", metadata={
+        "help": "simulated model: a built-in card (replica/engine/sim/cards.py) or a config.json file"})
+    byte_scale: str = field(default="1/256", metadata={
+        "help": "simulated weights, KV pages and link rates are the card's and the flags' times this"})
+    profile: Path | None = field(default=None, metadata={
+        "help": "simulated step times from this profile table (replica/engine/sim/profile.py)"})
     pin_decode: bool = field(default=True, metadata={"help": (
         "local cluster, with more cores than decode replicas: each decode replica's engine thread on a "
         "core of its own, as on its own device (`pdcluster up --pin-decode`), everything else (router, "
@@ -110,6 +128,14 @@ class BenchServingConfig:
         if not self.rate > 0:
             raise ValueError("--rate must be > 0 (inf: all at once)")
         parse_slos(self.slo)
+        if self.engine_spec.simulated and self.url:
+            raise ValueError("--engine simulated starts a local cluster: give --model, not --url")
+
+    @property
+    def engine_spec(self) -> EngineSpec:
+        """The local cluster's engine (ValueError naming the known GPUs or cards on a bad one)."""
+        return EngineSpec(self.engine, self.gpu, self.model_card, self.byte_scale,
+                          Path(self.profile) if self.profile is not None else None)
 
 
 def run(config: BenchServingConfig) -> int:
@@ -131,7 +157,9 @@ def run(config: BenchServingConfig) -> int:
                 summary = _run_client(config, cluster.http_url)
         summary["placement"] = placement.describe() if placement else None
         records = summary.pop("_records")
-        if config.in_process and config.model is not None:
+        if config.in_process and config.engine_spec.simulated:
+            summary["in_process"] = SIMULATED_NOTE
+        elif config.in_process and config.model is not None:
             # pinned: the engine alone on the core the decode replica had, the same one core
             os.sched_setaffinity(0, placement.decode[0] if placement else cores)
             summary.update(_compare_in_process(config, records, summary["duration"]))
@@ -172,10 +200,17 @@ async def _bench(config: BenchServingConfig, url: str) -> dict[str, Any]:
             "output_len": config.output_len,
             "trace": str(config.trace) if config.trace else None,
             "strategy": config.strategy or None,
+            "engine": _engine_label(config.engine_spec),
             "_records": records,
         }
     )
     return summary
+
+
+def _engine_label(engine: EngineSpec) -> str:
+    if not engine.simulated:
+        return engine.kind
+    return f"simulated:{engine.gpu}:{engine.model_card}:{engine.byte_scale}"
 
 
 def _workload(config: BenchServingConfig, served: Served) -> list[Arrival]:
@@ -255,8 +290,9 @@ def _compare_in_process(config: BenchServingConfig, records: list[RequestRecord]
 # --------------------------------------------------------------------------------- local cluster
 def placement_of(config: BenchServingConfig) -> Placement | None:
     """Cores of the local cluster's processes when pinned (not with --url, nor without a spare core)."""
-    if not config.pin_decode or config.url or len(os.sched_getaffinity(0)) <= config.decode:
-        return None
+    if (not config.pin_decode or config.url or config.engine_spec.simulated
+            or len(os.sched_getaffinity(0)) <= config.decode):
+        return None  # a simulated replica sleeps its step times: no core of its own to pin
     return Placement.plan(config.decode)
 
 
@@ -271,17 +307,23 @@ def threads_per_replica(config: BenchServingConfig) -> int:
 
 def local_cluster(config: BenchServingConfig) -> LocalCluster:
     """`pdcluster up`'s cluster on --model for this run: free ports, logs in a temp folder."""
+    return LocalCluster(up_config(config))
+
+
+def up_config(config: BenchServingConfig) -> UpConfig:
+    """The `pdcluster up` options of this run's local cluster."""
     assert config.model is not None
     up = UpConfig(
         model=config.model, prefill=config.prefill, decode=config.decode, http_port=0, admin_port=0,
         torch_threads=threads_per_replica(config), pin_decode=placement_of(config) is not None,
-        ready_timeout=config.startup_timeout,
+        ready_timeout=config.startup_timeout, engine=config.engine, gpu=config.gpu,
+        model_card=config.model_card, byte_scale=config.byte_scale, profile=config.profile,
     )
     if config.strategy:
         up.strategy = config.strategy
     if config.num_blocks:
         up.num_blocks = config.num_blocks
-    return LocalCluster(up)
+    return up
 
 
 # -------------------------------------------------------------------------------------- output
@@ -316,6 +358,7 @@ def _print(summary: dict[str, Any]) -> None:
             "in_process_batch_size",
             "decode_ratio",
             "decode_ratio_whole_span",
+            "in_process",
         )
         if k in summary
     ]

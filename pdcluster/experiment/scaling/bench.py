@@ -7,6 +7,10 @@
 ```
 The checkpoint is built once by `make-tiny-model` options into `--work` and reused. Bandwidths not
 given are the reference cluster's scaled by the checkpoint's size (design.Bandwidths.scaled).
+With `--engine simulated` the replicas behave like `--gpu` running `--model-card`: the SIMULATED
+preset sizes the load for a 7 B model on A100s, the checkpoint is a minute one whose tokenizer alone
+is read, and the bandwidths are the reference cluster's full-scale figures (the replicas pace at
+them times `--byte-scale`).
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from pdcluster.cluster.engine import ENGINES, EngineSpec
 from pdcluster.experiment.scaling.design import SYSTEMS, Bandwidths, Design, Reference
 
 
@@ -34,9 +39,10 @@ class Preset:
     slo_tpot_ms: float
     keep_alive: float
     cooldown: float
-    num_blocks: int
+    num_blocks: int | None  # None: what the simulated GPU's memory leaves
     bandwidths: Bandwidths | None  # None: scaled from the reference cluster
     router_args: tuple[str, ...] = ()  # for every system, before --router-flag's
+    request_timeout: float = 300.0
 
 
 FULL = Preset(
@@ -60,12 +66,32 @@ QUICK = Preset(
     # a spike, and a planner that scales up as soon as prompts queue: the tiny model prefills
     # thousands of tokens a second, so a steadier load never queues
     router_args=("--prefill-lower", "0.001", "--prefill-upper", "0.004", "--decode-lower", "0.05",
-                 "--decode-upper", "0.95", "--max-batch-prefill-tokens", "128"))
+                 "--decode-upper", "0.95", "--max-batch-prefill-tokens", "128"),
+    request_timeout=60.0)
+SIMULATED = Preset(
+    # only the tokenizer is read (texts); the weights of this checkpoint are a few hundred KB
+    tiny={"arch": "llama", "layers": 1, "hidden": 64, "heads": 2, "kv_heads": 1, "intermediate": 128,
+          "vocab": 512},
+    # Llama-2-7B on an A100 (roofline, 0.6 of peak FLOP/s): ~14 k prompt tokens/s, so a 1280-token
+    # mean prompt takes ~0.1 s and one prefill replica keeps up with ~10 requests/s; 2/s is ~20 % of
+    # one (under the planner's 0.3 busy floor, so the quiet phase holds one), the burst of 12/s
+    # ~1.1 replicas' worth at the roofline's speed, more with the replicas' own overhead (the peak
+    # shape has 2 prefill replicas). A decode step takes ~10 ms;
+    # outputs are short so the router's per-token work on a CPU stays small.
+    phases=((20.0, 2.0), (30.0, 12.0), (30.0, 2.0)), input_len=(512, 2048), output_len=(16, 48),
+    # chat SLOs of a 7 B model on A100s (DistServe's are 0.25–1 s TTFT, 0.1 s TPOT)
+    slo_ttft_ms=1000.0, slo_tpot_ms=100.0, keep_alive=5.0, cooldown=5.0, num_blocks=None,
+    bandwidths=Bandwidths.full_scale(),
+    # scale prefill when 0.5 s of prompt work queues per replica (half the TTFT SLO; at 0.2 s a
+    # Poisson clump of three long prompts in the quiet phase already scaled up), back down under
+    # 0.1 s; the router's heartbeat allows for replicas sharing a loaded 2-core machine
+    router_args=("--prefill-lower", "0.1", "--prefill-upper", "0.5", "--heartbeat-timeout", "30"),
+    request_timeout=120.0)
 
 
 def _preset(what: Callable[[Preset], str]) -> str:
     """The help's note of the presets' values (which an empty or 0 flag takes)."""
-    return f"(0 or none: {what(FULL)}; with --quick: {what(QUICK)})"
+    return f"(0 or none: {what(FULL)}; with --quick: {what(QUICK)}; --engine simulated: {what(SIMULATED)})"
 
 
 @dataclass
@@ -90,11 +116,13 @@ class BenchScalingConfig:
     output_len: list[int] = field(default_factory=list, metadata={
         "help": "output tokens: N or LOW HIGH " + _preset(lambda p: "{} {}".format(*p.output_len))})
     link_gbps: float = field(default=0.0, metadata={
-        "help": "emulated NIC of every replica, Gbit/s (0: 100 x checkpoint bytes / 14 GB)"})
+        "help": "emulated NIC of every replica, Gbit/s (0: 100 x checkpoint bytes / 14 GB; simulated: 100, "
+                "paced at that x --byte-scale)"})
     disk_gbps: float = field(default=0.0, metadata={
-        "help": "emulated disk of LoadParams, Gbit/s (0: 16 x checkpoint bytes / 14 GB)"})
+        "help": "emulated disk of LoadParams, Gbit/s (0: 16 x checkpoint bytes / 14 GB; simulated: 16)"})
     host_gbps: float = field(default=0.0, metadata={
-        "help": "emulated host-memory copy of LoadParams, Gbit/s (0: 200 x checkpoint bytes / 14 GB)"})
+        "help": "emulated host-memory copy of LoadParams, Gbit/s (0: 200 x checkpoint bytes / 14 GB; "
+                "simulated: 200)"})
     slo_ttft_ms: float = field(default=0.0, metadata={
         "help": "TTFT SLO, ms " + _preset(lambda p: f"{p.slo_ttft_ms:g}")})
     slo_tpot_ms: float = field(default=0.0, metadata={
@@ -107,6 +135,17 @@ class BenchScalingConfig:
                 + _preset(lambda p: f"{p.cooldown:g}")})
     router_flag: list[str] = field(default_factory=list, metadata={
         "help": "more router flags as NAME=VALUE (e.g. prefill-upper=0.5), for every system"})
+    engine: str = field(default="torch", metadata={
+        "help": "torch: replicas run a tiny checkpoint on the CPU; simulated: they behave like --gpu running "
+                "--model-card (replica/engine/sim/README.md), sized by the simulated preset",
+        "choices": list(ENGINES)})
+    gpu: str = field(default="a100-80g", metadata={"help": "simulated GPU (replica/engine/sim/gpus.py)"})
+    model_card: str = field(default="llama-2-7b", metadata={
+        "help": "simulated model: a built-in card (replica/engine/sim/cards.py) or a config.json file"})
+    byte_scale: str = field(default="1/256", metadata={
+        "help": "simulated weights, KV pages and link rates are the card's and the flags' times this"})
+    profile: Path | None = field(default=None, metadata={
+        "help": "simulated step times from this profile table (replica/engine/sim/profile.py)"})
     seed: int = field(default=0, metadata={"help": "seed of arrivals, lengths and prompts"})
     force: bool = field(default=False, metadata={"help": "run cells again that already finished"})
     json_out: Path | None = field(default=None, metadata={
@@ -126,10 +165,20 @@ class BenchScalingConfig:
                 raise ValueError(f"--{name} takes N or LOW HIGH (1 <= LOW <= HIGH), got {lengths}")
         if any("=" not in f for f in self.router_flag):
             raise ValueError(f"--router-flag takes NAME=VALUE, got {self.router_flag}")
+        if self.engine_spec.simulated and self.quick:  # engine_spec checks the GPU, card and scale
+            raise ValueError("--quick sizes a tiny CPU model; with --engine simulated give --phases instead")
+
+    @property
+    def engine_spec(self) -> EngineSpec:
+        """The replicas' engine (ValueError naming the known GPUs or cards on a bad one)."""
+        return EngineSpec(self.engine, self.gpu, self.model_card, self.byte_scale,
+                          Path(self.profile) if self.profile is not None else None)
 
     @property
     def preset(self) -> Preset:
         """The sizes this run starts from."""
+        if self.engine_spec.simulated:
+            return SIMULATED
         return QUICK if self.quick else FULL
 
 
@@ -154,12 +203,20 @@ def checkpoint_bytes(model: Path) -> int:
     return sum(p.stat().st_size for p in model.glob("*.safetensors"))
 
 
+def card_bytes(model_card: str) -> int:
+    """Bytes of a simulated model card's full-size weights."""
+    from replica.engine.sim.cards import card_dtype, load_card
+    from replica.model.layout import WeightLayout
+
+    return WeightLayout.for_config(load_card(model_card), card_dtype(model_card)).total_bytes
+
+
 def design_of(config: BenchScalingConfig) -> Design:
     """The design these options describe; builds the checkpoint when it is not cached yet."""
     from pdcluster.experiment.run import ensure_model
     from pdcluster.experiment.spec import ModelSpec
 
-    p = config.preset
+    p, engine = config.preset, config.engine_spec
     model = model_folder(config.work.resolve(), p.tiny)
     ensure_model(ModelSpec(model, p.tiny))
     size = checkpoint_bytes(model)
@@ -167,8 +224,13 @@ def design_of(config: BenchScalingConfig) -> Design:
     bandwidths = Bandwidths(config.link_gbps or derived.link_gbps, config.disk_gbps or derived.disk_gbps,
                             config.host_gbps or derived.host_gbps)
     reference = Reference()
-    notes = {"checkpoint_bytes": size, "reference": f"{reference.model_bytes / 1e9:g} GB model, NVMe "
-             f"{reference.disk_gbps:g}, host {reference.host_gbps:g}, NIC {reference.nic_gbps:g} Gbit/s"}
+    notes: dict[str, Any] = {"checkpoint_bytes": size}
+    if engine.simulated:  # the card's full-size weights: what a load moves at the full-scale rates
+        notes = {"checkpoint_bytes": card_bytes(engine.model_card),
+                 "engine": f"simulated {engine.gpu} {engine.model_card} byte-scale {engine.byte_scale}",
+                 "tokenizer_of": str(model), "bandwidths": "full scale (replicas pace at them x byte scale)"}
+    notes["reference"] = (f"{reference.model_bytes / 1e9:g} GB model, NVMe {reference.disk_gbps:g}, "
+                          f"host {reference.host_gbps:g}, NIC {reference.nic_gbps:g} Gbit/s")
     return Design(
         model=model, tiny=p.tiny, inactive=config.inactive,
         phases=tuple(_phase(i) for i in config.phases) or p.phases,
@@ -179,7 +241,7 @@ def design_of(config: BenchScalingConfig) -> Design:
         keep_alive=config.keep_alive or p.keep_alive, cooldown=config.cooldown or p.cooldown,
         router_args=(*p.router_args, *(w for f in config.router_flag for w in _flag(f))),
         systems=tuple(config.systems),
-        seed=config.seed, request_timeout=60.0 if config.quick else 300.0, notes=notes)
+        seed=config.seed, request_timeout=p.request_timeout, notes=notes, engine=engine)
 
 
 def _lengths(values: list[int]) -> tuple[int, int] | None:

@@ -9,7 +9,10 @@
 ```
 Bandwidths keep a real cluster's ratios with a smaller checkpoint (router/scaling/README.md): each
 one is the reference cluster's, scaled by the checkpoint's bytes over the reference model's, so a
-load from disk, from host memory or over the network takes here what it takes there.
+load from disk, from host memory or over the network takes here what it takes there. With simulated
+replicas (`engine`), the file names the GPU and model card in [model] and the bandwidths are the
+reference cluster's own: a simulated replica moves the card's bytes times its byte scale and paces at
+the given rates times the same scale, so every load and transfer takes its full-size time.
 """
 
 from __future__ import annotations
@@ -19,6 +22,8 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from pdcluster.cluster.engine import EngineSpec
 
 POLICIES = ("static", "multicast", "live", "stop-the-world", "host-cache")
 PEAK = "static-peak"
@@ -61,6 +66,11 @@ class Bandwidths:
         return cls(round(reference.nic_gbps * f, 4), round(reference.disk_gbps * f, 4),
                    round(reference.host_gbps * f, 4))
 
+    @classmethod
+    def full_scale(cls, reference: Reference = Reference()) -> Bandwidths:
+        """The reference cluster's own bandwidths (simulated replicas scale them with their bytes)."""
+        return cls(reference.nic_gbps, reference.disk_gbps, reference.host_gbps)
+
 
 @dataclass(frozen=True)
 class Design:
@@ -75,7 +85,7 @@ class Design:
     bandwidths: Bandwidths
     slo_ttft_ms: float
     slo_tpot_ms: float
-    num_blocks: int = 512
+    num_blocks: int | None = 512  # None: the engine's default (simulated: what the GPU's memory leaves)
     keep_alive: float = 5.0
     cooldown: float = 5.0
     router_args: tuple[str, ...] = ()  # more router flags, for every system
@@ -85,6 +95,8 @@ class Design:
     startup_timeout: float = 600.0
     name: str = "scaling"
     notes: dict[str, Any] = field(default_factory=dict)  # written as a comment (how it was sized)
+    # torch: `model` is served; simulated: only its tokenizer is read
+    engine: EngineSpec = field(default_factory=EngineSpec)
 
     def __post_init__(self) -> None:
         unknown = sorted(set(self.systems) - set(SYSTEMS))
@@ -137,6 +149,18 @@ def _toml(value: Any) -> str:
     return json.dumps(value)
 
 
+def _engine_keys(engine: EngineSpec) -> list[str]:
+    """[model]'s engine keys (none for torch, the default)."""
+    if not engine.simulated:
+        return []
+    keys = {"engine": engine.kind, "gpu": engine.gpu, "model_card": engine.model_card,
+            "byte_scale": engine.byte_scale, "compute_efficiency": engine.compute_efficiency,
+            "memory_efficiency": engine.memory_efficiency}
+    if engine.profile is not None:
+        keys["profile"] = Path(engine.profile).resolve()
+    return [f"{k} = {_toml(v)}" for k, v in keys.items()]
+
+
 def experiment_toml(d: Design) -> str:
     """The experiment file of the design."""
     b = d.bandwidths
@@ -148,7 +172,8 @@ def experiment_toml(d: Design) -> str:
              f"policies = {_toml(sorted({policy_of(s) for s in d.systems}))}", 'matrix = "list"',
              f"seeds = [{d.seed}]", f"request_timeout = {d.request_timeout:g}",
              f"startup_timeout = {d.startup_timeout:g}", "",
-             "[model]", f"path = {_toml(d.model)}", f"tiny = {_toml(d.tiny)}", f"num_blocks = {d.num_blocks}",
+             "[model]", f"path = {_toml(d.model)}", f"tiny = {_toml(d.tiny)}",
+             *([f"num_blocks = {d.num_blocks}"] if d.num_blocks is not None else []), *_engine_keys(d.engine),
              "", "[slo]", f"ttft_ms = {d.slo_ttft_ms:g}", f"tpot_ms = {d.slo_tpot_ms:g}", ""]
     clusters = [("burst", 1, 1, d.inactive, d.planner_args(), replica_args),
                 ("burst-host-cache", 1, 1, d.inactive, d.planner_args(), [*replica_args, "--host-cache"]),

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from pdcluster.bench.serving.bench import BenchServingConfig
+from pdcluster.bench.serving.bench import BenchServingConfig, placement_of, up_config
 from pdcluster.bench.serving.stats import (
     RequestRecord,
     cluster_decode_rate,
@@ -142,3 +142,18 @@ def test_stream_timer_times_compact_and_spaced_token_chunks_alike() -> None:
     assert timer.tokens == 3 and record.ttft == pytest.approx(0.5) and record.itl == [0.25, 0.25]
     assert record.route == {"decode_replica": "d"} and record.output_len == 3
     assert record.success and record.latency == pytest.approx(1.2)
+
+
+def test_a_simulated_local_cluster_gets_the_engine_and_no_pinning(tmp_path: Path) -> None:
+    config = BenchServingConfig(model=tmp_path, engine="simulated", gpu="h100-80g", model_card="llama-2-7b",
+                                byte_scale="1/512")
+    up = up_config(config)
+    assert (up.engine, up.gpu, up.model_card, up.byte_scale) == (
+        "simulated", "h100-80g", "llama-2-7b", "1/512")
+    assert not up.pin_decode and placement_of(config) is None
+    assert up.replica_args()[:2] == ["--engine", "simulated"]
+    assert up_config(BenchServingConfig(model=tmp_path)).engine == "torch"
+    with pytest.raises(ValueError, match="--url"):
+        BenchServingConfig(url="http://x", engine="simulated")
+    with pytest.raises(ValueError, match="a100-80g"):  # an unknown GPU names the known ones
+        BenchServingConfig(model=tmp_path, engine="simulated", gpu="tpu-v9")
