@@ -52,10 +52,9 @@ FULL = Preset(
     phases=((30.0, 0.4), (30.0, 2.0), (60.0, 0.4)), input_len=(32, 96), output_len=(8, 24),
     slo_ttft_ms=2500.0, slo_tpot_ms=500.0, keep_alive=5.0, cooldown=5.0, num_blocks=1024, bandwidths=None,
     # a prefill batch of this model takes seconds on a CPU core, tens of seconds to minutes when 4
-    # replicas and other work share 2 cores: a replica answers Info (an engine call) only between
-    # batches, so batches stay short, a beat missed for less than 2 minutes is not yet a death, and a
-    # replica call may take as long as a request may (at a 30 s heartbeat and the 60 s call deadline,
-    # live replicas were declared dead mid-burst and batches failed with DEADLINE_EXCEEDED)
+    # replicas and other work share 2 cores: batches stay short, a starved replica that misses beats
+    # for less than 2 minutes is not yet a death, and a replica call may take as long as a request
+    # may (at the 60 s call deadline, batches failed with DEADLINE_EXCEEDED)
     router_args=("--heartbeat-timeout", "120", "--rpc-timeout", "300", "--max-batch-prefill-tokens", "512"))
 QUICK = Preset(
     tiny={"arch": "llama", "layers": 2, "hidden": 64, "heads": 4, "kv_heads": 2, "intermediate": 1024,
