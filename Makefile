@@ -11,11 +11,13 @@ BENCH_OUT ?= bench-results
 FUZZ_EXAMPLES ?= 200
 EXPERIMENT_OUT ?= experiment-results/demo
 
-.PHONY: help venv demo test test-unit test-component test-cluster test-hosts proto proto-check lint bench fuzz experiment-demo clean
+.PHONY: help venv demo test test-unit test-component test-cluster test-hosts test-long proto proto-check lint bench fuzz experiment-demo clean
 
 help:
 	@echo "make demo   - set up, build a tiny model, start a local cluster, serve requests"
-	@echo "make test   - set up, then the whole test suite"
+	@echo "make test   - set up, then the whole test suite (every tier but hosts; not the long runs)"
+	@echo "make test-long - the soak's and bench scaling's short runs (a few minutes)"
+	@echo "make test-hosts - emulated hosts with real sshd and Slurm (root; installs Debian packages)"
 	@echo "make lint   - ruff, mypy and the import rules (import-linter)"
 	@echo "make proto  - regenerate the gRPC stubs from protos/*.proto"
 	@echo "make bench  - benchmarks, JSON under $(BENCH_OUT)/"
@@ -43,8 +45,13 @@ lint: $(STAMP)
 	$(BIN)/mypy protos replica transfer router pdcluster scripts tests
 	$(BIN)/lint-imports
 
+# Every tier but `hosts` and the benchmarks' own short runs (`long`); CI runs both after this.
 test: $(STAMP) proto-check
-	$(BIN)/pytest -q $(PYTEST_ARGS)
+	$(BIN)/pytest -q -m "not hosts and not long" $(PYTEST_ARGS)
+
+# the soak's and bench scaling's short runs (a few minutes)
+test-long: $(STAMP)
+	$(BIN)/pytest -q -m long $(PYTEST_ARGS)
 
 test-unit: $(STAMP)
 	$(BIN)/pytest -q -m unit $(PYTEST_ARGS)

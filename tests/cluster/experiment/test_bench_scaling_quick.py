@@ -14,6 +14,9 @@ import pytest
 
 from pdcluster import SOURCE_ROOT
 
+# a benchmark's own run (minutes): `make test-long`, which CI runs after the suite
+pytestmark = pytest.mark.long
+
 PNG = b"\x89PNG\r\n\x1a\n"
 
 

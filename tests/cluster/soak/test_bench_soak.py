@@ -12,6 +12,9 @@ import pytest
 
 from pdcluster.bench.soak.bench import BenchSoakConfig, run
 
+# a benchmark's own run (minutes): `make test-long`, which CI runs after the suite
+pytestmark = pytest.mark.long
+
 
 @pytest.mark.timeout(240)
 def test_one_minute_soak_passes(tiny_model_factory: Callable[..., Path], tmp_path: Path) -> None:

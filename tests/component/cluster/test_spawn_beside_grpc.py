@@ -64,8 +64,9 @@ def test_a_child_dies_when_its_parent_is_killed(tmp_path: Path) -> None:
     assert parent.stdout is not None
     child = int(parent.stdout.readline())
     end = time.monotonic() + 10
-    # the wrapper sets the parent-death signal, then execs: kill the parent only once it has
-    while "sleep" not in Path(f"/proc/{child}/cmdline").read_text():
+    # the wrapper sets the parent-death signal, then execs: kill the parent only once it has (the
+    # wrapper's own command line names `sleep` too, so look at the program, argv[0])
+    while Path(f"/proc/{child}/cmdline").read_text().split("\0")[0] != "sleep":
         assert time.monotonic() < end and alive(child)
         time.sleep(0.01)
     parent.kill()
