@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -22,22 +21,7 @@ class SimulateConfig:
 
 def run(config: SimulateConfig) -> int:
     """Runner of `pdcluster simulate`: 0 when every cell ran, 1 if one failed, 2 for a refused file."""
-    from pdcluster.experiment.load import ExperimentError, load_experiment
-    from pdcluster.experiment.run import run_experiment, to_run
+    from pdcluster.experiment.cli import run_matrix
     from pdcluster.sim.cell import execute
 
-    try:
-        experiment = load_experiment(config.file)
-        plan = to_run(experiment, config.out, config.force)
-    except (ExperimentError, ValueError) as exc:
-        print(f"pdcluster simulate: {exc}", file=sys.stderr)
-        return 2
-    if config.dry_run:
-        for cell, must in plan:
-            print(f"{'run ' if must else 'done'} {cell.key}")
-        return 0
-    result = run_experiment(experiment, config.out, config.force, config.only, execute=execute)
-    states = [o.state for o in result.ran.values()]
-    print(f"pdcluster simulate: {states.count('done')} cells done, {states.count('failed')} failed, "
-          f"{len(result.reused)} already finished; report: {result.report}")
-    return 1 if "failed" in states else 0
+    return run_matrix(config, "pdcluster simulate", execute)
