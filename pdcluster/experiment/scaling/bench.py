@@ -59,12 +59,14 @@ FULL = Preset(
 QUICK = Preset(
     tiny={"arch": "llama", "layers": 2, "hidden": 64, "heads": 4, "kv_heads": 2, "intermediate": 1024,
           "vocab": 512},
-    phases=((2.0, 1.0), (1.5, 40.0), (5.0, 1.0)), input_len=(32, 96), output_len=(4, 8),
-    slo_ttft_ms=5000.0, slo_tpot_ms=1000.0, keep_alive=1.0, cooldown=1.0, num_blocks=256,
+    phases=((2.0, 1.0), (1.5, 80.0), (5.0, 1.0)), input_len=(256, 448), output_len=(4, 8),
+    slo_ttft_ms=5000.0, slo_tpot_ms=1000.0, keep_alive=1.0, cooldown=1.0, num_blocks=1024,
     bandwidths=Bandwidths(link_gbps=0.05, disk_gbps=0.01, host_gbps=0.1),
-    # a spike, and a planner that scales up as soon as prompts queue: the tiny model prefills
-    # thousands of tokens a second, so a steadier load never queues
-    router_args=("--prefill-lower", "0.001", "--prefill-upper", "0.004", "--decode-lower", "0.05",
+    # a spike that outruns one prefill replica several times over (the tiny model prefills ~10 k
+    # tokens a second on a CPU core; the spike brings ~28 k a second), so seconds of prompt work
+    # queue and the planner's next round scales up on a faster machine too; one quiet-phase prompt
+    # (a few tens of ms of work) stays under the upper bound
+    router_args=("--prefill-lower", "0.02", "--prefill-upper", "0.25", "--decode-lower", "0.05",
                  "--decode-upper", "0.95", "--max-batch-prefill-tokens", "128"),
     request_timeout=60.0)
 SIMULATED = Preset(

@@ -1,7 +1,8 @@
 """`pdcluster bench scaling --quick` end to end on real processes: the generated experiment runs through
-the harness (a spike of ~60 requests on the tiny model; `live` on 1 prefill + 1 decode + 2 inactive
-replicas, and the static cluster provisioned for the peak), and scaling.json holds each system's
-figures, the goals' ratios and a timeline figure per system. Checks the path, not the speed."""
+the harness (a spike of ~120 long prompts that outruns one prefill replica of the tiny model; `live`
+on 1 prefill + 1 decode + 2 inactive replicas, and the static cluster provisioned for the peak), and
+scaling.json holds each system's figures, the goals' ratios and a timeline figure per system. Checks
+the path, not the speed."""
 
 from __future__ import annotations
 
