@@ -16,11 +16,11 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from router.batches import Member
 from router.metrics import RouterMetrics
 from router.queue import Budgets, PlannedBatch, QueueEntry, RequestQueue, request_blocks
+from router.replicas import ServingLimits
 from router.requests import RequestState, RequestStream
 from router.types import (
     GenerateRequest,
     ReplicaId,
-    ReplicaInfo,
     RequestId,
     RequestRejected,
     StepResult,
@@ -49,7 +49,7 @@ class Requests:
     def __iter__(self) -> Iterator[RequestState]:
         return iter(list(self._states.values()))
 
-    def submit(self, request: GenerateRequest, serving: list[ReplicaInfo]) -> RequestStream:
+    def submit(self, request: GenerateRequest, serving: ServingLimits) -> RequestStream:
         """Check against the serving replicas' limits, queue, and return the request's event stream."""
         if request.truncate is not None:
             # Truncate here, as the replica would: pages, limits and re-runs then see the real prompt.
@@ -162,20 +162,19 @@ class Requests:
         self.metrics.queue_tokens.set(self.queue.waiting_prompt_tokens())
 
 
-def check_limits(request: GenerateRequest, serving: list[ReplicaInfo]) -> None:
-    """Raise `RequestRejected` unless a serving replica can run `request`."""
-    if not serving:
+def check_limits(request: GenerateRequest, serving: ServingLimits) -> None:
+    """Raise `RequestRejected` unless every serving replica can run `request`."""
+    if not serving.replicas:
         raise RequestRejected("no replica is serving", 503)
     n, new = len(request.input_ids), request.stopping.max_new_tokens
     if n == 0 or new < 1:
         raise RequestRejected("a request needs at least one prompt token and max_new_tokens >= 1")
-    max_in = min(i.max_input_tokens or n for i in serving)
-    max_total = min(i.max_total_tokens or n + new for i in serving)
-    if n > max_in:
+    max_in, max_total = serving.max_input_tokens, serving.max_total_tokens
+    if max_in and n > max_in:
         raise RequestRejected(f"prompt has {n} tokens, more than the limit of {max_in}")
-    if n + new > max_total:
+    if max_total and n + new > max_total:
         raise RequestRejected(f"prompt + max_new_tokens = {n + new} exceeds the limit of {max_total}")
-    if min(i.num_blocks_total * i.block_size for i in serving) < request_blocks(request, 1):
+    if serving.min_kv_tokens < request_blocks(request, 1):
         raise RequestRejected("request needs more KV pages than a replica has", 400)
 
 

@@ -37,7 +37,8 @@ log = logging.getLogger("pdcluster.router")
 LOCAL_ROLES = (State.DECODE, State.MUTATING_TO_DECODE, State.COLOCATED)
 
 Chooser = Callable[[Sequence[ReplicaState], int, int], "ReplicaState | None"]
-"""(candidates, pages needed, inbound bound) → the destination, or None while none fits."""
+"""(candidates: the decode replicas but the source, pages needed, inbound bound) → the destination,
+or None while none fits."""
 
 
 class Abandoned(Exception):
@@ -122,7 +123,7 @@ class Migrations:
             if src.state.role in LOCAL_ROLES:
                 return None
             token = self.wakeups.moves.token()
-            chosen = choose(self.replicas.others(src), need, self.max_inbound)
+            chosen = choose(self.replicas.receivers(src), need, self.max_inbound)
             if chosen is not None:
                 chosen.inbound += 1
                 chosen.promised += need

@@ -21,7 +21,7 @@ from router.batches import InboxItem, LiveBatch
 from router.episode import Episode
 from router.errors import ReplicaCallError
 from router.replica_api import ReplicaApi
-from router.replicas import SERVING, Observer, ReplicaState, ReplicaView, State, Trigger
+from router.replicas import SERVING, Observer, ReplicaState, ReplicaView, ServingLimits, State, Trigger
 from router.states import PREFILL_LIKE
 from router.types import ReplicaId, ReplicaInfo
 
@@ -105,6 +105,8 @@ class Replicas(Mapping[ReplicaId, ReplicaHandle]):
         self._ids = itertools.count(0)
         self._roles: Counter[State] = Counter()  # replicas in each state, kept by `_moved`
         self.on_move: Observer | None = None  # told of every state change after the counts
+        self._limits: ServingLimits | None = None  # of the serving replicas; None: to be computed
+        self._decode: dict[ReplicaId, ReplicaState] = {}  # the replicas in State.DECODE, kept by `_moved`
 
     def __getitem__(self, rid: ReplicaId) -> ReplicaHandle:
         handle = self._handles.get(rid)
@@ -123,6 +125,10 @@ class Replicas(Mapping[ReplicaId, ReplicaHandle]):
         """Register a replica under the next id."""
         state = ReplicaState(ReplicaId(next(self._ids)), address, info, role, registered)
         state.observer = self._moved
+        state.on_info = self._info_changed
+        self._limits = None
+        if role is State.DECODE:
+            self._decode[state.id] = state
         handle = ReplicaHandle(state, client)
         self._handles[handle.id] = handle
         self._roles[role] += 1
@@ -131,6 +137,12 @@ class Replicas(Mapping[ReplicaId, ReplicaHandle]):
     def _moved(self, state: ReplicaState, old: State, new: State, trigger: Trigger) -> None:
         self._roles[old] -= 1
         self._roles[new] += 1
+        if (old in SERVING) != (new in SERVING):
+            self._limits = None
+        if new is State.DECODE:
+            self._decode[state.id] = state
+        elif old is State.DECODE:
+            self._decode.pop(state.id, None)
         if self.on_move is not None:
             self.on_move(state, old, new, trigger)
 
@@ -138,9 +150,20 @@ class Replicas(Mapping[ReplicaId, ReplicaHandle]):
         """How many replicas are in one of `roles` now."""
         return sum(self._roles[role] for role in roles)
 
+    def _info_changed(self, state: ReplicaState) -> None:
+        if state.role in SERVING:
+            self._limits = None
+
     def serving(self) -> list[ReplicaInfo]:
         """Info of every replica in a serving role."""
         return [h.state.info for h in self._handles.values() if h.state.role in SERVING]
+
+    def limits(self) -> ServingLimits:
+        """The serving replicas' tightest limits (kept until a replica starts or stops serving, or a
+        serving one's Info changes: a request's check costs the same whatever the replica count)."""
+        if self._limits is None:
+            self._limits = ServingLimits.of(self.serving())
+        return self._limits
 
     def can_serve(self) -> bool:
         """Some replica could still run a request (without an admin call bringing one back)."""
@@ -150,9 +173,10 @@ class Replicas(Mapping[ReplicaId, ReplicaHandle]):
         """A live decode replica exists (else prefill replicas decode their own batches)."""
         return self.count(_DECODING) > 0
 
-    def others(self, src: ReplicaHandle) -> list[ReplicaState]:
-        """Every replica's state but `src`'s (candidates for a migration from it)."""
-        return [h.state for h in self._handles.values() if h is not src]
+    def receivers(self, src: ReplicaHandle) -> list[ReplicaState]:
+        """The replicas in State.DECODE but `src` (candidates for a migration from it). The index is
+        kept as replicas move, so a hand-off looks at these only, not at every replica."""
+        return [s for rid, s in self._decode.items() if rid != src.id]
 
     def settle_roles(self) -> ReplicaHandle | None:
         """Keep a prefill replica in a disaggregated cluster: an empty decode replica takes the role,

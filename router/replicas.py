@@ -14,10 +14,30 @@ from dataclasses import dataclass, field
 from router.states import SERVING, State, TransitionError, Trigger, check
 from router.types import ReplicaId, ReplicaInfo, RequestId
 
-__all__ = ["SERVING", "Heartbeats", "ReplicaState", "ReplicaView", "State", "TransitionError", "Trigger"]
+__all__ = ["SERVING", "Heartbeats", "ReplicaState", "ReplicaView", "ServingLimits", "State",
+           "TransitionError", "Trigger"]
 
 Observer = Callable[["ReplicaState", State, State, Trigger], None]
 """Called after every state change: (replica, old state, new state, trigger)."""
+
+
+@dataclass(frozen=True)
+class ServingLimits:
+    """What every serving replica can take: the tightest limits among them (0 = no replica says)."""
+
+    replicas: int  # how many serve
+    max_input_tokens: int = 0
+    max_total_tokens: int = 0
+    min_kv_tokens: int = 0  # the fewest tokens of KV a serving replica holds
+
+    @classmethod
+    def of(cls, infos: Iterable[ReplicaInfo]) -> ServingLimits:
+        """The limits of these replicas' Info."""
+        infos = list(infos)
+        return cls(len(infos),
+                   min((i.max_input_tokens for i in infos if i.max_input_tokens), default=0),
+                   min((i.max_total_tokens for i in infos if i.max_total_tokens), default=0),
+                   min((i.num_blocks_total * i.block_size for i in infos), default=0))
 
 
 # Where a replica that was declared dead in the middle of a change comes back (the change is over).
@@ -51,10 +71,10 @@ class ReplicaState:
 
     id: ReplicaId
     address: str
-    info: ReplicaInfo
+    _info: ReplicaInfo
     _role: State
     registered: bool = False
-    held: dict[RequestId, int] = field(default_factory=dict)
+    held: dict[RequestId, int] = field(default_factory=dict)  # change it through hold / release
     promised: int = 0
     inbound: int = 0
     outbound: int = 0
@@ -62,6 +82,22 @@ class ReplicaState:
     page_sync: bool = False  # it refused pages the router counted free: check its count first
     since: float = 0.0  # when it entered its state (set by the observer; the keep-alive counts from it)
     observer: Observer | None = None
+    on_info: Callable[[ReplicaState], None] | None = None  # called after `info` is replaced
+    _held_pages: int = field(default=0, init=False)  # sum(held.values()), kept as `held` changes
+
+    def __post_init__(self) -> None:
+        self._held_pages = sum(self.held.values())
+
+    @property
+    def info(self) -> ReplicaInfo:
+        """What the replica last said of itself (Info)."""
+        return self._info
+
+    @info.setter
+    def info(self, value: ReplicaInfo) -> None:
+        self._info = value
+        if self.on_info is not None:
+            self.on_info(self)
 
     @property
     def role(self) -> State:
@@ -98,7 +134,7 @@ class ReplicaState:
     @property
     def used_blocks(self) -> int:
         """Pages held by our batches plus pages promised to migrations on their way here."""
-        return sum(self.held.values()) + self.promised
+        return self._held_pages + self.promised
 
     @property
     def free_blocks(self) -> int:
@@ -107,12 +143,20 @@ class ReplicaState:
 
     def hold(self, pages: dict[RequestId, int]) -> None:
         """Record pages a batch now holds here."""
-        self.held.update(pages)
+        held = self.held
+        for rid, n in pages.items():
+            self._held_pages += n - held.get(rid, 0)
+            held[rid] = n
 
     def release(self, request_ids: Iterable[RequestId]) -> None:
         """Forget pages the replica freed (filtered, cleared or migrated away)."""
         for rid in request_ids:
-            self.held.pop(rid, None)
+            self._held_pages -= self.held.pop(rid, 0)
+
+    def release_all(self) -> None:
+        """Forget every page held here (the replica died)."""
+        self.held.clear()
+        self._held_pages = 0
 
     @property
     def alive(self) -> bool:

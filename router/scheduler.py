@@ -101,13 +101,13 @@ class ClusterScheduler:
 
     def submit(self, request: GenerateRequest) -> RequestStream:
         """Validate against the replicas' limits, queue, and return the request's event stream."""
-        stream = self.requests.submit(request, self.replicas.serving())
+        stream = self.requests.submit(request, self.replicas.limits())
         self.rates.arrived(len(request.input_ids), self.clock())
         return stream
 
     def is_healthy(self) -> bool:
         """True when at least one live replica serves."""
-        return bool(self.replicas.serving())
+        return self.replicas.limits().replicas > 0
 
     # ---- Cluster (the replica loops) ----------------------------------------------------------------
 
@@ -263,7 +263,7 @@ class ClusterScheduler:
             handle.task.cancel()
         on_it = self.requests.on(rid)
         handle.forget_work()
-        handle.state.held.clear()
+        handle.state.release_all()
         self.requests.requeue(on_it, f"replica {rid} died")
         self.settle_roles()
         if not self.replicas.can_serve():

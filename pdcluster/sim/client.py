@@ -76,7 +76,8 @@ async def _stream(scheduler: Scheduler, request: GenerateRequest, record: Reques
                     record.itl.append(now - last)
                 last = now
             elif isinstance(event, FinishEvent):
-                record.route = dataclasses.asdict(event.route)
+                route = event.route  # flat: its fields as they are (asdict would copy each deeply)
+                record.route = {f.name: getattr(route, f.name) for f in dataclasses.fields(route)}
                 record.output_len = event.generated_tokens or tokens
                 record.success = tokens > 0
             elif isinstance(event, ErrorEvent):

@@ -4,6 +4,7 @@
  rank r ─ inter-node NIC (its node's `nic_gbps`) ─► ranks on other nodes
         ─ intra-node link (`intra_gbps`) ────────► ranks on its node        (0 Gbit/s: no limit)
  a transfer of n bytes from r: starts when r's link is free, takes n / rate, holds the link meanwhile
+ a layer-by-layer transfer (progressive KV): each layer's bytes go once the forward made them
 ```
 As in the real fabric the sender's egress is paced, one transfer after another per link; the
 receiver is not. Rates are full-scale (the virtual cluster moves the card's real bytes).
@@ -59,3 +60,17 @@ class Network:
     def send(self, src: int, dst: int, nbytes: float, now: float) -> float:
         """Queue a transfer; returns when its last byte has left (and arrived)."""
         return self.link(src, dst).reserve(now, nbytes)[1]
+
+    def send_as_made(self, src: int, dst: int, nbytes: float, made_from: float, made_by: float,
+                     pieces: int) -> float:
+        """Queue a transfer made in `pieces` equal parts at an even pace from `made_from` to
+        `made_by` (a forward's layers), each sent once made and after the one before it; returns
+        when the last byte has left (and arrived)."""
+        link = self.link(src, dst)
+        pieces = max(1, pieces)
+        each, pace = link.seconds(nbytes / pieces), (made_by - made_from) / pieces
+        end = link.free_at
+        for i in range(1, pieces + 1):
+            end = max(end, made_from + i * pace) + each
+        link.free_at = end
+        return end

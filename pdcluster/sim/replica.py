@@ -105,11 +105,20 @@ class VirtualReplica:
         """Prefill here; the KV goes to the peer during (progressive) or after the forward; the batch
         is not cached here afterwards."""
         peer = self._one(pipe_peer, "PrefillV2")
-        start = self.hw.now()
-        batch, result = await self.on_engine("PrefillV2", lambda: self._prefill_uncached(spec))
+        began: list[float] = []  # when the forward took the engine (a queued call waits for the lane)
+
+        def forward() -> tuple[Batch, Any]:
+            began.append(self.hw.now())
+            return self._prefill_uncached(spec)
+
+        batch, result = await self.on_engine("PrefillV2", forward)
+        made = self.hw.now()
         meeting = await self._meet(("kv", self.rank, peer, int(spec.id)), "PrefillV2")
-        send_from = start if progressive else self.hw.now()  # progressive: each layer as it is made
-        end = self.hw.network.send(self.rank, peer, self._kv_bytes(batch), send_from)
+        network, nbytes = self.hw.network, self._kv_bytes(batch)
+        if progressive:  # each layer's KV leaves as soon as the forward has made it
+            end = network.send_as_made(self.rank, peer, nbytes, began[0], made, self.engine.runner.num_layers)
+        else:
+            end = network.send(self.rank, peer, nbytes, made)
         meeting.end.set_result(max(end, self.hw.now()))
         await meeting.ended(self.hw)
         await self.on_engine("PrefillV2", lambda: self.engine.blocks.free(batch.pages()))
@@ -165,7 +174,7 @@ class VirtualReplica:
         return self._decoded(task)
 
     async def _ordered_decode(self, inputs: list[Any], before: asyncio.Future[Any] | None) -> Any:
-        if before is not None:
+        if before is not None and not before.done():
             await asyncio.wait([before])  # its outcome is its own caller's
         return await self.on_engine("DecodeV2", lambda: self.engine.decode(inputs))
 

@@ -30,10 +30,11 @@ class PromptMaker:
         self.vocab_size = vocab_size
         self.block_tokens = block_tokens
         self._blocks: dict[int, list[int]] = {}
+        self._vocab = range(FIRST_ID, vocab_size)
 
     def _ids(self, key: str, n: int) -> list[int]:
         rng = random.Random(f"{self.seed}:{key}")  # str seeds are hashed stably (not by PYTHONHASHSEED)
-        return [rng.randrange(FIRST_ID, self.vocab_size) for _ in range(n)]
+        return rng.choices(self._vocab, k=n)
 
     def block(self, hash_id: int) -> list[int]:
         """The tokens of prefix block `hash_id` (the same list every time)."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import cast
 
 import pytest
@@ -10,7 +11,7 @@ from router import strategies
 from router.config import RouterConfig, Strategy
 from router.registry import Replicas
 from router.replica_api import ReplicaApi
-from router.replicas import Heartbeats, ReplicaState, State, TransitionError, Trigger
+from router.replicas import Heartbeats, ReplicaState, ServingLimits, State, TransitionError, Trigger
 from router.strategies.base import Mode
 from router.strategies.base import most_free_pages as choose_destination
 from router.types import ReplicaId, ReplicaInfo, RequestId
@@ -45,8 +46,29 @@ def test_page_accounting() -> None:
     r = replica(0, total=10, held=3)
     r.promised = 2
     assert (r.used_blocks, r.free_blocks) == (5, 5)
-    r.release([RequestId(1000)])
-    assert r.free_blocks == 8
+    r.hold({RequestId(1000): 4, RequestId(7): 1})  # a request's count is replaced, not added
+    assert r.used_blocks == 7 == sum(r.held.values()) + 2
+    r.release([RequestId(1000), RequestId(99)])  # one it never held changes nothing
+    assert r.free_blocks == 7
+    r.release_all()
+    assert (r.held, r.used_blocks) == ({}, 2)
+
+
+def test_serving_limits_follow_roles_and_info() -> None:
+    replicas = Replicas()
+    assert replicas.limits().replicas == 0
+    a = replicas.add("h:0", info(100), State.PREFILL, cast(ReplicaApi, None))
+    b = replicas.add("h:1", info(100), State.INACTIVE, cast(ReplicaApi, None))
+    assert replicas.limits() == ServingLimits(1, 100, 200, 1600)
+    b.state.info = dataclasses.replace(info(10), max_input_tokens=50, max_total_tokens=0)
+    assert replicas.limits().max_input_tokens == 100  # b does not serve
+    b.state.move(State.LOADING_DECODE, Trigger.LOAD_DECODE)
+    b.state.move(State.DECODE, Trigger.LOADED)
+    assert replicas.limits() == ServingLimits(2, 50, 200, 160)  # 0 = no limit: a's total stands
+    a.state.info = dataclasses.replace(info(100), max_total_tokens=150)
+    assert replicas.limits() == ServingLimits(2, 50, 150, 160)
+    b.state.move(State.DEAD, Trigger.DIED)
+    assert replicas.limits() == ServingLimits(1, 100, 150, 1600) and len(replicas.serving()) == 1
 
 
 @pytest.mark.parametrize(("role", "strategy", "has_decode", "mode"), [
@@ -151,3 +173,16 @@ def test_an_empty_decode_replica_takes_the_prefill_role_only_when_none_is_on_its
     assert replicas.settle_roles() is None and decode.state.role is State.DECODE
     other.state.move(State.DEAD, Trigger.DIED)  # the prefill replica that was coming died
     assert replicas.settle_roles() is decode and decode.state.role is State.PREFILL
+
+
+def test_receivers_are_the_decode_replicas_but_the_source_as_roles_change() -> None:
+    replicas = Replicas()
+    p = replicas.add("h:0", info(), State.PREFILL, cast(ReplicaApi, None))
+    d = replicas.add("h:1", info(), State.DECODE, cast(ReplicaApi, None))
+    i = replicas.add("h:2", info(), State.INACTIVE, cast(ReplicaApi, None))
+    assert replicas.receivers(p) == [d.state] and replicas.receivers(d) == []
+    i.state.move(State.LOADING_DECODE, Trigger.LOAD_DECODE)
+    assert replicas.receivers(p) == [d.state]  # not until it serves
+    i.state.move(State.DECODE, Trigger.LOADED)
+    d.state.move(State.DEAD, Trigger.DIED)
+    assert replicas.receivers(p) == [i.state]
