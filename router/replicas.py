@@ -139,7 +139,7 @@ class ReplicaState:
     @property
     def free_blocks(self) -> int:
         """Pages the router may still hand out on this replica."""
-        return max(0, self.info.num_blocks_total - self.used_blocks)
+        return max(0, self._info.num_blocks_total - self._held_pages - self.promised)
 
     def hold(self, pages: dict[RequestId, int]) -> None:
         """Record pages a batch now holds here."""

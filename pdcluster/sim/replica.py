@@ -20,6 +20,7 @@ from typing import Any, TypeVar
 
 from pdcluster.sim import convert
 from pdcluster.sim.hardware import Hardware
+from pdcluster.sim.lane import EngineLane
 from pdcluster.sim.weights import VirtualWeights
 from replica.engine.batch import Batch
 from replica.engine.engine import Engine
@@ -56,7 +57,7 @@ class VirtualReplica:
         self.clock = clock
         self.hw = hw
         self.weights = VirtualWeights(self, params, disk_gbps, host_gbps)
-        self._lane = asyncio.Lock()  # the engine thread: one call at a time, first come first served
+        self.lane = EngineLane(clock, self.error)  # the engine thread: one call at a time, in order
         self._incoming: set[int] = set()  # batch ids being immigrated
         self._calls: dict[str, asyncio.Future[Any]] = {}  # pipelined DecodeV2 calls not yet ended
         runner = engine.runner
@@ -68,16 +69,7 @@ class VirtualReplica:
 
     async def on_engine(self, method: str, fn: Callable[[], T]) -> T:
         """Run `fn` on the (virtual) engine thread, then let its modelled time pass."""
-        async with self._lane:
-            try:
-                result = fn()
-            except ReplicaError as exc:
-                self.clock.take()
-                raise convert.call_error(self.address, method, exc) from None
-            seconds = self.clock.take()
-            if seconds > 0:
-                await asyncio.sleep(seconds)
-            return result
+        return await self.lane.submit(method, fn)
 
     def error(self, method: str, exc: ReplicaError) -> ReplicaCallError:
         """The router's error for a replica error of this replica."""
@@ -167,20 +159,23 @@ class VirtualReplica:
         call that comes meanwhile (an Immigrate, a prefill) waits for one step, not for all sent ahead."""
         inputs = convert.decode_inputs(list(batches), [list(t) for t in last_tokens])
         before = self._calls.get(after) if after else None
-        task = asyncio.ensure_future(self._ordered_decode(inputs, before))
+        outcome: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
         if call_id:
-            self._calls[call_id] = task
-            task.add_done_callback(lambda _: self._calls.pop(call_id, None))
-        return self._decoded(task)
+            self._calls[call_id] = outcome
+            outcome.add_done_callback(lambda _: self._calls.pop(call_id, None))
 
-    async def _ordered_decode(self, inputs: list[Any], before: asyncio.Future[Any] | None) -> Any:
-        if before is not None and not before.done():
-            await asyncio.wait([before])  # its outcome is its own caller's
-        return await self.on_engine("DecodeV2", lambda: self.engine.decode(inputs))
+        def queue(_: object = None) -> None:
+            self.lane.submit("DecodeV2", lambda: self.engine.decode(inputs), outcome)
+
+        if before is None or before.done():
+            queue()
+        else:  # its outcome is its own caller's
+            before.add_done_callback(queue)
+        return self._decoded(outcome)
 
     @staticmethod
-    async def _decoded(task: asyncio.Future[Any]) -> StepResult:
-        return convert.step(await task)
+    async def _decoded(outcome: asyncio.Future[Any]) -> StepResult:
+        return convert.step(await outcome)
 
     async def filter_batch(self, batch_id: BatchId, keep: Sequence[RequestId]) -> CachedBatch:
         """FilterBatch."""

@@ -75,13 +75,15 @@ class PrefillJob(Protocol):
 def most_free_pages(candidates: Sequence[ReplicaState], need_blocks: int, max_inbound: int
                     ) -> ReplicaState | None:
     """The decode replica with the most free pages that fits `need_blocks` and has an inbound slot."""
-    eligible = [
-        r for r in candidates
-        if r.role is State.DECODE and r.inbound < max_inbound and r.free_blocks >= need_blocks
-    ]
-    if not eligible:
-        return None
-    return max(eligible, key=lambda r: (r.free_blocks, -r.inbound, -r.id))
+    best: ReplicaState | None = None
+    best_key = (0, 0, 0)
+    for r in candidates:  # one pass: a hand-off looks at every decode replica
+        if r.role is not State.DECODE or r.inbound >= max_inbound:
+            continue
+        free = r.free_blocks
+        if free >= need_blocks and (best is None or (free, -r.inbound, -r.id) > best_key):
+            best, best_key = r, (free, -r.inbound, -r.id)
+    return best
 
 
 class MigrationStrategy(ABC):
