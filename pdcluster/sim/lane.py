@@ -5,9 +5,11 @@ holds the lane for its modelled seconds.
  submit(method, fn) ─► queue ─► fn() runs on the engine (synchronously, at its turn)
                                  its modelled seconds (the TallyClock) pass on a timer ─► result
 ```
-No task and no lock per call: a call is a future and, while it runs, one timer. A call whose caller
-gave up before its turn is skipped (its RPC never reached the engine); one that started runs its
-full time (an engine step cannot be interrupted).
+No task and no lock per call: a call is a future and, while it runs, one timer. When a call's time
+is over, its caller goes on first and the next call starts right after, at the same virtual instant
+(as the next holder of a lock would). A call whose caller gave up before its turn is skipped (its
+RPC never reached the engine); one that started runs its full time (an engine step cannot be
+interrupted).
 """
 
 from __future__ import annotations
@@ -75,4 +77,4 @@ class EngineLane:
     def _finish(self, future: asyncio.Future[Any], result: Any) -> None:
         if not future.done():
             future.set_result(result)
-        self._run()
+        asyncio.get_running_loop().call_soon(self._run)  # after the caller's continuation
