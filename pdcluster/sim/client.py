@@ -28,7 +28,10 @@ from router.types import (
 async def send_all(scheduler: Scheduler, arrivals: Sequence[Arrival], prompts: Sequence[list[int]],
                    timeout: float, progress: Callable[[int], None] | None = None
                    ) -> tuple[list[RequestRecord], float]:
-    """Every request at its arrival (seconds from now); (records, seconds to the last answer)."""
+    """Every request at its arrival (seconds from now); (records, seconds to the last answer).
+
+    One sender sleeps from arrival to arrival and starts each request's task then: the loop's timer
+    heap holds the requests in flight, not every request of the run."""
     loop = asyncio.get_running_loop()
     t0 = loop.time()
     done = [0]
@@ -40,20 +43,26 @@ async def send_all(scheduler: Scheduler, arrivals: Sequence[Arrival], prompts: S
             progress(done[0])
         return record
 
-    records = await asyncio.gather(*(one(i) for i in range(len(arrivals))))
+    tasks: dict[int, asyncio.Task[RequestRecord]] = {}
+    for index in sorted(range(len(arrivals)), key=lambda i: arrivals[i].at):
+        delay = t0 + arrivals[index].at - loop.time()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        tasks[index] = loop.create_task(one(index))
+    records = await asyncio.gather(*(tasks[i] for i in range(len(arrivals))))
     return list(records), loop.time() - t0
 
 
 async def _one(scheduler: Scheduler, index: int, arrival: Arrival, prompt: list[int], t0: float,
                timeout: float) -> RequestRecord:
     loop = asyncio.get_running_loop()
-    await asyncio.sleep(max(0.0, t0 + arrival.at - loop.time()))
     sent = loop.time()
     record = RequestRecord(index=index, input_len=arrival.input_len, scheduled=arrival.at, start=sent - t0)
     stopping = StoppingParams(arrival.output_len, ignore_eos=True)
     request = GenerateRequest(tuple(prompt), SamplingParams(), stopping)
     try:
-        await asyncio.wait_for(_stream(scheduler, request, record, sent), timeout)
+        async with asyncio.timeout(timeout):
+            await _stream(scheduler, request, record, sent)
     except TimeoutError:
         record.success, record.error = False, f"no answer within {timeout} s"
     except RequestRejected as exc:
