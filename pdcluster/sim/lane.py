@@ -46,10 +46,6 @@ class EngineLane:
             self._run()
         return future
 
-    async def call(self, method: str, fn: Callable[[], T]) -> T:
-        """Queue `fn` and wait for its result (after its modelled time)."""
-        return await self.submit(method, fn)
-
     def _run(self) -> None:
         """Run queued calls until one takes modelled time (a timer then resumes here)."""
         while self._queue:
