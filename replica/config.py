@@ -19,6 +19,14 @@ class DType(enum.Enum):
     FLOAT16 = "float16"
 
 
+def check_device_name(device: str) -> None:
+    """Refuse a `--device` that is not cpu, cuda, cuda:N or auto (whether it exists is checked at start)."""
+    kind, _, index = device.partition(":")
+    if device in ("auto", "cpu", "cuda") or (kind == "cuda" and index.isdigit()):
+        return
+    raise ValueError(f"--device must be cpu, cuda, cuda:N or auto, got {device!r}")
+
+
 class EngineKind(enum.Enum):
     """What computes: the model with torch, or a named GPU's modelled step times (no torch)."""
 
@@ -47,7 +55,30 @@ class ReplicaConfig:
         metadata={"help": "fraction of the memory left after the profile run given to the KV cache"},
     )
     block_size: int = field(default=16, metadata={"help": "tokens per KV page"})
-    dtype: DType = field(default=DType.FLOAT32, metadata={"help": "weight and KV cache dtype"})
+    dtype: DType | None = field(
+        default=None,
+        metadata={"help": "weight and KV cache dtype; unset = float32 on the CPU, bfloat16 on CUDA"},
+    )
+    device: str = field(
+        default="auto",
+        metadata={"help": "where the engine runs: cpu, cuda, cuda:N, or auto (cuda:0 where CUDA is "
+                          "present, else cpu)"},
+    )
+    gpu_memory_fraction: float = field(
+        default=0.9,
+        metadata={"help": "CUDA: the share of the device's memory this replica may take (weights, "
+                          "activations and KV pages), so several replicas can share one GPU"},
+    )
+    cuda_graphs: bool = field(
+        default=True,
+        metadata={"help": "CUDA: capture decode steps as CUDA graphs at bucketed batch sizes at Warmup"},
+    )
+    attention_backend: str = field(
+        default="auto",
+        metadata={"help": "paged attention: torch (gather + SDPA, the reference), triton (a kernel over "
+                          "the page table), or auto (triton on CUDA where it imports, else torch)",
+                  "choices": ["auto", "torch", "triton"]},
+    )
     max_input_tokens: int | None = field(
         default=None,
         metadata={"help": "longest prompt accepted (after truncate); unset = the model's positions - 1"},
@@ -209,6 +240,9 @@ class ReplicaConfig:
             value = getattr(self, name)
             if value is not None and value <= 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be positive, got {value}")
+        check_device_name(self.device)
+        if not 0.0 < self.gpu_memory_fraction <= 1.0:
+            raise ValueError(f"--gpu-memory-fraction must be in (0, 1], got {self.gpu_memory_fraction}")
         if self.max_batch_prefill_tokens <= 0:
             raise ValueError(f"--max-batch-prefill-tokens must be > 0, not {self.max_batch_prefill_tokens}")
         if self.disk_gbps < 0 or self.host_gbps < 0:
