@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from replica.config import EngineKind
+from replica.errors import FailedPrecondition
 from transfer.core import Rank, Stream
 from transfer.fabric import Fabric, create_fabric
 from transfer.ports import free_ports
@@ -78,6 +79,8 @@ class ReplicaCluster:
         self.grpc_address = grpc_address
         self._lock = threading.Lock()
         self._kv_tensor: object | None = None
+        # buffer name -> why this fabric cannot move it (device memory on a host-memory fabric)
+        self.unmovable: dict[str, str] = {}
 
     @classmethod
     def start(
@@ -92,20 +95,47 @@ class ReplicaCluster:
     def register_kv(self, tensor: object, layout: KvLayout) -> None:
         """Register the KV cache tensor and announce its layout on the KV stream."""
         with self._lock:
-            self.fabric.register(KV_BUFFER, tensor)
+            self._register(KV_BUFFER, tensor)
             self._kv_tensor = tensor
         self.fabric.set_layout(Stream.KV, layout.descriptor())
 
     def ensure_kv(self, tensor: object) -> None:
-        """Re-register the KV tensor if the cache was replaced (Warmup resizes it); cheap otherwise."""
+        """Re-register the KV tensor if the cache was replaced (Warmup resizes it); cheap otherwise.
+
+        FailedPrecondition when this fabric cannot move the cache (device memory on tcp)."""
         with self._lock:
             if tensor is not self._kv_tensor:
-                self.fabric.register(KV_BUFFER, tensor)
+                self._register(KV_BUFFER, tensor)
                 self._kv_tensor = tensor
+        self.require_movable(KV_BUFFER)
 
     def register_weights(self, buffer: object) -> int:
-        """Register the flat weight buffer (parameters are views into it); returns its size in bytes."""
-        return self.fabric.register(WEIGHT_BUFFER, buffer)
+        """Register the flat weight buffer (parameters are views into it); returns its size in bytes
+        (0 when this fabric cannot move it: see `require_movable`)."""
+        return self._register(WEIGHT_BUFFER, buffer)
+
+    def require_movable(self, name: str) -> None:
+        """FailedPrecondition naming the reason when buffer `name` cannot go over this fabric."""
+        if name in self.unmovable:
+            raise FailedPrecondition(self.unmovable[name])
+
+    def _register(self, name: str, buffer: object) -> int:
+        """Register `buffer`; a device tensor a host-memory fabric refuses is left out, and the
+        calls that would move it fail with the reason, while the replica serves everything else."""
+        device = getattr(getattr(buffer, "device", None), "type", "cpu")
+        try:
+            size = self.fabric.register(name, buffer)
+        except ValueError as exc:
+            if device == "cpu":
+                raise
+            self.unmovable[name] = (
+                f"the {name} buffer is in {device} memory, which the {type(self.fabric).__name__} cannot "
+                f"move ({exc}); strategies that send no KV (recompute, colocated) still work"
+            )
+            log.warning("%s", self.unmovable[name])
+            return 0
+        self.unmovable.pop(name, None)
+        return size
 
     # discovery ----------------------------------------------------------------------------
     def urls(self) -> list[str]:

@@ -115,3 +115,7 @@ class Runner(Protocol):
     def resized(self, fraction: float) -> Runner | None:
         """A runner over a cache holding `fraction` of the memory left now (None: keep this one)."""
         ...
+
+    def capture_graphs(self, max_batch: int) -> int:
+        """Capture decode steps of up to `max_batch` rows as CUDA graphs; how many (0: none here)."""
+        ...

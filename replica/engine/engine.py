@@ -48,6 +48,10 @@ class EngineMeta:
     model_id: str
     dtype: str
     device_type: str
+    device: str = "cpu"  # "cpu", "cuda:0", "simulated:a100-80g", ...
+    gpu_name: str = ""  # the CUDA device's name ("" elsewhere)
+    attention_backend: str = "torch"  # "torch" (gather + SDPA) or "triton" (the paged kernel)
+    cuda_graphs: bool = False  # decode steps replay CUDA graphs once Warmup captured them
 
 
 @dataclass(frozen=True)
@@ -279,6 +283,10 @@ class Engine:
             max_input_tokens=self.limits.max_input_tokens,
             max_total_tokens=self.limits.max_total_tokens,
             window_size=config.sliding_window,
+            device=self.meta.device,
+            gpu_name=self.meta.gpu_name,
+            attention_backend=self.meta.attention_backend,
+            cuda_graphs=self.meta.cuda_graphs,
         )
 
     def replace_cache(self, runner: Runner) -> None:

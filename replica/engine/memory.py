@@ -33,6 +33,8 @@ def resized_cache(cache: PagedKVCache, config: ModelConfig, fraction: float) -> 
     """A cache holding `fraction` of the memory left, the old cache's own bytes counted as left
     (None when the page count would not change). The old pages are dropped first."""
     tensor = cache.tensor
+    if tensor.device.type == "cuda":
+        return None  # sized at start from the profile run and --gpu-memory-fraction (factory.py)
     left = available_memory_bytes(tensor.device) + tensor.numel() * tensor.element_size()
     num_blocks = blocks_for_memory(config, cache.block_size, cache.dtype, left * fraction)
     if num_blocks == cache.num_blocks:
@@ -40,3 +42,24 @@ def resized_cache(cache: PagedKVCache, config: ModelConfig, fraction: float) -> 
     device = str(tensor.device)
     cache.tensor = torch.empty(0, dtype=cache.dtype)  # drop the old pages before the new ones are made
     return PagedKVCache.for_model(config, num_blocks, cache.block_size, cache.dtype, device)
+
+
+# Memory the CUDA context and the allocator's slack take beside torch's own allocations: not seen by
+# `torch.cuda.memory_allocated`, so the share of `--gpu-memory-fraction` left for pages is reduced by it.
+CUDA_CONTEXT_BYTES = 768 << 20
+
+
+def cuda_kv_budget(device: torch.device, fraction: float, activation_bytes: int) -> int:
+    """Bytes the KV pages may take on a CUDA device after the weights and a profile run.
+
+    The replica may take `fraction` of the device in all: weights (already allocated), the profile
+    run's activation peak (`activation_bytes`, it recurs at every big prefill), the CUDA context, and
+    the pages. What the device has free now bounds it too, so replicas sharing one GPU each keep to
+    what the others left.
+    """
+    free, total = torch.cuda.mem_get_info(device)
+    held = torch.cuda.memory_allocated(device)
+    own_share = total * fraction - held - activation_bytes - CUDA_CONTEXT_BYTES
+    # the allocator's cached but unused blocks are free for this process too
+    free_now = free + torch.cuda.memory_reserved(device) - held - activation_bytes
+    return max(int(min(own_share, free_now)), 0)

@@ -12,6 +12,7 @@ import math
 from collections.abc import Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -22,6 +23,9 @@ from replica.engine.types import Choice, RowInput
 from replica.model.attention import AttentionContext, PagedKVCache, SeqSlice, as_int64
 from replica.model.config import ModelConfig
 from replica.model.llama import CausalLM
+
+if TYPE_CHECKING:  # imported when first used: only the Triton decode path needs it
+    from replica.engine.cuda_graphs import DecodeGraphs
 
 __all__ = ["ForwardOutput", "ModelRunner", "SeqInput"]
 
@@ -37,10 +41,36 @@ class ForwardOutput:
 class ModelRunner:
     """Owns nothing but references: the model and the KV cache it writes into (`backend.Runner`)."""
 
-    def __init__(self, model: CausalLM, cache: PagedKVCache) -> None:
+    def __init__(self, model: CausalLM, cache: PagedKVCache, attention_backend: str = "torch") -> None:
         self.model = model
         self.cache = cache
         self.device = cache.tensor.device
+        self.attention_backend = attention_backend
+        # decode steps through static buffers (and CUDA graphs once captured); None: every step eager
+        self.graphs: DecodeGraphs | None = None
+
+    @property
+    def graph_buckets(self) -> tuple[int, ...]:
+        """The decode batch sizes replayed from CUDA graphs (none until `capture_graphs`)."""
+        return () if self.graphs is None else self.graphs.captured
+
+    def capture_graphs(self, max_batch: int) -> int:
+        """Capture decode graphs for batches up to `max_batch` (CUDA and the triton backend only;
+        returns the number of graphs, 0 where none can be captured)."""
+        if self.device.type != "cuda" or self.attention_backend != "triton":
+            return 0
+        graphs = self.static_decoder(max_batch)
+        with torch.inference_mode():
+            count = graphs.capture()
+        self.graphs = graphs
+        return count
+
+    def static_decoder(self, max_batch: int) -> DecodeGraphs:
+        """Static decode buffers over this runner's cache, for batches up to `max_batch`."""
+        from replica.engine.cuda_graphs import DecodeGraphs
+
+        max_pages = -(-self.model.config.max_position_embeddings // self.cache.block_size)
+        return DecodeGraphs(self.model, self.cache, max_batch, min(max_pages, self.cache.num_blocks))
 
     @property
     def num_layers(self) -> int:
@@ -59,7 +89,9 @@ class ModelRunner:
     def context(self, seqs: Sequence[SeqInput]) -> AttentionContext:
         """The attention context of one forward (positions, page tables, masks)."""
         slices = [SeqSlice(s.pages, s.start, len(s.tokens)) for s in seqs]
-        return AttentionContext.build(self.cache, slices, self.model.config)
+        if self.attention_backend == "torch":  # TODO(kernel helper): one call once build takes backend
+            return AttentionContext.build(self.cache, slices, self.model.config)
+        return AttentionContext.build(self.cache, slices, self.model.config, backend=self.attention_backend)  # type: ignore[call-arg]
 
     def embed(self, seqs: Sequence[SeqInput]) -> torch.Tensor:
         """(n, hidden) embeddings of every fed token, sequences concatenated."""
@@ -88,6 +120,8 @@ class ModelRunner:
     def forward(self, seqs: Sequence[SeqInput]) -> ForwardOutput:
         """Embed, every layer, head."""
         with torch.inference_mode():
+            if self.graphs is not None and self.graphs.accepts(seqs):
+                return ForwardOutput(last_logits=self.graphs.run(seqs), all_logits={})
             ctx = self.context(seqs)
             hidden = self.run_layers(self.embed(seqs), ctx, 0, self.num_layers)
             return self.logits(hidden, ctx, seqs)
@@ -99,12 +133,14 @@ class ModelRunner:
     def prompt_logprobs(self, out: ForwardOutput, index: int, prompt: Sequence[int]) -> list[float]:
         """Each prompt token's log-probability under the logits of the position before it."""
         logprobs = torch.log_softmax(out.all_logits[index][:-1].float(), dim=-1)
-        ids = torch.tensor(list(prompt[1:]), dtype=torch.long).view(-1, 1)
+        ids = as_int64(list(prompt[1:]), logprobs.device).view(-1, 1)
         return [math.nan, *logprobs.gather(1, ids).view(-1).tolist()]
 
     def empty_activation(self, tokens: int) -> torch.Tensor:
         """(tokens, hidden) in the cache's dtype."""
-        return torch.empty((tokens, self.model.config.hidden_size), dtype=self.cache.tensor.dtype)
+        return torch.empty(
+            (tokens, self.model.config.hidden_size), dtype=self.cache.tensor.dtype, device=self.device
+        )
 
     def sendable(self, hidden: torch.Tensor) -> torch.Tensor:
         """A contiguous copy the fabric may read while the forward goes on."""
@@ -113,4 +149,4 @@ class ModelRunner:
     def resized(self, fraction: float) -> ModelRunner | None:
         """A runner over a cache of `fraction` of the memory left (None: the page count stays)."""
         cache = resized_cache(self.cache, self.model.config, fraction)
-        return None if cache is None else ModelRunner(self.model, cache)
+        return None if cache is None else ModelRunner(self.model, cache, self.attention_backend)

@@ -214,3 +214,7 @@ class EngineInfo:
     max_input_tokens: int
     max_total_tokens: int
     window_size: int | None = None
+    device: str = "cpu"
+    gpu_name: str = ""
+    attention_backend: str = "torch"
+    cuda_graphs: bool = False

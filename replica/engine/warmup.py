@@ -4,15 +4,23 @@ Pure Python: the runner runs the profile prefill and makes the resized cache (`b
 
 When `--num-blocks` is not given, the cache gets `fraction` of the memory left: at start-up from the
 memory available then, and again at Warmup from the memory left after the profile run (the cache's
-own bytes count as left, so repeated warmups do not shrink it).
+own bytes count as left, so repeated warmups do not shrink it). On CUDA the cache keeps the size the
+factory gave it (from `--gpu-memory-fraction` after a profile run), and Warmup captures the decode
+CUDA graphs (`--cuda-graphs`) once the profile run is done.
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 from replica.engine.backend import SeqInput
 from replica.engine.engine import Engine
 from replica.engine.types import WarmupSpec
 from replica.errors import ResourceExhausted
+
+# The largest decode batch replayed from a CUDA graph; larger steps run eagerly (their launches
+# are a small share of their time).
+MAX_GRAPH_BATCH = 256
 
 
 def check_limits(engine: Engine, spec: WarmupSpec) -> int:
@@ -29,22 +37,29 @@ def check_limits(engine: Engine, spec: WarmupSpec) -> int:
     return spec.max_prefill_tokens or limits.max_prefill_tokens
 
 
+def profile_lengths(prefill_tokens: int, per_seq: int) -> list[int]:
+    """Prompt lengths of a profile run of `prefill_tokens` tokens, none longer than `per_seq`."""
+    return [per_seq] * (prefill_tokens // per_seq) + ([prefill_tokens % per_seq] if prefill_tokens % per_seq else [])
+
+
+def profile_inputs(lengths: Sequence[int], pages: Sequence[Sequence[int]], vocab: int) -> list[SeqInput]:
+    """Fresh prompts of `lengths` into `pages` (token ids spread over the vocabulary)."""
+    return [
+        SeqInput([(7 * i + j) % vocab for j in range(n)], p, 0)
+        for i, (n, p) in enumerate(zip(lengths, pages, strict=True))
+    ]
+
+
 def profile_run(engine: Engine, prefill_tokens: int) -> int:
     """Run a prefill of up to `prefill_tokens` tokens (what fits in the free pages), then free them."""
-    per_seq = engine.limits.max_input_tokens
     fits = engine.blocks.num_free * engine.block_size
     total = min(prefill_tokens, fits)
-    lengths = [per_seq] * (total // per_seq) + ([total % per_seq] if total % per_seq else [])
+    lengths = profile_lengths(total, engine.limits.max_input_tokens)
     if not lengths:
         return 0
     pages = engine.blocks.allocate_many([engine.blocks.pages_for(n) for n in lengths])
-    vocab = engine.limits.vocab_size
     try:
-        seqs = [
-            SeqInput([(7 * i + j) % vocab for j in range(n)], p, 0)
-            for i, (n, p) in enumerate(zip(lengths, pages, strict=True))
-        ]
-        engine.runner.forward(seqs)
+        engine.runner.forward(profile_inputs(lengths, pages, engine.limits.vocab_size))
     finally:
         engine.blocks.free([p for ps in pages for p in ps])
     return total
@@ -71,4 +86,7 @@ def warmup(engine: Engine, spec: WarmupSpec, auto_size_fraction: float | None) -
         profile_run(engine, tokens)
     if auto_size_fraction is not None:
         resize_from_memory(engine, auto_size_fraction)
+    if engine.meta.cuda_graphs and not len(engine.store):
+        # the capture's dummy row writes one slot of page 0: only while no batch holds pages
+        engine.runner.capture_graphs(min(MAX_GRAPH_BATCH, engine.blocks.num_blocks))
     return engine.blocks.num_blocks * engine.block_size

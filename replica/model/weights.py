@@ -10,7 +10,9 @@
 
 Reading the file's bytes directly into the buffer (no mmap, no intermediate tensor) keeps loading
 as fast as a raw read of the same files; only a dtype cast or a tensor-parallel slice goes through a
-temporary tensor. A truncated file, a missing tensor, a wrong shape or an unknown extra tensor is a
+temporary tensor. A device buffer (CUDA) is filled through each reader thread's pinned host buffer:
+read into it, one asynchronous copy to the device, wait for that copy, reuse; the two threads
+overlap one's read with the other's copy, and a region is complete on the device when reported. A truncated file, a missing tensor, a wrong shape or an unknown extra tensor is a
 `CheckpointError` naming it.
 """
 
@@ -20,6 +22,7 @@ import functools
 import json
 import os
 import struct
+import threading
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
@@ -216,19 +219,59 @@ class _Reader:
             )
         fd = self.fd(stored.file)
         direct = stored.dtype == TORCH_DTYPES[spec.dtype] and self.layout.shard.world == 1
-        if not (direct and self.buffer.device.type == "cpu"):
+        if not direct:
             return [functools.partial(self._load_converted, spec, stored, fd)]
+        size = spec.end - spec.offset
+        if self.buffer.device.type != "cpu":  # through pinned host memory, chunk by chunk
+            return [
+                functools.partial(self._load_staged, fd, stored.file, spec.offset + i, stored.begin + i,
+                                  min(CHUNK_BYTES, size - i))
+                for i in range(0, size, CHUNK_BYTES)
+            ]
         target = _bytes_of(self.buffer[spec.offset : spec.end])  # straight into the buffer: no copy
         return [
             functools.partial(_pread_into, fd, stored.file, target[i : i + CHUNK_BYTES], stored.begin + i)
             for i in range(0, len(target), CHUNK_BYTES)
         ]
 
+    def _load_staged(self, fd: int, file: Path, offset: int, begin: int, size: int) -> None:
+        """Bytes [begin, begin+size) of `file` into the device buffer at `offset` via pinned memory."""
+        staging = _staging(size)
+        _pread_into(fd, file, _bytes_of(staging), begin)
+        _device_copy(self.buffer[offset : offset + size], staging)
+
     def _load_converted(self, spec: TensorSpec, stored: StoredTensor, fd: int) -> None:
-        raw = torch.empty(stored.end - stored.begin, dtype=torch.uint8)
+        size = stored.end - stored.begin
+        on_device = self.buffer.device.type != "cpu"
+        raw = _staging(size) if on_device else torch.empty(size, dtype=torch.uint8)
         _pread_into(fd, stored.file, _bytes_of(raw), stored.begin)
         full = raw.view(stored.dtype).view(stored.shape)
-        tensor_view(self.buffer, spec).copy_(_shard_slice(full, spec, self.layout))
+        part = _shard_slice(full, spec, self.layout)
+        if on_device:
+            _device_copy(tensor_view(self.buffer, spec), part)
+        else:
+            tensor_view(self.buffer, spec).copy_(part)
+
+
+_STAGING = threading.local()
+
+
+def _staging(size: int) -> torch.Tensor:
+    """This reader thread's pinned host buffer of `size` bytes (grown as needed, reused after)."""
+    held: torch.Tensor | None = getattr(_STAGING, "buffer", None)
+    if held is None or held.numel() < size:
+        held = torch.empty(max(size, CHUNK_BYTES), dtype=torch.uint8, pin_memory=True)
+        _STAGING.buffer = held
+    return held[:size]
+
+
+def _device_copy(target: torch.Tensor, staged: torch.Tensor) -> None:
+    """Copy pinned `staged` into device `target` (casting if the dtypes differ) and wait for it, so
+    the staging buffer can be reused and the region is complete when its task is."""
+    target.copy_(staged, non_blocking=True)
+    done = torch.cuda.Event()
+    done.record()
+    done.synchronize()
 
 
 def _in_file_order(specs: tuple[TensorSpec, ...], stored: dict[str, StoredTensor]) -> Iterator[TensorSpec]:

@@ -32,8 +32,9 @@ class CheckpointIO:
         load_weights(path, layout, buffer, landed)
 
     def empty_copy(self, buffer: torch.Tensor) -> torch.Tensor:
-        """A host buffer the size of `buffer`."""
-        return torch.empty_like(buffer)
+        """A host buffer the size of `buffer`: pinned host memory for a device buffer (the host cache
+        is host memory, not a second device buffer; pinned so copies to the device run at full speed)."""
+        return torch.empty(buffer.shape, dtype=buffer.dtype, pin_memory=buffer.device.type == "cuda")
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor, lo: int, hi: int) -> None:
         """Bytes [lo, hi) of `src` into `dst`."""

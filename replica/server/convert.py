@@ -208,6 +208,10 @@ def info_to_pb(info: EngineInfo, rank: int, tp_size: int) -> pb.InfoResponse:
         num_cached_batches=info.num_cached_batches,
         max_input_tokens=info.max_input_tokens,
         max_total_tokens=info.max_total_tokens,
+        device=info.device,
+        gpu_name=info.gpu_name,
+        attention_backend=info.attention_backend,
+        cuda_graphs=info.cuda_graphs,
     )
     if info.window_size is not None:
         msg.window_size = info.window_size

@@ -91,6 +91,9 @@ class WeightCalls:
         mover = self._state().mover
         if mover is None:
             raise FailedPrecondition("no transfer fabric (start the replica with --cluster)")
+        cluster = self.shared.cluster
+        if cluster is not None:
+            cluster.require_movable(WEIGHT_BUFFER)
         return mover
 
     def _transfer_deadline(self, ctx: CallContext | None = None) -> Deadline:

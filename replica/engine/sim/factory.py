@@ -88,7 +88,8 @@ def build_simulated(config: ReplicaConfig, clock: StepClock | None = None) -> tu
     picker = token_picker(detok, card, detok.vocab_size)
     runner = SimRunner(card, cache, cost_model(config, card, itemsize), clock or SleepClock(), picker,
                        itemsize, scale)
-    meta = EngineMeta(model_id=config.name, dtype=dtype, device_type=f"simulated:{spec.name}")
+    meta = EngineMeta(model_id=config.name, dtype=dtype, device_type=f"simulated:{spec.name}",
+                      device=f"simulated:{spec.name}", attention_backend="simulated")
     log.info("simulated %s on a %s: %.1f GB of weights (%.1f MB here), %d KV pages of %d tokens "
              "(%d B per page and layer here, scale %g)", config.name, spec.name, full.total_bytes / 1e9,
              layout.total_bytes / 1e6, num_blocks, config.block_size, cache.page_bytes, scale)

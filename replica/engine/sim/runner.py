@@ -161,6 +161,10 @@ class SimRunner:
             return self.empty_activation(hidden.tokens)
         return bytearray(hidden)
 
+    def capture_graphs(self, max_batch: int) -> int:
+        """A simulated GPU has no graphs to capture: its step times are modelled."""
+        return 0
+
     def resized(self, fraction: float) -> None:
         """The cache is what the GPU's memory leaves after the weights: Warmup does not resize it."""
         return None
