@@ -116,6 +116,11 @@ class Runner(Protocol):
         """A runner over a cache holding `fraction` of the memory left now (None: keep this one)."""
         ...
 
+    @property
+    def graph_buckets(self) -> tuple[int, ...]:
+        """Decode batch sizes replayed from captured CUDA graphs (none: every step eager)."""
+        ...
+
     def capture_graphs(self, max_batch: int) -> int:
         """Capture decode steps of up to `max_batch` rows as CUDA graphs; how many (0: none here)."""
         ...

@@ -22,7 +22,7 @@ from replica.engine.engine import Engine, EngineMeta
 from replica.engine.memory import available_memory_bytes, blocks_for_memory, cuda_kv_budget
 from replica.engine.runner import ModelRunner
 from replica.engine.validation import Limits, derive_limits
-from replica.engine.warmup import profile_inputs, profile_lengths
+from replica.engine.warmup import MAX_GRAPH_BATCH, profile_inputs, profile_lengths
 from replica.model.attention import PagedKVCache
 from replica.model.config import ModelConfig
 from replica.model.layout import WeightLayout
@@ -77,6 +77,11 @@ def build_engine_and_params(config: ReplicaConfig, device: str | None = None) ->
     meta = _meta(config, choice)
     detok = Detokenizer.from_model_dir(model_dir)
     runner = ModelRunner(model, cache, choice.attention_backend)
+    if meta.cuda_graphs:
+        # Graphs hold the weights' and pages' addresses, not their values: an inactive replica's
+        # graphs serve the weights that arrive later. Warmup captures again after a cache change.
+        count = runner.capture_graphs(min(MAX_GRAPH_BATCH, num_blocks))
+        log.info("decode CUDA graphs: %d batch sizes %s", count, runner.graph_buckets)
     return Engine(runner, detok, limits, meta, readiness), params
 
 
@@ -94,7 +99,7 @@ def _meta(config: ReplicaConfig, choice: DeviceChoice) -> EngineMeta:
         device=str(choice.device),
         gpu_name=choice.gpu_name,
         attention_backend=choice.attention_backend,
-        cuda_graphs=choice.is_cuda and config.cuda_graphs,
+        cuda_graphs=choice.is_cuda and config.cuda_graphs and choice.attention_backend == "triton",
     )
 
 

@@ -5,8 +5,8 @@ Pure Python: the runner runs the profile prefill and makes the resized cache (`b
 When `--num-blocks` is not given, the cache gets `fraction` of the memory left: at start-up from the
 memory available then, and again at Warmup from the memory left after the profile run (the cache's
 own bytes count as left, so repeated warmups do not shrink it). On CUDA the cache keeps the size the
-factory gave it (from `--gpu-memory-fraction` after a profile run), and Warmup captures the decode
-CUDA graphs (`--cuda-graphs`) once the profile run is done.
+factory gave it (from `--gpu-memory-fraction` after a profile run); the factory captures the decode
+CUDA graphs (`--cuda-graphs`) at start, and Warmup captures them again if the runner lost them.
 """
 
 from __future__ import annotations
@@ -86,7 +86,7 @@ def warmup(engine: Engine, spec: WarmupSpec, auto_size_fraction: float | None) -
         profile_run(engine, tokens)
     if auto_size_fraction is not None:
         resize_from_memory(engine, auto_size_fraction)
-    if engine.meta.cuda_graphs and not len(engine.store):
+    if engine.meta.cuda_graphs and not engine.runner.graph_buckets and not len(engine.store):
         # the capture's dummy row writes one slot of page 0: only while no batch holds pages
         engine.runner.capture_graphs(min(MAX_GRAPH_BATCH, engine.blocks.num_blocks))
     return engine.blocks.num_blocks * engine.block_size

@@ -268,9 +268,9 @@ def _staging(size: int) -> torch.Tensor:
 def _device_copy(target: torch.Tensor, staged: torch.Tensor) -> None:
     """Copy pinned `staged` into device `target` (casting if the dtypes differ) and wait for it, so
     the staging buffer can be reused and the region is complete when its task is."""
-    target.copy_(staged, non_blocking=True)
+    target.copy_(staged, non_blocking=True)  # on the target device's current stream
     done = torch.cuda.Event()
-    done.record()
+    done.record(torch.cuda.current_stream(target.device))  # a reader thread's own current device may differ
     done.synchronize()
 
 

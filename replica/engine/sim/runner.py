@@ -161,6 +161,11 @@ class SimRunner:
             return self.empty_activation(hidden.tokens)
         return bytearray(hidden)
 
+    @property
+    def graph_buckets(self) -> tuple[int, ...]:
+        """None: a simulated GPU captures no graphs."""
+        return ()
+
     def capture_graphs(self, max_batch: int) -> int:
         """A simulated GPU has no graphs to capture: its step times are modelled."""
         return 0
