@@ -39,7 +39,7 @@ def batch_buckets(max_batch: int) -> tuple[int, ...]:
     """The buckets up to `max_batch`, ending with `max_batch` itself."""
     if max_batch <= 0:
         raise ValueError(f"max_batch must be positive, got {max_batch}")
-    return tuple(b for b in BUCKETS if b < max_batch) + (max_batch,)
+    return (*(b for b in BUCKETS if b < max_batch), max_batch)
 
 
 class DecodeGraphs:

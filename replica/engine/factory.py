@@ -48,10 +48,10 @@ def build_engine_and_params(config: ReplicaConfig, device: str | None = None) ->
     flat buffer in both cases, so weights that arrive later (LoadParams, transfers) are the model
     without any copy.
     """
-    if config.model is None:
-        raise ValueError("the torch engine needs --model (a checkpoint folder)")
     if device is not None:
         config = _with_device(config, device)
+    if config.model is None:
+        raise ValueError("the torch engine needs --model (a checkpoint folder)")
     model_dir = config.model
     choice = choose(config)
     dtype, where = choice.torch_dtype, choice.device
@@ -149,4 +149,5 @@ def _profile_activation_bytes(config: ReplicaConfig, choice: DeviceChoice, model
 def _estimate_activation_bytes(config: ModelConfig, tokens: int) -> int:
     """Without weights (an inactive replica) no profile can run: a bound from the shapes instead
     (the MLP's gate and up projections in float32, plus the float32 logits of one row per token)."""
-    return tokens * (4 * 3 * config.intermediate_size + 4 * 4 * config.hidden_size) + 4 * tokens * config.vocab_size
+    per_token = 4 * 3 * config.intermediate_size + 4 * 4 * config.hidden_size + 4 * config.vocab_size
+    return tokens * per_token

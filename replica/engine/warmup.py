@@ -39,7 +39,8 @@ def check_limits(engine: Engine, spec: WarmupSpec) -> int:
 
 def profile_lengths(prefill_tokens: int, per_seq: int) -> list[int]:
     """Prompt lengths of a profile run of `prefill_tokens` tokens, none longer than `per_seq`."""
-    return [per_seq] * (prefill_tokens // per_seq) + ([prefill_tokens % per_seq] if prefill_tokens % per_seq else [])
+    rest = prefill_tokens % per_seq
+    return [per_seq] * (prefill_tokens // per_seq) + ([rest] if rest else [])
 
 
 def profile_inputs(lengths: Sequence[int], pages: Sequence[Sequence[int]], vocab: int) -> list[SeqInput]:

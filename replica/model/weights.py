@@ -12,8 +12,9 @@ Reading the file's bytes directly into the buffer (no mmap, no intermediate tens
 as fast as a raw read of the same files; only a dtype cast or a tensor-parallel slice goes through a
 temporary tensor. A device buffer (CUDA) is filled through each reader thread's pinned host buffer:
 read into it, one asynchronous copy to the device, wait for that copy, reuse; the two threads
-overlap one's read with the other's copy, and a region is complete on the device when reported. A truncated file, a missing tensor, a wrong shape or an unknown extra tensor is a
-`CheckpointError` naming it.
+overlap one's read with the other's copy, and a region is complete on the device when reported.
+A truncated file, a missing tensor, a wrong shape or an unknown extra tensor is a `CheckpointError`
+naming it.
 """
 
 from __future__ import annotations

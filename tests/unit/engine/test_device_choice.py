@@ -80,15 +80,16 @@ def test_attention_backend_choice(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 GIB = 1 << 30
+CONTEXT = memory.CUDA_CONTEXT_BYTES
 
 
 @pytest.mark.parametrize(
     ("free", "total", "held", "reserved", "fraction", "activations", "expected"),
     [
         # alone on an 80 GiB device: 0.9 of it less 14 GiB of weights, 2 GiB of activations, the context
-        (65 * GIB, 80 * GIB, 14 * GIB, 15 * GIB, 0.9, 2 * GIB, 72 * GIB - 16 * GIB - memory.CUDA_CONTEXT_BYTES),
+        (65 * GIB, 80 * GIB, 14 * GIB, 15 * GIB, 0.9, 2 * GIB, 72 * GIB - 16 * GIB - CONTEXT),
         # a second replica on the same device: its share (0.45) is the bound
-        (30 * GIB, 80 * GIB, 14 * GIB, 14 * GIB, 0.45, 2 * GIB, 36 * GIB - 16 * GIB - memory.CUDA_CONTEXT_BYTES),
+        (30 * GIB, 80 * GIB, 14 * GIB, 14 * GIB, 0.45, 2 * GIB, 36 * GIB - 16 * GIB - CONTEXT),
         # what is free is the bound: another process took most of the device
         (10 * GIB, 80 * GIB, 14 * GIB, 14 * GIB, 0.9, 2 * GIB, 8 * GIB),
         # nothing left
