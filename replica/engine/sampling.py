@@ -9,8 +9,11 @@ keeping at least one token. Frequency / presence penalties are OpenAI's:
 penalties (so in greedy mode too). Greedy is the argmax of the penalised logits; log-probabilities
 are the log-softmax of the final processed logits.
 
-Reproducibility: a sampling step draws from a generator seeded by (request seed, tokens generated so
-far), so a request samples the same tokens whatever batch it shares and whichever replica runs it.
+Reproducibility: on the CPU a sampling step draws from a generator seeded by (request seed, tokens
+generated so far), so a request samples the same tokens whatever batch it shares and whichever replica
+runs it. On any other device `choose_next` hands the batch to `device_sampling.choose_batched` (the
+same processing, batched; seeded draws by an exponential race over a counter hash of the same step
+seed): reproducible there too, but not the CPU's tokens for the same seed.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from collections.abc import Sequence
 
 import torch
 
+from replica.engine.device_sampling import choose_batched
 from replica.engine.seeding import step_seed
 from replica.engine.types import Choice, RowInput, SamplingParams
 
@@ -118,7 +122,10 @@ def _choose_row(row: torch.Tensor, inp: RowInput) -> tuple[int, torch.Tensor]:
 
 
 def choose_next(logits: torch.Tensor, rows: Sequence[RowInput]) -> list[Choice]:
-    """One next token per row of `logits` (batch, vocab), float32 on the CPU."""
+    """One next token per row of `logits` (batch, vocab): float32 on the CPU row by row (the reference),
+    on any other device batched (`choose_batched`: one copy each way per step)."""
+    if logits.device.type != "cpu":
+        return choose_batched(logits, rows)
     logprobs = torch.log_softmax(logits, dim=-1)
     # = torch.argmax (the first maximum; NaN counts as the maximum), in half the time on the CPU
     tokens = logits.max(dim=-1).indices
