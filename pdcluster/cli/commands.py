@@ -92,6 +92,11 @@ COMMANDS: dict[str, Command] = {
         "pdcluster.bench.load:BenchLoadConfig",
         "pdcluster.bench.load:run",
     ),
+    "bench gpu": Command(
+        "decode and prefill on one device against its measured copy bandwidth and matmul rate",
+        "pdcluster.bench.gpu:BenchGpuConfig",
+        "pdcluster.bench.gpu:run",
+    ),
     "bench serving": Command(
         "end-to-end serving benchmark (TTFT, TPOT, ITL, goodput)",
         "pdcluster.bench.serving.bench:BenchServingConfig",
