@@ -93,3 +93,26 @@ def test_cells_past_free_memory_are_skipped_not_run(tmp_path: Path) -> None:
     assert data["decode"][0]["eager"] is None and data["prefill"][0]["status"] == "skipped"
     assert all(g["verdict"] == "skipped" for g in data["goals"].values())
     assert (tmp_path / "skip.png").is_file()
+
+
+def test_a_cache_that_cannot_be_made_fails_its_batch_and_the_smaller_ones_still_run(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from pdcluster.bench import gpu_measure
+
+    made = gpu_measure.random_cache
+
+    def tight(config: Any, pages: int, *args: Any) -> Any:
+        if pages > 100:  # as a device out of memory would
+            raise RuntimeError("CUDA out of memory. Tried to allocate 128.00 GiB")
+        return made(config, pages, *args)
+
+    monkeypatch.setattr(gpu_measure, "random_cache", tight)
+    out = tmp_path / "tight.json"
+    config = BenchGpuConfig(device="cpu", shape="tiny", dtype="float32", decode_batches="1,4,64",
+                            contexts="64", prefill_tokens="32", steps=1, repeats=1, matmul_size=32,
+                            copy_mib=1, headroom_gib=0, json=out)
+    assert run(config) == 0
+    rows = {r["batch"]: r for r in json.loads(out.read_text())["decode"]}
+    assert rows[64]["status"] == "failed" and "out of memory" in rows[64]["reason"]
+    assert rows[1]["status"] == rows[4]["status"] == "measured"
