@@ -1,18 +1,21 @@
-"""The paged KV cache and the one context object attention reads it through.
+"""The one context object attention reads the paged KV cache through, per forward.
 
 ```
  flat ragged batch (n tokens)        PagedKVCache.tensor  (layers, blocks, 2, block_size, kv_heads, head_dim)
  seq0: start=0 length=5 (prefill)      layer l, page p = tensor[l, p] = K block | V block (contiguous)
- seq1: start=7 length=1 (decode)  ──►  new k/v are scattered into their slots, then each sequence's
- seq2: start=3 length=4 (resumed)      pages are gathered into a padded (seqs, ctx, kv_heads, head_dim)
-                                       and one masked scaled_dot_product_attention call runs per group
+ seq1: start=7 length=1 (decode)  ──►  new k/v are scattered into their slots, then per group:
+ seq2: start=3 length=4 (resumed)      torch:  pages gathered into a padded (seqs, ctx, kv_heads, head_dim),
+                                               one masked scaled_dot_product_attention call
+                                       triton: decode + resumed read in place through the page table
+                                               (paged_attention.py); fresh prompts keep SDPA
 ```
 
 `AttentionContext.build` precomputes, once per forward, every index and mask the layers reuse:
 the cache row of each new token's K and V, and per *group* of sequences (all one-token decodes in
 one group, longer slices in another, so a long prefill does not pad every decode to its length) the
 flat page table, query placement and the causal (and sliding-window) masks; plus the RoPE cos/sin
-rows. Pages of a sequence are listed in order; page `i` holds positions `[i*block_size,
+rows. Every index list of a forward goes to the device in one copy (`IndexPack` → `cache.upload`).
+Pages of a sequence are listed in order; page `i` holds positions `[i*block_size,
 (i+1)*block_size)`, and may be any block of the cache. Under a sliding window a decode group
 gathers only the pages the window reaches: a step reads O(window) keys per sequence however long
 the context (about the keys transformers' sliding cache keeps, which matters for bf16 rounding).
@@ -24,153 +27,48 @@ attention needs no repeated keys or values.
 from __future__ import annotations
 
 import functools
-from array import array
 from collections.abc import Sequence
-from typing import NamedTuple, NoReturn
+from enum import StrEnum
+from typing import NamedTuple, Protocol
 
 import torch
 import torch.nn.functional as F
 
-from replica.errors import InvalidArgument
 from replica.model.config import ModelConfig
+from replica.model.kv_pages import IndexPack, PagedKVCache, SeqSlice, Span, as_int64, spans
+from replica.model.paged_attention import PagedBatch, paged_attention, triton_available
 from replica.model.rope import rotation_rows
+from replica.model.static_decode import StaticDecodeContext
+
+__all__ = [
+    "AttentionContext",
+    "Backend",
+    "ForwardContext",
+    "PagedKVCache",
+    "SeqSlice",
+    "StaticDecodeContext",
+    "as_int64",
+    "triton_available",
+]
 
 
-class PagedKVCache:
-    """Layer-major KV pages: `tensor[l, p]` is page p of layer l, its K block then its V block."""
+class Backend(StrEnum):
+    """How attention reads the pages: the torch reference (the CPU path) or the Triton kernel."""
 
-    def __init__(
-        self,
-        num_layers: int,
-        num_blocks: int,
-        block_size: int,
-        num_kv_heads: int,
-        head_dim: int,
-        dtype: torch.dtype,
-        device: str = "cpu",
-    ) -> None:
-        if min(num_layers, num_blocks, block_size, num_kv_heads, head_dim) <= 0:
-            raise ValueError("PagedKVCache dimensions must all be positive")
-        self.num_layers, self.num_blocks, self.block_size = num_layers, num_blocks, block_size
-        self.num_kv_heads, self.head_dim, self.dtype = num_kv_heads, head_dim, dtype
-        # (layers, blocks, K|V, block_size, kv_heads, head_dim)
-        self.tensor = torch.zeros(
-            (num_layers, num_blocks, 2, block_size, num_kv_heads, head_dim), dtype=dtype, device=device
-        )
-
-    @property
-    def tensor(self) -> torch.Tensor:
-        """(layers, blocks, 2, block_size, kv_heads, head_dim); assign to replace (or drop) the pages."""
-        return self._tensor
-
-    @tensor.setter
-    def tensor(self, value: torch.Tensor) -> None:
-        # Per-layer views are made once here (attention runs every layer of every step) and dropped
-        # with the tensor, so assigning an empty tensor really frees the pages:
-        # rows: (blocks * 2 * block_size, kv_heads * head_dim), one row per token slot, K and V
-        # blocks alternating; key/value pages: (blocks, block_size * kv_heads * head_dim), one per page.
-        self._tensor = value
-        shape = (self.num_layers, self.num_blocks, 2, self.block_size, self.num_kv_heads, self.head_dim)
-        full = tuple(value.shape) == shape
-        layers = range(self.num_layers) if full else range(0)
-        width = self.num_kv_heads * self.head_dim
-        self.rows = [value[i].view(-1, width) for i in layers]
-        self.key_pages = [value[i, :, 0].view(self.num_blocks, -1) for i in layers]
-        self.value_pages = [value[i, :, 1].view(self.num_blocks, -1) for i in layers]
-
-    @classmethod
-    def for_model(
-        cls, config: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype, device: str = "cpu"
-    ) -> PagedKVCache:
-        """A cache shaped for `config`."""
-        return cls(
-            config.num_layers, num_blocks, block_size, config.num_kv_heads, config.head_dim, dtype, device
-        )
-
-    def bytes_per_page(self) -> int:
-        """Bytes of one page of one layer (K and V)."""
-        return 2 * self.block_size * self.num_kv_heads * self.head_dim * self.tensor.element_size()
-
-    @staticmethod
-    def bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
-        """Bytes one block costs across all layers (for sizing the cache from a memory budget)."""
-        itemsize = torch.empty((), dtype=dtype).element_size()
-        return config.num_layers * 2 * block_size * config.num_kv_heads * config.head_dim * itemsize
-
-    def layer(self, index: int) -> torch.Tensor:
-        """All pages of layer `index`: (blocks, 2, block_size, kv_heads, head_dim)."""
-        return self.tensor[index]
+    TORCH = "torch"
+    TRITON = "triton"
 
 
-class SeqSlice(NamedTuple):  # built per sequence per forward: cheaper than a dataclass
-    """One sequence of a forward: tokens `[start, start+length)` are new, `[0, start)` already cached."""
-
-    pages: Sequence[int]  # at least the pages the context uses (the rest is ignored)
-    start: int
-    length: int
-
-    @property
-    def end(self) -> int:
-        """Total context length after this forward."""
-        return self.start + self.length
+_BACKENDS = {b.value: b for b in Backend}  # a dict lookup: cheaper per forward than Backend(name)
 
 
-class _Span(NamedTuple):
-    """A validated SeqSlice with its derived numbers computed once (index building is per step)."""
+class ForwardContext(Protocol):
+    """What the model reads of a context: `AttentionContext` (any batch) or `StaticDecodeContext`."""
 
-    seq: int  # position in the batch
-    start: int
-    length: int
-    end: int
-    pages: tuple[int, ...]  # exactly the pages the context uses
+    cos: torch.Tensor  # (n, 1, head_dim)
+    sin_signed: torch.Tensor  # (n, 1, head_dim)
 
-
-def _spans(cache: PagedKVCache, seqs: Sequence[SeqSlice]) -> list[_Span]:
-    """Validate the slices against the cache; refuse with the sequence's number and the problem.
-
-    The page ids of all slices are range-checked at once; on any problem `_refuse` walks the slices
-    one by one to report the first faulty one, exactly as a per-slice check would.
-    """
-    bs, blocks = cache.block_size, cache.num_blocks
-    spans = []
-    used: list[int] = []
-    for i, (listed, start, length) in enumerate(seqs):
-        end = start + length
-        needed = -(-end // bs)
-        if length <= 0 or start < 0 or len(listed) < needed:
-            _refuse(cache, seqs)
-        pages = tuple(listed[:needed])
-        used += pages
-        spans.append(_Span(i, start, length, end, pages))
-    if not spans or min(used) < 0 or max(used) >= blocks:
-        _refuse(cache, seqs)
-    return spans
-
-
-def _refuse(cache: PagedKVCache, seqs: Sequence[SeqSlice]) -> NoReturn:
-    """Raise InvalidArgument for the first faulty slice (the caller found one)."""
-    if not seqs:
-        raise InvalidArgument("attention context needs at least one sequence")
-    bs, blocks = cache.block_size, cache.num_blocks
-    for i, (listed, start, length) in enumerate(seqs):
-        end = start + length
-        if length <= 0 or start < 0:
-            raise InvalidArgument(f"sequence {i}: start={start} length={length} is not a valid slice")
-        needed = -(-end // bs)
-        if len(listed) < needed:
-            raise InvalidArgument(f"sequence {i}: {end} tokens need {needed} pages, got {len(listed)}")
-        pages = listed[:needed]
-        if min(pages) < 0 or max(pages) >= blocks:
-            raise InvalidArgument(f"sequence {i}: page id outside the cache's {blocks} blocks")
-    raise AssertionError("_refuse found no faulty slice")
-
-
-def as_int64(values: list[int], device: torch.device) -> torch.Tensor:
-    """A 1-D int64 tensor of `values` (via a buffer: ~3x cheaper than `torch.tensor(list)` per step)."""
-    if not values:
-        return torch.empty(0, dtype=torch.int64, device=device)
-    flat = torch.frombuffer(array("q", values), dtype=torch.int64)  # keeps the array alive
-    return flat if flat.device == device else flat.to(device)
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor: ...
 
 
 @functools.lru_cache(maxsize=64)
@@ -194,20 +92,35 @@ class _WindowPages(NamedTuple):
     first_pos: torch.Tensor  # (seqs,) absolute position of each row's first gathered key
 
 
+class _PackedWindow(NamedTuple):
+    """`_WindowPages` before the upload: its lists' piece numbers in the forward's `IndexPack`."""
+
+    table: int
+    ctx: int
+    first_pos: int
+
+
 class _Group:
-    """Sequences attended together: padded to the group's longest new slice and longest context."""
+    """Sequences attended together (torch path): padded to the longest new slice and context.
+
+    Built in two steps: `__init__` adds the group's index lists to the forward's `IndexPack`,
+    `bind` takes their views of the one uploaded tensor.
+    """
 
     def __init__(
         self,
-        spans: list[_Span],
+        spans: list[Span],
         last: list[int] | None,
         block_size: int,
-        device: torch.device,
-        positions: torch.Tensor | None = None,
+        pack: IndexPack,
+        windows: tuple[int, ...],
+        positions: int | None = None,
     ) -> None:
         """`last[i]`: flat index of sequence i's last new token; None when the group is the whole
         batch in order (it then needs no token index: see `tokens`). `positions`: the batch's
-        positions when the group is the whole batch of one-token slices (they are its queries')."""
+        positions when the group is the whole batch of one-token slices (they are its queries').
+        `windows`: the distinct sliding windows of the model's layers (a one-token group packs the
+        pages each one reaches)."""
         self.num_seqs = len(spans)
         self.max_new = width = max(s.length for s in spans)
         self.max_pages = max_pages = max(len(s.pages) for s in spans)
@@ -229,53 +142,44 @@ class _Group:
                 q_pos += range(s.start, s.end)
                 q_pos += [s.end - 1] * (width - s.length)
                 slots += range(row * width, row * width + s.length)
-        self.table = as_int64(table, device)
-        self.q_pos = (as_int64(q_pos, device) if positions is None else positions).view(self.num_seqs, width)
-        self.slots = None if width == 1 else as_int64(slots, device)
+        self._table = pack.add(table)
+        self._q_pos = pack.add(q_pos) if positions is None else positions
+        self._slots = None if width == 1 else pack.add(slots)
         # flat index of each of the group's tokens, in group order (only a batch of several groups
         # scatters them)
-        self.tokens: torch.Tensor | None = None
+        self._tokens: int | None = None
         if last is not None:
             tokens: list[int] = []
             for s in spans:
                 tokens += range(last[s.seq] - s.length + 1, last[s.seq] + 1)
-            self.tokens = as_int64(tokens, device)
+            self._tokens = pack.add(tokens)
         # A fresh group (prompts, nothing cached) attends over its own new K/V: no page gather.
         self.fresh = width > 1 and all(s.start == 0 for s in spans)
         self.uniform = self.fresh and all(s.length == width for s in spans)
         self.ctx = width if self.fresh else max_pages * block_size
         self.masks: dict[int | None, torch.Tensor] = {}
-        # One-token groups: per sliding window, the pages that window can see (built on first use).
-        self._decodes = spans if width == 1 else []
-        self._block_size = block_size
+        # One-token groups: per sliding window, the pages that window can see.
+        self._packed_windows = (
+            {w: _pack_window(spans, w, block_size, max_pages, pack) for w in windows} if width == 1 else {}
+        )
         self._windowed: dict[int, _WindowPages | None] = {}
 
-    def windowed(self, window: int | None) -> _WindowPages | None:
-        """The pages a one-token group gathers under `window`: from the page holding each query's
-        oldest visible key to its own (None: every page, as without a window; then nothing is saved).
+    def bind(self, flat: tuple[torch.Tensor, ...]) -> None:
+        """Take this group's index tensors from the forward's uploaded pieces."""
+        self.table = flat[self._table]
+        self.q_pos = flat[self._q_pos].view(self.num_seqs, self.max_new)
+        self.slots = None if self._slots is None else flat[self._slots]
+        self.tokens = None if self._tokens is None else flat[self._tokens]
+        for w, packed in self._packed_windows.items():
+            self._windowed[w] = (
+                None
+                if packed is None
+                else _WindowPages(flat[packed.table], packed.ctx, flat[packed.first_pos])
+            )
 
-        The first kept page of a sequence is `(q - window + 1) // block_size`; shorter rows repeat
-        their last page, which the causal mask hides like the full table's padding.
-        """
-        if window is None or not self._decodes:
-            return None
-        if window not in self._windowed:
-            bs = self._block_size
-            firsts = [max(0, s.start - window + 1) // bs for s in self._decodes]
-            counts = [s.start // bs + 1 - first for s, first in zip(self._decodes, firsts, strict=True)]
-            if max(counts) >= self.max_pages:
-                self._windowed[window] = None
-            else:
-                width = max(counts)
-                table: list[int] = []
-                for s, first, count in zip(self._decodes, firsts, counts, strict=True):
-                    kept = s.pages[first : first + count]
-                    table += kept
-                    table += [kept[-1]] * (width - count)
-                device = self.q_pos.device
-                offsets = as_int64([first * bs for first in firsts], device)
-                self._windowed[window] = _WindowPages(as_int64(table, device), width * bs, offsets)
-        return self._windowed[window]
+    def windowed(self, window: int | None) -> _WindowPages | None:
+        """The pages a one-token group gathers under `window` (None: every page, as without one)."""
+        return None if window is None else self._windowed.get(window)
 
     def mask(self, window: int | None, dtype: torch.dtype) -> torch.Tensor:
         """(seqs, 1, max_new, ctx): may the query see the key (causal, within the window).
@@ -306,9 +210,55 @@ class _Group:
         return self.masks[window]
 
 
+def _pack_window(
+    decodes: list[Span], window: int, block_size: int, max_pages: int, pack: IndexPack
+) -> _PackedWindow | None:
+    """The pages a one-token group gathers under `window`: from the page holding each query's oldest
+    visible key to its own; None when that saves nothing (every page is reached somewhere).
+
+    The first kept page of a sequence is `(q - window + 1) // block_size`; shorter rows repeat
+    their last page, which the causal mask hides like the full table's padding.
+    """
+    firsts = [max(0, s.start - window + 1) // block_size for s in decodes]
+    counts = [s.start // block_size + 1 - first for s, first in zip(decodes, firsts, strict=True)]
+    if max(counts) >= max_pages:
+        return None
+    width = max(counts)
+    table: list[int] = []
+    for s, first, count in zip(decodes, firsts, counts, strict=True):
+        kept = s.pages[first : first + count]
+        table += kept
+        table += [kept[-1]] * (width - count)
+    offsets = pack.add([first * block_size for first in firsts])
+    return _PackedWindow(pack.add(table), width * block_size, offsets)
+
+
+class _KernelGroup:
+    """Decode and resumed sequences the Triton kernel attends straight from their pages."""
+
+    def __init__(self, spans: list[Span], last: list[int], pack: IndexPack) -> None:
+        self.num_seqs = len(spans)
+        self.max_pages = max_pages = max(len(s.pages) for s in spans)
+        self.max_new = max(s.length for s in spans)
+        rows: list[int] = []  # (seqs, 3): first new token's flat index, cached tokens, new tokens
+        table: list[int] = []  # (seqs, max_pages); the padding is never read
+        for s in spans:
+            rows += (last[s.seq] - s.length + 1, s.start, s.length)
+            table += s.pages
+            table += [0] * (max_pages - len(s.pages))
+        self._rows, self._table = pack.add(rows), pack.add(table)
+
+    def bind(self, flat: tuple[torch.Tensor, ...]) -> PagedBatch:
+        """The kernel's view of the forward's uploaded pieces."""
+        seqs = flat[self._rows].view(self.num_seqs, 3)
+        return PagedBatch(seqs, flat[self._table].view(self.num_seqs, self.max_pages), self.max_new)
+
+
 @functools.lru_cache(maxsize=16)
-def _windows(config: ModelConfig) -> tuple[int | None, ...]:
-    return tuple(config.window(layer) for layer in range(config.num_layers))
+def _windows(config: ModelConfig) -> tuple[tuple[int | None, ...], tuple[int, ...]]:
+    """Each layer's sliding window, and the distinct windows (memoised: read once per forward)."""
+    per_layer = tuple(config.window(layer) for layer in range(config.num_layers))
+    return per_layer, tuple(sorted({w for w in per_layer if w is not None}))
 
 
 class AttentionContext:
@@ -317,17 +267,16 @@ class AttentionContext:
     positions: torch.Tensor  # (n,) absolute positions of the new tokens
     last_token_index: torch.Tensor  # (num_seqs,) flat index of each sequence's last new token
 
-    def __init__(self, cache: PagedKVCache, config: ModelConfig, spans: list[_Span]) -> None:
+    def __init__(self, cache: PagedKVCache, config: ModelConfig, spans: list[Span], backend: Backend) -> None:
         self.cache, self.config, self.num_seqs = cache, config, len(spans)
-        device = cache.tensor.device
         bs = cache.block_size
         page_rows = 2 * bs  # a page is block_size K rows then block_size V rows
         last: list[int] = []  # flat index of each sequence's last new token
         positions: list[int] = []
         k_rows: list[int] = []  # row of each new token's K in the layer's (blocks * 2 * block_size) rows
-        decodes: list[_Span] = []
-        fresh: list[_Span] = []
-        resumed: list[_Span] = []
+        decodes: list[Span] = []
+        fresh: list[Span] = []
+        resumed: list[Span] = []
         flat = highest = 0
         for s in spans:
             _, start, length, end, pages = s
@@ -345,22 +294,54 @@ class AttentionContext:
                 k_rows += [pages[pos // bs] * page_rows + pos % bs for pos in span]
                 (resumed if start else fresh).append(s)
         self.num_tokens = flat
-        self.positions = as_int64(positions, device)
-        self.last_token_index = as_int64(last, device)
-        self.k_rows = as_int64(k_rows, device)
+        self.windows, self._sliding = _windows(config)
+        pack = IndexPack()
+        at_positions, at_last, at_rows = pack.add(positions), pack.add(last), pack.add(k_rows)
+        self.groups, kernel = self._groups(decodes, fresh, resumed, last, pack, at_positions, backend)
+        indices = pack.upload(cache)  # every index list of the forward: one copy
+        self.positions = indices[at_positions]
+        self.last_token_index = indices[at_last]
+        self.k_rows = indices[at_rows]
         self.v_rows = self.k_rows + bs  # the V block follows the K block inside a page
-        self.windows = _windows(config)
-        parts = [g for g in (decodes, fresh, resumed) if g]
-        if len(parts) == 1 and decodes:  # a decode step: the queries' positions are all the positions
-            self.groups = [_Group(decodes, None, bs, device, self.positions)]
-        else:
-            self.groups = [_Group(g, last if len(parts) > 1 else None, bs, device) for g in parts]
+        for g in self.groups:
+            g.bind(indices)
+        self.kernel = None if kernel is None else kernel.bind(indices)
         self.cos, self.sin_signed = rotation_rows(config, self.positions, cache.dtype, highest)
 
+    def _groups(
+        self,
+        decodes: list[Span],
+        fresh: list[Span],
+        resumed: list[Span],
+        last: list[int],
+        pack: IndexPack,
+        positions: int,
+        backend: Backend,
+    ) -> tuple[list[_Group], _KernelGroup | None]:
+        """The torch groups of the batch, and the kernel's group (triton: decode + resumed)."""
+        bs, windows = self.cache.block_size, self._sliding
+        if backend is Backend.TRITON:
+            paged = decodes + resumed
+            kernel = _KernelGroup(paged, last, pack) if paged else None
+            return ([_Group(fresh, last if paged else None, bs, pack, windows)] if fresh else []), kernel
+        parts = [g for g in (decodes, fresh, resumed) if g]
+        if len(parts) == 1 and decodes:  # a decode step: the queries' positions are all the positions
+            return [_Group(decodes, None, bs, pack, windows, positions)], None
+        return [_Group(g, last if len(parts) > 1 else None, bs, pack, windows) for g in parts], None
+
     @classmethod
-    def build(cls, cache: PagedKVCache, seqs: Sequence[SeqSlice], config: ModelConfig) -> AttentionContext:
-        """Validate the slices and precompute everything the layers of one forward share."""
-        return cls(cache, config, _spans(cache, seqs))
+    def build(
+        cls, cache: PagedKVCache, seqs: Sequence[SeqSlice], config: ModelConfig, backend: str = "torch"
+    ) -> AttentionContext:
+        """Validate the slices and precompute everything the layers of one forward share.
+
+        `backend`: "torch" (the reference, and the CPU path) or "triton" (decode and resumed slices
+        through the paged kernel; on the CPU only under TRITON_INTERPRET=1).
+        """
+        kind = _BACKENDS.get(backend)
+        if kind is None:
+            raise ValueError(f"unknown attention backend {backend!r} (torch or triton)")
+        return cls(cache, config, spans(cache, seqs), kind)
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """Store `layer`'s new k/v (n, kv_heads, head_dim), attend q (n, heads, head_dim) over the context.
@@ -372,9 +353,11 @@ class AttentionContext:
         rows.index_copy_(0, self.k_rows, k)
         rows.index_copy_(0, self.v_rows, v)
         window = self.windows[layer]
-        if len(self.groups) == 1:
+        if self.kernel is None and len(self.groups) == 1:
             return self._attend_group(self.groups[0], layer, window, q, k, v)
         out = q.new_empty((n, q.shape[1] * q.shape[2]))
+        if self.kernel is not None:  # writes its sequences' rows of `out` in place
+            paged_attention(q, self.cache.layer(layer), self.kernel, out, window)
         for g in self.groups:
             pick = self._tokens(g)
             part = self._attend_group(g, layer, window, q[pick], k[pick], v[pick])

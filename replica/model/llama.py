@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from replica.model.attention import AttentionContext
+from replica.model.attention import ForwardContext
 from replica.model.config import ModelConfig, UnsupportedModel
 from replica.model.layout import EMBED_NAME, LM_HEAD_NAME, NORM_NAME, WeightLayout
 from replica.model.rope import rotate
@@ -124,7 +124,7 @@ class Attention(nn.Module):
         self.layer, self.heads, self.kv_heads = layer, config.num_heads, config.num_kv_heads
         self.head_dim = config.head_dim
 
-    def forward(self, x: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         n, heads, kv_heads, head_dim = x.shape[0], self.heads, self.kv_heads, self.head_dim
         if self.qkv.fused:
             qkv = self.qkv(x)  # (n, (heads + 2 * kv_heads) * head_dim)
@@ -168,7 +168,7 @@ class DecoderLayer(nn.Module):
         # plain references for the hot path (a submodule attribute is looked up through a Python call)
         self._blocks = (self.input_norm, self.attn, self.post_norm, self.mlp)
 
-    def forward(self, hidden: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
+    def forward(self, hidden: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         input_norm, attn, post_norm, mlp = self._blocks
         hidden = hidden + attn(input_norm(hidden), ctx)
         return hidden + mlp(post_norm(hidden))
@@ -192,7 +192,7 @@ class CausalLM(nn.Module):
         return F.embedding(token_ids, self.embed_tokens)
 
     @torch.no_grad()
-    def layer_forward(self, index: int, hidden: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
+    def layer_forward(self, index: int, hidden: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """Run decoder layer `index` on (n, hidden); writes this layer's new KV into the cache."""
         layer: DecoderLayer = self.layers[index]  # type: ignore[assignment]
         return layer(hidden, ctx)
@@ -203,7 +203,7 @@ class CausalLM(nn.Module):
         return F.linear(self.norm(hidden), self.lm_head).float()
 
     @torch.no_grad()
-    def forward(self, token_ids: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
+    def forward(self, token_ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """Embed and run every layer: (n,) token ids -> (n, hidden) final hidden states (before the norm)."""
         hidden = F.embedding(token_ids, self.embed_tokens)
         for layer in self.layers:

@@ -107,16 +107,22 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torc
 
 
 @functools.lru_cache(maxsize=16)
-def _rotation_table(config: ModelConfig, dtype: torch.dtype, length: int) -> torch.Tensor:
-    """(length, 2, head_dim): cos and signed sin of every position, side by side (one gather for both)."""
+def rotation_table(
+    config: ModelConfig, dtype: torch.dtype, length: int, device: torch.device
+) -> torch.Tensor:
+    """(length, 2, head_dim) on `device`: cos and signed sin of every position, side by side (one
+    gather for both), memoised per (config, dtype, length, device).
+
+    Computed on the CPU and copied once, so every device holds the same bits as the CPU table (and
+    a forward never sends positions to the host and back).
+    """
     inv_freq, scale = inverse_frequencies(config)
     cos, sin = cos_sin(inv_freq, scale, torch.arange(length), dtype)
-    return torch.stack((cos, signed_sin(sin)), dim=1)
+    return torch.stack((cos, signed_sin(sin)), dim=1).to(device)
 
 
-def _table_length(positions: torch.Tensor, highest: int | None) -> int:
-    if highest is None:
-        highest = int(positions.max()) + 1 if positions.numel() else 1
+def table_length(highest: int) -> int:
+    """The table length covering positions below `highest`: a power of two, at least 256 (few tables)."""
     return max(256, 1 << (highest - 1).bit_length())
 
 
@@ -125,14 +131,13 @@ def rotation_rows(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """What `rotate` takes for `positions`: cos and signed-sin rows, each (n, 1, head_dim).
 
-    They are read from a memoised per-model table holding every position below a power of two
-    covering the largest one asked for, so a forward costs one row gather each instead of
-    recomputing the trigonometry (same values: elementwise). `highest` (one past the largest
-    position), when the caller knows it, saves a device sync.
+    They are read from a memoised per-model table on the positions' device holding every position
+    below a power of two covering the largest one asked for, so a forward costs one row gather
+    instead of recomputing the trigonometry (same values: elementwise). `highest` (one past the
+    largest position), when the caller knows it, saves a device sync.
     """
-    table = _rotation_table(config, dtype, _table_length(positions, highest))
-    if table.device == positions.device:
-        rows = table.index_select(0, positions)
-    else:
-        rows = table.index_select(0, positions.to(table.device)).to(positions.device)
+    if highest is None:
+        highest = int(positions.max()) + 1 if positions.numel() else 1
+    table = rotation_table(config, dtype, table_length(highest), positions.device)
+    rows = table.index_select(0, positions)
     return rows[:, :1], rows[:, 1:]  # (n, 1, head_dim) views
