@@ -89,9 +89,7 @@ class ModelRunner:
     def context(self, seqs: Sequence[SeqInput]) -> AttentionContext:
         """The attention context of one forward (positions, page tables, masks)."""
         slices = [SeqSlice(s.pages, s.start, len(s.tokens)) for s in seqs]
-        if self.attention_backend == "torch":  # TODO(kernel helper): one call once build takes backend
-            return AttentionContext.build(self.cache, slices, self.model.config)
-        return AttentionContext.build(self.cache, slices, self.model.config, backend=self.attention_backend)  # type: ignore[call-arg]
+        return AttentionContext.build(self.cache, slices, self.model.config, backend=self.attention_backend)
 
     def embed(self, seqs: Sequence[SeqInput]) -> torch.Tensor:
         """(n, hidden) embeddings of every fed token, sequences concatenated."""
