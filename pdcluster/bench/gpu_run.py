@@ -22,7 +22,7 @@ from replica.model.attention import PagedKVCache
 from replica.model.llama import CausalLM
 
 if TYPE_CHECKING:
-    from pdcluster.bench.gpu import BenchGpuConfig
+    from pdcluster.bench.gpu_config import BenchGpuConfig
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 LLAMA_2_POSITIONS = 4096

@@ -67,6 +67,11 @@ COMMANDS: dict[str, Command] = {
         "pdcluster.tools.certs:MakeCertsConfig",
         "pdcluster.tools.certs:run",
     ),
+    "wheelhouse": Command(
+        "gather pdcluster's wheels and its dependencies' (not torch) for nodes without a package registry",
+        "pdcluster.tools.wheelhouse:WheelhouseConfig",
+        "pdcluster.tools.wheelhouse:run",
+    ),
     "calibrate": Command(
         "time a model card's forward on this GPU into a profile table for --engine simulated --profile",
         "pdcluster.tools.calibrate:CalibrateConfig",
@@ -94,7 +99,7 @@ COMMANDS: dict[str, Command] = {
     ),
     "bench gpu": Command(
         "decode and prefill on one device against its measured copy bandwidth and matmul rate",
-        "pdcluster.bench.gpu:BenchGpuConfig",
+        "pdcluster.bench.gpu_config:BenchGpuConfig",
         "pdcluster.bench.gpu:run",
     ),
     "bench serving": Command(

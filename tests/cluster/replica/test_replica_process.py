@@ -58,7 +58,8 @@ def test_info_and_health(replica: ReplicaProcess, stub: pb_grpc.TextGenerationSe
         2,
     )
     assert info.dtype == "float32" and info.device_type == "cpu" and info.lm_head_ready
-    assert (info.device, info.gpu_name, info.attention_backend, info.cuda_graphs) == ("cpu", "", "torch", False)
+    on_device = (info.device, info.gpu_name, info.attention_backend, info.cuda_graphs)
+    assert on_device == ("cpu", "", "torch", False)
     assert stub.Health(pb.HealthRequest(), timeout=DEADLINE).state == "serving"
     with grpc.insecure_channel(replica.address) as channel:
         check = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=DEADLINE)

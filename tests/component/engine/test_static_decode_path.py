@@ -14,6 +14,7 @@ from replica.engine.backend import SeqInput
 from replica.engine.cuda_graphs import batch_buckets
 from replica.engine.engine import Engine
 from replica.engine.factory import build_engine
+from replica.engine.runner import ModelRunner
 from tests.helpers.engine_driver import Driver
 
 
@@ -44,6 +45,7 @@ def test_static_decode_logits_equal_the_ordinary_forward(
 ) -> None:
     engine = _engine(tiny_model_factory(arch="llama", kv_heads=2))
     runner = engine.runner
+    assert isinstance(runner, ModelRunner)
     gen = torch.Generator().manual_seed(rows)
     seqs = []
     for i in range(rows):
@@ -75,6 +77,7 @@ def test_engine_tokens_with_the_static_path_equal_eager(
     for static in (False, True):
         engine = _engine(path)
         if static:
+            assert isinstance(engine.runner, ModelRunner)
             engine.runner.graphs = engine.runner.static_decoder(max_batch=4)  # 7 rows: some steps eager
         driver = Driver(engine)
         driver.prefill(1, 0, work[:4])

@@ -3,6 +3,8 @@ only) still starts; the calls that would move those buffers fail FAILED_PRECONDI
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import pytest
 import torch
 
@@ -12,7 +14,7 @@ from replica.model.attention import PagedKVCache
 
 
 @pytest.fixture
-def cluster() -> ReplicaCluster:
+def cluster() -> Iterator[ReplicaCluster]:
     table = local_table(0, "127.0.0.1", 1)
     made = ReplicaCluster.start("tcp", table, 0, "127.0.0.1:1")
     yield made
