@@ -2,7 +2,7 @@
 PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
-PY     := $(BIN)/python
+VENV_PY := $(BIN)/python
 STAMP  := $(VENV)/.installed
 # torch first, exactly this version: a CPU wheel of it ships with the machine (see README).
 TORCH_SPEC ?= torch==2.13.0
@@ -10,14 +10,25 @@ PYTEST_ARGS ?=
 BENCH_OUT ?= bench-results
 FUZZ_EXAMPLES ?= 200
 EXPERIMENT_OUT ?= experiment-results/demo
+# `make wheelhouse`: the nodes' Python, the folder, the extras, what the nodes have already
+PY ?= 3.12
+WHEELHOUSE ?= wheelhouse
+EXTRAS ?= gpu-cu13 gpu-test
+LEAVE_OUT ?=
+# `make gpu-check`: where its logs, JSON and summary go
+OUT ?= gpu-check-results
 
-.PHONY: help venv demo test test-unit test-component test-cluster test-hosts test-long proto proto-check lint bench fuzz experiment-demo clean
+.PHONY: help venv demo test test-unit test-component test-cluster test-hosts test-long test-gpu proto proto-check lint \
+	bench fuzz experiment-demo wheelhouse gpu-check clean
 
 help:
 	@echo "make demo   - set up, build a tiny model, start a local cluster, serve requests"
 	@echo "make test   - set up, then the whole test suite (every tier but hosts; not the long runs)"
 	@echo "make test-long - the soak's and bench scaling's short runs (a few minutes)"
 	@echo "make test-hosts - emulated hosts with real sshd and Slurm (root; installs Debian packages)"
+	@echo "make test-gpu - tests/gpu (each test skips with its reason where CUDA is absent)"
+	@echo "make gpu-check OUT=DIR - on one NVIDIA GPU without a registry: nvidia-smi, tests/gpu, bench gpu into DIR"
+	@echo "make wheelhouse PY=3.12 - pdcluster's wheels and its dependencies' (not torch) under $(WHEELHOUSE)/"
 	@echo "make lint   - ruff, mypy and the import rules (import-linter)"
 	@echo "make proto  - regenerate the gRPC stubs from protos/*.proto"
 	@echo "make bench  - benchmarks, JSON under $(BENCH_OUT)/"
@@ -25,29 +36,43 @@ help:
 	@echo "make experiment-demo - a small experiment matrix and its report under $(EXPERIMENT_OUT)/"
 
 $(STAMP): pyproject.toml
-	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet "$(TORCH_SPEC)"
-	$(PY) -m pip install --quiet -e ".[dev]"
+	test -x $(VENV_PY) || $(PYTHON) -m venv $(VENV)
+	$(VENV_PY) -m pip install --quiet --upgrade pip
+	$(VENV_PY) -m pip install --quiet "$(TORCH_SPEC)"
+	$(VENV_PY) -m pip install --quiet -e ".[dev]"
 	touch $(STAMP)
 
 venv: $(STAMP)
 
 proto: $(STAMP)
-	$(PY) -m grpc_tools.protoc -I . --python_out=. --grpc_python_out=. --pyi_out=. protos/*.proto
+	$(VENV_PY) -m grpc_tools.protoc -I . --python_out=. --grpc_python_out=. --pyi_out=. protos/*.proto
 
 # The committed stubs must be exactly what `make proto` generates.
 proto-check: $(STAMP)
-	$(PY) scripts/proto_check.py
+	$(VENV_PY) scripts/proto_check.py
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/mypy protos replica transfer router pdcluster scripts tests
 	$(BIN)/lint-imports
 
-# Every tier but `hosts` and the benchmarks' own short runs (`long`); CI runs both after this.
+# Every tier but `hosts`, `gpu` and the benchmarks' own short runs (`long`); CI runs those after this.
 test: $(STAMP) proto-check
-	$(BIN)/pytest -q -m "not hosts and not long" $(PYTEST_ARGS)
+	$(BIN)/pytest -q -m "not hosts and not long and not gpu" $(PYTEST_ARGS)
+
+# No set-up: a GPU node may have no venv and no registry (the venv's pytest if there is one, else $(PYTHON)'s).
+test-gpu:
+	$(if $(wildcard $(BIN)/pytest),$(BIN)/pytest,$(PYTHON) -m pytest) -q tests/gpu $(PYTEST_ARGS)
+
+# Every GPU test and benchmark in one run, with timeouts, into $(OUT)/ (scripts/gpu_check.sh; PYTHON=... picks
+# the interpreter). Needs no venv and no registry: a carried wheelhouse/ or .whl/ folder is installed from.
+gpu-check:
+	PYTHON=$(PYTHON) scripts/gpu_check.sh $(OUT)
+
+# For nodes without a package registry (pdcluster/cluster/wheelhouse.py): `pip install --no-index --find-links DIR`.
+wheelhouse: $(STAMP)
+	$(BIN)/pdcluster wheelhouse --python $(PY) --out $(WHEELHOUSE) $(if $(EXTRAS),--extra $(EXTRAS)) \
+		$(if $(LEAVE_OUT),--leave-out $(LEAVE_OUT))
 
 # the soak's and bench scaling's short runs (a few minutes)
 test-long: $(STAMP)
@@ -84,4 +109,4 @@ experiment-demo: $(STAMP)
 	$(BIN)/pdcluster experiment run examples/experiment-demo.toml --out $(EXPERIMENT_OUT) $(FORCE)
 
 clean:
-	rm -rf $(VENV) .demo .experiment experiment-results $(BENCH_OUT) .pytest_cache .mypy_cache .ruff_cache build *.egg-info
+	rm -rf $(VENV) .demo .experiment experiment-results $(BENCH_OUT) $(WHEELHOUSE) $(OUT) .pytest_cache .mypy_cache .ruff_cache build *.egg-info

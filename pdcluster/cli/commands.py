@@ -69,8 +69,8 @@ COMMANDS: dict[str, Command] = {
     ),
     "wheelhouse": Command(
         "gather pdcluster's wheels and its dependencies' (not torch) for nodes without a package registry",
-        "pdcluster.tools.wheelhouse:WheelhouseConfig",
-        "pdcluster.tools.wheelhouse:run",
+        "pdcluster.cluster.wheelhouse:WheelhouseConfig",
+        "pdcluster.cluster.wheelhouse:run",
     ),
     "calibrate": Command(
         "time a model card's forward on this GPU into a profile table for --engine simulated --profile",

@@ -112,9 +112,15 @@ def command_type() -> Any:
 def runner_of(config: object) -> Any:
     """The runner of the subcommand whose config this is."""
     for command in COMMANDS.values():
-        if type(config) is resolve(command.config):
+        if command.config == _path_of(type(config)):
             return resolve(command.runner)
     raise LookupError(f"no subcommand takes a {type(config).__name__}")
+
+
+def _path_of(cls: type) -> str:
+    """"module:name" of a config class, as `COMMANDS` names it: matched without importing the other
+    subcommands' config modules (`pdcluster devices` must not import the router's)."""
+    return f"{cls.__module__}:{cls.__qualname__}"
 
 
 def named_command(argv: Sequence[str]) -> str | None:
@@ -164,7 +170,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"pdcluster: invalid arguments: {config.reason}", file=sys.stderr)
         return 2
     name = command_name(config)
-    problem = problem_of(config)
+    problem = problem_of(name, config)
     if problem:
         print(f"pdcluster {name}: {problem}", file=sys.stderr)
         return 2
@@ -192,6 +198,6 @@ def _one_line(exc: BaseException) -> str:
 def command_name(config: object) -> str:
     """The subcommand whose config this is ("bench serving", "up", …)."""
     for name, command in COMMANDS.items():
-        if type(config) is resolve(command.config):
+        if command.config == _path_of(type(config)):
             return name
     return type(config).__name__

@@ -7,14 +7,22 @@
 ```
 A problem found here ends the command with exit code 2 and `pdcluster NAME: CAUSE`, before the
 replica or router code runs (and so before it can end in a traceback).
+
+The checks are looked up by the subcommand's name, never by importing every config class: a
+`pdcluster devices` on a bare node must not import the router's or the replica's modules.
 """
 
 from __future__ import annotations
 
-from pdcluster.cluster.local import UpConfig
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
 from pdcluster.discovery.checks import checkpoint_problem, port_problem
-from replica.config import ReplicaConfig
-from router.config import RouterConfig
+
+if TYPE_CHECKING:
+    from pdcluster.cluster.local import UpConfig
+    from replica.config import ReplicaConfig
+    from router.config import RouterConfig
 
 
 def _ports(host: str, ports: list[tuple[str, int]]) -> str:
@@ -25,15 +33,27 @@ def _ports(host: str, ports: list[tuple[str, int]]) -> str:
     return ""
 
 
-def problem_of(config: object) -> str:
-    """Why `config`'s command cannot start ("" when nothing is known to be wrong)."""
-    if isinstance(config, ReplicaConfig):
-        weights = not config.inactive and not config.engine_tag  # a simulated engine reads no weights
-        model = "" if config.model is None else checkpoint_problem(config.model, weights=weights)
-        return model or _ports(config.host, [("--port", config.port)])
-    if isinstance(config, RouterConfig | UpConfig):
-        ports = [("--http-port", config.http_port), ("--admin-port", config.admin_port)]
-        # the router reads the tokenizer and config.json only; simulated replicas need no weights
-        weights = isinstance(config, UpConfig) and config.engine == "torch"
-        return checkpoint_problem(config.model, weights=weights, tokenizer=True) or _ports(config.host, ports)
-    return ""
+def _replica(config: ReplicaConfig) -> str:
+    weights = not config.inactive and not config.engine_tag  # a simulated engine reads no weights
+    model = "" if config.model is None else checkpoint_problem(config.model, weights=weights)
+    return model or _ports(config.host, [("--port", config.port)])
+
+
+def _router_or_up(config: RouterConfig | UpConfig, weights: bool) -> str:
+    """The router reads the tokenizer and config.json only; `up`'s torch replicas the weights too."""
+    ports = [("--http-port", config.http_port), ("--admin-port", config.admin_port)]
+    return checkpoint_problem(config.model, weights=weights, tokenizer=True) or _ports(config.host, ports)
+
+
+CHECKS: dict[str, Callable[[Any], str]] = {
+    "replica": _replica,
+    "router": lambda config: _router_or_up(config, weights=False),
+    "up": lambda config: _router_or_up(config, weights=config.engine == "torch"),
+}
+"""The check of each subcommand that has one, by its name in `commands.COMMANDS`."""
+
+
+def problem_of(name: str, config: object) -> str:
+    """Why the subcommand `name` with `config` cannot start ("" when nothing is known to be wrong)."""
+    check = CHECKS.get(name)
+    return check(config) if check is not None else ""

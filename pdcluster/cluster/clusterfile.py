@@ -61,6 +61,14 @@ class Fabric(enum.Enum):
     RDMA = "rdma"  # an RDMA NIC on every such node
 
 
+class LaunchDevice(enum.Enum):
+    """`[launch] device` (`--device`): what every node's replicas run on."""
+
+    AUTO = "auto"  # each node's `devices`: its CUDA devices where discovery finds some, else CPU workers
+    CPU = "cpu"  # CPU workers everywhere, GPUs or not
+    CUDA = "cuda"  # a CUDA device for every replica: a node where discovery finds none fails the launch
+
+
 class DeviceMode(enum.Enum):
     """What a node's `devices` says."""
 
@@ -94,6 +102,7 @@ class NodeSpec:
     cpu_replicas: int = 1  # CPU workers on a node without CUDA devices, each on its own cores
     env: tuple[tuple[str, str], ...] = ()  # set for every replica on this node
     pdcluster: str = ""  # the pdcluster command on this node; default: the launch's
+    gpu_memory_fraction: float | None = None  # its replicas' share of their GPU; None: the launch's
 
     @property
     def transfer_host(self) -> str:
@@ -144,6 +153,9 @@ class LaunchSpec:
     restart_window_s: float = 300.0
     fanout: int = 32  # ssh / srun sessions opened at once (discovery, stop, log collection)
     replica_flags: Flags = ()  # more flags of every replica (`extra_flags.py`)
+    device: LaunchDevice = LaunchDevice.AUTO
+    gpu_memory_fraction: float = 0.9  # the share of its GPU each CUDA replica may take
+    wheelhouse: Path | None = None  # `pdcluster wheelhouse` folder installed on every node first
 
 
 @dataclass(frozen=True)
@@ -180,10 +192,11 @@ _CLUSTER = {"token_file"}
 _MODEL = {"path", "root"}
 _ROUTER = {"host", "http_port", "admin_port", "admin_token", "strategy", "scaling", "flags"}
 _LAUNCH = {"via", "fabric", "log_dir", "pdcluster", "workdir", "ready_timeout_s", "num_blocks",
-           "torch_threads", "max_restarts", "restart_window_s", "fanout", "replica_flags"}
+           "torch_threads", "max_restarts", "restart_window_s", "fanout", "replica_flags", "device",
+           "gpu_memory_fraction", "wheelhouse"}
 _SSH = {"config", "identity", "options", "connect_timeout_s"}
 _NODE = {"name", "address", "ssh_user", "ssh_port", "transfer_address", "nic_gbps", "devices", "role",
-         "cpu_replicas", "env", "pdcluster", *ROLES}
+         "cpu_replicas", "env", "pdcluster", "gpu_memory_fraction", *ROLES}
 
 
 class _Table:
@@ -252,6 +265,10 @@ def _at_least(low: float) -> Callable[[float], str]:
     return lambda value: "" if value >= low else f"must be >= {low:g}, not {value:g}"
 
 
+def _fraction(value: float) -> str:
+    return "" if 0 < value <= 1 else f"must be in (0, 1], not {value:g}"
+
+
 def _port(value: int) -> str:
     return "" if 0 <= value <= 65535 else f"must be a port in [0, 65535], not {value}"
 
@@ -316,6 +333,7 @@ def _router(t: _Table) -> RouterSpec:
 
 def _launch(t: _Table, folder: Path, path: Path) -> LaunchSpec:
     workdir = t.get("workdir", str, "")
+    wheelhouse = t.get("wheelhouse", str, "")
     return LaunchSpec(
         log_dir=_under(folder, t.get("log_dir", str, f"{path.stem}-logs")),
         via=t.choice("via", Via, Via.SSH), fabric=t.choice("fabric", Fabric, Fabric.TCP),
@@ -327,6 +345,9 @@ def _launch(t: _Table, folder: Path, path: Path) -> LaunchSpec:
         restart_window_s=t.get("restart_window_s", float, 300.0, _at_least(1)),
         fanout=t.get("fanout", int, 32, _at_least(1)),
         replica_flags=t.flags("replica_flags", replica_fields(), REPLICA_OWN),
+        device=t.choice("device", LaunchDevice, LaunchDevice.AUTO),
+        gpu_memory_fraction=t.get("gpu_memory_fraction", float, 0.9, _fraction),
+        wheelhouse=_under(folder, wheelhouse) if wheelhouse else None,
     )
 
 
@@ -393,6 +414,8 @@ def _node(t: _Table, index: int) -> NodeSpec:
         nic_gbps=t.get("nic_gbps", float, 0.0, _at_least(0)),
         cpu_replicas=t.get("cpu_replicas", int, 1, _at_least(1)), env=_env(t),
         pdcluster=t.get("pdcluster", str, ""),
+        gpu_memory_fraction=t.get("gpu_memory_fraction", float, 0.9, _fraction)
+        if "gpu_memory_fraction" in t.values else None,
     )
     if "cpu_replicas" in t.values and devices.mode is DeviceMode.LIST:
         raise t.error(("cpu_replicas",), f"{t.name('cpu_replicas')} is for CPU nodes; this one lists CUDA "
@@ -420,17 +443,40 @@ def _check_nodes(cluster: ClusterFile) -> None:
     if not any(n.role in SERVING_ROLES or any(c for r, c in n.counts if r in SERVING_ROLES)
                for n in cluster.nodes):
         raise cluster.error(("nodes", 0), "no node runs a prefill, decode or colocated replica")
-    fabric = cluster.launch.fabric
-    if fabric is Fabric.NCCL:  # rdma moves host memory too: only discovery can say (an RDMA NIC)
-        for node in cluster.nodes:
-            if node.devices.mode is DeviceMode.CPU:
-                raise cluster.error(("nodes", node.index, "devices"),
-                                    f"fabric nccl needs CUDA devices but {node.name} has devices = "
-                                    '"cpu" (use fabric = "tcp")')
+    fabric, device = cluster.launch.fabric, cluster.launch.device
+    if fabric is Fabric.NCCL and device is LaunchDevice.CPU:
+        raise cluster.error(("launch", "fabric"), 'fabric nccl needs CUDA devices but the launch\'s device '
+                                                  'is "cpu" (use fabric = "tcp")')
+    for node in cluster.nodes:
+        if fabric is Fabric.NCCL and node.devices.mode is DeviceMode.CPU:
+            # rdma moves host memory too: only discovery can say (an RDMA NIC)
+            raise cluster.error(("nodes", node.index, "devices"),
+                                f"fabric nccl needs CUDA devices but {node.name} has devices = "
+                                '"cpu" (use fabric = "tcp")')
+        _check_device(cluster, node, device)
+
+
+def _check_device(cluster: ClusterFile, node: NodeSpec, device: LaunchDevice) -> None:
+    """A node's `devices` against the launch's `device` (the CUDA ones discovery checks later)."""
+    if device is LaunchDevice.CPU and node.devices.mode is DeviceMode.LIST:
+        raise cluster.error(("nodes", node.index, "devices"),
+                            f"{node.name} lists CUDA devices but the launch's device is \"cpu\"")
+    if device is LaunchDevice.CUDA and node.devices.mode is DeviceMode.CPU:
+        raise cluster.error(("nodes", node.index, "devices"),
+                            f"{node.name} has devices = \"cpu\" but the launch's device is \"cuda\"")
 
 
 def with_fabric(cluster: ClusterFile, fabric: Fabric) -> ClusterFile:
     """`cluster` with another fabric (`--fabric`), checked as the file's own would be."""
-    changed = replace(cluster, launch=replace(cluster.launch, fabric=fabric))
+    return with_launch(cluster, fabric=fabric)
+
+
+def with_launch(cluster: ClusterFile, **changes: Any) -> ClusterFile:
+    """`cluster` with some `[launch]` values replaced (the command line's `--fabric`, `--device`,
+    `--gpu-memory-fraction`, `--wheelhouse`), checked as the file's own would be."""
+    fraction = changes.get("gpu_memory_fraction")
+    if fraction is not None and _fraction(fraction):
+        raise ValueError(f"--gpu-memory-fraction {_fraction(fraction)}")
+    changed = replace(cluster, launch=replace(cluster.launch, **changes))
     _check_nodes(changed)
     return changed

@@ -1,13 +1,15 @@
 """`pdcluster launch FILE`: replicas on every node of a cluster file, the router here, one ready line.
 
 ```
- pdcluster launch FILE ─┬─ discover: `pdcluster devices --json --ports N …` on every node (bounded pool)
+ pdcluster launch FILE ─┬─ with --wheelhouse DIR: its tar to every node, pip install --no-index there
+                        ├─ discover: `pdcluster devices --json --ports N …` on every node (bounded pool)
                         ├─ place replicas on what was found, rank table from the ports drawn there
                         ├─ stage the rank table on every node (stdin of one short session each), with
                         │     [tls] / a token: the node's certificate and key, the CA, the token file
                         │     (security.py)
                         ├─ one session per replica: ssh -tt NODE | srun --nodelist=NODE | bash -c
-                        │     'echo $$ > PIDFILE; export CUDA_VISIBLE_DEVICES=…; exec pdcluster replica …'
+                        │     'echo $$ > PIDFILE; export CUDA_VISIBLE_DEVICES=N; exec pdcluster replica
+                        │      … --device cuda --gpu-memory-fraction F' (CPU workers: --device cpu)
                         ├─ wait for every replica's ready line (a progress line per node, one deadline)
                         └─ pdcluster router --replica … (here) ─► "pdcluster launch ready: …"
 ```
@@ -24,13 +26,14 @@ import os
 import shlex
 import subprocess
 import sys
+import tarfile
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 
 from pdcluster import SOURCE_ROOT
-from pdcluster.cluster.clusterfile import ClusterFile, Fabric, NodeSpec, Via, parse, with_fabric
+from pdcluster.cluster.clusterfile import ClusterFile, Fabric, LaunchDevice, NodeSpec, Via, parse, with_launch
 from pdcluster.cluster.launch_plan import Commands, Placement, place, rank_table, router_args, wrap
 from pdcluster.cluster.processes import (
     REPLICA_READY,
@@ -52,6 +55,7 @@ from pdcluster.cluster.runstate import (
 )
 from pdcluster.cluster.security import bundle
 from pdcluster.cluster.supervisor import RestartPolicy, supervise
+from pdcluster.cluster.wheelhouse import read_manifest
 from pdcluster.discovery.checks import port_problem
 from pdcluster.discovery.inventory import Inventory
 
@@ -71,9 +75,21 @@ class LaunchConfig:
                                               "choices": ["", "tcp", "nccl", "rdma"]})
     dry_run: bool = field(default=False, metadata={"help": (
         "discover every node, print the placement, rank table and commands; start nothing")})
+    device: str = field(default="", metadata={"help": (
+        "what the replicas run on; empty = launch.device (auto: each node's devices; cpu: CPU workers "
+        "everywhere; cuda: a CUDA device for every replica)"), "choices": ["", "auto", "cpu", "cuda"]})
+    gpu_memory_fraction: float = field(default=0.0, metadata={"help": (
+        "the share of its GPU each CUDA replica may take; 0 = the cluster file's (default 0.9)")})
+    wheelhouse: Path | None = field(default=None, metadata={"help": (
+        "a `pdcluster wheelhouse` folder: copied to every node and installed there (pip --no-index) "
+        "before discovery; unset = launch.wheelhouse")})
 
     def __post_init__(self) -> None:
         self.file = Path(self.file)
+        if not 0 <= self.gpu_memory_fraction <= 1:
+            raise ValueError(f"--gpu-memory-fraction must be in (0, 1], got {self.gpu_memory_fraction}")
+        if self.wheelhouse is not None:
+            self.wheelhouse = Path(self.wheelhouse)
 
 
 class LaunchError(RuntimeError):
@@ -91,8 +107,19 @@ def pdcluster_command(configured: str) -> list[str]:
 def load(config: LaunchConfig) -> tuple[ClusterFile, Via]:
     """The cluster file with the command line's overrides applied (ClusterFileError when unusable)."""
     cluster = parse(config.file)
+    changes: dict[str, object] = {}
     if config.fabric:
-        cluster = with_fabric(cluster, Fabric(config.fabric))
+        changes["fabric"] = Fabric(config.fabric)
+    if config.device:
+        changes["device"] = LaunchDevice(config.device)
+    if config.gpu_memory_fraction:
+        changes["gpu_memory_fraction"] = config.gpu_memory_fraction
+    if config.wheelhouse is not None:
+        changes["wheelhouse"] = config.wheelhouse.resolve()
+    if changes:
+        cluster = with_launch(cluster, **changes)
+    if cluster.launch.wheelhouse is not None:
+        read_manifest(cluster.launch.wheelhouse)  # not a wheelhouse: refused before anything starts
     return cluster, Via(config.via) if config.via else cluster.launch.via
 
 
@@ -127,7 +154,7 @@ class Launch:
         return wrap(self.via, self.cluster, node, script, tty, name)
 
     def _fan_out(self, nodes: list[NodeSpec], script_of: Callable[[NodeSpec], str], timeout: float,
-                 stdin_of: Callable[[NodeSpec], str] | None = None) -> list[Answer]:
+                 stdin_of: Callable[[NodeSpec], str | Path] | None = None) -> list[Answer]:
         fanout = self.cluster.launch.fanout
         return fan_out(nodes, lambda n: self.argv(n, script_of(n)), timeout, fanout, stdin_of)
 
@@ -135,6 +162,29 @@ class Launch:
         return max(1.0, min(PROBE_TIMEOUT_S, deadline - time.monotonic()))
 
     # --- start ------------------------------------------------------------------------------------
+    def install(self, deadline: float) -> None:
+        """With a wheelhouse: copy it to every node (a tar on the stdin of one session each, streamed
+        from disk) and install pdcluster from it there, before discovery runs `pdcluster devices`."""
+        folder = self.cluster.launch.wheelhouse
+        if folder is None:
+            return
+        script = self._wheelhouse_script(folder)
+        packed = self.run_dir / "wheelhouse.tar"
+        pack_tar(folder, packed)
+        nodes = list(self.cluster.nodes)
+        for answer in self._fan_out(nodes, script, max(1.0, deadline - time.monotonic()),
+                                    stdin_of=lambda _: packed):
+            if not answer.ok:
+                raise LaunchError(f"{_node(answer.node)}: installing the wheelhouse {folder} failed: "
+                                  f"{answer.why(self.via)}")
+            _progress(f"{_node(answer.node)}: pdcluster installed from the wheelhouse in "
+                      f"{answer.seconds:.1f} s")
+        packed.unlink(missing_ok=True)
+
+    def _wheelhouse_script(self, folder: Path) -> Callable[[NodeSpec], str]:
+        record = read_manifest(folder)
+        return lambda node: self.commands.wheelhouse_script(node, record.project, list(record.extras))
+
     def discover(self, deadline: float) -> dict[int, Inventory]:
         """Every node's inventory (LaunchError naming the first node that did not answer)."""
         answers = self._fan_out(list(self.cluster.nodes), self.commands.probe_script, self._timeout(deadline))
@@ -217,6 +267,7 @@ class Launch:
         self._claim()
         deadline = self.started_at + self.cluster.launch.ready_timeout_s
         _check_router_ports(self.cluster)
+        self.install(deadline)
         self.plan(self.discover(deadline))
         self._record(RunPhase.STARTING)
         self.stage(deadline)
@@ -297,15 +348,32 @@ class Launch:
                      for p, r in zip(self.placements, procs, strict=True))
 
     def dry_run(self) -> str:
-        """The placement, rank table and every command, as text (after discovery)."""
+        """The placement, rank table and every command, as text (after discovery; a wheelhouse is not
+        installed: its command is shown, and discovery needs pdcluster on the nodes already)."""
+        lines = []
+        if self.cluster.launch.wheelhouse is not None:
+            script = self._wheelhouse_script(self.cluster.launch.wheelhouse)
+            for node in self.cluster.nodes:
+                argv = self.argv(node, script(node))
+                lines += [f"# wheelhouse on {node.name} (its tar on stdin)", shlex.join(argv)]
         self.plan(self.discover(time.monotonic() + self.cluster.launch.ready_timeout_s))
-        lines = ["# placement", *map(_describe_placement, self.placements),
+        lines += ["# placement", *map(_describe_placement, self.placements),
                  "# rank table", rank_table(self.placements).to_json()]
         for p in self.placements:
             argv = self.argv(p.node, self.commands.replica_script(p), True, f"pdcluster-r{p.rank}")
             lines += [f"# rank {p.rank} ({p.role}) on {p.node.name}", shlex.join(argv)]
         router = shlex.join(["pdcluster", *router_args(self.cluster, self.placements)])
         return "\n".join([*lines, "# router (here)", router])
+
+
+def pack_tar(folder: Path, out: Path) -> Path:
+    """The wheels and the manifest of a wheelhouse as one uncompressed tar (wheels are zips already)."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with tarfile.open(out, "w") as tar:
+        for path in sorted(folder.iterdir()):
+            if path.is_file() and (path.suffix == ".whl" or path.name == "manifest.json"):
+                tar.add(path, arcname=path.name)
+    return out
 
 
 def _state(proc: Proc | None) -> str:

@@ -15,7 +15,15 @@ import shlex
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
-from pdcluster.cluster.clusterfile import ClusterFile, DeviceMode, Fabric, NodeSpec, SshSpec, Via
+from pdcluster.cluster.clusterfile import (
+    ClusterFile,
+    DeviceMode,
+    Fabric,
+    LaunchDevice,
+    NodeSpec,
+    SshSpec,
+    Via,
+)
 from pdcluster.cluster.extra_flags import flag_args
 from pdcluster.discovery.inventory import Inventory
 from transfer.ranktable import RankTable
@@ -117,9 +125,14 @@ def _one_numa(inv: Inventory, cores: tuple[int, ...]) -> int | None:
 
 
 def _slots(cluster: ClusterFile, node: NodeSpec, inv: Inventory) -> list[_Slot]:
-    mode = node.devices.mode
+    mode, device = node.devices.mode, cluster.launch.device
+    if device is LaunchDevice.CPU:
+        return _cpu_slots(cluster, node, inv)
     if mode is DeviceMode.LIST or (mode is DeviceMode.AUTO and inv.gpus):
         return _gpu_slots(cluster, node, inv)
+    if device is LaunchDevice.CUDA:
+        raise cluster.error(("launch", "device"), f"the launch's device is cuda, but discovery found no "
+                                                  f"CUDA device on {node.name}")
     return _cpu_slots(cluster, node, inv)
 
 
@@ -202,6 +215,19 @@ class Commands:
         return (f"umask 077 && mkdir -p {d} && mkdir {temp} && base64 -d | tar -x -C {temp} && "
                 f"mv -f {temp}/* {d}/ && rmdir {temp}")
 
+    def wheelhouse_script(self, node: NodeSpec, project_wheel: str, extras: list[str]) -> str:
+        """Unpack the wheelhouse tar read from stdin into this run's folder on `node` and install
+        pdcluster from it with the node's Python, never reaching a registry: its dependencies
+        (`pip install --no-index`, torch already there), then its own wheel again (`--force-reinstall
+        --no-deps`: the version number does not change between checkouts)."""
+        d = self.node_dir / "wheelhouse"
+        python = shlex.join(node_python(self.command_of(node)))
+        target = f"pdcluster[{','.join(extras)}]" if extras else "pdcluster"
+        pip = f"{python} -m pip install --no-index --find-links {_q(d)} --disable-pip-version-check -q"
+        return (f"umask 077 && mkdir -p {_q(d)} && tar -x -C {_q(d)} && "
+                f"{pip} {shlex.quote(target)} && "
+                f"{pip} --no-deps --force-reinstall {_q(d / project_wheel)}")
+
     def staged_files(self, node: NodeSpec) -> dict[str, Path]:
         """The files of this machine staged on `node` besides the rank table (name there -> file here)."""
         return self.cluster.security.node_files(node.address)
@@ -214,6 +240,7 @@ class Commands:
                 "--host", p.node.address, "--port", str(p.port), "--num-blocks", str(launch.num_blocks)]
         if model.root is not None:
             args += ["--model-root", str(model.root)]
+        args += self.device_args(p)
         threads = launch.torch_threads or len(p.engine_cpus)
         if threads:
             args += ["--torch-threads", str(threads)]
@@ -222,6 +249,18 @@ class Commands:
         args += self.cluster.security.replica_args(p.node.address, self.node_dir)
         args += flag_args(launch.replica_flags)
         return [*args, "--inactive"] if p.role == "inactive" else args
+
+    def device_args(self, p: Placement) -> list[str]:
+        """`--device` (and `--gpu-memory-fraction` on CUDA) of one replica.
+
+        A CUDA replica starts with `CUDA_VISIBLE_DEVICES=N` (the rank table's `cuda:N`), so that
+        device is the only one it sees: `--device cuda` (its cuda:0). A CPU worker gets `--device cpu`,
+        so it stays on the CPU on a node that has GPUs too.
+        """
+        if not p.cuda_visible_devices:
+            return ["--device", "cpu"]
+        fraction = p.node.gpu_memory_fraction or self.cluster.launch.gpu_memory_fraction
+        return ["--device", "cuda", "--gpu-memory-fraction", f"{fraction:g}"]
 
     def replica_script(self, p: Placement) -> str:
         """The script run on the node: record its pid, set its device, exec the replica.
@@ -259,6 +298,16 @@ done
 rm -rf "$d"
 echo "stopped:$pids killed:$left"
 """
+
+
+def node_python(command: list[str]) -> list[str]:
+    """The Python whose environment holds the node's pdcluster command: VENV/bin/python beside
+    VENV/bin/pdcluster, the interpreter of `python -m pdcluster`, else `python3` on the PATH."""
+    if len(command) >= 3 and command[1:3] == ["-m", "pdcluster"]:
+        return [command[0]]
+    if command and PurePosixPath(command[0]).name == "pdcluster" and "/" in command[0]:
+        return [str(PurePosixPath(command[0]).parent / "python")]
+    return ["python3"]
 
 
 def _q(path: PurePosixPath | Path) -> str:

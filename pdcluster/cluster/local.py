@@ -13,6 +13,9 @@ restart budget is spent the router is stopped too and `up` exits 1.
 With `--engine simulated` the replicas behave like `--gpu` running `--model-card` (no torch, one
 process each, no gRPC front process); `--model` then only lends its tokenizer, and every bandwidth
 flag is the emulated cluster's full-scale figure (the replicas pace at it times `--byte-scale`).
+`--device cuda` puts the torch replicas on the visible GPUs, round-robin, sharing a GPU's
+`--gpu-memory-fraction` among the replicas on it (`gpu_placement.py`); `--device cpu` (and `auto`
+without a GPU) is the CPU cluster it always was.
 `LocalCluster` is the same thing as a context manager (no restarts): the one local cluster of the
 demo, the serving benchmark and the cluster tests. Processes and their stop: `processes.py`.
 """
@@ -28,6 +31,7 @@ from pathlib import Path
 from types import TracebackType
 
 from pdcluster.cluster.engine import ENGINES, EngineSpec
+from pdcluster.cluster.gpu_placement import DeviceSlot, place_on_devices
 from pdcluster.cluster.placement import Placement
 from pdcluster.cluster.processes import (
     REPLICA_READY,
@@ -40,6 +44,8 @@ from pdcluster.cluster.processes import (
 )
 from pdcluster.cluster.replica_process import free_ports
 from pdcluster.cluster.supervisor import RestartPolicy, supervise
+from pdcluster.discovery.discover import visible_gpu_count
+from replica.config import check_device_name
 from router import strategies
 from router.config import Strategy
 from router.scaling import policies
@@ -110,6 +116,11 @@ class UpConfig:
     max_restarts: int = field(default=3, metadata={"help": (
         "restarts of one replica within --restart-window before `up` stops everything and exits 1")})
     restart_window: float = field(default=300.0, metadata={"help": "seconds over which restarts are counted"})
+    device: str = field(default="auto", metadata={"help": (
+        "torch engine: cpu, cuda (one replica per visible GPU, round-robin: more replicas than GPUs "
+        "share them), cuda:N (all on GPU N) or auto (cuda where a GPU is visible, else cpu)")})
+    gpu_memory_fraction: float = field(default=0.9, metadata={"help": (
+        "the share of each GPU its replicas take together; replicas sharing one GPU split it evenly")})
 
     def __post_init__(self) -> None:
         self.model = Path(self.model)
@@ -130,6 +141,11 @@ class UpConfig:
         if self.cluster_token and self.cluster_token_file is not None:
             raise ValueError("give --cluster-token or --cluster-token-file, not both")
         self.engine_spec()  # an unknown GPU or card, a bad scale → ValueError naming it
+        check_device_name(self.device)
+        if not 0 < self.gpu_memory_fraction <= 1:
+            raise ValueError(f"--gpu-memory-fraction must be in (0, 1], got {self.gpu_memory_fraction}")
+        if self.engine != "torch" and self.device not in ("auto", "cpu"):
+            raise ValueError(f"--device {self.device} is for the torch engine; simulated replicas use none")
         if self.inactive and self.engine == "torch" and not (self.model / "config.json").is_file():
             raise ValueError(f"--inactive replicas load from the model root, but {self.model} has no "
                              "config.json the replicas can read")
@@ -182,6 +198,7 @@ class LocalCluster:
         self.admin_address = ""
         self.model_dir = config.model  # the router's --model (a simulated engine's: made by start)
         self.placement = Placement.plan(config.decode) if config.pin_decode else None
+        self.devices: tuple[DeviceSlot, ...] = ()  # each replica's device, by rank (set by start)
         self.policy = RestartPolicy(config.max_restarts, config.restart_window)
 
     def __enter__(self) -> LocalCluster:
@@ -235,13 +252,11 @@ class LocalCluster:
         engine = c.engine_spec()
         self.model_dir = engine.model_folder(c.model, self.log_dir / "model" / engine.model_card)
         pages = c.num_blocks if engine.simulated else (c.num_blocks or 512)
+        self.devices = self.place_devices()
+        common = [*(["--num-blocks", str(pages)] if pages else []), "--torch-threads", str(threads), *fabric,
+                  *c.replica_args(), *security]
         for rank, role in enumerate(self.roles()):
-            args = ["replica", "--model", str(self.model_dir), "--host", c.host, "--port", str(ports[rank]),
-                    "--rank", str(rank), *(["--num-blocks", str(pages)] if pages else []),
-                    "--torch-threads", str(threads), *fabric, *c.replica_args(), *security]
-            if role == "inactive":
-                args += ["--inactive", *(["--host-cache"] if c.host_cache else [])]
-            args += self._engine_args(role, rank - c.prefill)
+            args = self.replica_argv(rank, role, ports[rank], common)
             cpus = self._cpus(role, rank - c.prefill)
             self.replicas.append(self._spawn(f"replica-{rank}-{role}", role, args, REPLICA_READY, cpus))
         deadline = time.monotonic() + c.ready_timeout
@@ -255,6 +270,25 @@ class LocalCluster:
         self.router = self._spawn("router", "router", args, ROUTER_READY, self._cpus("router", 0))
         line = self.router.wait_ready(time.monotonic() + c.ready_timeout)
         self.http_url, self.admin_address = parse_router_ready(line)
+
+    def replica_argv(self, rank: int, role: str, port: int, common: list[str]) -> list[str]:
+        """`pdcluster replica` arguments of replica `rank` (`common`: the flags every replica gets;
+        its device from `self.devices`, set by `place_devices`)."""
+        c = self.config
+        args = ["replica", "--model", str(self.model_dir), "--host", c.host, "--port", str(port),
+                "--rank", str(rank), *common, *(self.devices[rank].replica_args() if self.devices else [])]
+        if role == "inactive":
+            args += ["--inactive", *(["--host-cache"] if c.host_cache else [])]
+        return args + self._engine_args(role, rank - c.prefill)
+
+    def place_devices(self) -> tuple[DeviceSlot, ...]:
+        """Each torch replica's device (`gpu_placement.py`); none for simulated replicas. GPUs are
+        counted (nvidia-smi, no torch) only when `--device` is not cpu."""
+        c = self.config
+        if c.engine != "torch":
+            return ()
+        gpus = 0 if c.device == "cpu" else visible_gpu_count()
+        return place_on_devices(len(self.roles()), c.device, gpus, c.gpu_memory_fraction)
 
     def _token_args(self) -> list[str]:
         """`--cluster-token-file FILE` (a --cluster-token is written to an owner-only file in the log
@@ -289,7 +323,13 @@ class LocalCluster:
         return (f"pdcluster up ready: http={self.http_url} admin={self.admin_address} "
                 f"strategy={self.config.strategy} scaling={self.config.scaling}{self._engine_note()} "
                 f"replicas=[{reps}] "
-                f"logs={self.log_dir}{pinned}")
+                f"logs={self.log_dir}{pinned}{self._device_note()}")
+
+    def _device_note(self) -> str:
+        """` devices=[cuda:0 cuda:0]` when on GPUs (nothing on the CPU: its line is as it was)."""
+        if not any(slot.is_cuda for slot in self.devices):
+            return ""
+        return f" devices=[{' '.join(slot.device for slot in self.devices)}]"
 
     def _engine_note(self) -> str:
         engine = self.config.engine_spec()

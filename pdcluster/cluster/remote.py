@@ -10,6 +10,7 @@ The long-lived replica sessions are `processes.Proc`s instead.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -17,6 +18,8 @@ import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from pathlib import Path
+from typing import IO
 
 from pdcluster import SOURCE_ROOT
 from pdcluster.cluster.clusterfile import NodeSpec, Via
@@ -49,14 +52,19 @@ class Answer:
         return f"exited with {self.rc}" + (f": {err}" if err else "")
 
 
-def run_once(node: NodeSpec, argv: Sequence[str], stdin: str | None, timeout: float) -> Answer:
-    """Run `argv` (in its own process group, so a timeout kills ssh / srun and their children)."""
+def run_once(node: NodeSpec, argv: Sequence[str], stdin: str | Path | None, timeout: float) -> Answer:
+    """Run `argv` (in its own process group, so a timeout kills ssh / srun and their children) with
+    `stdin` on its stdin: a text, or a file's bytes read straight from disk (a wheelhouse's tar)."""
     start = time.monotonic()
-    proc = subprocess.Popen(list(argv), stdin=subprocess.PIPE if stdin is not None else subprocess.DEVNULL,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=SOURCE_ROOT,
-                            start_new_session=True)
+    with contextlib.ExitStack() as files:
+        source: int | IO[bytes] = subprocess.PIPE if isinstance(stdin, str) else subprocess.DEVNULL
+        if isinstance(stdin, Path):
+            source = files.enter_context(stdin.open("rb"))
+        proc = subprocess.Popen(list(argv), stdin=source, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                text=True, cwd=SOURCE_ROOT, start_new_session=True)
+    text = stdin if isinstance(stdin, str) else None
     try:
-        out, err = proc.communicate(stdin, timeout=timeout)
+        out, err = proc.communicate(text, timeout=timeout)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         out, err = proc.communicate()
@@ -65,9 +73,9 @@ def run_once(node: NodeSpec, argv: Sequence[str], stdin: str | None, timeout: fl
 
 
 def fan_out(nodes: Sequence[NodeSpec], argv_of: Callable[[NodeSpec], Sequence[str]], timeout: float,
-            parallel: int, stdin_of: Callable[[NodeSpec], str] | None = None) -> list[Answer]:
+            parallel: int, stdin_of: Callable[[NodeSpec], str | Path] | None = None) -> list[Answer]:
     """`argv_of(node)` on every node (`stdin_of(node)` on its stdin), at most `parallel` at once;
-    answers in `nodes` order."""
+    answers in `nodes` order. A `Path` from `stdin_of` is streamed from disk, never read into memory."""
     def one(node: NodeSpec) -> Answer:
         return run_once(node, argv_of(node), stdin_of(node) if stdin_of else None, timeout)
 

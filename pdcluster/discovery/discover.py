@@ -72,6 +72,31 @@ def gpu_records() -> tuple[list[nvidia.GpuRecord], str]:
     return [], ""
 
 
+def visible_count(cuda_visible_devices: str | None, found: int) -> int:
+    """How many of `found` devices a process sees under this `CUDA_VISIBLE_DEVICES` (None: unset).
+
+    CUDA reads the list up to its first invalid entry ("-1" hides every device); an empty value hides
+    them all. Entries may be ordinals or UUIDs ("GPU-…"); more entries than devices count as the devices.
+    """
+    if cuda_visible_devices is None:
+        return found
+    count = 0
+    for entry in cuda_visible_devices.split(","):
+        entry = entry.strip()
+        if not entry or entry.startswith("-"):
+            break
+        count += 1
+    return min(count, found)
+
+
+def visible_gpu_count(environ: Mapping[str, str] | None = None) -> int:
+    """The CUDA devices a process started here would see: nvidia-smi's (else torch's, where a driver
+    is loaded) narrowed by `CUDA_VISIBLE_DEVICES`; 0 on a machine without GPUs (no torch import)."""
+    env = os.environ if environ is None else environ
+    records, _ = gpu_records()
+    return visible_count(env.get("CUDA_VISIBLE_DEVICES"), len(records))
+
+
 def discover(ports: int = 0, bind: str = "", check_model: Path | None = None) -> Inventory:
     """This node's inventory; `ports` free ports drawn here; the NIC holding `bind`; the model checked."""
     addresses = interface_ipv4()
