@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from replica.config import DType, ReplicaConfig
+from replica.gpu_extras import gpu_extra_hint
 
 log = logging.getLogger(__name__)
 
@@ -84,5 +85,8 @@ def choose(config: ReplicaConfig) -> DeviceChoice:
     if device.type == "cuda":
         torch.cuda.set_device(device)  # per thread: the engine thread's kernels and graphs go there
         gpu_name = torch.cuda.get_device_name(device)
+        hint = gpu_extra_hint()  # cupy / NCCL of another CUDA major, or none: say which extra fits
+        if hint:
+            log.warning("%s", hint)
     dtype = config.dtype or default_dtype(device)
     return DeviceChoice(device, dtype, choose_attention(config.attention_backend, device), gpu_name)
