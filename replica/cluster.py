@@ -7,6 +7,10 @@
 ```
 
 `ReplicaCluster` is created by `serve()` at start (after the model is loaded) and closed at stop.
+A replica whose KV cache or weights are CUDA tensors on the tcp fabric gets tcp wrapped in the staging
+fabric (`transfer/staged`: device bytes through pinned host slots), so migrations and weight transfers
+work between GPU replicas without RDMA; buffers no fabric here can move (a meta tensor) are left out
+and the calls that need them fail FAILED_PRECONDITION with the reason (`require_movable`).
 The KV stream's handshake carries `KvLayout.descriptor()`: two replicas whose block size, KV heads,
 head dim, dtype, layer count or TP degree differ cannot even connect on it, so no KV byte moves
 between incompatible caches (the fabric reports `LayoutMismatch` → FAILED_PRECONDITION on both sides).
@@ -18,16 +22,20 @@ import dataclasses
 import json
 import logging
 import threading
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 from replica.config import EngineKind
 from replica.errors import FailedPrecondition
+from transfer.buffers import device_type
 from transfer.core import Rank, Stream
-from transfer.fabric import Fabric, create_fabric
+from transfer.fabric import Fabric, FabricKind, create_fabric
 from transfer.ports import free_ports
 from transfer.ranktable import RankEntry, RankTable, load_rank_table
+from transfer.staged import StagedFabric
+from transfer.staged.device import Devices, TorchDevices
 
 log = logging.getLogger(__name__)
 
@@ -79,16 +87,21 @@ class ReplicaCluster:
         self.grpc_address = grpc_address
         self._lock = threading.Lock()
         self._kv_tensor: object | None = None
-        # buffer name -> why this fabric cannot move it (device memory on a host-memory fabric)
+        # buffer name -> why this fabric cannot move it (memory it cannot reach, e.g. a meta tensor)
         self.unmovable: dict[str, str] = {}
 
     @classmethod
     def start(
-        cls, kind: str, table: RankTable, rank: int, grpc_address: str, **fabric_options: Any
+        cls, kind: str, table: RankTable, rank: int, grpc_address: str, staging: Devices | None = None,
+        **fabric_options: Any,
     ) -> ReplicaCluster:
-        """Create the fabric of `rank` (it starts listening at once)."""
+        """Create the fabric of `rank` (it starts listening at once); with `staging`, wrapped in the
+        staging fabric, which takes the device buffers `staging` recognises (see `needs_staging`)."""
         fabric = create_fabric(kind, table, rank, **fabric_options)
-        log.info("fabric %s of rank %d on %s", kind, rank, table[rank].transfer_address)
+        if staging is not None:
+            fabric = StagedFabric(fabric, staging)
+        log.info("fabric %s%s of rank %d on %s", kind, " (device buffers staged through host memory)"
+                 if staging is not None else "", rank, table[rank].transfer_address)
         return cls(table, rank, fabric, grpc_address)
 
     # buffers ------------------------------------------------------------------------------
@@ -120,9 +133,10 @@ class ReplicaCluster:
             raise FailedPrecondition(self.unmovable[name])
 
     def _register(self, name: str, buffer: object) -> int:
-        """Register `buffer`; a device tensor a host-memory fabric refuses is left out, and the
-        calls that would move it fail with the reason, while the replica serves everything else."""
-        device = getattr(getattr(buffer, "device", None), "type", "cpu")
+        """Register `buffer`; a device tensor the fabric refuses (a meta tensor; CUDA memory on a
+        fabric without staging) is left out, and the calls that would move it fail with the reason,
+        while the replica serves everything else."""
+        device = device_type(buffer)
         try:
             size = self.fabric.register(name, buffer)
         except ValueError as exc:
@@ -163,6 +177,12 @@ def kv_layout_of(cache: Any, tp_size: int = 1) -> KvLayout:
     )
 
 
+def needs_staging(kind: str, devices: Iterable[str]) -> bool:
+    """Whether a replica on fabric `kind` whose buffers live on `devices` ("cpu", "cuda", ... as
+    `transfer.buffers.device_type` names them) needs the staging fabric: tcp moves host memory only."""
+    return kind == FabricKind.TCP and "cuda" in set(devices)
+
+
 def scaled_links(table: RankTable, scale: float) -> RankTable:
     """The table with every emulated link's rate times `scale` (a simulated replica moves its card's
     bytes times the byte scale, so its links are paced at the same scale: transfers take the time
@@ -179,11 +199,12 @@ def build_cluster(
     discovery still reports them as given."""
     table = load_table(config.cluster, config.rank, config.host, grpc_port)
     paced = scaled_links(table, config.scale) if config.engine is EngineKind.SIMULATED else table
+    cache = engine.runner.cache
+    staged = needs_staging(config.fabric, (device_type(cache.tensor), device_type(weights)))
     cluster = ReplicaCluster.start(config.fabric, paced, config.rank, f"{config.host}:{grpc_port}",
-                                   **fabric_options)
+                                   TorchDevices() if staged else None, **fabric_options)
     cluster.table = table
     try:
-        cache = engine.runner.cache
         cluster.register_kv(cache.tensor, kv_layout_of(cache))
         cluster.register_weights(weights)
     except BaseException:

@@ -2,7 +2,9 @@
 
 Accepted objects: `bytearray`, `memoryview`, anything with the buffer protocol (numpy arrays), and
 CPU torch tensors (duck-typed: torch is imported lazily, only when a tensor is registered). The view
-aliases the caller's memory: transfers write straight into it, no copy.
+aliases the caller's memory: transfers write straight into it, no copy. Device memory (a CUDA tensor)
+is not host memory: `device_type` names it, and the host fabrics refuse it with the reason (the
+staging fabric, `transfer/staged`, takes CUDA tensors and copies through pinned host slots).
 """
 
 from __future__ import annotations
@@ -19,10 +21,22 @@ def _is_torch_tensor(obj: object) -> bool:
     return type(obj).__module__.startswith("torch") and hasattr(obj, "untyped_storage")
 
 
+def device_type(obj: object) -> str:
+    """Where `obj`'s memory is: "cpu" for host memory (buffers, numpy arrays, CPU tensors), else the
+    torch device type of a tensor ("cuda", "meta", ...). Imports nothing."""
+    if not _is_torch_tensor(obj):
+        return "cpu"
+    return str(getattr(getattr(obj, "device", None), "type", "cpu"))
+
+
 def _tensor_bytes(tensor: Any) -> memoryview:
     torch = importlib.import_module("torch")  # the caller already has torch loaded: this is a lookup
-    if tensor.device.type != "cpu":
-        raise ValueError(f"a {tensor.device.type} tensor needs a device fabric (nccl/rdma), not this one")
+    kind = device_type(tensor)
+    if kind == "meta":
+        raise ValueError("a meta tensor has no memory: no fabric can move its bytes")
+    if kind != "cpu":
+        raise ValueError(f"a {kind} tensor is device memory: it needs a device fabric (nccl, rdma) or host "
+                         "staging (transfer/staged), not this host-memory fabric")
     if not tensor.is_contiguous():
         raise ValueError("only contiguous tensors can be registered")
     flat = tensor.detach().reshape(-1).view(torch.uint8)  # bytes of any dtype, bf16 included

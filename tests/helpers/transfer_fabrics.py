@@ -79,3 +79,19 @@ def socket_fds() -> int:
 def thread_names() -> set[str]:
     """Names of live threads (to spot leaks)."""
     return {t.name for t in threading.enumerate()}
+
+
+def make_staged_tcp(n: int, copy_delay_s: float = 0.0005, **options: Any) -> list[Fabric]:
+    """`n` staging fabrics over tcp whose numpy buffers are device memory (a slow CPU double)."""
+    from tests.helpers.staged_devices import DoubleDevices
+    from transfer.staged import StagedFabric
+
+    return [StagedFabric(inner, DoubleDevices(copy_delay_s), **options) for inner in make_tcp(n)]
+
+
+def make_staged_fake(n: int, copy_delay_s: float = 0.0005) -> list[Fabric]:
+    """`n` staging fabrics over fake fabrics, numpy buffers as device memory."""
+    from tests.helpers.staged_devices import DoubleDevices
+    from transfer.staged import StagedFabric
+
+    return [StagedFabric(inner, DoubleDevices(copy_delay_s)) for inner in make_fake(n)]
