@@ -25,7 +25,9 @@ from __future__ import annotations
 import enum
 import threading
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 
 from transfer.buffers import check_segments
 from transfer.core import Deadline, Handle, Segment, Segments, total_length
@@ -73,6 +75,7 @@ class _Job:
     copy: Completion | None = None
     inner: Handle | None = None
     error: TransferError | None = None
+    withdrawn: bool = False  # its inner receive is being taken back: its failure is no connection's
 
 
 Finished = list[tuple[Handle, TransferError | None]]
@@ -96,7 +99,7 @@ class StagedFabric(Fabric):
         self._lock = threading.Lock()  # lanes, jobs, slots; never held while posting to the inner fabric
         self._closed = False
         self._cond = threading.Condition()  # the worker's inbox
-        self._inbox: list[tuple[_Job, Handle]] = []
+        self._inbox: list[Callable[[Finished], None]] = []  # run by the worker under `_lock`
         self._kicked = self._stopping = False
         inner.register(_EMPTY, bytearray(0))
         self._worker = threading.Thread(target=self._run, name=f"staged-{self.rank}", daemon=True)
@@ -209,11 +212,11 @@ class StagedFabric(Fabric):
             inner = Handle(job.handle.nbytes, job.handle.description)
             inner._fail(TransferError(f"{job.handle.description}: {exc}"))
         job.inner = inner
-        inner.add_done_callback(lambda h: self._deliver(job, h))
+        inner.add_done_callback(lambda h: self._deliver(partial(self._inner_done, job, h)))
 
-    def _deliver(self, job: _Job, inner: Handle) -> None:
+    def _deliver(self, action: Callable[[Finished], None]) -> None:
         with self._cond:  # on the inner fabric's thread (or the poster's): only hand over
-            self._inbox.append((job, inner))
+            self._inbox.append(action)
             self._cond.notify()
 
     def _kick(self) -> None:
@@ -236,12 +239,12 @@ class StagedFabric(Fabric):
             if stopping and not busy and not completed:
                 return
 
-    def _step(self, completed: list[tuple[_Job, Handle]]) -> bool:
+    def _step(self, completed: list[Callable[[Finished], None]]) -> bool:
         """Advance every lane once; returns whether device copies are still in flight."""
         finished: Finished = []
         with self._lock:
-            for job, inner in completed:
-                self._inner_done(job, inner, finished)
+            for action in completed:
+                action(finished)
             self._poll_copies(finished)
             lanes = list(self._lanes.values())
             for lane in lanes:
@@ -256,6 +259,8 @@ class StagedFabric(Fabric):
 
     def _inner_done(self, job: _Job, inner: Handle, finished: Finished) -> None:
         error = job.error or inner.error
+        if inner.error is not None and job.error is None and not job.withdrawn:
+            self._connection_failed(job.lane, inner.error, finished)
         if job.lane.sending or error is not None or job.slot is None or job.memory is None:
             self._finish(job, error, finished)
             return
@@ -329,6 +334,16 @@ class StagedFabric(Fabric):
 
     def _fail_lane(self, lane: _Lane, error: TransferError, finished: Finished) -> None:
         """Fail what `lane` holds (under `_lock`); slots under a running copy return when it ends."""
+        self._connection_failed(lane, error, finished)
+        for job in self._copying:
+            if job.lane is lane and job.state is JobState.LANDING:
+                job.error = error
+                finished.append((job.handle, error))
+
+    def _connection_failed(self, lane: _Lane, error: TransferError, finished: Finished) -> None:
+        """The inner fabric failed a message of `lane`, so it failed everything pending on that
+        connection: what still waits here (posted before, held back for a slot or a copy) fails too,
+        as it would have in the inner fabric's queue, instead of reaching a new connection later."""
         for job in lane.queue:
             job.error = error
             if job.state is JobState.COPYING:
@@ -336,10 +351,11 @@ class StagedFabric(Fabric):
             else:
                 self._finish(job, error, finished)
         lane.queue.clear()
-        for job in self._copying:
-            if job.lane is lane and job.state is JobState.LANDING:
-                job.error = error
-                finished.append((job.handle, error))
+
+    def _connect_done(self, peer: int, stream: int, handle: Handle, finished: Finished) -> None:
+        lane = self._lanes.get((peer, stream, True))
+        if handle.error is not None and lane is not None:
+            self._connection_failed(lane, handle.error, finished)
 
     def abort(self, peer: int, stream: int, reason: str) -> None:
         error = PeerGone(f"rank {self.rank} aborted transfers with rank {peer}, stream {stream}: {reason}")
@@ -369,17 +385,22 @@ class StagedFabric(Fabric):
                     self._finish(job, error, [])
                     taken = True
                 else:
-                    taken = False
+                    taken, job.withdrawn = False, True
                 inner = job.inner
             if not taken:
                 assert inner is not None
                 taken = self.inner.withdraw(peer, stream, inner, error)  # its slot returns via _deliver
+                if not taken:
+                    with self._lock:
+                        job.withdrawn = False
         if taken:
             handle._fail(error)
         return taken
 
     def connect(self, peer: int, stream: int, deadline: Deadline) -> Handle:
-        return self.inner.connect(peer, stream, deadline)
+        handle = self.inner.connect(peer, stream, deadline)
+        handle.add_done_callback(lambda h: self._deliver(partial(self._connect_done, peer, stream, h)))
+        return handle
 
     def refresh(self, peer: int, stream: int) -> None:
         with self._lock:
