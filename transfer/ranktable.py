@@ -19,6 +19,9 @@ unless it says so):
 - `rdma_device`: that NIC's RDMA device ("mlx5_0"), "" when it has none;
 - `numa_node`: the device's (or CPU worker's cores') NUMA node, null when unknown;
 - `nic_gbps`: the NIC's line rate as the cluster file gives it (0: not given; not paced).
+
+A top-level `"store": "HOST:PORT"` (optional; tables without it stay valid) names the rendezvous
+store every rank reaches (`transfer/store.py`): where the nccl and rdma fabrics exchange set-up data.
 """
 
 from __future__ import annotations
@@ -72,8 +75,12 @@ class RankTable:
     """All ranks, validated: unique ranks, unique transfer addresses."""
 
     entries: tuple[RankEntry, ...]
+    store: str = ""
+    """"HOST:PORT" of the rendezvous store (`transfer/store.py`); "" = none named."""
 
     def __post_init__(self) -> None:
+        if self.store:
+            _check_address("store", self.store)
         seen: set[int] = set()
         addresses: set[str] = set()
         for entry in self.entries:
@@ -110,12 +117,13 @@ class RankTable:
 
     def to_json(self) -> str:
         """The JSON form `load_rank_table` reads back."""
-        return json.dumps({"ranks": [asdict(entry) for entry in self.entries]}, indent=1)
+        ranks = [asdict(entry) for entry in self.entries]
+        return json.dumps({"store": self.store, "ranks": ranks} if self.store else {"ranks": ranks}, indent=1)
 
     @classmethod
-    def from_records(cls, records: Iterable[Mapping[str, Any]]) -> RankTable:
+    def from_records(cls, records: Iterable[Mapping[str, Any]], store: str = "") -> RankTable:
         """Build from dicts with the file's keys."""
-        return cls(tuple(_entry(record) for record in records))
+        return cls(tuple(_entry(record) for record in records), store)
 
     @classmethod
     def local(cls, ports: Iterable[int], host: str = "127.0.0.1", node: str = "n0") -> RankTable:
@@ -135,9 +143,7 @@ def _entry(record: Mapping[str, Any]) -> RankEntry:
     if unknown:
         raise RankTableError(f"rank table entry has unknown fields {sorted(unknown)}")
     address = str(record["transfer_address"])
-    host, sep, port = address.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise RankTableError(f"transfer_address {address!r} is not host:port")
+    _check_address("transfer_address", address)
     rank = record["rank"]
     if not isinstance(rank, int) or isinstance(rank, bool) or rank < 0:
         raise RankTableError(f"rank {rank!r} is not a non-negative integer")
@@ -154,6 +160,12 @@ def _entry(record: Mapping[str, Any]) -> RankEntry:
         numa_node=_numa_node(record.get("numa_node")),
         nic_gbps=float(record.get("nic_gbps", 0.0)),
     )
+
+
+def _check_address(what: str, address: str) -> None:
+    host, sep, port = address.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise RankTableError(f"{what} {address!r} is not host:port")
 
 
 def _numa_node(value: Any) -> int | None:
@@ -174,7 +186,10 @@ def parse_rank_table(text: str, fmt: str = "json") -> RankTable:
         raise RankTableError('rank table needs a top-level "ranks" list')
     if not data["ranks"]:
         raise RankTableError("rank table has no ranks")
-    return RankTable.from_records(data["ranks"])
+    store = data.get("store", "")
+    if not isinstance(store, str):
+        raise RankTableError(f"store {store!r} is not a HOST:PORT string")
+    return RankTable.from_records(data["ranks"], store)
 
 
 def load_rank_table(path: str | Path) -> RankTable:

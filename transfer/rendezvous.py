@@ -1,8 +1,13 @@
 """Rendezvous: how the device fabrics exchange set-up data (NCCL unique ids, RDMA queue-pair info).
 
 The caller provides it (over its control plane: the router, a shared filesystem, a key-value
-store). Two implementations ship: `DictRendezvous` (one process, tests) and `FileRendezvous` (a
-directory every rank can see, e.g. a shared filesystem under Slurm, or /tmp for a local cluster).
+store). Three implementations ship: `DictRendezvous` (one process, tests), `FileRendezvous` (a
+directory every rank can see, e.g. a shared filesystem under Slurm, or /tmp for a local cluster) and
+`transfer.store.StoreRendezvous` (a `torch.distributed.TCPStore`, with incarnations).
+
+A rendezvous that also knows incarnations (`Incarnations`: how many times each rank has started)
+lets the fabrics key their set-up data by the incarnations of both ends (`pair_tag`), so a restarted
+rank never meets the ids its previous life published; the others tag nothing.
 """
 
 from __future__ import annotations
@@ -11,7 +16,7 @@ import os
 import threading
 import time
 from pathlib import Path
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 from transfer.core import Deadline
 from transfer.errors import PeerTimeout
@@ -27,6 +32,22 @@ class Rendezvous(Protocol):
 
     def lookup(self, key: str, deadline: Deadline) -> bytes:
         """The value under `key`; `PeerTimeout` if nobody published it by the deadline."""
+
+
+@runtime_checkable
+class Incarnations(Protocol):
+    """A rendezvous that knows each rank's incarnation (bumped every time the rank starts)."""
+
+    def incarnation_of(self, rank: int, deadline: Deadline) -> int:
+        """`rank`'s current incarnation; `PeerTimeout` if it has not started by the deadline."""
+
+
+def pair_tag(rendezvous: object, src: int, dst: int, deadline: Deadline) -> str:
+    """The part of a set-up key naming the current lives of `src` and `dst`: "" when `rendezvous`
+    has no incarnations, else "@<src incarnation>.<dst incarnation>"."""
+    if not isinstance(rendezvous, Incarnations):
+        return ""
+    return f"@{rendezvous.incarnation_of(src, deadline)}.{rendezvous.incarnation_of(dst, deadline)}"
 
 
 class DictRendezvous:

@@ -37,7 +37,7 @@ from transfer.nccl.logic import (
     warmup_peers,
 )
 from transfer.ranktable import RankTable
-from transfer.rendezvous import Rendezvous
+from transfer.rendezvous import Rendezvous, pair_tag
 
 _POLL_S = 0.0002
 
@@ -58,6 +58,7 @@ class _Edge:
         self.backend, self.rendezvous = backend, rendezvous
         self.src, self.dst, self.stream, self.sending = src, dst, stream, sending
         self.generation = 0
+        self._tag = ""  # the incarnations of both ends the generations count in (`pair_tag`)
         self._comm: NcclComm | None = None
         self._cuda_stream: object | None = None
         self._queue: list[_Op] = []
@@ -98,7 +99,10 @@ class _Edge:
 
     def _connect(self, deadline: Deadline) -> NcclComm:
         if self._comm is None:
-            key = edge_key(self.stream, self.src, self.dst, self.generation)
+            tag = pair_tag(self.rendezvous, self.src, self.dst, deadline)
+            if tag != self._tag:  # either end restarted since: both count generations afresh
+                self._tag, self.generation = tag, 0
+            key = edge_key(self.stream, self.src, self.dst, self.generation) + tag
             if self.sending:
                 self.rendezvous.publish(key, self.backend.unique_id())
             uid = self.rendezvous.lookup(key, deadline)

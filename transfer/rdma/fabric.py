@@ -28,7 +28,7 @@ from transfer.fabric import Fabric
 from transfer.ranktable import RankTable
 from transfer.rdma.channel import RECV_SLOTS, SLOT_BYTES, TICKET_SLOTS, Channel, RecvOp, SendOp, unpack_wr_id
 from transfer.rdma.logic import LocalSegment, QpInfo, RemoteSegment, VerbsBackend, host_address, map_wc_status
-from transfer.rendezvous import Rendezvous
+from transfer.rendezvous import Rendezvous, pair_tag
 
 _IDLE_S = 0.0005
 
@@ -55,6 +55,7 @@ class RdmaFabric(Fabric):
         self._channels: dict[tuple[int, int], Channel] = {}
         self._by_index: dict[int, Channel] = {}
         self._generations: dict[tuple[int, int], int] = {}
+        self._tags: dict[tuple[int, int], str] = {}  # incarnations the generations count in (`pair_tag`)
         self._pending: dict[tuple[int, int], list[tuple[Handle, Callable[[Channel], None]]]] = {}
         self._connecting: set[tuple[int, int]] = set()  # one connector thread per (peer, stream)
         self._refused: dict[tuple[int, int], TransferError] = {}
@@ -127,13 +128,18 @@ class RdmaFabric(Fabric):
                 self._commands.put((key, partial(action, channel)))
 
     def _open_qp(self, peer: int, stream: int, deadline: Deadline) -> tuple[Any, int]:
+        ours = pair_tag(self.rendezvous, self.rank, peer, deadline)
+        their_tag = pair_tag(self.rendezvous, peer, self.rank, deadline)
         with self._lock:
+            if self._tags.get((peer, stream), "") != ours:  # either end restarted: generations afresh
+                self._tags[(peer, stream)], self._generations[(peer, stream)] = ours, 0
             generation = self._generations.get((peer, stream), 0)
             layout = self._layouts.get(stream, "")
         qp = self.backend.create_qp()
         mine = self.backend.local_info(qp, layout)
-        self.rendezvous.publish(_key(stream, self.rank, peer, generation), mine.to_bytes())
-        theirs = QpInfo.from_bytes(self._lookup(_key(stream, peer, self.rank, generation), deadline))
+        self.rendezvous.publish(_key(stream, self.rank, peer, generation) + ours, mine.to_bytes())
+        their_key = _key(stream, peer, self.rank, generation) + their_tag
+        theirs = QpInfo.from_bytes(self._lookup(their_key, deadline))
         if theirs.layout != layout or theirs.version != mine.version:
             self.backend.error_qp(qp)
             raise LayoutMismatch(f"stream {stream}: rank {peer} has layout {theirs.layout!r} "

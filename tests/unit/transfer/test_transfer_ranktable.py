@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -75,3 +76,14 @@ def test_launch_fields_device_nic_numa_and_rate_round_trip() -> None:
     assert table[0].link_gbps == 0.0  # the NIC's rate is recorded, never paced
     with pytest.raises(RankTableError, match="numa_node"):
         RankTable.from_records([{**record, "numa_node": -1}])
+
+
+def test_the_rendezvous_store_address_is_an_optional_top_level_field() -> None:
+    table = RankTable.local([7100, 7101])
+    assert table.store == "" and "store" not in json.loads(table.to_json())  # old tables unchanged
+    named = RankTable(table.entries, store="10.0.0.1:29500")
+    again = parse_rank_table(named.to_json())
+    assert again.store == "10.0.0.1:29500" and again == named
+    with pytest.raises(RankTableError, match="store"):
+        parse_rank_table('{"store": "nowhere", "ranks": [' + json.dumps(
+            {"rank": 0, "host": "h", "node": "n", "device": "cpu", "transfer_address": "h:1"}) + "]}")
