@@ -25,3 +25,7 @@ class LayoutMismatch(TransferError):
 
 class FabricClosed(TransferError):
     """The fabric was closed while the operation was pending, or an operation was posted after close."""
+
+
+class FabricUnavailable(TransferError):
+    """The chosen fabric cannot start here: its module, device, NIC or rendezvous store is missing."""

@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import abc
 import enum
+import importlib
 from typing import Any
 
 from transfer.core import Deadline, Handle, Rank, Segments
-from transfer.errors import TransferError
+from transfer.errors import FabricUnavailable, TransferError
 from transfer.ranktable import RankTable
 
 
@@ -103,8 +104,9 @@ def create_fabric(kind: FabricKind | str, table: RankTable, rank: int, **options
     """Create the fabric `kind` for `rank`; the backend module is imported only when chosen.
 
     Options go to the backend's constructor: `inter_node_gbps` / `intra_node_gbps` for `tcp`,
-    `network` (a `FakeNetwork`) for `fake`, `rendezvous` (and `device`, `backend`) for `nccl` and
-    `rdma`. Unknown options raise `TypeError`.
+    `network` (a `FakeNetwork`) for `fake`, `rendezvous` (and `device`, `backend`) for `nccl`,
+    `rendezvous` (and `device_name`, `backend`) for `rdma`. Unknown options raise `TypeError`; a
+    device fabric whose library, device or NIC is missing raises `FabricUnavailable` (one line).
     """
     kind = FabricKind(kind)
     if kind is FabricKind.TCP:
@@ -118,7 +120,27 @@ def create_fabric(kind: FabricKind | str, table: RankTable, rank: int, **options
     if kind is FabricKind.NCCL:
         from transfer.nccl.fabric import NcclFabric
 
-        return NcclFabric(table, rank, **options)
+        device = options.pop("device", 0)
+        if options.get("backend") is None:
+            options["backend"] = _device_backend(kind, "transfer.nccl.backend", "CupyBackend", device)
+        return NcclFabric(table, rank, device=device, **options)
     from transfer.rdma.fabric import RdmaFabric
 
+    if options.get("backend") is None:
+        options["backend"] = _device_backend(kind, "transfer.rdma.verbs", "PyverbsBackend",
+                                             options.get("device_name", ""))
     return RdmaFabric(table, rank, **options)
+
+
+_NEEDS = {FabricKind.NCCL: "cupy with NCCL and a CUDA device", FabricKind.RDMA: "pyverbs and an RDMA NIC"}
+
+
+def _device_backend(kind: FabricKind, module: str, name: str, where: object) -> Any:
+    """The device library's backend, or `FabricUnavailable` saying what is missing."""
+    try:
+        return getattr(importlib.import_module(module), name)(where)
+    except Exception as exc:  # ImportError, no CUDA device, no RDMA device: say which, in one line
+        first = (str(exc).strip().splitlines() or [""])[0]
+        raise FabricUnavailable(
+            f"fabric {kind.value} cannot start: it needs {_NEEDS[kind]} ({type(exc).__name__}: {first})"
+        ) from exc
