@@ -120,8 +120,12 @@ class ModelRunner:
         with torch.inference_mode():
             if self.graphs is not None and self.graphs.accepts(seqs):
                 return ForwardOutput(last_logits=self.graphs.run(seqs), all_logits={})
-            ctx = self.context(seqs)
-            hidden = self.run_layers(self.embed(seqs), ctx, 0, self.num_layers)
+            slices = [SeqSlice(s.pages, s.start, len(s.tokens)) for s in seqs]
+            flat = [t for s in seqs for t in s.tokens]
+            # the token ids ride in the context's one host→device copy
+            ctx = AttentionContext.build(self.cache, slices, self.model.config, self.attention_backend, flat)
+            assert ctx.token_ids is not None
+            hidden = self.run_layers(self.model.embed(ctx.token_ids), ctx, 0, self.num_layers)
             return self.logits(hidden, ctx, seqs)
 
     def choose(self, out: ForwardOutput, rows: Sequence[RowInput]) -> list[Choice]:

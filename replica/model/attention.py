@@ -34,6 +34,7 @@ from typing import NamedTuple, Protocol
 import torch
 import torch.nn.functional as F
 
+from replica.errors import InvalidArgument
 from replica.model.config import ModelConfig
 from replica.model.kv_pages import IndexPack, PagedKVCache, SeqSlice, Span, as_int64, spans
 from replica.model.paged_attention import PagedBatch, paged_attention, triton_available
@@ -267,7 +268,16 @@ class AttentionContext:
     positions: torch.Tensor  # (n,) absolute positions of the new tokens
     last_token_index: torch.Tensor  # (num_seqs,) flat index of each sequence's last new token
 
-    def __init__(self, cache: PagedKVCache, config: ModelConfig, spans: list[Span], backend: Backend) -> None:
+    token_ids: torch.Tensor | None  # (n,) the fed token ids, when `build` was given them
+
+    def __init__(
+        self,
+        cache: PagedKVCache,
+        config: ModelConfig,
+        spans: list[Span],
+        backend: Backend,
+        token_ids: list[int] | None = None,
+    ) -> None:
         self.cache, self.config, self.num_seqs = cache, config, len(spans)
         bs = cache.block_size
         page_rows = 2 * bs  # a page is block_size K rows then block_size V rows
@@ -297,11 +307,13 @@ class AttentionContext:
         self.windows, self._sliding = _windows(config)
         pack = IndexPack()
         at_positions, at_last, at_rows = pack.add(positions), pack.add(last), pack.add(k_rows)
+        at_tokens = None if token_ids is None else pack.add(token_ids)
         self.groups, kernel = self._groups(decodes, fresh, resumed, last, pack, at_positions, backend)
         indices = pack.upload(cache)  # every index list of the forward: one copy
         self.positions = indices[at_positions]
         self.last_token_index = indices[at_last]
         self.k_rows = indices[at_rows]
+        self.token_ids = None if at_tokens is None else indices[at_tokens]
         self.v_rows = self.k_rows + bs  # the V block follows the K block inside a page
         for g in self.groups:
             g.bind(indices)
@@ -331,9 +343,17 @@ class AttentionContext:
 
     @classmethod
     def build(
-        cls, cache: PagedKVCache, seqs: Sequence[SeqSlice], config: ModelConfig, backend: str = "torch"
+        cls,
+        cache: PagedKVCache,
+        seqs: Sequence[SeqSlice],
+        config: ModelConfig,
+        backend: str = "torch",
+        token_ids: list[int] | None = None,
     ) -> AttentionContext:
         """Validate the slices and precompute everything the layers of one forward share.
+
+        `token_ids` (the flat fed tokens, optional) go to the device in the same copy as the indices
+        (`ctx.token_ids`), so a whole forward costs one host→device copy.
 
         `backend`: "torch" (the reference, and the CPU path) or "triton" (decode and resumed slices
         through the paged kernel; on the CPU only under TRITON_INTERPRET=1).
@@ -341,7 +361,9 @@ class AttentionContext:
         kind = _BACKENDS.get(backend)
         if kind is None:
             raise ValueError(f"unknown attention backend {backend!r} (torch or triton)")
-        return cls(cache, config, spans(cache, seqs), kind)
+        if token_ids is not None and len(token_ids) != sum(s.length for s in seqs):
+            raise InvalidArgument(f"{len(token_ids)} token ids for {sum(s.length for s in seqs)} new tokens")
+        return cls(cache, config, spans(cache, seqs), kind, token_ids)
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """Store `layer`'s new k/v (n, kv_heads, head_dim), attend q (n, heads, head_dim) over the context.
