@@ -30,12 +30,16 @@ from typing import Any
 from replica.config import EngineKind
 from replica.errors import FailedPrecondition
 from transfer.buffers import device_type
+from transfer.composite import SplitFabric
 from transfer.core import Rank, Stream
-from transfer.fabric import Fabric, FabricKind, create_fabric
+from transfer.errors import FabricUnavailable
+from transfer.fabric import Fabric, FabricKind, choose_fabric, create_fabric, importable
 from transfer.ports import free_ports
 from transfer.ranktable import RankEntry, RankTable, load_rank_table
+from transfer.rendezvous import DictRendezvous, Rendezvous
 from transfer.staged import StagedFabric
 from transfer.staged.device import Devices, TorchDevices
+from transfer.store import StoreRendezvous, connect_store
 
 log = logging.getLogger(__name__)
 
@@ -97,7 +101,7 @@ class ReplicaCluster:
     ) -> ReplicaCluster:
         """Create the fabric of `rank` (it starts listening at once); with `staging`, wrapped in the
         staging fabric, which takes the device buffers `staging` recognises (see `needs_staging`)."""
-        fabric = create_fabric(kind, table, rank, **fabric_options)
+        fabric = open_fabric(kind, table, rank, **fabric_options)
         if staging is not None:
             fabric = StagedFabric(fabric, staging)
         log.info("fabric %s%s of rank %d on %s", kind, " (device buffers staged through host memory)"
@@ -183,6 +187,59 @@ def needs_staging(kind: str, devices: Iterable[str]) -> bool:
     return kind == FabricKind.TCP and "cuda" in set(devices)
 
 
+def resolve_fabric(choice: str, table: RankTable, rank: int, devices: Iterable[str]) -> FabricKind:
+    """The fabric `--fabric choice` means for this replica: `auto` is nccl (rdma where this rank's
+    table entry names an RDMA NIC and pyverbs imports) when its buffers are CUDA memory, the table
+    spans several nodes and the library imports; else tcp (staged for device buffers)."""
+    if choice != "auto":
+        return FabricKind(choice)
+    across = any(not table.same_node(rank, other) for other in table.ranks)
+    kind = choose_fabric("cuda" in set(devices), across, bool(table[rank].rdma_device), importable)
+    log.info("--fabric auto: %s (buffers on %s, %s)", kind.value, "/".join(sorted(set(devices))),
+             "ranks on several nodes" if across else "every rank on this node")
+    return kind
+
+
+def device_fabric_options(kind: FabricKind, table: RankTable, rank: int, kv_tensor: Any,
+                          options: dict[str, Any]) -> dict[str, Any]:
+    """`open_fabric`'s options for nccl/rdma: the rendezvous (the rank table's store; none is needed
+    without peers), the device or NIC, and the tcp options for the control fabric."""
+    if kind is FabricKind.NCCL and device_type(kv_tensor) != "cuda":
+        where = device_type(kv_tensor)
+        raise FabricUnavailable(f"fabric nccl moves CUDA memory, but this replica's KV cache is in {where} "
+                                "memory: start it with --device cuda, or --fabric tcp")
+    if table.store:
+        store = StoreRendezvous(connect_store(table.store), rank)
+        log.info("rendezvous store %s: rank %d, incarnation %d", table.store, rank, store.incarnation)
+        rendezvous: Rendezvous = store
+    elif len(table) == 1:
+        rendezvous = DictRendezvous()  # no peer to meet
+    else:
+        raise FabricUnavailable(f"fabric {kind.value} needs a rendezvous store, and the rank table names "
+                                'none (top-level "store": "HOST:PORT"; pdcluster up and launch serve one)')
+    device: dict[str, Any] = {"device": getattr(kv_tensor.device, "index", None) or 0}
+    if kind is FabricKind.RDMA:
+        device = {"device_name": table[rank].rdma_device}
+    return {"rendezvous": rendezvous, **device, "control_options": options}
+
+
+def open_fabric(kind: FabricKind | str, table: RankTable, rank: int, rendezvous: Rendezvous | None = None,
+                control_options: dict[str, Any] | None = None, **options: Any) -> Fabric:
+    """The replica's one fabric: tcp (or fake) as it is; nccl and rdma as a `SplitFabric`, control on
+    tcp (`control_options`) and device buffers on the device fabric (`options`: device, backend)."""
+    kind = FabricKind(kind)
+    if kind not in (FabricKind.NCCL, FabricKind.RDMA):
+        return create_fabric(kind, table, rank, **options)
+    control = create_fabric(FabricKind.TCP, table, rank, **(control_options or {}))
+    try:
+        bulk = create_fabric(kind, table, rank, rendezvous=rendezvous, warmup_streams=(), **options) \
+            if kind is FabricKind.NCCL else create_fabric(kind, table, rank, rendezvous=rendezvous, **options)
+    except BaseException:
+        control.close()
+        raise
+    return SplitFabric(control, bulk, kind.value)
+
+
 def scaled_links(table: RankTable, scale: float) -> RankTable:
     """The table with every emulated link's rate times `scale` (a simulated replica moves its card's
     bytes times the byte scale, so its links are paced at the same scale: transfers take the time
@@ -200,8 +257,12 @@ def build_cluster(
     table = load_table(config.cluster, config.rank, config.host, grpc_port)
     paced = scaled_links(table, config.scale) if config.engine is EngineKind.SIMULATED else table
     cache = engine.runner.cache
-    staged = needs_staging(config.fabric, (device_type(cache.tensor), device_type(weights)))
-    cluster = ReplicaCluster.start(config.fabric, paced, config.rank, f"{config.host}:{grpc_port}",
+    devices = (device_type(cache.tensor), device_type(weights))
+    kind = resolve_fabric(config.fabric, table, config.rank, devices)
+    if kind in (FabricKind.NCCL, FabricKind.RDMA):
+        fabric_options = device_fabric_options(kind, table, config.rank, cache.tensor, fabric_options)
+    staged = needs_staging(kind, devices)
+    cluster = ReplicaCluster.start(kind, paced, config.rank, f"{config.host}:{grpc_port}",
                                    TorchDevices() if staged else None, **fabric_options)
     cluster.table = table
     try:

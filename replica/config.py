@@ -149,7 +149,11 @@ class ReplicaConfig:
     # --- moving state between replicas (issue 4) ---
     fabric: str = field(
         default="tcp",
-        metadata={"help": "transfer fabric for KV and weights", "choices": ["tcp", "nccl", "rdma"]},
+        metadata={"help": "transfer fabric for KV and weights: tcp (device buffers staged through host "
+                          "memory); nccl / rdma (device buffers on it, control on tcp; the rank table's "
+                          "store for rendezvous); auto = nccl or rdma across nodes for CUDA buffers, "
+                          "else tcp",
+                  "choices": ["tcp", "nccl", "rdma", "auto"]},
     )
     cluster: Path | None = field(
         default=None,

@@ -11,6 +11,8 @@ from __future__ import annotations
 import abc
 import enum
 import importlib
+import importlib.util
+from collections.abc import Callable
 from typing import Any
 
 from transfer.core import Deadline, Handle, Rank, Segments
@@ -130,6 +132,26 @@ def create_fabric(kind: FabricKind | str, table: RankTable, rank: int, **options
         options["backend"] = _device_backend(kind, "transfer.rdma.verbs", "PyverbsBackend",
                                              options.get("device_name", ""))
     return RdmaFabric(table, rank, **options)
+
+
+def importable(module: str) -> bool:
+    """Whether `module` can be imported here (looked up, not imported)."""
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def choose_fabric(on_cuda: bool, across_nodes: bool, rdma_nic: bool,
+                  importable: Callable[[str], bool] = importable) -> FabricKind:
+    """What `--fabric auto` picks: across nodes with CUDA buffers, rdma where this rank has an RDMA
+    NIC and pyverbs, else nccl where cupy is; everything else tcp (device buffers staged)."""
+    if on_cuda and across_nodes:
+        if rdma_nic and importable("pyverbs"):
+            return FabricKind.RDMA
+        if importable("cupy"):
+            return FabricKind.NCCL
+    return FabricKind.TCP
 
 
 _NEEDS = {FabricKind.NCCL: "cupy with NCCL and a CUDA device", FabricKind.RDMA: "pyverbs and an RDMA NIC"}

@@ -28,6 +28,7 @@ from replica.server.local import LocalCore
 from replica.server.registration import RouterRegistration
 from replica.server.rpcs import Edge
 from replica.server.security import TlsFiles, read_token
+from transfer.errors import FabricUnavailable
 
 log = logging.getLogger("replica")
 
@@ -180,6 +181,10 @@ def serve(config: ReplicaConfig) -> int:
         services.worker.call(placement.apply_to_engine_thread)
     try:
         load_and_connect(config, services)
+    except FabricUnavailable as exc:  # no device, NIC, library or store: one line says which
+        log.error("%s", exc)
+        services.stop()
+        return 1
     except Exception:
         log.exception("cannot load the model from %s or start the fabric", config.model)
         services.stop()
