@@ -85,6 +85,9 @@ class UpConfig:
     link_gbps: float = field(default=0.0, metadata={"help": (
         "emulated NIC of each replica, Gbit/s: every replica is its own node and the transfer "
         "fabric paces KV and weights to this rate (0 = loopback speed)")})
+    fabric: str = field(default="tcp", metadata={"choices": ["tcp", "nccl", "rdma", "auto"], "help": (
+        "transfer fabric of every replica (see `pdcluster replica --help`); other than tcp, this "
+        "process serves the rendezvous store (a TCPStore named in the rank table) while it runs")})
     disk_gbps: float = field(default=0.0, metadata={"help": (
         "emulated disk of LoadParams, Gbit/s (0 = unpaced)")})
     host_gbps: float = field(default=0.0, metadata={"help": (
@@ -200,6 +203,7 @@ class LocalCluster:
         self.placement = Placement.plan(config.decode) if config.pin_decode else None
         self.devices: tuple[DeviceSlot, ...] = ()  # each replica's device, by rank (set by start)
         self.policy = RestartPolicy(config.max_restarts, config.restart_window)
+        self._store: object | None = None  # the rendezvous store (TCPStore) served for nccl/rdma/auto
 
     def __enter__(self) -> LocalCluster:
         try:
@@ -312,9 +316,14 @@ class LocalCluster:
         if self.config.link_gbps:  # every replica its own node behind an emulated NIC
             table = RankTable(tuple(dataclasses.replace(e, node=f"n{e.rank}", link_gbps=self.config.link_gbps)
                                     for e in table.entries))
+        if self.config.fabric != "tcp":  # nccl/rdma meet through a store that outlives every replica
+            from transfer.store import serve_store
+
+            self._store, address = serve_store(self.config.host)
+            table = dataclasses.replace(table, store=address)
         path = self.log_dir / "ranks.json"
         path.write_text(table.to_json())
-        return ["--cluster", str(path), "--fabric", "tcp"]
+        return ["--cluster", str(path), "--fabric", self.config.fabric]
 
     def ready_line(self) -> str:
         """The one line `pdcluster up` prints once everything serves."""
