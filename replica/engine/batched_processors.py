@@ -51,9 +51,9 @@ def top_p_rows(scores: torch.Tensor, drop_mass: torch.Tensor) -> torch.Tensor:
     return scores.masked_fill(drop, _NEG_INF)
 
 
-def typical_rows(scores: torch.Tensor, mass: torch.Tensor) -> torch.Tensor:
-    """Locally typical filter per row: keep the tokens closest to the entropy until `mass` (n, 1) is
-    covered."""
+def typical_rows(scores: torch.Tensor, mass: torch.Tensor | float) -> torch.Tensor:
+    """Locally typical filter per row: keep the tokens closest to the entropy until `mass` ((n, 1),
+    or one number for every row) is covered."""
     logp = torch.log_softmax(scores, dim=-1)
     entropy = -(logp * logp.exp()).nansum(-1, keepdim=True)
     distance = (-logp - entropy).abs()
@@ -61,7 +61,7 @@ def typical_rows(scores: torch.Tensor, mass: torch.Tensor) -> torch.Tensor:
     covered = scores.gather(-1, order).softmax(dim=-1).cumsum(dim=-1)
     last = (covered < mass).sum(dim=-1, keepdim=True).clamp(max=scores.shape[-1] - 1)
     drop_sorted = by_distance > by_distance.gather(-1, last)
-    drop_sorted[:, :1] = False
+    drop_sorted[..., :1] = False
     drop = drop_sorted.scatter(-1, order, drop_sorted)
     return scores.masked_fill(drop, _NEG_INF)
 

@@ -23,6 +23,7 @@ from collections.abc import Sequence
 
 import torch
 
+from replica.engine.batched_processors import typical_rows
 from replica.engine.device_sampling import choose_batched
 from replica.engine.seeding import step_seed
 from replica.engine.types import Choice, RowInput, SamplingParams
@@ -62,16 +63,7 @@ def top_p_filter(scores: torch.Tensor, top_p: float) -> torch.Tensor:
 
 def typical_filter(scores: torch.Tensor, mass: float) -> torch.Tensor:
     """Locally typical filter: keep the tokens closest to the entropy until `mass` is covered."""
-    logp = torch.log_softmax(scores, dim=-1)
-    entropy = -(logp * logp.exp()).nansum(-1, keepdim=True)
-    distance = (-logp - entropy).abs()
-    by_distance, order = torch.sort(distance, dim=-1)
-    covered = scores.gather(-1, order).softmax(dim=-1).cumsum(dim=-1)
-    last = (covered < mass).sum(dim=-1, keepdim=True).clamp(max=scores.shape[-1] - 1)
-    drop_sorted = by_distance > by_distance.gather(-1, last)
-    drop_sorted[..., :1] = False
-    drop = drop_sorted.scatter(-1, order, drop_sorted)
-    return scores.masked_fill(drop, float("-inf"))
+    return typical_rows(scores, mass)
 
 
 def warp(scores: torch.Tensor, params: SamplingParams) -> torch.Tensor:

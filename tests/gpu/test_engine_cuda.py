@@ -27,7 +27,7 @@ import torch
 from replica.config import DType
 from replica.engine.types import RequestId, RequestSpec, SamplingParams, StoppingParams
 from tests.helpers.cuda_engines import CUDA_REASON, cuda_engine, random_prompts, run_to_end, tf32_off
-from tests.helpers.engine_driver import Driver
+from tests.helpers.engine_driver import Driver, run_mixed_schedule
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason=CUDA_REASON)
 
@@ -68,12 +68,7 @@ def test_float32_engine_on_cuda_matches_transformers_on_cuda(
         prompts = random_prompts(24, engine.limits.vocab_size, seed=5)
         work = [(p, 1 + (i * 5) % 12) for i, p in enumerate(prompts)]
         driver = Driver(engine)
-        driver.prefill(1, 0, work[:10])
-        driver.decode(2)
-        driver.prefill(2, 10, work[10:18])
-        driver.decode(1)
-        driver.prefill(3, 18, work[18:])
-        driver.decode(20)
+        run_mixed_schedule(driver, work)
         assert driver.running is None and engine.blocks.num_free == total_free
 
         hf = _hf(path, torch.float32)

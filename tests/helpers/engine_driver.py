@@ -87,3 +87,14 @@ class Driver:
         for _ in range(steps):
             if self.running is not None:
                 self.running = self._step([DecodeInput(self.running.id)])
+
+
+def run_mixed_schedule(driver: Driver, work: list[tuple[list[int], int]]) -> None:
+    """The engine-vs-transformers schedule over 24 requests: three prefill batches merged into the
+    running batch between decode steps, then decode until every request finished."""
+    driver.prefill(1, 0, work[:10])
+    driver.decode(2)
+    driver.prefill(2, 10, work[10:18])
+    driver.decode(1)
+    driver.prefill(3, 18, work[18:])
+    driver.decode(20)

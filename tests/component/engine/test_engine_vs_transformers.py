@@ -18,7 +18,7 @@ from transformers import AutoModelForCausalLM
 
 from replica.config import ReplicaConfig
 from replica.engine.factory import build_engine
-from tests.helpers.engine_driver import Driver, reference_greedy
+from tests.helpers.engine_driver import Driver, reference_greedy, run_mixed_schedule
 
 LOGPROB_ATOL = 1e-4
 ARCHS: dict[str, dict[str, Any]] = {
@@ -45,12 +45,7 @@ def test_engine_matches_transformers_greedy(tiny_model_factory: Callable[..., Pa
     total_free = engine.blocks.num_free
     work = _workload(engine.limits.vocab_size)
     driver = Driver(engine)
-    driver.prefill(1, 0, work[:10])
-    driver.decode(2)
-    driver.prefill(2, 10, work[10:18])
-    driver.decode(1)
-    driver.prefill(3, 18, work[18:])
-    driver.decode(20)
+    run_mixed_schedule(driver, work)
     assert driver.running is None and len(engine.store) == 0
     assert engine.blocks.num_free == total_free
 
