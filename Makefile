@@ -19,7 +19,7 @@ LEAVE_OUT ?=
 OUT ?= gpu-check-results
 
 .PHONY: help venv demo test test-unit test-component test-cluster test-hosts test-long test-gpu proto proto-check lint \
-	bench fuzz experiment-demo wheelhouse gpu-check clean
+	bench fuzz experiment-demo wheelhouse gpu-wheels gpu-check clean
 
 help:
 	@echo "make demo   - set up, build a tiny model, start a local cluster, serve requests"
@@ -29,6 +29,7 @@ help:
 	@echo "make test-gpu - tests/gpu (each test skips with its reason where CUDA is absent)"
 	@echo "make gpu-check OUT=DIR - on one NVIDIA GPU without a registry: nvidia-smi, tests/gpu, bench gpu into DIR"
 	@echo "make wheelhouse PY=3.12 - pdcluster's wheels and its dependencies' (not torch) under $(WHEELHOUSE)/"
+	@echo "make gpu-wheels - the wheels gpu-check needs on the lent GPU host, under .whl/ (carry it)"
 	@echo "make lint   - ruff, mypy and the import rules (import-linter)"
 	@echo "make proto  - regenerate the gRPC stubs from protos/*.proto"
 	@echo "make bench  - benchmarks, JSON under $(BENCH_OUT)/"
@@ -68,6 +69,17 @@ test-gpu:
 # the interpreter). Needs no venv and no registry: a carried wheelhouse/ or .whl/ folder is installed from.
 gpu-check:
 	PYTHON=$(PYTHON) scripts/gpu_check.sh $(OUT)
+
+# The wheels `make gpu-check` needs on the lent GPU host (Python 3.12, CUDA 13) less what its image already
+# has (the device tool's package list, KINDS.md): about 21 MB, under the 64 MiB one call carries. Carry `.whl`.
+GPU_IMAGE_HAS ?= cupy-cuda13x numpy jinja2 markupsafe safetensors tokenizers huggingface-hub hf-xet matplotlib \
+	contourpy cycler fonttools kiwisolver pillow pyparsing python-dateutil six packaging tqdm uvloop \
+	prometheus-client transformers regex pyyaml requests urllib3 certifi charset-normalizer filelock fsspec \
+	pytest pluggy iniconfig pytest-timeout httpx httpcore rich markdown-it-py mdurl pygments sympy mpmath \
+	networkx cuda-bindings cuda-pathfinder cuda-core fastrlock hypothesis sortedcontainers attrs typer shellingham
+gpu-wheels: $(STAMP)
+	rm -rf .whl
+	$(BIN)/pdcluster wheelhouse --python 3.12 --out .whl --extra gpu-cu13 gpu-test --leave-out $(GPU_IMAGE_HAS)
 
 # For nodes without a package registry (pdcluster/cluster/wheelhouse.py): `pip install --no-index --find-links DIR`.
 wheelhouse: $(STAMP)

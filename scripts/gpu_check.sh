@@ -38,18 +38,21 @@ step() {
   return 0
 }
 
-# the wheels of the distributions this interpreter does not have yet (not pdcluster: it runs from here)
+# the wheels of the distributions this interpreter lacks, or has in another version (the generated gRPC
+# and protobuf modules need their runtime's version or newer; not pdcluster: it runs from here)
 missing_wheels() {
   "$PY" - "$1" <<'EOF'
 import importlib.metadata as md, pathlib, sys
 for wheel in sorted(pathlib.Path(sys.argv[1]).glob("*.whl")):
-    name = wheel.name.split("-")[0]
+    name, version = wheel.name.split("-")[:2]
     if name == "pdcluster":
         continue
     try:
-        md.version(name)
+        if md.version(name) == version:
+            continue
     except md.PackageNotFoundError:
-        print(wheel)
+        pass
+    print(wheel)
 EOF
 }
 
