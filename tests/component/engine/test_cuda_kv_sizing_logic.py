@@ -61,7 +61,7 @@ def test_pages_from_the_fraction_after_weights_and_profile(
     assert blocks == 3 * GIB // PagedKVCache.bytes_per_block(model.config, 8, torch.float32)
     fake_cuda_memory["free"] = 0
     fake_cuda_memory["reserved"] = 0
-    with pytest.raises(ValueError, match="--gpu-memory-fraction 0.5 leaves no memory for KV pages"):
+    with pytest.raises(ValueError, match=r"--gpu-memory-fraction 0\.5 leaves no memory for KV pages"):
         factory._num_blocks(config, choice, model, limits)
 
 
