@@ -4,13 +4,16 @@
 # torch, triton, cupy and NCCL are expected installed; the rest comes from a carried wheelhouse
 # (`make wheelhouse`, in .whl/ or wheelhouse/) when there is one, installed into a folder of its own
 # (only what is not installed already; pip never looks for an index), and pdcluster runs from this
-# checkout (PYTHONPATH). PYTHON=... picks the interpreter (default python3).
+# checkout (PYTHONPATH). PYTHON=... picks the interpreter (default python3). The steps' limits add up to
+# 475 s (install 30, nvidia-smi 10, tests 240, bench gpu 140, bench gpu-transfer 55); GPU_CHECK_*_S
+# override three of them.
 #
 #   DIR/env.txt            interpreter, torch and its CUDA, cupy / NCCL, the matching gpu-cuXX extra
 #   DIR/install.log        the wheelhouse install
 #   DIR/nvidia-smi.txt     nvidia-smi and its device query
 #   DIR/tests_gpu.log      python -m pytest -q tests/gpu   (+ DIR/tests_gpu.xml, junit)
 #   DIR/bench_gpu.log      python -m pdcluster bench gpu   (+ DIR/bench_gpu.json, DIR/bench_gpu.png)
+#   DIR/bench_gpu_transfer.log  python -m pdcluster bench gpu-transfer   (+ DIR/bench_gpu_transfer.json)
 #   DIR/summary.txt        one line per step: exit code and seconds; pytest's last line
 set -u
 OUT=${1:?usage: scripts/gpu_check.sh OUT_DIR}
@@ -79,17 +82,21 @@ install() {
 
 export PY SITE
 export -f install missing_wheels
-step install 90 bash -c install
+step install 30 bash -c install
 "$PY" -c 'from replica.gpu_extras import gpu_extra_hint; print("gpu extra:", gpu_extra_hint() or "nothing to add")' \
   >> "$OUT/env.txt" 2>&1
 "$PY" -c 'import pdcluster.cli' 2>> "$OUT/env.txt" || echo "pdcluster does not import: see env.txt" >> "$SUMMARY"
-step nvidia-smi 20 bash -c 'nvidia-smi && nvidia-smi --query-gpu=index,name,memory.total,pci.bus_id,driver_version \
+step nvidia-smi 10 bash -c 'nvidia-smi && nvidia-smi --query-gpu=index,name,memory.total,pci.bus_id,driver_version \
   --format=csv'
 mv "$OUT/nvidia-smi.log" "$OUT/nvidia-smi.txt"
 step tests_gpu "${GPU_CHECK_TESTS_S:-240}" "$PY" -m pytest -q -p no:cacheprovider tests/gpu \
   --junitxml "$OUT/tests_gpu.xml"
 echo "  pytest: $(grep -E '(passed|failed|skipped|error)' "$OUT/tests_gpu.log" | tail -1)" >> "$SUMMARY"
-step bench_gpu "${GPU_CHECK_BENCH_S:-150}" "$PY" -m pdcluster bench gpu --json "$OUT/bench_gpu.json" \
+step bench_gpu "${GPU_CHECK_BENCH_S:-140}" "$PY" -m pdcluster bench gpu --json "$OUT/bench_gpu.json" \
   --plot "$OUT/bench_gpu.png"
+# KV over cuda-ipc and staged tcp, 2 GiB of weights over cuda-ipc, each against its ceiling in the same run
+step bench_gpu_transfer "${GPU_CHECK_TRANSFER_S:-55}" "$PY" -m pdcluster bench gpu-transfer --device cuda \
+  --kv-size 1GiB --weights-size 2GiB --timeout 45 --json "$OUT/bench_gpu_transfer.json"
+echo "  $(grep -E 'goals met' "$OUT/bench_gpu_transfer.log" | tail -1)" >> "$SUMMARY"
 echo "gpu-check: $([[ $failed -eq 0 ]] && echo passed || echo FAILED), results in $OUT" | tee -a "$SUMMARY"
 exit "$failed"

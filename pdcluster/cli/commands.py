@@ -87,6 +87,11 @@ COMMANDS: dict[str, Command] = {
         "pdcluster.bench.transfer:BenchTransferConfig",
         "pdcluster.bench.transfer:run",
     ),
+    "bench gpu-transfer": Command(
+        "GPU state between two ranks of one host: cuda-ipc and staged tcp as ratios to their ceilings",
+        "pdcluster.bench.gpu_transfer:BenchGpuTransferConfig",
+        "pdcluster.bench.gpu_transfer:run",
+    ),
     "bench migration": Command(
         "KV migration bytes/s against the fabric's p2p",
         "pdcluster.bench.migration:BenchMigrationConfig",
