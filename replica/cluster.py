@@ -11,6 +11,8 @@ A replica whose KV cache or weights are CUDA tensors on the tcp fabric gets tcp 
 fabric (`transfer/staged`: device bytes through pinned host slots), so migrations and weight transfers
 work between GPU replicas without RDMA; buffers no fabric here can move (a meta tensor) are left out
 and the calls that need them fail FAILED_PRECONDITION with the reason (`require_movable`).
+On `--fabric cuda-ipc` (every rank on one host) device buffers go device to device through CUDA IPC
+handles and host buffers over the fabric's own tcp control; nccl and rdma are a `SplitFabric`.
 The KV stream's handshake carries `KvLayout.descriptor()`: two replicas whose block size, KV heads,
 head dim, dtype, layer count or TP degree differ cannot even connect on it, so no KV byte moves
 between incompatible caches (the fabric reports `LayoutMismatch` → FAILED_PRECONDITION on both sides).
@@ -188,9 +190,10 @@ def needs_staging(kind: str, devices: Iterable[str]) -> bool:
 
 
 def resolve_fabric(choice: str, table: RankTable, rank: int, devices: Iterable[str]) -> FabricKind:
-    """The fabric `--fabric choice` means for this replica: `auto` is nccl (rdma where this rank's
-    table entry names an RDMA NIC and pyverbs imports) when its buffers are CUDA memory, the table
-    spans several nodes and the library imports; else tcp (staged for device buffers)."""
+    """The fabric `--fabric choice` means for this replica: `auto` is cuda-ipc when its buffers are
+    CUDA memory and every rank of the table is on its node; across nodes nccl (rdma where this
+    rank's table entry names an RDMA NIC and pyverbs imports) where the library imports; else tcp
+    (staged for device buffers)."""
     if choice != "auto":
         return FabricKind(choice)
     across = any(not table.same_node(rank, other) for other in table.ranks)
@@ -200,38 +203,73 @@ def resolve_fabric(choice: str, table: RankTable, rank: int, devices: Iterable[s
     return kind
 
 
+DEVICE_FABRICS = (FabricKind.NCCL, FabricKind.RDMA, FabricKind.CUDA_IPC)
+"""The fabrics that move device buffers themselves (control on tcp): `device_fabric_options` first."""
+
+
 def device_fabric_options(kind: FabricKind, table: RankTable, rank: int, kv_tensor: Any,
                           options: dict[str, Any]) -> dict[str, Any]:
-    """`open_fabric`'s options for nccl/rdma: the rendezvous (the rank table's store; none is needed
-    without peers), the device or NIC, and the tcp options for the control fabric."""
-    if kind is FabricKind.NCCL and device_type(kv_tensor) != "cuda":
-        where = device_type(kv_tensor)
-        raise FabricUnavailable(f"fabric nccl moves CUDA memory, but this replica's KV cache is in {where} "
-                                "memory: start it with --device cuda, or --fabric tcp")
-    if table.store:
-        store = StoreRendezvous(connect_store(table.store), rank)
-        log.info("rendezvous store %s: rank %d, incarnation %d", table.store, rank, store.incarnation)
-        rendezvous: Rendezvous = store
-    elif len(table) == 1:
-        rendezvous = DictRendezvous()  # no peer to meet
-    else:
-        raise FabricUnavailable(f"fabric {kind.value} needs a rendezvous store, and the rank table names "
-                                'none (top-level "store": "HOST:PORT"; pdcluster up and launch serve one)')
+    """`open_fabric`'s options for nccl/rdma/cuda-ipc: the rendezvous (nccl/rdma: the rank table's
+    store; none is needed without peers), the device or NIC, the device fabric's `backend` when
+    `options` names one, and the rest of `options` for the control fabric (tcp). `FabricUnavailable`
+    (one line) when this replica cannot use `kind`."""
+    control = dict(options)
+    bulk = {"backend": control.pop("backend")} if control.get("backend") is not None else {}
+    _check_kv_memory(kind, kv_tensor, bulk.get("backend"))
+    if kind is FabricKind.CUDA_IPC:
+        _check_one_host(table, rank)
+        return {**bulk, "control_options": control}
     device: dict[str, Any] = {"device": getattr(kv_tensor.device, "index", None) or 0}
     if kind is FabricKind.RDMA:
         device = {"device_name": table[rank].rdma_device}
-    return {"rendezvous": rendezvous, **device, "control_options": options}
+    return {"rendezvous": _rendezvous(kind, table, rank), **device, **bulk, "control_options": control}
+
+
+def _check_kv_memory(kind: FabricKind, kv_tensor: Any, backend: Any) -> None:
+    """nccl and cuda-ipc move CUDA memory only (a given backend says what its device memory is)."""
+    if kind not in (FabricKind.NCCL, FabricKind.CUDA_IPC):
+        return
+    on_device = backend.memory_of(kv_tensor) is not None if kind is FabricKind.CUDA_IPC and backend \
+        else device_type(kv_tensor) == "cuda"
+    if not on_device:
+        where = device_type(kv_tensor)
+        raise FabricUnavailable(f"fabric {kind.value} moves CUDA memory, but this replica's KV cache is in "
+                                f"{where} memory: start it with --device cuda, or --fabric tcp")
+
+
+def _check_one_host(table: RankTable, rank: int) -> None:
+    """cuda-ipc opens peers' device memory: every rank must be on this rank's node."""
+    away = sorted({table[r].node for r in table.ranks if not table.same_node(rank, r)})
+    if away:
+        raise FabricUnavailable(f"fabric cuda-ipc joins ranks on one host, but the rank table puts ranks on "
+                                f"{table[rank].node} and {', '.join(away)}: use --fabric nccl, rdma or auto")
+
+
+def _rendezvous(kind: FabricKind, table: RankTable, rank: int) -> Rendezvous:
+    """The rank table's store as this rank's new incarnation; an in-process one without peers."""
+    if table.store:
+        store = StoreRendezvous(connect_store(table.store), rank)
+        log.info("rendezvous store %s: rank %d, incarnation %d", table.store, rank, store.incarnation)
+        return store
+    if len(table) == 1:
+        return DictRendezvous()  # no peer to meet
+    raise FabricUnavailable(f"fabric {kind.value} needs a rendezvous store, and the rank table names "
+                            'none (top-level "store": "HOST:PORT"; pdcluster up and launch serve one)')
 
 
 def open_fabric(kind: FabricKind | str, table: RankTable, rank: int, rendezvous: Rendezvous | None = None,
                 control_options: dict[str, Any] | None = None, **options: Any) -> Fabric:
     """The replica's one fabric: tcp (or fake) as it is; nccl and rdma as a `SplitFabric`, control on
-    tcp (`control_options`) and device buffers on the device fabric (`options`: device, backend)."""
+    tcp (`control_options`) and device buffers on the device fabric (`options`: device, backend);
+    cuda-ipc on its own control fabric, that same tcp (it routes host buffers there itself, so no
+    `SplitFabric`; `options`: backend)."""
     kind = FabricKind(kind)
-    if kind not in (FabricKind.NCCL, FabricKind.RDMA):
+    if kind not in DEVICE_FABRICS:
         return create_fabric(kind, table, rank, **options)
     control = create_fabric(FabricKind.TCP, table, rank, **(control_options or {}))
     try:
+        if kind is FabricKind.CUDA_IPC:
+            return create_fabric(kind, table, rank, control=control, **options)
         bulk = create_fabric(kind, table, rank, rendezvous=rendezvous, warmup_streams=(), **options) \
             if kind is FabricKind.NCCL else create_fabric(kind, table, rank, rendezvous=rendezvous, **options)
     except BaseException:
@@ -253,13 +291,14 @@ def build_cluster(
     """What `serve()` does at start: table, fabric of `--fabric`, the engine's KV cache and the flat
     weight buffer `weights` (the parameter store's: the model's parameters are views into it)
     registered. A simulated replica paces the table's links at its byte scale (`scaled_links`);
-    discovery still reports them as given."""
+    discovery still reports them as given. `fabric_options` go to the fabric (to the control tcp of
+    a device fabric, except `backend`: the device fabric's, e.g. a double in tests)."""
     table = load_table(config.cluster, config.rank, config.host, grpc_port)
     paced = scaled_links(table, config.scale) if config.engine is EngineKind.SIMULATED else table
     cache = engine.runner.cache
     devices = (device_type(cache.tensor), device_type(weights))
     kind = resolve_fabric(config.fabric, table, config.rank, devices)
-    if kind in (FabricKind.NCCL, FabricKind.RDMA):
+    if kind in DEVICE_FABRICS:
         fabric_options = device_fabric_options(kind, table, config.rank, cache.tensor, fabric_options)
     staged = needs_staging(kind, devices)
     cluster = ReplicaCluster.start(kind, paced, config.rank, f"{config.host}:{grpc_port}",

@@ -150,10 +150,11 @@ class ReplicaConfig:
     fabric: str = field(
         default="tcp",
         metadata={"help": "transfer fabric for KV and weights: tcp (device buffers staged through host "
-                          "memory); nccl / rdma (device buffers on it, control on tcp; the rank table's "
-                          "store for rendezvous); auto = nccl or rdma across nodes for CUDA buffers, "
-                          "else tcp",
-                  "choices": ["tcp", "nccl", "rdma", "auto"]},
+                          "memory); cuda-ipc (ranks on one host: device to device, control on tcp); "
+                          "nccl / rdma (device buffers on it, control on tcp; the rank table's store for "
+                          "rendezvous); auto = cuda-ipc for CUDA buffers with every rank on this node, "
+                          "nccl or rdma across nodes, else tcp",
+                  "choices": ["tcp", "cuda-ipc", "nccl", "rdma", "auto"]},
     )
     cluster: Path | None = field(
         default=None,

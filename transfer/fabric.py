@@ -27,6 +27,17 @@ class FabricKind(enum.StrEnum):
     FAKE = "fake"
     NCCL = "nccl"
     RDMA = "rdma"
+    CUDA_IPC = "cuda-ipc"
+
+
+FABRIC_CHOICES = ("tcp", "cuda-ipc", "nccl", "rdma", "auto")
+"""What `--fabric` accepts on `pdcluster replica`, `up` and `launch` (and the cluster file)."""
+
+
+def needs_store(choice: str) -> bool:
+    """Whether replicas on `--fabric choice` may need the rendezvous store (nccl and rdma meet there;
+    `auto` may pick them). tcp and cuda-ipc do not: cuda-ipc's handles travel on its tcp control."""
+    return choice in (FabricKind.NCCL, FabricKind.RDMA, "auto")
 
 
 class Fabric(abc.ABC):
@@ -107,7 +118,8 @@ def create_fabric(kind: FabricKind | str, table: RankTable, rank: int, **options
 
     Options go to the backend's constructor: `inter_node_gbps` / `intra_node_gbps` for `tcp`,
     `network` (a `FakeNetwork`) for `fake`, `rendezvous` (and `device`, `backend`) for `nccl`,
-    `rendezvous` (and `device_name`, `backend`) for `rdma`. Unknown options raise `TypeError`; a
+    `rendezvous` (and `device_name`, `backend`) for `rdma`, `backend` and `control` (the fabric for
+    control and host buffers; default tcp) for `cuda-ipc`. Unknown options raise `TypeError`; a
     device fabric whose library, device or NIC is missing raises `FabricUnavailable` (one line).
     """
     kind = FabricKind(kind)
@@ -126,6 +138,12 @@ def create_fabric(kind: FabricKind | str, table: RankTable, rank: int, **options
         if options.get("backend") is None:
             options["backend"] = _device_backend(kind, "transfer.nccl.backend", "CupyBackend", device)
         return NcclFabric(table, rank, device=device, **options)
+    if kind is FabricKind.CUDA_IPC:
+        from transfer.ipc.fabric import CudaIpcFabric
+
+        if options.get("backend") is None:
+            require_cuda(kind)  # TorchIpcBackend (the default) opens torch's CUDA IPC lazily: check now
+        return CudaIpcFabric(table, rank, **options)
     from transfer.rdma.fabric import RdmaFabric
 
     if options.get("backend") is None:
@@ -144,9 +162,12 @@ def importable(module: str) -> bool:
 
 def choose_fabric(on_cuda: bool, across_nodes: bool, rdma_nic: bool,
                   importable: Callable[[str], bool] = importable) -> FabricKind:
-    """What `--fabric auto` picks: across nodes with CUDA buffers, rdma where this rank has an RDMA
-    NIC and pyverbs, else nccl where cupy is; everything else tcp (device buffers staged)."""
-    if on_cuda and across_nodes:
+    """What `--fabric auto` picks: with CUDA buffers and every rank on this node, cuda-ipc (torch is
+    there: the buffers are its tensors); across nodes, rdma where this rank has an RDMA NIC and
+    pyverbs, else nccl where cupy is; everything else tcp (device buffers staged)."""
+    if on_cuda and not across_nodes:
+        return FabricKind.CUDA_IPC
+    if on_cuda:
         if rdma_nic and importable("pyverbs"):
             return FabricKind.RDMA
         if importable("cupy"):
@@ -154,7 +175,25 @@ def choose_fabric(on_cuda: bool, across_nodes: bool, rdma_nic: bool,
     return FabricKind.TCP
 
 
-_NEEDS = {FabricKind.NCCL: "cupy with NCCL and a CUDA device", FabricKind.RDMA: "pyverbs and an RDMA NIC"}
+_NEEDS = {FabricKind.NCCL: "cupy with NCCL and a CUDA device", FabricKind.RDMA: "pyverbs and an RDMA NIC",
+          FabricKind.CUDA_IPC: "torch with a CUDA device"}
+
+
+def require_cuda(kind: FabricKind) -> None:
+    """`FabricUnavailable` (one line) unless torch imports here and sees a CUDA device."""
+    try:
+        import torch
+    except Exception as exc:  # not installed, or a broken install: say which
+        raise _unavailable(kind, exc) from exc
+    if not torch.cuda.is_available():
+        raise FabricUnavailable(f"fabric {kind.value} cannot start: it needs {_NEEDS[kind]} "
+                                f"(torch {torch.__version__} sees none)")
+
+
+def _unavailable(kind: FabricKind, exc: BaseException) -> FabricUnavailable:
+    first = (str(exc).strip().splitlines() or [""])[0]
+    return FabricUnavailable(f"fabric {kind.value} cannot start: it needs {_NEEDS[kind]} "
+                             f"({type(exc).__name__}: {first})")
 
 
 def _device_backend(kind: FabricKind, module: str, name: str, where: object) -> Any:
@@ -162,7 +201,4 @@ def _device_backend(kind: FabricKind, module: str, name: str, where: object) -> 
     try:
         return getattr(importlib.import_module(module), name)(where)
     except Exception as exc:  # ImportError, no CUDA device, no RDMA device: say which, in one line
-        first = (str(exc).strip().splitlines() or [""])[0]
-        raise FabricUnavailable(
-            f"fabric {kind.value} cannot start: it needs {_NEEDS[kind]} ({type(exc).__name__}: {first})"
-        ) from exc
+        raise _unavailable(kind, exc) from exc

@@ -49,6 +49,7 @@ from replica.config import check_device_name
 from router import strategies
 from router.config import Strategy
 from router.scaling import policies
+from transfer.fabric import FABRIC_CHOICES, needs_store
 
 
 @dataclass
@@ -85,9 +86,9 @@ class UpConfig:
     link_gbps: float = field(default=0.0, metadata={"help": (
         "emulated NIC of each replica, Gbit/s: every replica is its own node and the transfer "
         "fabric paces KV and weights to this rate (0 = loopback speed)")})
-    fabric: str = field(default="tcp", metadata={"choices": ["tcp", "nccl", "rdma", "auto"], "help": (
-        "transfer fabric of every replica (see `pdcluster replica --help`); other than tcp, this "
-        "process serves the rendezvous store (a TCPStore named in the rank table) while it runs")})
+    fabric: str = field(default="tcp", metadata={"choices": list(FABRIC_CHOICES), "help": (
+        "transfer fabric of every replica (see `pdcluster replica --help`); for nccl, rdma and auto "
+        "this process serves the rendezvous store (a TCPStore named in the rank table) while it runs")})
     disk_gbps: float = field(default=0.0, metadata={"help": (
         "emulated disk of LoadParams, Gbit/s (0 = unpaced)")})
     host_gbps: float = field(default=0.0, metadata={"help": (
@@ -145,6 +146,9 @@ class UpConfig:
             raise ValueError("give --cluster-token or --cluster-token-file, not both")
         self.engine_spec()  # an unknown GPU or card, a bad scale → ValueError naming it
         check_device_name(self.device)
+        if self.fabric == "cuda-ipc" and self.link_gbps:
+            raise ValueError("--fabric cuda-ipc joins replicas on one host, but --link-gbps makes every "
+                             "replica its own node: use --fabric tcp or auto")
         if not 0 < self.gpu_memory_fraction <= 1:
             raise ValueError(f"--gpu-memory-fraction must be in (0, 1], got {self.gpu_memory_fraction}")
         if self.engine != "torch" and self.device not in ("auto", "cpu"):
@@ -316,7 +320,7 @@ class LocalCluster:
         if self.config.link_gbps:  # every replica its own node behind an emulated NIC
             table = RankTable(tuple(dataclasses.replace(e, node=f"n{e.rank}", link_gbps=self.config.link_gbps)
                                     for e in table.entries))
-        if self.config.fabric != "tcp":  # nccl/rdma meet through a store that outlives every replica
+        if needs_store(self.config.fabric):  # nccl/rdma meet through a store that outlives every replica
             from transfer.store import serve_store
 
             self._store, address = serve_store(self.config.host)

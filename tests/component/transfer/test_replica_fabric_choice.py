@@ -96,10 +96,11 @@ def test_auto_picks_a_device_fabric_only_for_cuda_buffers_across_nodes() -> None
     assert choose_fabric(True, True, False, every) is FabricKind.NCCL
     assert choose_fabric(True, True, True, lambda m: m == "cupy") is FabricKind.NCCL
     assert choose_fabric(True, True, False, lambda m: False) is FabricKind.TCP
-    assert choose_fabric(True, False, True, every) is FabricKind.TCP  # one node: tcp (staged)
+    assert choose_fabric(True, False, True, every) is FabricKind.CUDA_IPC  # one node: device to device
     assert choose_fabric(False, True, True, every) is FabricKind.TCP  # host buffers: tcp
     one_node = local_table(2)
-    assert resolve_fabric("auto", one_node, 0, ("cuda", "cuda")) is FabricKind.TCP
+    assert resolve_fabric("auto", one_node, 0, ("cuda", "cuda")) is FabricKind.CUDA_IPC
+    assert resolve_fabric("auto", one_node, 0, ("cpu", "cpu")) is FabricKind.TCP
     assert resolve_fabric("nccl", one_node, 0, ("cpu",)) is FabricKind.NCCL
     two_nodes = RankTable((one_node[0], dataclasses.replace(one_node[1], node="n1")))
     assert resolve_fabric("auto", two_nodes, 0, ("cpu", "cpu")) is FabricKind.TCP

@@ -13,9 +13,15 @@ from transfer.ranktable import load_rank_table
 from transfer.store import StoreRendezvous, connect_store
 
 
-def test_tcp_names_no_store(tmp_path: Path) -> None:
-    args = LocalCluster(UpConfig(model=tmp_path, log_dir=tmp_path))._fabric_args([7001, 7002])
-    assert args[2:] == ["--fabric", "tcp"] and load_rank_table(args[1]).store == ""
+@pytest.mark.parametrize("fabric", ["tcp", "cuda-ipc"])
+def test_tcp_and_cuda_ipc_name_no_store(tmp_path: Path, fabric: str) -> None:
+    args = LocalCluster(UpConfig(model=tmp_path, log_dir=tmp_path, fabric=fabric))._fabric_args([7001, 7002])
+    assert args[2:] == ["--fabric", fabric] and load_rank_table(args[1]).store == ""
+
+
+def test_cuda_ipc_refuses_a_node_per_replica(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="cuda-ipc joins replicas on one host"):
+        UpConfig(model=tmp_path, log_dir=tmp_path, fabric="cuda-ipc", link_gbps=10)
 
 
 @pytest.mark.parametrize("fabric", ["nccl", "auto"])
