@@ -57,8 +57,15 @@ class Fabric(enum.Enum):
     """The transfer fabric of every replica."""
 
     TCP = "tcp"
+    CUDA_IPC = "cuda-ipc"  # every replica on one node, each on a CUDA device
     NCCL = "nccl"  # CUDA devices on every node that runs a replica
     RDMA = "rdma"  # an RDMA NIC on every such node
+    AUTO = "auto"  # each replica picks (`transfer.fabric.choose_fabric`): cuda-ipc, nccl/rdma or tcp
+
+    @property
+    def needs_cuda(self) -> bool:
+        """Whether every replica needs a CUDA device."""
+        return self in (Fabric.NCCL, Fabric.CUDA_IPC)
 
 
 class LaunchDevice(enum.Enum):
@@ -444,14 +451,17 @@ def _check_nodes(cluster: ClusterFile) -> None:
                for n in cluster.nodes):
         raise cluster.error(("nodes", 0), "no node runs a prefill, decode or colocated replica")
     fabric, device = cluster.launch.fabric, cluster.launch.device
-    if fabric is Fabric.NCCL and device is LaunchDevice.CPU:
-        raise cluster.error(("launch", "fabric"), 'fabric nccl needs CUDA devices but the launch\'s device '
-                                                  'is "cpu" (use fabric = "tcp")')
+    if fabric.needs_cuda and device is LaunchDevice.CPU:
+        raise cluster.error(("launch", "fabric"), f"fabric {fabric.value} needs CUDA devices but the "
+                                                  'launch\'s device is "cpu" (use fabric = "tcp")')
+    if fabric is Fabric.CUDA_IPC and len(cluster.nodes) > 1:
+        raise cluster.error(("launch", "fabric"), f"fabric cuda-ipc joins replicas on one host, but the file "
+                                                  f"has {len(cluster.nodes)} nodes (use nccl, rdma or auto)")
     for node in cluster.nodes:
-        if fabric is Fabric.NCCL and node.devices.mode is DeviceMode.CPU:
+        if fabric.needs_cuda and node.devices.mode is DeviceMode.CPU:
             # rdma moves host memory too: only discovery can say (an RDMA NIC)
             raise cluster.error(("nodes", node.index, "devices"),
-                                f"fabric nccl needs CUDA devices but {node.name} has devices = "
+                                f"fabric {fabric.value} needs CUDA devices but {node.name} has devices = "
                                 '"cpu" (use fabric = "tcp")')
         _check_device(cluster, node, device)
 

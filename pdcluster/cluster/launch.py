@@ -4,12 +4,14 @@
  pdcluster launch FILE ─┬─ with --wheelhouse DIR: its tar to every node, pip install --no-index there
                         ├─ discover: `pdcluster devices --json --ports N …` on every node (bounded pool)
                         ├─ place replicas on what was found, rank table from the ports drawn there
+                        ├─ nccl / rdma / auto: serve the rendezvous store here, its address in the table
                         ├─ stage the rank table on every node (stdin of one short session each), with
                         │     [tls] / a token: the node's certificate and key, the CA, the token file
                         │     (security.py)
                         ├─ one session per replica: ssh -tt NODE | srun --nodelist=NODE | bash -c
                         │     'echo $$ > PIDFILE; export CUDA_VISIBLE_DEVICES=N; exec pdcluster replica
-                        │      … --device cuda --gpu-memory-fraction F' (CPU workers: --device cpu)
+                        │      … --device cuda --gpu-memory-fraction F' (CPU workers: --device cpu;
+                        │      cuda-ipc / auto: the node's devices N,M,… and --device cuda:K)
                         ├─ wait for every replica's ready line (a progress line per node, one deadline)
                         └─ pdcluster router --replica … (here) ─► "pdcluster launch ready: …"
 ```
@@ -24,6 +26,7 @@ from __future__ import annotations
 
 import os
 import shlex
+import socket
 import subprocess
 import sys
 import tarfile
@@ -58,6 +61,7 @@ from pdcluster.cluster.supervisor import RestartPolicy, supervise
 from pdcluster.cluster.wheelhouse import read_manifest
 from pdcluster.discovery.checks import port_problem
 from pdcluster.discovery.inventory import Inventory
+from transfer.fabric import FABRIC_CHOICES, needs_store
 
 PROBE_TIMEOUT_S = 120.0
 STOP_TIMEOUT_S = 30.0
@@ -71,8 +75,9 @@ class LaunchConfig:
                                  "positional": True})
     via: str = field(default="", metadata={"help": "how replicas reach their nodes; empty = launch.via",
                                            "choices": ["", "ssh", "slurm", "local"]})
-    fabric: str = field(default="", metadata={"help": "transfer fabric; empty = launch.fabric",
-                                              "choices": ["", "tcp", "nccl", "rdma"]})
+    fabric: str = field(default="", metadata={"help": (
+        "transfer fabric; empty = launch.fabric (for nccl, rdma and auto this process serves the "
+        "rendezvous store, named in the rank table)"), "choices": ["", *FABRIC_CHOICES]})
     dry_run: bool = field(default=False, metadata={"help": (
         "discover every node, print the placement, rank table and commands; start nothing")})
     device: str = field(default="", metadata={"help": (
@@ -147,6 +152,8 @@ class Launch:
         self.failure = ""
         self.allocation_gone = False  # Slurm ended the steps already: no srun reaches the nodes now
         self.claimed = False  # run.json is this launch's (another live launch's record is never overwritten)
+        self.store: object | None = None  # the rendezvous store (a TCPStore) for nccl/rdma/auto
+        self.store_address = ""
 
     # --- sessions ---------------------------------------------------------------------------------
     def argv(self, node: NodeSpec, script: str, tty: bool = False, name: str = "") -> list[str]:
@@ -208,7 +215,7 @@ class Launch:
     def stage(self, deadline: float) -> None:
         """Write the rank table (and the node's TLS files and the token) on every node that runs a replica."""
         self.staged = _unique(p.node for p in self.placements)
-        table = rank_table(self.placements).to_json().encode()
+        table = rank_table(self.placements, self.serve_rendezvous()).to_json().encode()
         stage = self.commands.stage_script()
 
         def files(node: NodeSpec) -> str:
@@ -219,6 +226,24 @@ class Launch:
             if not answer.ok:
                 why = answer.why(self.via)
                 raise LaunchError(f"{_node(answer.node)}: cannot store the rank table and its files: {why}")
+
+    def serve_rendezvous(self) -> str:
+        """The rendezvous store's "HOST:PORT" ("" when the fabric needs none): served in this process,
+        which outlives every replica restart (a restarted replica re-joins as its next incarnation),
+        on this machine's address on the route to the first node."""
+        if not needs_store(self.cluster.launch.fabric.value) or not self.placements:
+            return ""
+        if self.store is None:
+            try:
+                from transfer.store import serve_store
+
+                self.store, self.store_address = serve_store(store_host(self.placements[0].node.address))
+            except (ImportError, RuntimeError, OSError) as exc:
+                first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+                raise LaunchError(f"fabric {self.cluster.launch.fabric.value} needs the rendezvous store "
+                                  f"this process serves (torch.distributed.TCPStore): {first}") from exc
+            _progress(f"rendezvous store on {self.store_address} (fabric {self.cluster.launch.fabric.value})")
+        return self.store_address
 
     def start_replicas(self) -> None:
         """One session per replica; its output streams into the run's log folder."""
@@ -325,6 +350,7 @@ class Launch:
                 if not answer.ok:
                     _progress(f"{_node(answer.node)}: stopping its replicas failed: {answer.why(self.via)}")
         stop_procs(self.replicas, timeout=10)
+        self.store = None  # the replicas are gone: the rendezvous store goes with the launch
         self._record(RunPhase.FAILED if self.failure else RunPhase.STOPPED)
 
     def _record(self, phase: RunPhase) -> None:
@@ -359,6 +385,10 @@ class Launch:
         self.plan(self.discover(time.monotonic() + self.cluster.launch.ready_timeout_s))
         lines += ["# placement", *map(_describe_placement, self.placements),
                  "# rank table", rank_table(self.placements).to_json()]
+        if needs_store(self.cluster.launch.fabric.value) and self.placements:
+            host = store_host(self.placements[0].node.address)
+            lines += [f'# rendezvous store: served by this process at start on {host}:<a free port>, named '
+                      'in the table\'s "store"']
         for p in self.placements:
             argv = self.argv(p.node, self.commands.replica_script(p), True, f"pdcluster-r{p.rank}")
             lines += [f"# rank {p.rank} ({p.role}) on {p.node.name}", shlex.join(argv)]
@@ -422,6 +452,17 @@ def _describe_placement(p: Placement) -> str:
 
 def _progress(text: str) -> None:
     print(f"pdcluster launch: {text}", file=sys.stderr, flush=True)
+
+
+def store_host(towards: str) -> str:
+    """This machine's address on the route to the node at `towards` (the local end of a UDP socket
+    connected there: nothing is sent); the host name where there is no such route."""
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+            probe.connect((towards, 9))
+            return str(probe.getsockname()[0])
+    except OSError:
+        return socket.gethostname()
 
 
 def _check_router_ports(cluster: ClusterFile) -> None:

@@ -12,7 +12,7 @@ Nothing here starts a process or reads the environment: every piece is unit-test
 from __future__ import annotations
 
 import shlex
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path, PurePosixPath
 
 from pdcluster.cluster.clusterfile import (
@@ -46,6 +46,7 @@ class Placement:
     nic: str = ""
     rdma_device: str = ""
     numa_node: int | None = None
+    shared_devices: tuple[int, ...] = ()  # the node's CUDA devices every replica there sees (cuda-ipc)
 
     @property
     def address(self) -> str:
@@ -53,9 +54,24 @@ class Placement:
         return f"{self.node.address}:{self.port}"
 
     @property
+    def ordinal(self) -> int | None:
+        """The CUDA device's index on its node (as discovery lists it); None for a CPU worker."""
+        return int(self.device.removeprefix("cuda:")) if self.device.startswith("cuda:") else None
+
+    @property
     def cuda_visible_devices(self) -> str:
-        """`CUDA_VISIBLE_DEVICES` of this replica: its one device, or none for a CPU worker."""
-        return self.device.removeprefix("cuda:") if self.device.startswith("cuda:") else ""
+        """`CUDA_VISIBLE_DEVICES` of this replica: its one device, the node's devices it shares with
+        the node's other replicas (`shared_devices`), or none for a CPU worker."""
+        if self.ordinal is None:
+            return ""
+        return ",".join(map(str, self.shared_devices or (self.ordinal,)))
+
+    @property
+    def torch_device(self) -> str:
+        """`--device` of the replica: its device among the visible ones ("cpu" for a CPU worker)."""
+        if self.ordinal is None:
+            return "cpu"
+        return f"cuda:{self.shared_devices.index(self.ordinal)}" if self.shared_devices else "cuda"
 
     @property
     def name(self) -> str:
@@ -138,9 +154,9 @@ def _slots(cluster: ClusterFile, node: NodeSpec, inv: Inventory) -> list[_Slot]:
 
 def _check_fabric(cluster: ClusterFile, node: NodeSpec, inv: Inventory, slots: list[_Slot]) -> None:
     fabric = cluster.launch.fabric
-    if fabric is Fabric.NCCL and any(s.device == "cpu" for s in slots):
-        raise cluster.error(("launch", "fabric"), f"fabric nccl needs a CUDA device for every replica, but "
-                                                  f"discovery found none on {node.name}")
+    if fabric.needs_cuda and any(s.device == "cpu" for s in slots):
+        raise cluster.error(("launch", "fabric"), f"fabric {fabric.value} needs a CUDA device for every "
+                                                  f"replica, but discovery found none on {node.name}")
     if fabric is Fabric.RDMA and not inv.rdma_devices:
         raise cluster.error(("launch", "fabric"), f"fabric rdma needs an RDMA NIC, but discovery found none "
                                                   f"on {node.name} (/sys/class/infiniband is empty)")
@@ -163,20 +179,34 @@ def place(cluster: ClusterFile, inventories: dict[int, Inventory]) -> list[Place
         if len(inv.ports) < PORTS_PER_REPLICA * len(roles):
             raise cluster.error(("nodes", node.index), f"{node.name} drew {len(inv.ports)} free ports, "
                                                        f"{PORTS_PER_REPLICA * len(roles)} needed")
-        for local, (role, slot) in enumerate(zip(roles, slots, strict=False)):
-            placements.append(Placement(
-                len(placements), role, node, slot.device, inv.ports[2 * local], inv.ports[2 * local + 1],
-                slot.engine_cpus, slot.nic, slot.rdma_device, slot.numa_node))
+        here = [Placement(len(placements) + local, role, node, slot.device, inv.ports[2 * local],
+                          inv.ports[2 * local + 1], slot.engine_cpus, slot.nic, slot.rdma_device,
+                          slot.numa_node)
+                for local, (role, slot) in enumerate(zip(roles, slots, strict=False))]
+        placements += _share_devices(here) if shares_devices(cluster.launch.fabric) else here
     return placements
 
 
-def rank_table(placements: list[Placement]) -> RankTable:
-    """The rank table every replica reads (the same format as `pdcluster up`'s)."""
-    return RankTable.from_records(
+def shares_devices(fabric: Fabric) -> bool:
+    """Whether the replicas of a node all see its CUDA devices under the same indices: cuda-ipc opens
+    a peer's memory by the device index its handle names (and `auto` may pick cuda-ipc)."""
+    return fabric in (Fabric.CUDA_IPC, Fabric.AUTO)
+
+
+def _share_devices(placements: list[Placement]) -> list[Placement]:
+    """One node's placements, each seeing every CUDA device the node's replicas use."""
+    shared = tuple(sorted({p.ordinal for p in placements if p.ordinal is not None}))
+    return [replace(p, shared_devices=shared) if p.ordinal is not None else p for p in placements]
+
+
+def rank_table(placements: list[Placement], store: str = "") -> RankTable:
+    """The rank table every replica reads (the same format as `pdcluster up`'s); `store`: the
+    rendezvous store's "HOST:PORT" (nccl, rdma, auto: the launch serves it)."""
+    return RankTable.from_records((
         {"rank": p.rank, "host": p.node.address, "node": p.node.name, "device": p.device,
          "transfer_address": f"{p.node.transfer_host}:{p.transfer_port}", "grpc_port": p.port,
          "nic": p.nic, "rdma_device": p.rdma_device, "numa_node": p.numa_node, "nic_gbps": p.node.nic_gbps}
-        for p in placements)
+        for p in placements), store)
 
 
 # --- commands -----------------------------------------------------------------------------------
@@ -254,13 +284,15 @@ class Commands:
         """`--device` (and `--gpu-memory-fraction` on CUDA) of one replica.
 
         A CUDA replica starts with `CUDA_VISIBLE_DEVICES=N` (the rank table's `cuda:N`), so that
-        device is the only one it sees: `--device cuda` (its cuda:0). A CPU worker gets `--device cpu`,
-        so it stays on the CPU on a node that has GPUs too.
+        device is the only one it sees: `--device cuda` (its cuda:0). On cuda-ipc (and auto) every
+        replica of a node sees the node's devices in use (`shares_devices`),
+        `CUDA_VISIBLE_DEVICES=N,M,…`, and picks its own with `--device cuda:K`. A CPU worker gets
+        `--device cpu`, so it stays on the CPU on a node that has GPUs too.
         """
-        if not p.cuda_visible_devices:
+        if p.ordinal is None:
             return ["--device", "cpu"]
         fraction = p.node.gpu_memory_fraction or self.cluster.launch.gpu_memory_fraction
-        return ["--device", "cuda", "--gpu-memory-fraction", f"{fraction:g}"]
+        return ["--device", p.torch_device, "--gpu-memory-fraction", f"{fraction:g}"]
 
     def replica_script(self, p: Placement) -> str:
         """The script run on the node: record its pid, set its device, exec the replica.
