@@ -365,7 +365,7 @@ class Launch:
             http=self.http_url, admin=self.admin_address,
             admin_token_set=bool(self.cluster.router.admin_token), replicas=self._replica_records(),
             nodes=tuple(n.name for n in self.staged), logs=str(self.run_dir), message=self.failure,
-            **this_launcher())
+            fabric=self.cluster.launch.fabric.value, store=self.store_address, **this_launcher())
 
     def _replica_records(self) -> tuple[ReplicaRecord, ...]:
         procs: list[Proc | None] = [*self.replicas] or [None] * len(self.placements)

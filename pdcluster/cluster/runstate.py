@@ -64,6 +64,8 @@ class RunRecord:
     nodes: tuple[str, ...] = ()
     logs: str = ""
     message: str = ""  # why it failed or stopped
+    fabric: str = ""  # the launch's --fabric (auto: each replica picked; which one is not reported back)
+    store: str = ""  # the rendezvous store the launch serves ("" for tcp and cuda-ipc)
 
     def with_(self, **changes: Any) -> RunRecord:
         """A copy with `changes`."""

@@ -134,6 +134,8 @@ def run_status(config: StatusConfig) -> int:
     view = router_view(record.admin, config.timeout, tls) if record.admin else {}
     print(f"router: http={record.http or '-'} admin={record.admin or '-'} "
           f"({'answering' if view else 'not answering'}); logs {record.logs}")
+    if record.fabric:
+        print(f"fabric: {record.fabric}" + (f" (rendezvous store {record.store})" if record.store else ""))
     with ThreadPoolExecutor(max_workers=16) as pool:
         states = list(pool.map(lambda r: health(r.address, config.timeout, tls), record.replicas))
     rows = [["RANK", "ROLE", "NODE", "ADDRESS", "DEVICE", "NIC", "HEALTH", "ROUTER", "LAUNCHER", "RESTARTS"]]

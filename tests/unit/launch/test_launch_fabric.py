@@ -153,3 +153,23 @@ def test_dry_run_says_where_the_store_will_be(tmp_path: Path, monkeypatch: pytes
 
 def test_store_host_is_this_machines_address_towards_the_node() -> None:
     assert store_host("127.0.0.1") == "127.0.0.1"
+
+
+def test_status_shows_the_fabric_and_the_store(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+) -> None:
+    from pdcluster.cluster.runstate import RunFile, RunPhase
+    from pdcluster.cluster.status import StatusConfig, run_status
+
+    monkeypatch.setattr(pdcluster.cluster.launch, "store_host", lambda towards: "127.0.0.1")
+    file = tmp_path / "c.toml"
+    file.write_text(MIXED.replace('[launch]\n', f'[launch]\nlog_dir = "{tmp_path / "logs"}"\n'))
+    cluster, via = load(LaunchConfig(file, fabric="auto"))
+    launch = Launch(cluster, via, run_id="RUN1")
+    launch.plan(inventories(tmp_path, cluster))
+    _staged_tables(launch, monkeypatch)
+    record = launch.record(RunPhase.READY)
+    assert (record.fabric, record.store) == ("auto", launch.store_address)
+    RunFile(cluster.launch.log_dir).write(record.with_(replicas=()))  # no replica to health-check
+    run_status(StatusConfig(file, timeout=0.2))
+    assert f"fabric: auto (rendezvous store {launch.store_address})" in capsys.readouterr().out
