@@ -90,7 +90,8 @@ def _decode_context(config: BenchGpuConfig, model: CausalLM, backend: str, cells
                     dtype: torch.dtype, device: torch.device, clock: _Clock
                     ) -> tuple[dict[int, Measured], str]:
     """(graphs, eager, failure) timings per batch of one context's fitting cells; what became of graphs."""
-    context, pages, largest = cells[0].context, max(c.pages for c in cells), max(c.batch for c in cells)
+    context, largest = cells[0].context, max(c.batch for c in cells)
+    pages = rl.cache_pages_per_context(cells)[context]
     clock.say(f"decode, context {context}: a cache of {pages} pages of random K/V, batches up to {largest}")
     cache = gm.random_cache(model.config, pages, config.block_size, dtype, device)
     eager = ModelRunner(model, cache, backend)

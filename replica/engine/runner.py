@@ -86,10 +86,12 @@ class ModelRunner:
         """torch's inference mode, around every forward."""
         return torch.inference_mode()
 
-    def context(self, seqs: Sequence[SeqInput]) -> AttentionContext:
-        """The attention context of one forward (positions, page tables, masks)."""
+    def context(self, seqs: Sequence[SeqInput], token_ids: list[int] | None = None) -> AttentionContext:
+        """The attention context of one forward (positions, page tables, masks); with `token_ids`
+        they ride in its one host→device copy too (`ctx.token_ids`)."""
         slices = [SeqSlice(s.pages, s.start, len(s.tokens)) for s in seqs]
-        return AttentionContext.build(self.cache, slices, self.model.config, backend=self.attention_backend)
+        config, backend = self.model.config, self.attention_backend
+        return AttentionContext.build(self.cache, slices, config, backend, token_ids)
 
     def embed(self, seqs: Sequence[SeqInput]) -> torch.Tensor:
         """(n, hidden) embeddings of every fed token, sequences concatenated."""
@@ -120,10 +122,7 @@ class ModelRunner:
         with torch.inference_mode():
             if self.graphs is not None and self.graphs.accepts(seqs):
                 return ForwardOutput(last_logits=self.graphs.run(seqs), all_logits={})
-            slices = [SeqSlice(s.pages, s.start, len(s.tokens)) for s in seqs]
-            flat = [t for s in seqs for t in s.tokens]
-            # the token ids ride in the context's one host→device copy
-            ctx = AttentionContext.build(self.cache, slices, self.model.config, self.attention_backend, flat)
+            ctx = self.context(seqs, [t for s in seqs for t in s.tokens])
             assert ctx.token_ids is not None
             hidden = self.run_layers(self.model.embed(ctx.token_ids), ctx, 0, self.num_layers)
             return self.logits(hidden, ctx, seqs)
