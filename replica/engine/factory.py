@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -49,7 +50,7 @@ def build_engine_and_params(config: ReplicaConfig, device: str | None = None) ->
     without any copy.
     """
     if device is not None:
-        config = _with_device(config, device)
+        config = replace(config, device=device)
     if config.model is None:
         raise ValueError("the torch engine needs --model (a checkpoint folder)")
     model_dir = config.model
@@ -83,12 +84,6 @@ def build_engine_and_params(config: ReplicaConfig, device: str | None = None) ->
         count = runner.capture_graphs(min(MAX_GRAPH_BATCH, num_blocks))
         log.info("decode CUDA graphs: %d batch sizes %s", count, runner.graph_buckets)
     return Engine(runner, detok, limits, meta, readiness), params
-
-
-def _with_device(config: ReplicaConfig, device: str) -> ReplicaConfig:
-    from dataclasses import replace
-
-    return replace(config, device=device)
 
 
 def _meta(config: ReplicaConfig, choice: DeviceChoice) -> EngineMeta:
