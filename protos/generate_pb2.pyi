@@ -60,7 +60,7 @@ class InfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class InfoResponse(_message.Message):
-    __slots__ = ("requires_padding", "dtype", "device_type", "window_size", "speculate", "model_id", "num_layers", "block_size", "num_blocks_total", "num_blocks_free", "embed_ready", "num_layers_loaded", "lm_head_ready", "rank", "tp_size", "num_cached_batches", "max_input_tokens", "max_total_tokens", "device", "gpu_name", "attention_backend", "cuda_graphs")
+    __slots__ = ("requires_padding", "dtype", "device_type", "window_size", "speculate", "model_id", "num_layers", "block_size", "num_blocks_total", "num_blocks_free", "embed_ready", "num_layers_loaded", "lm_head_ready", "rank", "tp_size", "num_cached_batches", "max_input_tokens", "max_total_tokens", "device", "gpu_name", "attention_backend", "cuda_graphs", "prefix_cache", "num_blocks_cached", "cached_page_hashes")
     REQUIRES_PADDING_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     DEVICE_TYPE_FIELD_NUMBER: _ClassVar[int]
@@ -83,6 +83,9 @@ class InfoResponse(_message.Message):
     GPU_NAME_FIELD_NUMBER: _ClassVar[int]
     ATTENTION_BACKEND_FIELD_NUMBER: _ClassVar[int]
     CUDA_GRAPHS_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHE_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_CACHED_FIELD_NUMBER: _ClassVar[int]
+    CACHED_PAGE_HASHES_FIELD_NUMBER: _ClassVar[int]
     requires_padding: bool
     dtype: str
     device_type: str
@@ -105,7 +108,10 @@ class InfoResponse(_message.Message):
     gpu_name: str
     attention_backend: str
     cuda_graphs: bool
-    def __init__(self, requires_padding: _Optional[bool] = ..., dtype: _Optional[str] = ..., device_type: _Optional[str] = ..., window_size: _Optional[int] = ..., speculate: _Optional[int] = ..., model_id: _Optional[str] = ..., num_layers: _Optional[int] = ..., block_size: _Optional[int] = ..., num_blocks_total: _Optional[int] = ..., num_blocks_free: _Optional[int] = ..., embed_ready: _Optional[bool] = ..., num_layers_loaded: _Optional[int] = ..., lm_head_ready: _Optional[bool] = ..., rank: _Optional[int] = ..., tp_size: _Optional[int] = ..., num_cached_batches: _Optional[int] = ..., max_input_tokens: _Optional[int] = ..., max_total_tokens: _Optional[int] = ..., device: _Optional[str] = ..., gpu_name: _Optional[str] = ..., attention_backend: _Optional[str] = ..., cuda_graphs: _Optional[bool] = ...) -> None: ...
+    prefix_cache: bool
+    num_blocks_cached: int
+    cached_page_hashes: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, requires_padding: _Optional[bool] = ..., dtype: _Optional[str] = ..., device_type: _Optional[str] = ..., window_size: _Optional[int] = ..., speculate: _Optional[int] = ..., model_id: _Optional[str] = ..., num_layers: _Optional[int] = ..., block_size: _Optional[int] = ..., num_blocks_total: _Optional[int] = ..., num_blocks_free: _Optional[int] = ..., embed_ready: _Optional[bool] = ..., num_layers_loaded: _Optional[int] = ..., lm_head_ready: _Optional[bool] = ..., rank: _Optional[int] = ..., tp_size: _Optional[int] = ..., num_cached_batches: _Optional[int] = ..., max_input_tokens: _Optional[int] = ..., max_total_tokens: _Optional[int] = ..., device: _Optional[str] = ..., gpu_name: _Optional[str] = ..., attention_backend: _Optional[str] = ..., cuda_graphs: _Optional[bool] = ..., prefix_cache: _Optional[bool] = ..., num_blocks_cached: _Optional[int] = ..., cached_page_hashes: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ServiceDiscoveryRequest(_message.Message):
     __slots__ = ()
@@ -243,18 +249,20 @@ class Tokens(_message.Message):
     def __init__(self, ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., texts: _Optional[_Iterable[str]] = ..., is_special: _Optional[_Iterable[bool]] = ...) -> None: ...
 
 class Generation(_message.Message):
-    __slots__ = ("request_id", "prefill_tokens", "tokens", "generated_text", "top_tokens")
+    __slots__ = ("request_id", "prefill_tokens", "tokens", "generated_text", "top_tokens", "cached_tokens")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PREFILL_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     GENERATED_TEXT_FIELD_NUMBER: _ClassVar[int]
     TOP_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     request_id: int
     prefill_tokens: Tokens
     tokens: Tokens
     generated_text: GeneratedText
     top_tokens: _containers.RepeatedCompositeFieldContainer[Tokens]
-    def __init__(self, request_id: _Optional[int] = ..., prefill_tokens: _Optional[_Union[Tokens, _Mapping]] = ..., tokens: _Optional[_Union[Tokens, _Mapping]] = ..., generated_text: _Optional[_Union[GeneratedText, _Mapping]] = ..., top_tokens: _Optional[_Iterable[_Union[Tokens, _Mapping]]] = ...) -> None: ...
+    cached_tokens: int
+    def __init__(self, request_id: _Optional[int] = ..., prefill_tokens: _Optional[_Union[Tokens, _Mapping]] = ..., tokens: _Optional[_Union[Tokens, _Mapping]] = ..., generated_text: _Optional[_Union[GeneratedText, _Mapping]] = ..., top_tokens: _Optional[_Iterable[_Union[Tokens, _Mapping]]] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
 
 class FilterBatchRequest(_message.Message):
     __slots__ = ("batch_id", "request_ids")
@@ -355,20 +363,22 @@ class PrefillV2Request(_message.Message):
     def __init__(self, batch: _Optional[_Union[Batch, _Mapping]] = ..., forward_case: _Optional[int] = ..., pp_info: _Optional[_Union[PipeParaInfo, _Mapping]] = ..., pipe_peer: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class PrefillV2Response(_message.Message):
-    __slots__ = ("generations", "batch", "pp_info", "forward_ns", "decode_ns", "total_ns")
+    __slots__ = ("generations", "batch", "pp_info", "forward_ns", "decode_ns", "total_ns", "evicted_page_hashes")
     GENERATIONS_FIELD_NUMBER: _ClassVar[int]
     BATCH_FIELD_NUMBER: _ClassVar[int]
     PP_INFO_FIELD_NUMBER: _ClassVar[int]
     FORWARD_NS_FIELD_NUMBER: _ClassVar[int]
     DECODE_NS_FIELD_NUMBER: _ClassVar[int]
     TOTAL_NS_FIELD_NUMBER: _ClassVar[int]
+    EVICTED_PAGE_HASHES_FIELD_NUMBER: _ClassVar[int]
     generations: _containers.RepeatedCompositeFieldContainer[Generation]
     batch: CachedBatch
     pp_info: PipeParaInfo
     forward_ns: int
     decode_ns: int
     total_ns: int
-    def __init__(self, generations: _Optional[_Iterable[_Union[Generation, _Mapping]]] = ..., batch: _Optional[_Union[CachedBatch, _Mapping]] = ..., pp_info: _Optional[_Union[PipeParaInfo, _Mapping]] = ..., forward_ns: _Optional[int] = ..., decode_ns: _Optional[int] = ..., total_ns: _Optional[int] = ...) -> None: ...
+    evicted_page_hashes: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, generations: _Optional[_Iterable[_Union[Generation, _Mapping]]] = ..., batch: _Optional[_Union[CachedBatch, _Mapping]] = ..., pp_info: _Optional[_Union[PipeParaInfo, _Mapping]] = ..., forward_ns: _Optional[int] = ..., decode_ns: _Optional[int] = ..., total_ns: _Optional[int] = ..., evicted_page_hashes: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class DecodeV2Request(_message.Message):
     __slots__ = ("batches", "last_iter_tokens")
@@ -379,14 +389,16 @@ class DecodeV2Request(_message.Message):
     def __init__(self, batches: _Optional[_Iterable[_Union[CachedBatch, _Mapping]]] = ..., last_iter_tokens: _Optional[_Iterable[_Union[Tokens, _Mapping]]] = ...) -> None: ...
 
 class DecodeV2Response(_message.Message):
-    __slots__ = ("generations", "batch", "total_ns")
+    __slots__ = ("generations", "batch", "total_ns", "evicted_page_hashes")
     GENERATIONS_FIELD_NUMBER: _ClassVar[int]
     BATCH_FIELD_NUMBER: _ClassVar[int]
     TOTAL_NS_FIELD_NUMBER: _ClassVar[int]
+    EVICTED_PAGE_HASHES_FIELD_NUMBER: _ClassVar[int]
     generations: _containers.RepeatedCompositeFieldContainer[Generation]
     batch: CachedBatch
     total_ns: int
-    def __init__(self, generations: _Optional[_Iterable[_Union[Generation, _Mapping]]] = ..., batch: _Optional[_Union[CachedBatch, _Mapping]] = ..., total_ns: _Optional[int] = ...) -> None: ...
+    evicted_page_hashes: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, generations: _Optional[_Iterable[_Union[Generation, _Mapping]]] = ..., batch: _Optional[_Union[CachedBatch, _Mapping]] = ..., total_ns: _Optional[int] = ..., evicted_page_hashes: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ZagPrefillRequest(_message.Message):
     __slots__ = ("batch", "forward_case", "pp_info", "zag_layers", "zag_seq_num")
@@ -429,10 +441,14 @@ class ImmigrateRequest(_message.Message):
     def __init__(self, batch: _Optional[_Union[Batch, _Mapping]] = ..., src: _Optional[_Iterable[int]] = ..., dst: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ImmigrateResponse(_message.Message):
-    __slots__ = ("batch",)
+    __slots__ = ("batch", "reused_tokens", "evicted_page_hashes")
     BATCH_FIELD_NUMBER: _ClassVar[int]
+    REUSED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    EVICTED_PAGE_HASHES_FIELD_NUMBER: _ClassVar[int]
     batch: CachedBatch
-    def __init__(self, batch: _Optional[_Union[CachedBatch, _Mapping]] = ...) -> None: ...
+    reused_tokens: int
+    evicted_page_hashes: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, batch: _Optional[_Union[CachedBatch, _Mapping]] = ..., reused_tokens: _Optional[int] = ..., evicted_page_hashes: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class MigratePartialRequest(_message.Message):
     __slots__ = ("batch", "fst_or_snd", "num_layer", "src", "dst")
