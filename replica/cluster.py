@@ -208,11 +208,12 @@ DEVICE_FABRICS = (FabricKind.NCCL, FabricKind.RDMA, FabricKind.CUDA_IPC)
 
 
 def device_fabric_options(kind: FabricKind, table: RankTable, rank: int, kv_tensor: Any,
-                          options: dict[str, Any]) -> dict[str, Any]:
-    """`open_fabric`'s options for nccl/rdma/cuda-ipc: the rendezvous (nccl/rdma: the rank table's
-    store; none is needed without peers), the device or NIC, the device fabric's `backend` when
-    `options` names one, and the rest of `options` for the control fabric (tcp). `FabricUnavailable`
-    (one line) when this replica cannot use `kind`."""
+                          options: dict[str, Any], store: StoreRendezvous | None = None) -> dict[str, Any]:
+    """`open_fabric`'s options for nccl/rdma/cuda-ipc: the rendezvous (nccl/rdma: `store`, this
+    rank's life in the rank table's store, made here when not given; none is needed without peers),
+    the device or NIC, the device fabric's `backend` when `options` names one, and the rest of
+    `options` for the control fabric (tcp). `FabricUnavailable` (one line) when this replica cannot
+    use `kind`."""
     control = dict(options)
     bulk = {"backend": control.pop("backend")} if control.get("backend") is not None else {}
     _check_kv_memory(kind, kv_tensor, bulk.get("backend"))
@@ -222,7 +223,8 @@ def device_fabric_options(kind: FabricKind, table: RankTable, rank: int, kv_tens
     device: dict[str, Any] = {"device": getattr(kv_tensor.device, "index", None) or 0}
     if kind is FabricKind.RDMA:
         device = {"device_name": table[rank].rdma_device}
-    return {"rendezvous": _rendezvous(kind, table, rank), **device, **bulk, "control_options": control}
+    store = store or store_rendezvous(table, rank)
+    return {"rendezvous": _rendezvous(kind, table, store), **device, **bulk, "control_options": control}
 
 
 def _check_kv_memory(kind: FabricKind, kv_tensor: Any, backend: Any) -> None:
@@ -245,11 +247,18 @@ def _check_one_host(table: RankTable, rank: int) -> None:
                                 f"{table[rank].node} and {', '.join(away)}: use --fabric nccl, rdma or auto")
 
 
-def _rendezvous(kind: FabricKind, table: RankTable, rank: int) -> Rendezvous:
-    """The rank table's store as this rank's new incarnation; an in-process one without peers."""
-    if table.store:
-        store = StoreRendezvous(connect_store(table.store), rank)
-        log.info("rendezvous store %s: rank %d, incarnation %d", table.store, rank, store.incarnation)
+def store_rendezvous(table: RankTable, rank: int) -> StoreRendezvous | None:
+    """This rank's new incarnation in the rank table's store (None when the table names none)."""
+    if not table.store:
+        return None
+    store = StoreRendezvous(connect_store(table.store), rank)
+    log.info("rendezvous store %s: rank %d, incarnation %d", table.store, rank, store.incarnation)
+    return store
+
+
+def _rendezvous(kind: FabricKind, table: RankTable, store: StoreRendezvous | None) -> Rendezvous:
+    """The store; an in-process rendezvous without peers; else `FabricUnavailable`."""
+    if store is not None:
         return store
     if len(table) == 1:
         return DictRendezvous()  # no peer to meet
@@ -298,8 +307,11 @@ def build_cluster(
     cache = engine.runner.cache
     devices = (device_type(cache.tensor), device_type(weights))
     kind = resolve_fabric(config.fabric, table, config.rank, devices)
+    store = store_rendezvous(table, config.rank)
+    if store is not None and kind is not FabricKind.FAKE:
+        fabric_options = {"resets": store, **fabric_options}  # tcp's, or the control tcp's of a device fabric
     if kind in DEVICE_FABRICS:
-        fabric_options = device_fabric_options(kind, table, config.rank, cache.tensor, fabric_options)
+        fabric_options = device_fabric_options(kind, table, config.rank, cache.tensor, fabric_options, store)
     staged = needs_staging(kind, devices)
     cluster = ReplicaCluster.start(kind, paced, config.rank, f"{config.host}:{grpc_port}",
                                    TorchDevices() if staged else None, **fabric_options)

@@ -42,6 +42,25 @@ class Incarnations(Protocol):
         """`rank`'s current incarnation; `PeerTimeout` if it has not started by the deadline."""
 
 
+@runtime_checkable
+class Resets(Protocol):
+    """Generations of directed edges: how often a rank has reset its end of the edge with a peer on a
+    stream (an abort), in this life or an earlier one.
+
+    A reset tears the connection down with a TCP reset, but the peer learns of it only when the reset
+    reaches it, and a retry may be quicker (the router hears of the failure and re-pairs the two at
+    once). So the rank that aborts counts the reset here before its call returns, and the peer reads
+    the count before the first message of a new exchange (`Fabric.refresh`): a count other than the
+    one its connection was made under means that connection is dead, whatever the socket says yet.
+    """
+
+    def note_reset(self, rank: int, peer: int, stream: int) -> None:
+        """`rank` has reset its end of the edge with `peer` on `stream`."""
+
+    def generation(self, rank: int, peer: int, stream: int) -> int:
+        """A number that changes whenever `rank` resets its end of that edge or restarts."""
+
+
 def pair_tag(rendezvous: object, src: int, dst: int, deadline: Deadline) -> str:
     """The part of a set-up key naming the current lives of `src` and `dst`: "" when `rendezvous`
     has no incarnations, else "@<src incarnation>.<dst incarnation>"."""
@@ -51,11 +70,20 @@ def pair_tag(rendezvous: object, src: int, dst: int, deadline: Deadline) -> str:
 
 
 class DictRendezvous:
-    """In-process rendezvous (all ranks share one object)."""
+    """In-process rendezvous (all ranks share one object), with the edge generations of `Resets`."""
 
     def __init__(self) -> None:
         self._values: dict[str, bytes] = {}
+        self._resets: dict[tuple[int, int, int], int] = {}
         self._cond = threading.Condition()
+
+    def note_reset(self, rank: int, peer: int, stream: int) -> None:
+        with self._cond:
+            self._resets[rank, peer, stream] = self._resets.get((rank, peer, stream), 0) + 1
+
+    def generation(self, rank: int, peer: int, stream: int) -> int:
+        with self._cond:
+            return self._resets.get((rank, peer, stream), 0)
 
     def publish(self, key: str, value: bytes) -> None:
         with self._cond:

@@ -7,6 +7,7 @@
  replica rank R, life k ── StoreRendezvous ───┤  "incarnation/R"  counter: k = add(+1) at start
                                               │  "rdv/<key>"       published values (NCCL ids, QP info)
  fabric: key of edge A→B carries (inc A, inc B), read with `incarnation_of` (see `pair_tag`)
+ tcp:    "reset/A/B/s"  counter: A reset its end of the edge with B on stream s (`Resets`)
 ```
 Each start of a rank bumps its counter, so a restarted replica's NCCL unique ids and queue-pair data
 live under keys no earlier life used: its peers, when they next connect, read its new incarnation and
@@ -101,6 +102,20 @@ class StoreRendezvous:
             if deadline.expired():
                 raise PeerTimeout(f"rendezvous key {key!r} not published before the deadline")
             time.sleep(min(_POLL_S, deadline.remaining()))
+
+    def note_reset(self, rank: int, peer: int, stream: int) -> None:
+        with self._lock:
+            self._store.add(self._reset_key(rank, peer, stream), 1)
+
+    def generation(self, rank: int, peer: int, stream: int) -> int:
+        """`rank`'s resets of the edge and its incarnation, in one number (resets in the low 32 bits)."""
+        with self._lock:
+            resets = int(self._store.add(self._reset_key(rank, peer, stream), 0))
+            life = int(self._store.add(self._counter(rank), 0))
+        return (life << 32) | (resets & 0xFFFFFFFF)
+
+    def _reset_key(self, rank: int, peer: int, stream: int) -> str:
+        return f"{self._prefix}reset/{rank}/{peer}/{stream}"
 
     def incarnation_of(self, rank: int, deadline: Deadline) -> int:
         """The current incarnation of `rank` (its latest start); waits for its first start."""

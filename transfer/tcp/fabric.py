@@ -10,18 +10,25 @@ version, layout); the receiver's listener checks it and hands the socket to the 
 Emulated links: `inter_node_gbps` (or the rank's `link_gbps` in the table) paces traffic to other
 nodes, `intra_node_gbps` traffic to the same node; each is one pacer shared by all this rank's
 connections, like one NIC.
+
+With `resets` (the rank table's store), an abort is counted there before it returns, and `refresh`
+compares the peer's count with the one its connection was made under (`Resets`): a retry right after
+the peer reset the connection connects afresh even when the reset itself is still on its way.
 """
 
 from __future__ import annotations
 
+import logging
 import socket
 import threading
+from collections.abc import Callable
 
 from transfer.buffers import BufferRegistry
 from transfer.core import Deadline, Handle, Rank, Segments, total_length
 from transfer.errors import FabricClosed, LayoutMismatch, PeerGone, TransferError
 from transfer.fabric import Fabric
 from transfer.ranktable import RankTable
+from transfer.rendezvous import Resets
 from transfer.tcp.inbound import InboundChannel, RecvOp
 from transfer.tcp.liveness import PeerLiveness
 from transfer.tcp.outbound import REFUSED_GRACE_S, OutboundChannel, SendOp, hard_close
@@ -29,6 +36,7 @@ from transfer.tcp.ratelimit import LinkPacer
 from transfer.tcp.wire import PROTOCOL_VERSION, Hello, HelloStatus, read_hello, write_reply
 
 _HANDSHAKE_TIMEOUT_S = 5.0
+log = logging.getLogger(__name__)
 
 
 class TcpFabric(Fabric):
@@ -41,9 +49,11 @@ class TcpFabric(Fabric):
         inter_node_gbps: float = 0.0,
         intra_node_gbps: float = 0.0,
         refused_grace_s: float = REFUSED_GRACE_S,
+        resets: Resets | None = None,
     ) -> None:
         super().__init__(table, rank)
         self._refused_grace_s = refused_grace_s
+        self._resets = resets
         self._liveness = PeerLiveness()  # a peer that left and refuses connections is gone at once
         self.buffers = BufferRegistry()
         self._layouts: dict[int, str] = {}
@@ -121,12 +131,34 @@ class TcpFabric(Fabric):
             out.abort(error)
         if inn is not None:
             inn.abort(error)
+        if self._resets is not None:
+            try:
+                self._resets.note_reset(self.rank, peer, stream)
+            except Exception as exc:  # the store is gone: the peer falls back to what its socket says
+                log.warning("rank %d: could not count the reset of stream %d with rank %d: %s",
+                            self.rank, stream, peer, exc)
 
     def refresh(self, peer: int, stream: int) -> None:
         with self._lock:
             out = self._outbound.get((Rank(peer), stream))
         if out is not None:
             out.refresh()
+
+    def _generation_reader(self, peer: int, stream: int) -> Callable[[], int | None] | None:
+        """How the channel to `peer` on `stream` reads the peer's resets of that edge (None: unknown)."""
+        resets = self._resets
+        if resets is None:
+            return None
+
+        def read() -> int | None:
+            try:
+                return resets.generation(peer, self.rank, stream)
+            except Exception as exc:
+                log.warning("rank %d: could not read rank %d's resets of stream %d: %s",
+                            self.rank, peer, stream, exc)
+                return None
+
+        return read
 
     def withdraw(self, peer: int, stream: int, handle: Handle, error: TransferError) -> bool:
         with self._lock:
@@ -142,7 +174,8 @@ class TcpFabric(Fabric):
                 pacer = self._intra if self.table.same_node(self.rank, peer) else self._inter
                 layout = self._layouts.get(stream, "")
                 channel = OutboundChannel(self.rank, self.table[peer], stream, layout, pacer,
-                                          self._refused_grace_s, self._liveness)
+                                          self._refused_grace_s, self._liveness,
+                                          self._generation_reader(peer, stream))
                 self._outbound[(peer, stream)] = channel
             return channel
 

@@ -24,6 +24,7 @@ import struct
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from transfer.core import Deadline, Handle
@@ -72,6 +73,7 @@ class OutboundChannel:
     def __init__(
         self, me: int, peer: RankEntry, stream: int, layout: str, pacer: LinkPacer | None,
         refused_grace_s: float = REFUSED_GRACE_S, liveness: PeerLiveness | None = None,
+        peer_generation: Callable[[], int | None] | None = None,
     ) -> None:
         self.me, self.peer, self.stream, self.layout, self.pacer = me, peer, stream, layout, pacer
         self.refused_grace_s = refused_grace_s
@@ -81,6 +83,9 @@ class OutboundChannel:
         self._sock: socket.socket | None = None
         self._busy = False
         self._generation = 0
+        # the peer's resets of this edge (`Resets.generation`), read before each connect; None: unknown
+        self._peer_generation = peer_generation
+        self._connected_under: int | None = None
         self._closed = False
         self._header = bytearray(HEADER.size)
         self._thread = threading.Thread(target=self._run, name=f"tcp-send-{peer.rank}-{stream}", daemon=True)
@@ -155,21 +160,28 @@ class OutboundChannel:
         """Drop an idle connection the peer has closed or reset; the next message connects afresh.
 
         The receiver never writes on a connection after its REPLY, so a readable socket means the
-        peer is gone (EOF or a reset), which a plain write would report only by failing.
+        peer is gone (EOF or a reset), which a plain write would report only by failing. With the
+        peer's reset count (`peer_generation`), a count that moved since the connection was made
+        means the peer reset it, even while its reset is still on the way.
         """
+        current = self._peer_generation() if self._peer_generation is not None else None
         with self._cond:
             sock = self._sock
             if sock is None or not self._idle():
                 return
-            try:
-                sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
-            except BlockingIOError:
-                return  # nothing to read: alive
-            except OSError:
-                pass  # reset
+            reset_by_peer = current is not None and self._connected_under is not None \
+                and current != self._connected_under
+            if not reset_by_peer:
+                try:
+                    sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+                except BlockingIOError:
+                    return  # nothing to read: alive
+                except OSError:
+                    pass  # reset
             self._generation += 1
             self._sock = None
-        self.liveness.lost(self.peer.rank)  # a refused reconnect now fails at once
+        if not reset_by_peer:
+            self.liveness.lost(self.peer.rank)  # a refused reconnect now fails at once
         hard_close(sock)
 
     def abort(self, error: TransferError) -> None:
@@ -242,6 +254,8 @@ class OutboundChannel:
 
     def _connect(self, deadline: Deadline, generation: int) -> socket.socket:
         address = (self.peer.transfer_host, self.peer.transfer_port)
+        # read before connecting: a reset after this read makes the next refresh reconnect (harmless)
+        under = self._peer_generation() if self._peer_generation is not None else None
         refused_since: float | None = None
         while True:
             try:
@@ -266,12 +280,13 @@ class OutboundChannel:
                     raise PeerGone(f"{where} aborted while connecting") from exc
                 time.sleep(_RETRY_S)  # the peer may not be listening yet
         try:
-            return self._handshake(sock, deadline, generation)
+            return self._handshake(sock, deadline, generation, under)
         except BaseException:
             hard_close(sock)
             raise
 
-    def _handshake(self, sock: socket.socket, deadline: Deadline, generation: int) -> socket.socket:
+    def _handshake(self, sock: socket.socket, deadline: Deadline, generation: int,
+                   under: int | None) -> socket.socket:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         sock.settimeout(max(0.001, deadline.remaining()))
         hello = Hello(PROTOCOL_VERSION, self.me, self.stream, self.layout)
@@ -284,7 +299,7 @@ class OutboundChannel:
         with self._cond:
             if generation != self._generation:
                 raise PeerGone(f"rank {self.me}: channel to {self.peer.rank} aborted while connecting")
-            self._sock = sock
+            self._sock, self._connected_under = sock, under
         self.liveness.reached(self.peer.rank)
         return sock
 

@@ -77,6 +77,20 @@ def test_each_start_of_a_rank_is_a_new_incarnation(address: str) -> None:
     assert pair_tag(DictRendezvous(), 0, 1, Deadline.after(5)) == ""  # no incarnations: keys untagged
 
 
+def test_an_edge_generation_moves_with_each_reset_and_each_restart_of_its_rank(address: str) -> None:
+    first = StoreRendezvous(connect_store(address), rank=0)
+    peer = StoreRendezvous(connect_store(address), rank=1)
+    start = peer.generation(0, 1, 3)
+    first.note_reset(0, 1, 3)
+    assert peer.generation(0, 1, 3) != start  # rank 0 reset its end of 0-1 on stream 3
+    after_reset = peer.generation(0, 1, 3)
+    assert peer.generation(0, 1, 4) == peer.generation(0, 1, 4)  # other streams and directions apart
+    first.note_reset(0, 1, 4)
+    assert peer.generation(0, 1, 3) == after_reset and peer.generation(1, 0, 3) == peer.generation(1, 0, 3)
+    StoreRendezvous(connect_store(address), rank=0)  # rank 0 restarts
+    assert peer.generation(0, 1, 3) != after_reset
+
+
 def test_an_unreachable_store_is_one_clear_error() -> None:
     with pytest.raises(ValueError, match="HOST:PORT"):
         parse_address("nowhere")

@@ -255,3 +255,42 @@ def test_refresh_replaces_a_connection_the_peer_dropped_and_fails_fast_when_it_i
     finally:
         sender.close()
         receiver.close()
+
+
+@pytest.mark.parametrize("with_resets", [True, False])
+def test_a_retry_right_after_the_peer_reset_the_edge_connects_afresh_with_its_generation(
+    monkeypatch: pytest.MonkeyPatch, with_resets: bool
+) -> None:
+    # The receiver aborts the edge while its reset is still on the way (on a real network it takes a
+    # round trip; here its socket shutdown is held back 1.5 s). A retry posted at once: with the edge
+    # generations (`Resets`) the sender's refresh sees the receiver's count moved and connects afresh;
+    # without them (the negative control) it writes into the dead connection and the message is lost.
+    import transfer.tcp.inbound as inbound
+    from transfer.rendezvous import DictRendezvous
+
+    real_unblock = inbound.unblock
+    monkeypatch.setattr(inbound, "unblock", lambda sock: threading.Timer(1.5, real_unblock, (sock,)).start())
+    table = RankTable.local(free_ports(2))
+    board = DictRendezvous() if with_resets else None
+    sender, receiver = TcpFabric(table, 0, resets=board), TcpFabric(table, 1, resets=board)
+    try:
+        sender.register("x", bytearray(b"first"))
+        out = bytearray(5)
+        receiver.register("x", out)
+        got = receiver.recv(0, "x", [(0, 5)], 1, Deadline.after(5))
+        sender.send(1, "x", [(0, 5)], 1, Deadline.after(5)).wait(Deadline.after(5))
+        got.wait(Deadline.after(5))
+        receiver.abort(0, 1, "the exchange failed on this side")  # its shutdown is on the way
+        sender.register("y", bytearray(b"again"))
+        got = receiver.recv(0, "x", [(0, 5)], 1, Deadline.after(1.0))
+        sender.refresh(1, 1)
+        sender.send(1, "y", [(0, 5)], 1, Deadline.after(1.0))
+        if with_resets:
+            got.wait(Deadline.after(3))
+            assert out == b"again"
+        else:
+            with pytest.raises(PeerTimeout):
+                got.wait(Deadline.after(3))
+    finally:
+        sender.close()
+        receiver.close()
