@@ -60,7 +60,7 @@ class InfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class InfoResponse(_message.Message):
-    __slots__ = ("requires_padding", "dtype", "device_type", "window_size", "speculate", "model_id", "num_layers", "block_size", "num_blocks_total", "num_blocks_free", "embed_ready", "num_layers_loaded", "lm_head_ready", "rank", "tp_size", "num_cached_batches", "max_input_tokens", "max_total_tokens", "device", "gpu_name", "attention_backend", "cuda_graphs", "prefix_cache", "num_blocks_cached", "cached_page_hashes")
+    __slots__ = ("requires_padding", "dtype", "device_type", "window_size", "speculate", "model_id", "num_layers", "block_size", "num_blocks_total", "num_blocks_free", "embed_ready", "num_layers_loaded", "lm_head_ready", "rank", "tp_size", "num_cached_batches", "max_input_tokens", "max_total_tokens", "device", "gpu_name", "attention_backend", "cuda_graphs", "prefix_cache", "num_blocks_cached", "cached_page_hashes", "fabric")
     REQUIRES_PADDING_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     DEVICE_TYPE_FIELD_NUMBER: _ClassVar[int]
@@ -86,6 +86,7 @@ class InfoResponse(_message.Message):
     PREFIX_CACHE_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCKS_CACHED_FIELD_NUMBER: _ClassVar[int]
     CACHED_PAGE_HASHES_FIELD_NUMBER: _ClassVar[int]
+    FABRIC_FIELD_NUMBER: _ClassVar[int]
     requires_padding: bool
     dtype: str
     device_type: str
@@ -111,7 +112,8 @@ class InfoResponse(_message.Message):
     prefix_cache: bool
     num_blocks_cached: int
     cached_page_hashes: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, requires_padding: _Optional[bool] = ..., dtype: _Optional[str] = ..., device_type: _Optional[str] = ..., window_size: _Optional[int] = ..., speculate: _Optional[int] = ..., model_id: _Optional[str] = ..., num_layers: _Optional[int] = ..., block_size: _Optional[int] = ..., num_blocks_total: _Optional[int] = ..., num_blocks_free: _Optional[int] = ..., embed_ready: _Optional[bool] = ..., num_layers_loaded: _Optional[int] = ..., lm_head_ready: _Optional[bool] = ..., rank: _Optional[int] = ..., tp_size: _Optional[int] = ..., num_cached_batches: _Optional[int] = ..., max_input_tokens: _Optional[int] = ..., max_total_tokens: _Optional[int] = ..., device: _Optional[str] = ..., gpu_name: _Optional[str] = ..., attention_backend: _Optional[str] = ..., cuda_graphs: _Optional[bool] = ..., prefix_cache: _Optional[bool] = ..., num_blocks_cached: _Optional[int] = ..., cached_page_hashes: _Optional[_Iterable[int]] = ...) -> None: ...
+    fabric: str
+    def __init__(self, requires_padding: _Optional[bool] = ..., dtype: _Optional[str] = ..., device_type: _Optional[str] = ..., window_size: _Optional[int] = ..., speculate: _Optional[int] = ..., model_id: _Optional[str] = ..., num_layers: _Optional[int] = ..., block_size: _Optional[int] = ..., num_blocks_total: _Optional[int] = ..., num_blocks_free: _Optional[int] = ..., embed_ready: _Optional[bool] = ..., num_layers_loaded: _Optional[int] = ..., lm_head_ready: _Optional[bool] = ..., rank: _Optional[int] = ..., tp_size: _Optional[int] = ..., num_cached_batches: _Optional[int] = ..., max_input_tokens: _Optional[int] = ..., max_total_tokens: _Optional[int] = ..., device: _Optional[str] = ..., gpu_name: _Optional[str] = ..., attention_backend: _Optional[str] = ..., cuda_graphs: _Optional[bool] = ..., prefix_cache: _Optional[bool] = ..., num_blocks_cached: _Optional[int] = ..., cached_page_hashes: _Optional[_Iterable[int]] = ..., fabric: _Optional[str] = ...) -> None: ...
 
 class ServiceDiscoveryRequest(_message.Message):
     __slots__ = ()

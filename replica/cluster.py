@@ -86,7 +86,9 @@ def load_table(cluster: Path | None, rank: int, host: str, grpc_port: int) -> Ra
 class ReplicaCluster:
     """This replica's view of the cluster: the table, its fabric and its registered buffers."""
 
-    def __init__(self, table: RankTable, rank: int, fabric: Fabric, grpc_address: str) -> None:
+    def __init__(self, table: RankTable, rank: int, fabric: Fabric, grpc_address: str,
+                 kind: str = "") -> None:
+        self.kind = kind  # the --fabric it resolved to ("tcp", "cuda-ipc", ...): Info reports it
         self.table = table
         self.rank = rank
         self.fabric = fabric
@@ -108,7 +110,7 @@ class ReplicaCluster:
             fabric = StagedFabric(fabric, staging)
         log.info("fabric %s%s of rank %d on %s", kind, " (device buffers staged through host memory)"
                  if staging is not None else "", rank, table[rank].transfer_address)
-        return cls(table, rank, fabric, grpc_address)
+        return cls(table, rank, fabric, grpc_address, FabricKind(kind).value)
 
     # buffers ------------------------------------------------------------------------------
     def register_kv(self, tensor: object, layout: KvLayout) -> None:

@@ -214,7 +214,7 @@ def _info(msg: pb.InfoResponse) -> ReplicaInfo:
         max_input_tokens=msg.max_input_tokens, max_total_tokens=msg.max_total_tokens,
         num_layers_loaded=msg.num_layers_loaded, embed_ready=msg.embed_ready,
         lm_head_ready=msg.lm_head_ready, num_cached_batches=msg.num_cached_batches,
-        device_type=msg.device_type,
+        device_type=msg.device_type, fabric=msg.fabric,
     )
 
 

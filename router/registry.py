@@ -14,7 +14,7 @@ import asyncio
 import itertools
 import logging
 from collections import Counter
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 
 from router.batches import InboxItem, LiveBatch
@@ -95,6 +95,20 @@ class ReplicaHandle:
             raise
         self.state.release(gone)
         return LiveBatch(cached, {rid: live.members[rid] for rid in keep}, live.block_size)
+
+
+def fabric_conflict(address: str, info: ReplicaInfo, others: Iterable[ReplicaState]) -> str | None:
+    """Why the replica at `address` cannot join `others` (the live replicas): its fabric differs from
+    theirs, so no KV or weights could move between them (a cuda-ipc replica's tickets would reach a
+    tcp replica as data). None when it may join; an unknown fabric ("") is never held against it."""
+    if not info.fabric:
+        return None
+    for other in others:
+        if other.alive and other.info.fabric and other.info.fabric != info.fabric:
+            return (f"replica {address} moves KV and weights over fabric {info.fabric}, but replica "
+                    f"{other.address} uses {other.info.fabric}: start every replica of a cluster with the "
+                    f"same --fabric (auto picks per replica: on a mixed CPU/GPU cluster name one)")
+    return None
 
 
 class Replicas(Mapping[ReplicaId, ReplicaHandle]):

@@ -25,13 +25,13 @@ from router import strategies
 from router.batches import Member
 from router.cluster import LoopLimits
 from router.config import RouterConfig
-from router.errors import PeerFailed, ReplicaCallError, ReplicaUnavailable, out_of_pages
+from router.errors import PeerFailed, ReplicaCallError, ReplicaRejected, ReplicaUnavailable, out_of_pages
 from router.lifecycle import Requests
 from router.loops import ReplicaWorker
 from router.metrics import RouterMetrics
 from router.migration import Migrations
 from router.queue import Budgets, RequestQueue
-from router.registry import ReplicaHandle, Replicas
+from router.registry import ReplicaHandle, Replicas, fabric_conflict
 from router.replica_api import Connect
 from router.replicas import SERVING, Heartbeats, ReplicaState, ReplicaView, State, Trigger
 from router.requests import RequestStream, now
@@ -205,6 +205,11 @@ class ClusterScheduler:
         with contextlib.suppress(ReplicaCallError):
             await client.clear_cache()
         info = await client.info()
+        conflict = fabric_conflict(address, info, (h.state for h in self.replicas.values()))
+        if conflict is not None:
+            log.error("%s", conflict)
+            await client.close()
+            raise ReplicaRejected(address, "Info", "FAILED_PRECONDITION", conflict)
         if role in SERVING and not info.loaded:
             log.warning("replica %s has no weights loaded: registering it inactive", address)
             role = State.INACTIVE

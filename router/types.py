@@ -263,6 +263,7 @@ class ReplicaInfo:
     lm_head_ready: bool = False
     num_cached_batches: int = 0
     device_type: str = "cpu"
+    fabric: str = ""  # the fabric moving its KV and weights ("tcp", "cuda-ipc", "nccl", "rdma"; "": unknown)
 
     @property
     def loaded(self) -> bool:

@@ -188,7 +188,7 @@ def warmup_from_pb(msg: pb.WarmupRequest) -> WarmupSpec:
     )
 
 
-def info_to_pb(info: EngineInfo, rank: int, tp_size: int) -> pb.InfoResponse:
+def info_to_pb(info: EngineInfo, rank: int, tp_size: int, fabric: str = "") -> pb.InfoResponse:
     """Info facts."""
     msg = pb.InfoResponse(
         requires_padding=False,
@@ -212,6 +212,7 @@ def info_to_pb(info: EngineInfo, rank: int, tp_size: int) -> pb.InfoResponse:
         gpu_name=info.gpu_name,
         attention_backend=info.attention_backend,
         cuda_graphs=info.cuda_graphs,
+        fabric=fabric,
     )
     if info.window_size is not None:
         msg.window_size = info.window_size

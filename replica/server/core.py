@@ -131,7 +131,9 @@ class ReplicaCore:
         engine = self.shared.engine
         if engine is None:
             raise FailedPrecondition("the model is still loading")
-        return m.ReplicaInfo(engine.info(), self.config.rank, tp_size=1)
+        cluster = self.shared.cluster
+        return m.ReplicaInfo(engine.info(), self.config.rank, tp_size=1,
+                             fabric=cluster.kind if cluster is not None else "")
 
     def health(self) -> HealthState:
         """loading until the model is built; then serving / inactive / loading by weight readiness."""

@@ -107,6 +107,7 @@ class ReplicaInfo(msgspec.Struct, frozen=True, array_like=True, gc=False):
     engine: EngineInfo
     rank: int
     tp_size: int
+    fabric: str = ""  # the fabric kind this replica moves KV and weights on ("" before it has one)
 
 
 class Discovery(msgspec.Struct, frozen=True, array_like=True, gc=False):

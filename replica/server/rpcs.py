@@ -144,7 +144,8 @@ def _empty(response: type[Message]) -> Callable[[Any], Message]:
 
 RPCS: dict[str, Rpc] = {
     "Info": Rpc(
-        pb.InfoRequest, lambda r: m.Info(), lambda i: convert.info_to_pb(i.engine, i.rank, i.tp_size)
+        pb.InfoRequest, lambda r: m.Info(),
+        lambda i: convert.info_to_pb(i.engine, i.rank, i.tp_size, i.fabric),
     ),
     "ServiceDiscovery": Rpc(
         pb.ServiceDiscoveryRequest,

@@ -76,6 +76,7 @@ class FakeReplica(pb_grpc.TextGenerationServiceServicer):
         self.fail: dict[str, grpc.StatusCode] = {}  # calls that fail once with that code
         self.peer_fail: set[str] = set()  # calls that fail once UNAVAILABLE, blaming the peer
         self.migrate = migrate  # False: migration and weight RPCs answer UNIMPLEMENTED
+        self.fabric_kind = "tcp"  # what Info reports as this replica's fabric
         self.step_delay = 0.0
         self.immigrate_delay = 0.0
         # A replica frees a migrated batch's pages on its engine thread after answering Migrate; a
@@ -174,7 +175,7 @@ class FakeReplica(pb_grpc.TextGenerationServiceServicer):
             num_blocks_total=s.num_blocks, num_blocks_free=s.free, embed_ready=ready,
             num_layers_loaded=NUM_LAYERS if ready else 0, lm_head_ready=ready, rank=self.rank, tp_size=1,
             num_cached_batches=len(s.batches), max_input_tokens=s.max_input_tokens,
-            max_total_tokens=s.max_total_tokens,
+            max_total_tokens=s.max_total_tokens, fabric=self.fabric_kind,
         )
 
     @rpc

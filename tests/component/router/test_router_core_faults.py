@@ -12,7 +12,7 @@ import pytest
 
 from router import control
 from router.config import Strategy
-from router.errors import ReplicaCallError
+from router.errors import ReplicaCallError, ReplicaRejected
 from router.replicas import State
 from router.types import ErrorEvent, ReplicaId
 from router.weights import Method
@@ -248,3 +248,24 @@ def test_a_prefill_refused_for_pages_the_replica_had_not_freed_yet_runs_again() 
             assert fakes[0].refused_pages > 0  # the race happened, and nobody saw it
             await pages_back(fakes)
     run(body(), timeout=30)
+
+
+def test_a_replica_on_another_fabric_is_refused_at_registration_and_the_cluster_keeps_serving() -> None:
+    async def body() -> None:
+        fabric = FakeFabric()
+        fakes = [FakeReplica(0, fabric), FakeReplica(1, fabric), FakeReplica(2, fabric)]
+        fakes[2].fabric_kind = "cuda-ipc"
+        sched = scheduler(config(Strategy.FULL))
+        try:
+            await sched.add_replica(await fakes[0].start(), State.PREFILL)
+            await sched.add_replica(await fakes[1].start(), State.DECODE, registered=True)
+            with pytest.raises(ReplicaRejected, match=r"fabric cuda-ipc, but replica .* uses tcp") as refused:
+                await sched.add_replica(await fakes[2].start(), State.DECODE, registered=True)
+            assert refused.value.code == "FAILED_PRECONDITION" and len(sched.replicas) == 2
+            events = await collect(sched.submit(request([4, 2], 5)))
+            assert tokens_of(events) == expected_tokens([4, 2], 5)
+        finally:
+            await sched.stop()
+            for f in fakes:
+                await f.stop()
+    run(body())
