@@ -7,6 +7,13 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class GrammarType(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    GRAMMAR_TYPE_UNSPECIFIED: _ClassVar[GrammarType]
+    GRAMMAR_TYPE_JSON_SCHEMA: _ClassVar[GrammarType]
+    GRAMMAR_TYPE_JSON_OBJECT: _ClassVar[GrammarType]
+    GRAMMAR_TYPE_REGEX: _ClassVar[GrammarType]
+
 class FinishReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     FINISH_REASON_LENGTH: _ClassVar[FinishReason]
@@ -31,6 +38,10 @@ class LoadParamCase(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     LOAD_FROM_HOST_MEM: _ClassVar[LoadParamCase]
     LOAD_FROM_DISK: _ClassVar[LoadParamCase]
+GRAMMAR_TYPE_UNSPECIFIED: GrammarType
+GRAMMAR_TYPE_JSON_SCHEMA: GrammarType
+GRAMMAR_TYPE_JSON_OBJECT: GrammarType
+GRAMMAR_TYPE_REGEX: GrammarType
 FINISH_REASON_LENGTH: FinishReason
 FINISH_REASON_EOS_TOKEN: FinishReason
 FINISH_REASON_STOP_SEQUENCE: FinishReason
@@ -181,7 +192,7 @@ class StoppingCriteriaParameters(_message.Message):
     def __init__(self, max_new_tokens: _Optional[int] = ..., stop_sequences: _Optional[_Iterable[str]] = ..., ignore_eos_token: _Optional[bool] = ...) -> None: ...
 
 class Request(_message.Message):
-    __slots__ = ("id", "inputs", "truncate", "parameters", "stopping_parameters", "prefill_logprobs", "top_n_tokens", "input_tokens", "generated_prefix")
+    __slots__ = ("id", "inputs", "truncate", "parameters", "stopping_parameters", "prefill_logprobs", "top_n_tokens", "input_tokens", "generated_prefix", "grammar")
     ID_FIELD_NUMBER: _ClassVar[int]
     INPUTS_FIELD_NUMBER: _ClassVar[int]
     TRUNCATE_FIELD_NUMBER: _ClassVar[int]
@@ -191,6 +202,7 @@ class Request(_message.Message):
     TOP_N_TOKENS_FIELD_NUMBER: _ClassVar[int]
     INPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     GENERATED_PREFIX_FIELD_NUMBER: _ClassVar[int]
+    GRAMMAR_FIELD_NUMBER: _ClassVar[int]
     id: int
     inputs: str
     truncate: int
@@ -200,7 +212,16 @@ class Request(_message.Message):
     top_n_tokens: int
     input_tokens: _containers.RepeatedScalarFieldContainer[int]
     generated_prefix: int
-    def __init__(self, id: _Optional[int] = ..., inputs: _Optional[str] = ..., truncate: _Optional[int] = ..., parameters: _Optional[_Union[NextTokenChooserParameters, _Mapping]] = ..., stopping_parameters: _Optional[_Union[StoppingCriteriaParameters, _Mapping]] = ..., prefill_logprobs: _Optional[bool] = ..., top_n_tokens: _Optional[int] = ..., input_tokens: _Optional[_Iterable[int]] = ..., generated_prefix: _Optional[int] = ...) -> None: ...
+    grammar: Grammar
+    def __init__(self, id: _Optional[int] = ..., inputs: _Optional[str] = ..., truncate: _Optional[int] = ..., parameters: _Optional[_Union[NextTokenChooserParameters, _Mapping]] = ..., stopping_parameters: _Optional[_Union[StoppingCriteriaParameters, _Mapping]] = ..., prefill_logprobs: _Optional[bool] = ..., top_n_tokens: _Optional[int] = ..., input_tokens: _Optional[_Iterable[int]] = ..., generated_prefix: _Optional[int] = ..., grammar: _Optional[_Union[Grammar, _Mapping]] = ...) -> None: ...
+
+class Grammar(_message.Message):
+    __slots__ = ("type", "text")
+    TYPE_FIELD_NUMBER: _ClassVar[int]
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    type: GrammarType
+    text: str
+    def __init__(self, type: _Optional[_Union[GrammarType, str]] = ..., text: _Optional[str] = ...) -> None: ...
 
 class Batch(_message.Message):
     __slots__ = ("id", "requests", "size", "max_tokens")
@@ -565,3 +586,25 @@ class WaitRdmaDoneRequest(_message.Message):
 class WaitRdmaDoneResponse(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
+
+class ConnectPeersRequest(_message.Message):
+    __slots__ = ("peers",)
+    PEERS_FIELD_NUMBER: _ClassVar[int]
+    peers: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, peers: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class PeerLink(_message.Message):
+    __slots__ = ("rank", "error", "connect_ms")
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    CONNECT_MS_FIELD_NUMBER: _ClassVar[int]
+    rank: int
+    error: str
+    connect_ms: float
+    def __init__(self, rank: _Optional[int] = ..., error: _Optional[str] = ..., connect_ms: _Optional[float] = ...) -> None: ...
+
+class ConnectPeersResponse(_message.Message):
+    __slots__ = ("links",)
+    LINKS_FIELD_NUMBER: _ClassVar[int]
+    links: _containers.RepeatedCompositeFieldContainer[PeerLink]
+    def __init__(self, links: _Optional[_Iterable[_Union[PeerLink, _Mapping]]] = ...) -> None: ...

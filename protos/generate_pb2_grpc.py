@@ -159,6 +159,11 @@ class TextGenerationServiceStub:
                 request_serializer=protos_dot_generate__pb2.BroadcastRequest.SerializeToString,
                 response_deserializer=protos_dot_generate__pb2.BroadcastResponse.FromString,
                 _registered_method=True)
+        self.ConnectPeers = channel.unary_unary(
+                '/generate.v2.TextGenerationService/ConnectPeers',
+                request_serializer=protos_dot_generate__pb2.ConnectPeersRequest.SerializeToString,
+                response_deserializer=protos_dot_generate__pb2.ConnectPeersResponse.FromString,
+                _registered_method=True)
 
 
 class TextGenerationServiceServicer:
@@ -339,6 +344,16 @@ class TextGenerationServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ConnectPeers(self, request, context):
+        """pdcluster extension. Set up this replica's fabric connections with `peers` now, every stream
+        KV, weights and activations travel on, so no later transfer pays for it (the router calls it on
+        both ends when a replica joins; a device fabric that pairs ranks, NCCL, needs both ends to call).
+        Bounded by the call's deadline; a peer that cannot be reached is reported, not an error.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_TextGenerationServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -466,6 +481,11 @@ def add_TextGenerationServiceServicer_to_server(servicer, server):
                     servicer.TanzBroadcast,
                     request_deserializer=protos_dot_generate__pb2.BroadcastRequest.FromString,
                     response_serializer=protos_dot_generate__pb2.BroadcastResponse.SerializeToString,
+            ),
+            'ConnectPeers': grpc.unary_unary_rpc_method_handler(
+                    servicer.ConnectPeers,
+                    request_deserializer=protos_dot_generate__pb2.ConnectPeersRequest.FromString,
+                    response_serializer=protos_dot_generate__pb2.ConnectPeersResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -1143,6 +1163,33 @@ class TextGenerationService:
             '/generate.v2.TextGenerationService/TanzBroadcast',
             protos_dot_generate__pb2.BroadcastRequest.SerializeToString,
             protos_dot_generate__pb2.BroadcastResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ConnectPeers(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/generate.v2.TextGenerationService/ConnectPeers',
+            protos_dot_generate__pb2.ConnectPeersRequest.SerializeToString,
+            protos_dot_generate__pb2.ConnectPeersResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -37,6 +37,7 @@ from router.types import (
     Finished,
     FinishReason,
     Generation,
+    PeerLink,
     PrefillCase,
     ReplicaInfo,
     RequestId,
@@ -400,3 +401,8 @@ class ReplicaClient:
     async def reset_status(self) -> None:
         """Mark the weights unloaded."""
         await self._call("ResetStatus", pb.ResetStatusRequest())
+
+    async def connect_peers(self, peers: Sequence[int], timeout: float) -> list[PeerLink]:
+        """Set up the replica's fabric connections with the replicas of global ranks `peers`."""
+        reply = await self._call("ConnectPeers", pb.ConnectPeersRequest(peers=list(peers)), timeout)
+        return [PeerLink(link.rank, link.error, link.connect_ms) for link in reply.links]

@@ -72,6 +72,9 @@ class RouterConfig:
         "seconds without a heartbeat after which a replica is dead"))
     rpc_timeout: float = field(default=60.0, metadata=_help("deadline of replica calls (seconds)"))
     transfer_timeout: float = field(default=300.0, metadata=_help("deadline of migration and weight calls"))
+    peer_connect_timeout: float = field(default=60.0, metadata=_help(
+        "seconds a joining replica's fabric connections with the others may take (ConnectPeers on both "
+        "ends, in the background; 0 = connect on first use instead)"))
     scaling: str = field(default="static", metadata=_help(
         "scaling policy: " + ", ".join(policies.names()) + " (router/scaling/policies.py)"))
     plan_interval: float = field(default=0.25, metadata=_help("seconds between two planning rounds"))
@@ -112,6 +115,8 @@ class RouterConfig:
             raise ValueError(f"unknown role(s) {bad}; choose from {ROLE_NAMES}")
         if self.max_inbound_migrations < 1 or self.max_pending_migrations < 1 or self.max_batch_size < 1:
             raise ValueError("migration bounds and batch size must be >= 1")
+        if self.peer_connect_timeout < 0:
+            raise ValueError(f"peer_connect_timeout must be >= 0, got {self.peer_connect_timeout}")
         if self.heartbeat_timeout <= self.heartbeat_interval:
             raise ValueError("heartbeat_timeout must exceed heartbeat_interval")
         policies.get(self.scaling)  # an unknown name → ValueError naming the known ones

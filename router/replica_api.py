@@ -14,6 +14,7 @@ from router.types import (
     BatchId,
     BatchSpec,
     CachedBatch,
+    PeerLink,
     PrefillCase,
     ReplicaInfo,
     RequestId,
@@ -104,6 +105,10 @@ class ReplicaApi(Protocol):
 
     async def reset_status(self) -> None:
         """Mark the weights unloaded."""
+        ...
+
+    async def connect_peers(self, peers: Sequence[int], timeout: float) -> list[PeerLink]:
+        """Set up the replica's fabric connections with the replicas of global ranks `peers`."""
         ...
 
     async def close(self) -> None:

@@ -27,6 +27,7 @@ from router.cluster import LoopLimits
 from router.config import RouterConfig
 from router.errors import PeerFailed, ReplicaCallError, ReplicaRejected, ReplicaUnavailable, out_of_pages
 from router.lifecycle import Requests
+from router.links import PeerLinks
 from router.loops import ReplicaWorker
 from router.metrics import RouterMetrics
 from router.migration import Migrations
@@ -73,6 +74,7 @@ class ClusterScheduler:
         self._strategy = strategies.get(config.strategy)
         self.rates = Rates(config.prefill_tokens_per_s, config.migration_tokens_per_s)
         self.timeline = Timeline(config.timeline, clock)
+        self.links = PeerLinks(config.peer_connect_timeout, self.timeline.write)
         self._moves = Migrations(self, self.replicas, self.requests, self.wakeups, self.metrics, clock,
                                  config.max_inbound_migrations, kv_bytes_per_token, self.rates)
         self._connect = connect
@@ -217,6 +219,7 @@ class ClusterScheduler:
         handle.state.since = self.clock()
         self.timeline.write("replica", replica=handle.id, address=address, state=role, rank=info.rank)
         self._start_loop(handle)
+        self.links.joined(handle, [h for h in self.replicas.values() if h.state.alive])
         return handle.id
 
     def _moved(self, state: ReplicaState, old: State, new: State, trigger: Trigger) -> None:
@@ -292,6 +295,7 @@ class ClusterScheduler:
         """Stop every loop and close the clients; requests still running fail."""
         self._stopping = True
         await self.scaling.stop()
+        await self.links.stop()
         tasks = [t for t in [self._monitor, *(h.task for h in self.replicas.values())] if t is not None]
         tasks += list(self._moves.tasks)
         for task in tasks:
@@ -341,4 +345,6 @@ class ClusterScheduler:
         log.warning("replica %s (%s) answers again: back as %s", handle.id, handle.state.address, role.value)
         handle.forget_work()
         self._start_loop(handle)
+        # a restart lost its connections
+        self.links.joined(handle, [h for h in self.replicas.values() if h.state.alive])
         self.settle_roles()

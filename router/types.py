@@ -29,6 +29,15 @@ class FinishReason(enum.Enum):
 
 
 @dataclass(frozen=True)
+class PeerLink:
+    """A replica's fabric connections with one peer (ConnectPeers): `error` empty when up."""
+
+    rank: int
+    error: str
+    connect_ms: float
+
+
+@dataclass(frozen=True)
 class SamplingParams:
     """How the next token is chosen; defaults are greedy and no penalties."""
 

@@ -22,7 +22,7 @@ import threading
 from collections.abc import Callable
 
 from transfer.buffers import device_type
-from transfer.core import Deadline, Handle, Segments, Stream
+from transfer.core import Deadline, Handle, Segments, Stream, all_of
 from transfer.errors import TransferError
 from transfer.fabric import Fabric
 
@@ -84,7 +84,13 @@ class SplitFabric(Fabric):
         if stream < 0:  # control streams carry confirmations only: host memory
             return self.control.connect(peer, stream, deadline)
         both = [self.control.connect(peer, stream, deadline), self.bulk.connect(peer, stream, deadline)]
-        return _all_of(both, f"rank {self.rank} connect to {peer} stream {stream}")
+        return all_of(both, f"rank {self.rank} connect to {peer} stream {stream}")
+
+    def warm(self, peer: int, stream: int, deadline: Deadline) -> Handle:
+        if stream < 0:
+            return self.control.warm(peer, stream, deadline)
+        both = [self.control.warm(peer, stream, deadline), self.bulk.warm(peer, stream, deadline)]
+        return all_of(both, f"rank {self.rank} warm {peer} stream {stream}")
 
     def abort(self, peer: int, stream: int, reason: str) -> None:
         self.control.abort(peer, stream, reason)
@@ -104,24 +110,3 @@ class SplitFabric(Fabric):
             self.bulk.close()
         finally:
             self.control.close()
-
-
-def _all_of(handles: list[Handle], description: str) -> Handle:
-    """A handle done when every one of `handles` is; it fails with the first failure."""
-    joined = Handle(0, description)
-    remaining = [len(handles)]
-    lock = threading.Lock()
-
-    def one_done(handle: Handle) -> None:
-        if handle.error is not None:
-            joined._fail(handle.error)
-            return
-        with lock:
-            remaining[0] -= 1
-            last = remaining[0] == 0
-        if last:
-            joined._complete()
-
-    for handle in handles:
-        handle.add_done_callback(one_done)
-    return joined

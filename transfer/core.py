@@ -133,3 +133,24 @@ class Handle:
             callbacks, self._callbacks = self._callbacks, []
         for callback in callbacks:
             callback(self)
+
+
+def all_of(handles: list[Handle], description: str) -> Handle:
+    """A handle done when every one of `handles` is; it fails with the first failure."""
+    joined = Handle(0, description)
+    remaining = [len(handles)]
+    lock = threading.Lock()
+
+    def one_done(handle: Handle) -> None:
+        if handle.error is not None:
+            joined._fail(handle.error)
+            return
+        with lock:
+            remaining[0] -= 1
+            last = remaining[0] == 0
+        if last:
+            joined._complete()
+
+    for handle in handles:
+        handle.add_done_callback(one_done)
+    return joined

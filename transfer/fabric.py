@@ -81,6 +81,13 @@ class Fabric(abc.ABC):
         connects afresh, so a retry starts from a clean, aligned state.
         """
 
+    def warm(self, peer: int, stream: int, deadline: Deadline) -> Handle:
+        """Set up what the first message with `peer` on `stream` would (both directions where the
+        fabric pairs ranks), moving no message: `connect` here; NCCL creates both communicators of
+        the pair, so the peer must warm towards this rank at the same time (`ConnectPeers` on both
+        ends does)."""
+        return self.connect(peer, stream, deadline)
+
     def refresh(self, peer: int, stream: int) -> None:
         """Drop the idle outgoing connection to `peer` on `stream` if the peer has closed or reset it.
 

@@ -36,6 +36,7 @@ from router.types import (
     BatchId,
     BatchSpec,
     CachedBatch,
+    PeerLink,
     PrefillCase,
     ReplicaInfo,
     RequestId,
@@ -278,6 +279,10 @@ class VirtualReplica:
     async def reset_status(self) -> None:
         """ResetStatus."""
         self.weights.reset()
+
+    async def connect_peers(self, peers: Sequence[int], timeout: float) -> list[PeerLink]:
+        """ConnectPeers: a simulated fabric has no connections to make (its links are modelled)."""
+        return [PeerLink(rank, "", 0.0) for rank in peers]
 
     async def close(self) -> None:
         """Nothing to release."""

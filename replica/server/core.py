@@ -27,12 +27,14 @@ from replica.engine.types import HealthState
 from replica.engine.warmup import warmup
 from replica.engine.worker import EngineWorker
 from replica.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument, ReplicaError, ShuttingDown
+from replica.links import PeerLink, connect_peers
 from replica.params.store import ParamStore
 from replica.server import messages as m
 from replica.server.calls import CallContext
 from replica.server.migration_calls import MigrationCalls
 from replica.server.shared import ServerState
 from replica.server.weight_calls import WeightCalls
+from transfer.core import Deadline
 
 log = logging.getLogger(__name__)
 
@@ -70,6 +72,7 @@ class ReplicaCore:
             m.Health: lambda c, ctx: self.health(),
             m.Info: lambda c, ctx: self.info(),
             m.Discover: lambda c, ctx: self.discover(),
+            m.ConnectPeers: lambda c, ctx: self.connect_peers(c.peers, ctx),
             m.Migrate: mig.migrate,
             m.Immigrate: mig.immigrate,
             m.MigratePartial: mig.migrate_partial,
@@ -123,6 +126,16 @@ class ReplicaCore:
             return handler(call, ctx)
         work = self.engine_work(call, ctx.deadline)
         return self.worker.call(work, ctx.remaining())
+
+    def connect_peers(self, peers: tuple[int, ...], ctx: CallContext) -> tuple[PeerLink, ...]:
+        """ConnectPeers: warm the fabric's connections with `peers` by the call's deadline (else
+        `--transfer-timeout`)."""
+        cluster = self.shared.cluster
+        if cluster is None:
+            raise FailedPrecondition("this replica has no fabric yet (the model is still loading)")
+        remaining = ctx.remaining()
+        deadline = Deadline.after(self.config.transfer_timeout if remaining is None else remaining)
+        return connect_peers(cluster.fabric, cluster.table, cluster.rank, peers, deadline)
 
     # --------------------------------------------------------------------------- facts
     def info(self) -> m.ReplicaInfo:

@@ -16,6 +16,7 @@ engine's own types back (no second, positional encoding of a step).
  Filter(batch_id, keep) · Clear(batch_id)                   ENGINE  CachedBatchInfo · None
  Warmup(spec)                                               ENGINE  int | None
  Health() · Discover() · Info()                             SERVICE HealthState · Discovery · ReplicaInfo
+ ConnectPeers(peers)                                        SERVICE tuple[PeerLink, ...]
  Migrate · Immigrate · MigratePartial · ImmigratePartial    SERVICE CachedBatchInfo
  MigratingPrefill · PipelinedPrefill · ZagPrefill           SERVICE StepResult · ZagOutcome
  LoadParams · SendParams · RecvParams · Broadcast ·         SERVICE None
@@ -49,6 +50,7 @@ from replica.engine.types import (
     StepResult,
     WarmupSpec,
 )
+from replica.links import PeerLink
 from replica.zigzag.outcome import Relayed, ZagOutcome
 
 
@@ -193,6 +195,13 @@ class Discover(Call, frozen=True):
     reply = Discovery
 
 
+class ConnectPeers(Call, frozen=True):
+    """ConnectPeers: set up the fabric's connections with `peers` (`replica.links`)."""
+
+    reply = tuple[PeerLink, ...]
+    peers: tuple[int, ...]
+
+
 class Migrate(Call, frozen=True):
     """Migrate (sender): every layer of the batch's KV to `dst`, then free it here."""
 
@@ -313,11 +322,12 @@ class SetStatusReady(Call, frozen=True):
 CALLS: tuple[type[Call], ...] = (
     Decode, Prefill, Filter, Clear, Info, Warmup, Health, Discover, Migrate, Immigrate,
     MigratePartial, ImmigratePartial, MigratingPrefill, PipelinedPrefill, ZagPrefill, Relay,
-    LoadParams, SendParams, RecvParams, Broadcast, WaitRdmaDone, ResetStatus, SetStatusReady,
+    LoadParams, SendParams, RecvParams, Broadcast, WaitRdmaDone, ResetStatus, SetStatusReady, ConnectPeers,
 )  # fmt: skip
 AnyCall = (
     Decode | Prefill | Filter | Clear | Info | Warmup | Health | Discover | Migrate | Immigrate
     | MigratePartial | ImmigratePartial | MigratingPrefill | PipelinedPrefill | ZagPrefill | Relay
     | LoadParams | SendParams | RecvParams | Broadcast | WaitRdmaDone | ResetStatus | SetStatusReady
+    | ConnectPeers
 )  # fmt: skip
 """The union a replica decodes (every concrete call; `CALLS` lists the same classes)."""

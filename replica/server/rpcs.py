@@ -147,6 +147,13 @@ RPCS: dict[str, Rpc] = {
         pb.InfoRequest, lambda r: m.Info(),
         lambda i: convert.info_to_pb(i.engine, i.rank, i.tp_size, i.fabric),
     ),
+    "ConnectPeers": Rpc(
+        pb.ConnectPeersRequest,
+        lambda r: m.ConnectPeers(tuple(r.peers)),
+        lambda links: pb.ConnectPeersResponse(links=[
+            pb.PeerLink(rank=link.rank, error=link.error, connect_ms=link.connect_ms) for link in links
+        ]),
+    ),
     "ServiceDiscovery": Rpc(
         pb.ServiceDiscoveryRequest,
         lambda r: m.Discover(),

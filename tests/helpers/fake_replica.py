@@ -77,6 +77,7 @@ class FakeReplica(pb_grpc.TextGenerationServiceServicer):
         self.peer_fail: set[str] = set()  # calls that fail once UNAVAILABLE, blaming the peer
         self.migrate = migrate  # False: migration and weight RPCs answer UNIMPLEMENTED
         self.fabric_kind = "tcp"  # what Info reports as this replica's fabric
+        self.connected: list[int] = []  # ranks ConnectPeers asked for, in order
         self.step_delay = 0.0
         self.immigrate_delay = 0.0
         # A replica frees a migrated batch's pages on its engine thread after answering Migrate; a
@@ -315,6 +316,12 @@ class FakeReplica(pb_grpc.TextGenerationServiceServicer):
         else:
             await self.weights.load_from_disk(request.model_path or request.model_name)
         return pb.LoadParamsResponse()
+
+    @rpc
+    async def ConnectPeers(self, request: pb.ConnectPeersRequest, context: Context
+                           ) -> pb.ConnectPeersResponse:
+        self.connected.extend(request.peers)
+        return pb.ConnectPeersResponse(links=[pb.PeerLink(rank=p, connect_ms=0.1) for p in request.peers])
 
     @rpc
     async def ResetStatus(self, request: pb.ResetStatusRequest, context: Context) -> pb.ResetStatusResponse:

@@ -22,7 +22,7 @@ import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from transfer.core import Deadline, Handle, Segments, total_length
+from transfer.core import Deadline, Handle, Segments, all_of, total_length
 from transfer.errors import FabricClosed, LayoutMismatch, PeerGone, PeerTimeout, TransferError
 from transfer.fabric import Fabric
 from transfer.nccl.logic import (
@@ -290,6 +290,13 @@ class NcclFabric(Fabric):
             return handle
         handle._complete()  # the communicator itself is created with the first message
         return handle
+
+    def warm(self, peer: int, stream: int, deadline: Deadline) -> Handle:
+        """Create both communicators of the pair on `stream` (an empty group each: no bytes move);
+        the peer warms towards this rank at the same time. NCCL's own set-up is not bounded by the
+        deadline (as on a first message): a peer that never warms leaves this edge's thread waiting."""
+        ops = [self._post(peer, stream, [], sending, deadline) for sending in (True, False)]
+        return all_of(ops, f"rank {self.rank} warm {peer} stream {stream}")
 
     def abort(self, peer: int, stream: int, reason: str) -> None:
         error = PeerGone(f"rank {self.rank} aborted transfers with rank {peer}, stream {stream}: {reason}")

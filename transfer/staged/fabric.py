@@ -402,6 +402,9 @@ class StagedFabric(Fabric):
         handle.add_done_callback(lambda h: self._deliver(partial(self._connect_done, peer, stream, h)))
         return handle
 
+    def warm(self, peer: int, stream: int, deadline: Deadline) -> Handle:
+        return self.inner.warm(peer, stream, deadline)
+
     def refresh(self, peer: int, stream: int) -> None:
         with self._lock:
             lane = self._lanes.get((peer, stream, True))

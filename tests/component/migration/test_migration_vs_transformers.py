@@ -138,3 +138,27 @@ def test_partial_halves_from_two_senders(
     )
     assert first_half.batch.id == second.batch.id == 31
     _check(_finish(d, second.batch, first), expected, 300)
+
+
+def test_connect_peers_sets_up_every_stream_on_both_ends_and_refuses_a_rank_not_in_the_table(
+    cluster: list[Replica], expected: tuple[list[list[int]], list[list[int]]]
+) -> None:
+    import grpc
+
+    p, d = cluster[0], cluster[1]
+    first, second = pair(
+        lambda: p.stub.ConnectPeers(pb.ConnectPeersRequest(peers=[d.rank]), timeout=CALL_TIMEOUT),
+        lambda: d.stub.ConnectPeers(pb.ConnectPeersRequest(peers=[p.rank]), timeout=CALL_TIMEOUT),
+    )
+    assert [(link.rank, link.error) for link in first.links] == [(d.rank, "")]
+    assert [(link.rank, link.error) for link in second.links] == [(p.rank, "")]
+    assert first.links[0].connect_ms > 0
+    with pytest.raises(grpc.RpcError) as refused:
+        p.stub.ConnectPeers(pb.ConnectPeersRequest(peers=[p.rank, 999]), timeout=CALL_TIMEOUT)
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "999" in (refused.value.details() or "")
+    # the warmed connections carry the next migration as before
+    batch = make_batch(31, expected[0], MAX_NEW, first_id=300)
+    first_reply, cached = pair(lambda: _prefill(p, batch, pb.MIGRATE, d.rank),
+                               lambda: _immigrate(d, batch, p.rank))
+    _check(_finish(d, cached, first_reply), expected, 300)

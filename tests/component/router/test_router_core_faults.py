@@ -269,3 +269,25 @@ def test_a_replica_on_another_fabric_is_refused_at_registration_and_the_cluster_
             for f in fakes:
                 await f.stop()
     run(body())
+
+
+def test_a_joining_replica_and_every_live_one_connect_their_fabrics_in_the_background() -> None:
+    async def body() -> None:
+        fabric = FakeFabric()
+        fakes = [FakeReplica(rank, fabric) for rank in range(4)]
+        fakes[3].fail["ConnectPeers"] = grpc.StatusCode.UNIMPLEMENTED  # an older replica: only logged
+        sched = scheduler(config(Strategy.FULL))
+        try:
+            for i, fake in enumerate(fakes):
+                await sched.add_replica(await fake.start(), State.PREFILL if i == 0 else State.DECODE)
+            # each joiner asks for every live replica; each live one for the joiner (both ends of each pair)
+            await eventually_async(lambda: sorted(fakes[0].connected) == [1, 2, 3])
+            await eventually_async(lambda: sorted(fakes[2].connected) == [0, 1, 3])
+            assert sorted(fakes[1].connected) == [0, 2, 3] and fakes[3].connected == []  # its call failed
+            events = await collect(sched.submit(request([4, 2], 5)))  # serving meanwhile and after
+            assert tokens_of(events) == expected_tokens([4, 2], 5)
+        finally:
+            await sched.stop()
+            for f in fakes:
+                await f.stop()
+    run(body())

@@ -14,6 +14,8 @@ import pytest
 
 from pdcluster.cluster.processes import pdcluster_argv
 from replica.cluster import device_fabric_options, open_fabric, resolve_fabric
+from replica.errors import InvalidArgument
+from replica.links import WARM_STREAMS, connect_peers
 from tests.helpers.transfer_fabrics import local_table
 from tests.helpers.transfer_nccl_double import DoubleBackend, DoubleWorld
 from transfer.composite import SplitFabric
@@ -22,6 +24,7 @@ from transfer.errors import FabricUnavailable
 from transfer.fabric import FabricKind, choose_fabric
 from transfer.ranktable import RankTable
 from transfer.store import StoreUnreachable, connect_store, serve_store
+from transfer.tcp.fabric import TcpFabric
 
 ROOT = Path(__file__).resolve().parents[3]
 
@@ -104,3 +107,19 @@ def test_auto_picks_a_device_fabric_only_for_cuda_buffers_across_nodes() -> None
     assert resolve_fabric("nccl", one_node, 0, ("cpu",)) is FabricKind.NCCL
     two_nodes = RankTable((one_node[0], dataclasses.replace(one_node[1], node="n1")))
     assert resolve_fabric("auto", two_nodes, 0, ("cpu", "cpu")) is FabricKind.TCP
+
+
+def test_connect_peers_reports_a_peer_it_cannot_reach_instead_of_failing() -> None:
+
+    table = local_table(3)  # rank 2 never starts
+    fabrics = [TcpFabric(table, 0, refused_grace_s=0.3), TcpFabric(table, 1)]
+    try:
+        links = connect_peers(fabrics[0], table, 0, [2, 1], Deadline.after(5))
+        assert [link.rank for link in links] == [2, 1]
+        assert links[1].error == "" and "PeerGone" in links[0].error
+        assert all(fabrics[0]._out(1, s)._sock is not None for s in WARM_STREAMS)  # type: ignore[arg-type]
+        with pytest.raises(InvalidArgument, match=r"\[0\]"):
+            connect_peers(fabrics[0], table, 0, [0], Deadline.after(5))
+    finally:
+        for fabric in fabrics:
+            fabric.close()
