@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from replica.engine.detokenizer import DetokState
 from replica.engine.stopping import StopChecker
@@ -24,6 +25,9 @@ from replica.engine.types import (
 )
 from replica.errors import AlreadyExists, InvalidArgument, NotFound
 from replica.kv.block_manager import PageId
+
+if TYPE_CHECKING:  # xgrammar and torch stay out of this module
+    from replica.engine.grammar import GrammarState
 
 
 @dataclass
@@ -38,6 +42,7 @@ class RequestState:
     detok: DetokState
     num_cached: int = 0
     finish: FinishReason | None = None
+    grammar: GrammarState | None = None  # structured output: advanced by every accepted token
 
     @property
     def id(self) -> RequestId:

@@ -63,6 +63,11 @@ class Detokenizer:
         return self._tokenizer is not None
 
     @property
+    def tokenizer(self) -> Tokenizer | None:
+        """The checkpoint's tokenizer (structured output builds its token tables from it)."""
+        return self._tokenizer
+
+    @property
     def vocab_size(self) -> int | None:
         """Ids the tokenizer knows (added tokens included); None without one."""
         return None if self._tokenizer is None else self._tokenizer.get_vocab_size(with_added_tokens=True)

@@ -6,7 +6,8 @@ rows in one batch; a stage runs only when some row needs it, over the rows that 
 
 ```
  rows ──host: plan_step──► one int64 payload ──one host→device copy──► device views
- logits ─► float32 ─► + logit bias ─► repetition (CTRL) ─► frequency / presence ─┬─► argmax (greedy)
+ logits ─► grammar masks (constrained rows; their bitmask is a second copy) ─┐
+ ─► float32 ─► + logit bias ─► repetition (CTRL) ─► frequency / presence ────────┬─► argmax (greedy)
                                                                                  └─► sampling rows:
    temperature → top-k → top-p → typical-p → log-softmax → argmax(p / E), E ~ Exp(1) from a counter hash
  tokens, their logprobs, top-n ─► pack (float64) ─► one device→host copy ─► Choices
@@ -37,6 +38,7 @@ from replica.engine.batched_processors import (
     top_p_rows,
     typical_rows,
 )
+from replica.engine.grammar import masked
 from replica.engine.seeding import MASK32, step_seed
 from replica.engine.types import Choice, RowInput
 
@@ -330,7 +332,7 @@ def unpack_choices(host: list[list[float]], top_n: Sequence[int], width: int) ->
 def choose_batched(logits: torch.Tensor, rows: Sequence[RowInput]) -> list[Choice]:
     """One next token per row of `logits` (batch, vocab), on any device, with one copy each way."""
     plan = plan_step(rows, logits.shape[-1])
-    tokens, logprobs = choose_tensors(logits, plan)
+    tokens, logprobs = choose_tensors(masked(logits, rows), plan)
     chosen = logprobs.gather(1, tokens.view(-1, 1))
     top = None
     if plan.top_n_max:

@@ -22,6 +22,7 @@ from replica.engine.backend import Runner, SeqInput
 from replica.engine.batch import Batch, BatchStore, RequestState, merge
 from replica.engine.detokenizer import Detokenizer
 from replica.engine.generation import appended_generation, prefill_tokens, step_generation
+from replica.engine.grammar import Grammars, GrammarState
 from replica.engine.stopping import StopChecker
 from replica.engine.types import (
     BatchId,
@@ -80,6 +81,7 @@ class Engine:
         self.blocks = BlockManager(runner.cache.num_blocks, runner.cache.block_size)
         self.store = BatchStore()
         self.eos_token_ids = frozenset(runner.config.eos_token_ids)
+        self.grammars = Grammars(detok.tokenizer, limits.vocab_size, self.eos_token_ids)
 
     @property
     def block_size(self) -> int:
@@ -93,12 +95,28 @@ class Engine:
         tokenize = self.detok.encode if self.detok.available else None
         prompts = admit_batch(spec, self.limits, tokenize)
         pairs = list(zip(spec.requests, prompts, strict=True))
+        grammars = [self._grammar(r, p) for r, p in pairs]  # before any page: a bad one changes nothing
         counts = [self.blocks.pages_for(len(p) + r.stopping.max_new_tokens) for r, p in pairs]
         page_lists = self.blocks.allocate_many(counts)
-        requests = [self._new_request(r, p, pages) for (r, p), pages in zip(pairs, page_lists, strict=True)]
+        requests = [
+            self._new_request(r, p, pages, g)
+            for (r, p), pages, g in zip(pairs, page_lists, grammars, strict=True)
+        ]
         return Batch(id=spec.id, requests=requests)
 
-    def _new_request(self, spec: RequestSpec, prompt: list[int], pages: list[PageId]) -> RequestState:
+    def _grammar(self, spec: RequestSpec, prompt: list[int]) -> GrammarState | None:
+        """A constrained request's matcher, advanced over a continuation's earlier tokens."""
+        if spec.grammar is None:
+            return None
+        where = f"request {spec.id}"
+        try:
+            return self.grammars.state(spec.grammar, prompt[len(prompt) - spec.generated_prefix :])
+        except InvalidArgument as exc:
+            raise InvalidArgument(f"{where}: {exc}") from None
+
+    def _new_request(
+        self, spec: RequestSpec, prompt: list[int], pages: list[PageId], grammar: GrammarState | None
+    ) -> RequestState:
         return RequestState(
             spec=spec,
             tokens=list(prompt),
@@ -106,6 +124,7 @@ class Engine:
             pages=pages,
             stop=StopChecker.resuming(spec.stopping, self.eos_token_ids, self._prefix_text(spec, prompt)),
             detok=self.detok.state_after(prompt),
+            grammar=grammar,
         )
 
     def _prefix_text(self, spec: RequestSpec, prompt: list[int]) -> str:
@@ -154,6 +173,7 @@ class Engine:
         for batch, inp in zip(batches, inputs, strict=True):
             if inp.last_iter_tokens:
                 check_appended(inp.last_iter_tokens, len(batch), self.limits.vocab_size, f"batch {batch.id}")
+                self._check_grammars(batch, inp.last_iter_tokens)
         merged = merge(batches)
         for batch in batches:
             self.store.pop(batch.id)
@@ -168,6 +188,15 @@ class Engine:
         info = self._keep_or_drop(merged, cached=True)
         total = time.perf_counter_ns() - start
         return StepResult(tuple(generations), info, times.forward_ns, times.decode_ns, total, concat_ns)
+
+    def _check_grammars(self, batch: Batch, tokens: Sequence[int]) -> None:
+        """Refuse appended tokens a constrained request's grammar would not have allowed (nothing changed)."""
+        for request, token in zip(batch.requests, tokens, strict=False):
+            grammar = request.grammar
+            if grammar is None or request.finished or grammar.allows(token, self.limits.vocab_size):
+                continue
+            message = f"batch {batch.id}: token {token} does not match request {request.id}'s grammar"
+            raise InvalidArgument(message)
 
     def _append(self, batches: Sequence[Batch], inputs: Sequence[DecodeInput]) -> list[Generation]:
         """Tokens generated elsewhere count exactly as if generated here."""
@@ -202,10 +231,7 @@ class Engine:
 
     def _choose(self, requests: Sequence[RequestState], out: Any) -> list[Generation]:
         """Choose one token per request from a forward's output and account it."""
-        rows = [
-            RowInput(r.spec.sampling, r.tokens, r.prompt_len - r.spec.generated_prefix, r.spec.top_n_tokens)
-            for r in requests
-        ]
+        rows = [_row_input(r) for r in requests]
         choices = self.runner.choose(out, rows)
         generations = []
         detok = self.detok
@@ -295,3 +321,10 @@ class Engine:
             raise FailedPrecondition("cannot resize the KV cache while batches are cached")
         self.runner = runner
         self.blocks = BlockManager(runner.cache.num_blocks, runner.cache.block_size)
+
+
+def _row_input(r: RequestState) -> RowInput:
+    """What choosing `r`'s next token needs (a continuation's earlier tokens count as generated)."""
+    spec = r.spec
+    prompt_len = r.prompt_len - spec.generated_prefix
+    return RowInput(spec.sampling, r.tokens, prompt_len, spec.top_n_tokens, r.grammar)

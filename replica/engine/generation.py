@@ -11,7 +11,8 @@ from collections.abc import Sequence
 
 from replica.engine.batch import RequestState
 from replica.engine.detokenizer import Detokenizer
-from replica.engine.types import Choice, GeneratedText, Generation, TokenList
+from replica.engine.types import Choice, FinishReason, GeneratedText, Generation, TokenList
+from replica.errors import FailedPrecondition
 
 
 def accept(request: RequestState, token_id: int, detok: Detokenizer) -> str:
@@ -19,6 +20,12 @@ def accept(request: RequestState, token_id: int, detok: Detokenizer) -> str:
     request.tokens.append(token_id)
     text = detok.next_text(request.tokens, request.detok)
     request.finish = request.stop.step(token_id, text)
+    grammar = request.grammar
+    if grammar is not None:
+        if not grammar.accept(token_id):  # the mask allows only what it accepts: a bug, said loudly
+            raise FailedPrecondition(f"request {request.id}: token {token_id} does not match its grammar")
+        if grammar.terminated and request.finish is None:  # EOS accepted under ignore_eos
+            request.finish = FinishReason.EOS_TOKEN
     return text
 
 

@@ -1,10 +1,11 @@
 """Choosing the next token: logit bias, penalties, warpers, greedy or seeded sampling, log-probabilities.
 
 Semantics follow Hugging Face transformers' logits processors so results can be compared with
-`generate`: OpenAI's logit_bias first (added to the raw logits, as vLLM does), then repetition
-penalty (CTRL: divide positive / multiply negative logits of every token seen in prompt + output),
-then, only when sampling, temperature → top-k → top-p → typical-p, each filtering with -inf and
-keeping at least one token. Frequency / presence penalties are OpenAI's:
+`generate`: a structured-output request's grammar mask first (`grammar.masked`: refused tokens at
+-inf, so no later stage can bring them back), then OpenAI's logit_bias (added to the raw logits, as
+vLLM does), then repetition penalty (CTRL: divide positive / multiply negative logits of every token
+seen in prompt + output), then, only when sampling, temperature → top-k → top-p → typical-p, each
+filtering with -inf and keeping at least one token. Frequency / presence penalties are OpenAI's:
 `logit -= count_in_output * frequency + (count_in_output > 0) * presence`, applied with the other
 penalties (so in greedy mode too). Greedy is the argmax of the penalised logits; log-probabilities
 are the log-softmax of the final processed logits.
@@ -25,6 +26,7 @@ import torch
 
 from replica.engine.batched_processors import typical_rows
 from replica.engine.device_sampling import choose_batched
+from replica.engine.grammar import masked
 from replica.engine.seeding import step_seed
 from replica.engine.types import Choice, RowInput, SamplingParams
 
@@ -118,6 +120,7 @@ def choose_next(logits: torch.Tensor, rows: Sequence[RowInput]) -> list[Choice]:
     on any other device batched (`choose_batched`: one copy each way per step)."""
     if logits.device.type != "cpu":
         return choose_batched(logits, rows)
+    logits = masked(logits, rows)
     logprobs = torch.log_softmax(logits, dim=-1)
     # = torch.argmax (the first maximum; NaN counts as the maximum), in half the time on the CPU
     tokens = logits.max(dim=-1).indices

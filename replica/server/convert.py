@@ -20,6 +20,8 @@ from replica.engine.types import (
     DecodeInput,
     EngineInfo,
     Generation,
+    GrammarKind,
+    GrammarSpec,
     RequestId,
     RequestSpec,
     SamplingParams,
@@ -69,7 +71,19 @@ def request_from_pb(msg: pb.Request) -> RequestSpec:
         prefill_logprobs=msg.prefill_logprobs,
         top_n_tokens=msg.top_n_tokens,
         generated_prefix=msg.generated_prefix,
+        grammar=grammar_from_pb(msg.grammar) if msg.HasField("grammar") else None,
     )
+
+
+def grammar_from_pb(msg: pb.Grammar) -> GrammarSpec:
+    """A structured-output grammar; an unknown type is INVALID_ARGUMENT."""
+    try:
+        kind = GrammarKind(msg.type)
+    except ValueError:
+        raise InvalidArgument(f"grammar: unknown type {msg.type}") from None
+    if kind is not GrammarKind.JSON_OBJECT and not msg.text:
+        raise InvalidArgument(f"grammar: type {kind.name} needs a text")
+    return GrammarSpec(kind, msg.text)
 
 
 def batch_from_pb(msg: pb.Batch) -> BatchSpec:
