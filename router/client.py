@@ -37,6 +37,7 @@ from router.types import (
     Finished,
     FinishReason,
     Generation,
+    GrammarKind,
     PeerLink,
     PrefillCase,
     ReplicaInfo,
@@ -99,6 +100,13 @@ def _cause(exc: grpc.aio.AioRpcError) -> str | None:
 # ---- dataclass -> protobuf ----------------------------------------------------------------------
 
 
+_GRAMMAR_TYPES = {
+    GrammarKind.JSON_SCHEMA: pb.GRAMMAR_TYPE_JSON_SCHEMA,
+    GrammarKind.JSON_OBJECT: pb.GRAMMAR_TYPE_JSON_OBJECT,
+    GrammarKind.REGEX: pb.GRAMMAR_TYPE_REGEX,
+}
+
+
 def _request_pb(wire: WireRequest) -> pb.Request:
     req, s, st = wire.request, wire.request.sampling, wire.request.stopping
     params = pb.NextTokenChooserParameters(
@@ -122,6 +130,9 @@ def _request_pb(wire: WireRequest) -> pb.Request:
     )
     if req.truncate is not None:
         msg.truncate = req.truncate
+    if req.grammar is not None:
+        msg.grammar.type = _GRAMMAR_TYPES[req.grammar.kind]
+        msg.grammar.text = req.grammar.text
     return msg
 
 

@@ -21,6 +21,7 @@ from router.http.events import ClientGone, EventFeed, EventStreamResponse, faile
 from router.http.openai_format import OpenAIAnswer, OpenAIContext
 from router.http.responses import dumps, json_response
 from router.http.schemas import ChatCompletionRequest, CompletionRequest
+from router.http.structured import openai_grammar
 from router.http.validation import (
     check_max_new_range,
     check_model,
@@ -89,6 +90,7 @@ async def completions(request: Request) -> Response:
         StoppingParams(max_new_tokens=max_new, stop_sequences=stops, ignore_eos=body.ignore_eos),
         prefill_logprobs=body.echo and want_logprobs,
         top_n_tokens=body.logprobs or 0,
+        grammar=openai_grammar(body.response_format),
     )
     ctx = _context(request, "cmpl", False, stops, want_logprobs, body.stream, body.stream_options)
     if body.echo:
@@ -132,6 +134,7 @@ async def chat_completions(request: Request) -> Response:
         openai_sampling(body, backend.tokenizer.vocab_size),
         StoppingParams(max_new_tokens=max_new, stop_sequences=stops, ignore_eos=body.ignore_eos),
         top_n_tokens=top_n,
+        grammar=openai_grammar(body.response_format),
     )
     ctx = _context(request, "chatcmpl", True, stops, body.logprobs, body.stream, body.stream_options)
     return await _answer(request, req, ctx, body.stream)

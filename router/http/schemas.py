@@ -39,6 +39,22 @@ class StreamOptions(_Strict):
     include_usage: bool = False
 
 
+class JSONSchemaFormat(_Strict):
+    """OpenAI's `response_format.json_schema`: the schema the output must validate against."""
+
+    name: str
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Strict):
+    """OpenAI's `response_format`: free text, any JSON object, or JSON that validates against a schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
+
+
 class _OpenAISampling(_Strict):
     """Fields shared by /v1/completions and /v1/chat/completions."""
 
@@ -58,6 +74,7 @@ class _OpenAISampling(_Strict):
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
     user: str | None = None
+    response_format: ResponseFormat | None = None
 
 
 class CompletionRequest(_OpenAISampling):
@@ -103,6 +120,13 @@ class ChatCompletionRequest(_OpenAISampling):
     add_generation_prompt: bool = True
 
 
+class TGIGrammar(_Strict):
+    """TGI's `grammar`: `{"type": "json", "value": <JSON Schema>}` or `{"type": "regex", "value": "..."}`."""
+
+    type: Literal["json", "regex"]
+    value: dict[str, Any] | str
+
+
 class TGIParameters(_Strict):
     """TGI's `parameters` object (the text-generation client sends every field, mostly null)."""
 
@@ -124,7 +148,7 @@ class TGIParameters(_Strict):
     details: bool = False
     decoder_input_details: bool = False
     top_n_tokens: Annotated[int, Field(ge=0), WHOLE] | None = None
-    grammar: Any | None = None
+    grammar: TGIGrammar | None = None
 
 
 class TGIRequest(_Strict):

@@ -20,6 +20,7 @@ from router.http.errors import APIError, Flavor, error_body
 from router.http.events import ClientGone, EventFeed, EventStreamResponse, failed_event, sse
 from router.http.responses import dumps, json_response
 from router.http.schemas import TGIRequest
+from router.http.structured import tgi_grammar
 from router.http.tgi_format import TGIContext, Timeline, generate_object, stream_object
 from router.http.validation import (
     check_prompt,
@@ -130,6 +131,7 @@ def _prepare(request: Request, raw: bytes) -> _Prepared:
         top_n_tokens=top_n,
         # the prompt is already cut; the replica is told no more than it can hold (a 32-bit count)
         truncate=None if params.truncate is None else min(params.truncate, len(prompt)),
+        grammar=tgi_grammar(params.grammar),
     )
     ctx = TGIContext(
         details=params.details,

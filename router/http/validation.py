@@ -13,7 +13,7 @@ from pydantic import BaseModel, ValidationError
 from router.http.errors import APIError, Flavor, from_validation_error
 from router.http.info import ServingInfo
 from router.http.schemas import TGIParameters, _OpenAISampling
-from router.types import GenerateRequest, SamplingParams, StoppingParams
+from router.types import GenerateRequest, Grammar, SamplingParams, StoppingParams
 
 Body = TypeVar("Body", bound=BaseModel)
 
@@ -131,8 +131,6 @@ def check_tgi_unsupported(params: TGIParameters, info: ServingInfo) -> None:
         raise APIError("best_of > 1 is not supported", 400, Flavor.TGI)
     if params.watermark:
         raise APIError("watermark is not supported", 400, Flavor.TGI)
-    if params.grammar is not None:
-        raise APIError("grammar is not supported", 400, Flavor.TGI)
     top_n = params.top_n_tokens or 0
     if top_n > info.max_top_n_tokens:
         raise APIError(f"top_n_tokens must be <= {info.max_top_n_tokens}", 400, Flavor.TGI)
@@ -211,6 +209,7 @@ def generate_request(
     prefill_logprobs: bool = False,
     top_n_tokens: int = 0,
     truncate: int | None = None,
+    grammar: Grammar | None = None,
 ) -> GenerateRequest:
     """Assemble the scheduler's request (everything already validated)."""
     return GenerateRequest(
@@ -220,4 +219,5 @@ def generate_request(
         prefill_logprobs=prefill_logprobs,
         top_n_tokens=top_n_tokens,
         truncate=truncate,
+        grammar=grammar,
     )
