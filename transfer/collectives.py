@@ -45,6 +45,8 @@ def run_plan(
     """Run this rank's part of `plan`; raise if this rank or (with `confirm`) any rank failed."""
     options = options or TransferOptions()
     leader = plan.ranks[0]
+    if options.confirm:  # a collective of its own (a new tag): no earlier failure concerns it
+        _refresh(fabric, plan, stream, leader)
     if options.confirm and fabric.rank != leader:
         fabric.connect(leader, control_stream(stream), deadline)  # early: the leader sees our death
     executor = Executor(
@@ -60,6 +62,16 @@ def run_plan(
         error = _confirmed(fabric, plan, stream, options.tag, error, deadline)
     if error is not None:
         raise error
+
+
+def _refresh(fabric: Fabric, plan: Plan, stream: int, leader: int) -> None:
+    """Replace the idle connections of this collective that a peer reset in an earlier, failed one
+    (`Fabric.refresh`), so the retry's first messages do not go into them."""
+    for edge in plan.peers(fabric.rank):
+        fabric.refresh(edge, stream)
+    confirming = [r for r in plan.ranks if r != leader] if fabric.rank == leader else [leader]
+    for other in confirming:  # the confirmation records' direction
+        fabric.refresh(other, control_stream(stream))
 
 
 def _confirmed(

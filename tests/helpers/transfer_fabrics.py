@@ -12,6 +12,7 @@ from transfer.fabric import Fabric
 from transfer.fake import FakeFabric, FakeFaults, FakeNetwork
 from transfer.ports import free_ports
 from transfer.ranktable import RankTable
+from transfer.rendezvous import DictRendezvous
 from transfer.tcp.fabric import TcpFabric
 
 FabricMaker = Callable[[int], list[Fabric]]
@@ -26,6 +27,12 @@ def make_tcp(n: int, **options: Any) -> list[Fabric]:
     """`n` TCP fabrics in this process."""
     table = local_table(n)
     return [TcpFabric(table, r, **options) for r in range(n)]
+
+
+def make_tcp_counting_resets(n: int) -> list[Fabric]:
+    """`n` TCP fabrics sharing edge generations (`transfer.rendezvous.Resets`), as replicas with a store."""
+    resets = DictRendezvous()
+    return make_tcp(n, resets=resets)
 
 
 def make_fake(n: int, faults: FakeFaults | None = None) -> list[Fabric]:

@@ -81,6 +81,11 @@ class TcpFabric(Fabric):
         sock.settimeout(0.2)  # the accept loop polls the closed flag
         return sock
 
+    @property
+    def counts_resets(self) -> bool:
+        """Whether aborts are counted in edge generations (`resets`), so a retry never meets a reset."""
+        return self._resets is not None
+
     # buffers and layouts ------------------------------------------------------------------
 
     def register(self, name: str, obj: object) -> int:

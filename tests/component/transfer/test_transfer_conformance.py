@@ -7,9 +7,16 @@ from collections.abc import Callable
 import pytest
 
 from tests.helpers.transfer_conformance import CASES
-from tests.helpers.transfer_fabrics import FabricMaker, make_fake, make_tcp, socket_fds, thread_names
+from tests.helpers.transfer_fabrics import (
+    FabricMaker,
+    make_fake,
+    make_tcp,
+    make_tcp_counting_resets,
+    socket_fds,
+    thread_names,
+)
 
-MAKERS: dict[str, FabricMaker] = {"tcp": make_tcp, "fake": make_fake}
+MAKERS: dict[str, FabricMaker] = {"tcp": make_tcp, "tcp-resets": make_tcp_counting_resets, "fake": make_fake}
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
