@@ -45,7 +45,7 @@ from pdcluster.cluster.processes import (
 from pdcluster.cluster.replica_process import free_ports
 from pdcluster.cluster.supervisor import RestartPolicy, supervise
 from pdcluster.discovery.discover import visible_gpu_count
-from replica.config import check_device_name
+from replica.config import DType, check_device_name
 from router import strategies
 from router.config import Strategy
 from router.scaling import policies
@@ -125,6 +125,9 @@ class UpConfig:
         "share them), cuda:N (all on GPU N) or auto (cuda where a GPU is visible, else cpu)")})
     gpu_memory_fraction: float = field(default=0.9, metadata={"help": (
         "the share of each GPU its replicas take together; replicas sharing one GPU split it evenly")})
+    dtype: str = field(default="", metadata={"help": (
+        "torch engine: the replicas' weight and KV dtype, float32, bfloat16 or float16 (empty: each "
+        "device's default, float32 on the CPU and bfloat16 on CUDA)")})
 
     def __post_init__(self) -> None:
         self.model = Path(self.model)
@@ -151,6 +154,11 @@ class UpConfig:
                              "replica its own node: use --fabric tcp or auto")
         if not 0 < self.gpu_memory_fraction <= 1:
             raise ValueError(f"--gpu-memory-fraction must be in (0, 1], got {self.gpu_memory_fraction}")
+        if self.dtype and self.dtype not in {d.value for d in DType}:
+            known = ", ".join(d.value for d in DType)
+            raise ValueError(f"--dtype must be one of {known}, got {self.dtype!r}")
+        if self.dtype and self.engine != "torch":
+            raise ValueError("--dtype is for the torch engine; simulated replicas take their card's")
         if self.engine != "torch" and self.device not in ("auto", "cpu"):
             raise ValueError(f"--device {self.device} is for the torch engine; simulated replicas use none")
         if self.inactive and self.engine == "torch" and not (self.model / "config.json").is_file():
@@ -183,6 +191,8 @@ class UpConfig:
         args: list[str] = self.engine_spec().replica_args()
         if self.engine == "simulated":
             args.append("--no-grpc-frontend")  # a sleeping engine holds no GIL: one process is enough
+        if self.dtype:
+            args += ["--dtype", self.dtype]
         if self.disk_gbps:
             args += ["--disk-gbps", str(self.disk_gbps)]
         if self.host_gbps:

@@ -135,3 +135,13 @@ def test_up_refuses_what_cannot_run(tmp_path: Path, monkeypatch: pytest.MonkeyPa
         UpConfig(model=tmp_path, gpu_memory_fraction=1.5)
     with pytest.raises(ValueError, match="--device cuda is for the torch engine"):
         UpConfig(model=tmp_path, engine="simulated", device="cuda")
+    with pytest.raises(ValueError, match="--dtype must be one of float32, bfloat16, float16"):
+        UpConfig(model=tmp_path, dtype="fp8")
+    with pytest.raises(ValueError, match="--dtype is for the torch engine"):
+        UpConfig(model=tmp_path, engine="simulated", dtype="float32")
+
+
+def test_up_passes_the_dtype_to_every_replica(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    cluster = cluster_of(tmp_path, monkeypatch, 1, device="cuda", dtype="float32")
+    assert flag(cluster.config.replica_args(), "--dtype") == "float32"  # every replica's common flags
+    assert "--dtype" not in UpConfig(model=tmp_path).replica_args()  # unset: each device's default
