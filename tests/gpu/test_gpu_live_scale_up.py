@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -39,7 +40,8 @@ def model(tiny_model_factory: Callable[..., Path]) -> Path:
 def reference(model: Path) -> Callable[[list[int]], list[int]]:
     from transformers import AutoModelForCausalLM
 
-    hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).to("cuda").eval()
+    hf: Any = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
+    hf = hf.to("cuda").eval()
     cache: dict[tuple[int, ...], list[int]] = {}
 
     def greedy(prompt: list[int]) -> list[int]:
