@@ -5,8 +5,8 @@
 # (`make wheelhouse`, in .whl/ or wheelhouse/) when there is one, installed into a folder of its own
 # (only what is not installed already; pip never looks for an index), and pdcluster runs from this
 # checkout (PYTHONPATH). PYTHON=... picks the interpreter (default python3). The steps' limits add up to
-# 475 s (install 30, nvidia-smi 10, tests 240, bench gpu 140, bench gpu-transfer 55); GPU_CHECK_*_S
-# override three of them.
+# 475 s (install 30, nvidia-smi 10, tests 215, bench gpu 110, bench gpu-transfer 45, bench scaling 65);
+# GPU_CHECK_*_S override four of them.
 #
 #   DIR/env.txt            interpreter, torch and its CUDA, cupy / NCCL, the matching gpu-cuXX extra
 #   DIR/install.log        the wheelhouse install
@@ -14,6 +14,7 @@
 #   DIR/tests_gpu.log      python -m pytest -q tests/gpu   (+ DIR/tests_gpu.xml, junit)
 #   DIR/bench_gpu.log      python -m pdcluster bench gpu   (+ DIR/bench_gpu.json, DIR/bench_gpu.png)
 #   DIR/bench_gpu_transfer.log  python -m pdcluster bench gpu-transfer   (+ DIR/bench_gpu_transfer.json)
+#   DIR/bench_scaling.log  python -m pdcluster bench scaling --quick on GPU replicas (+ DIR/scaling/scaling.json)
 #   DIR/summary.txt        one line per step: exit code and seconds; pytest's last line
 set -u
 OUT=${1:?usage: scripts/gpu_check.sh OUT_DIR}
@@ -89,14 +90,17 @@ step install 30 bash -c install
 step nvidia-smi 10 bash -c 'nvidia-smi && nvidia-smi --query-gpu=index,name,memory.total,pci.bus_id,driver_version \
   --format=csv'
 mv "$OUT/nvidia-smi.log" "$OUT/nvidia-smi.txt"
-step tests_gpu "${GPU_CHECK_TESTS_S:-240}" "$PY" -m pytest -q -p no:cacheprovider tests/gpu \
+step tests_gpu "${GPU_CHECK_TESTS_S:-215}" "$PY" -m pytest -q -p no:cacheprovider tests/gpu \
   --junitxml "$OUT/tests_gpu.xml"
 echo "  pytest: $(grep -E '(passed|failed|skipped|error)' "$OUT/tests_gpu.log" | tail -1)" >> "$SUMMARY"
-step bench_gpu "${GPU_CHECK_BENCH_S:-140}" "$PY" -m pdcluster bench gpu --json "$OUT/bench_gpu.json" \
+step bench_gpu "${GPU_CHECK_BENCH_S:-110}" "$PY" -m pdcluster bench gpu --json "$OUT/bench_gpu.json" \
   --plot "$OUT/bench_gpu.png"
 # KV over cuda-ipc and staged tcp, 2 GiB of weights over cuda-ipc, each against its ceiling in the same run
-step bench_gpu_transfer "${GPU_CHECK_TRANSFER_S:-55}" "$PY" -m pdcluster bench gpu-transfer --device cuda \
-  --kv-size 1GiB --weights-size 2GiB --timeout 45 --json "$OUT/bench_gpu_transfer.json"
+step bench_gpu_transfer "${GPU_CHECK_TRANSFER_S:-45}" "$PY" -m pdcluster bench gpu-transfer --device cuda \
+  --kv-size 1GiB --weights-size 2GiB --timeout 35 --json "$OUT/bench_gpu_transfer.json"
 echo "  $(grep -E 'goals met' "$OUT/bench_gpu_transfer.log" | tail -1)" >> "$SUMMARY"
+# burst -> first token: a live scale-up over cuda-ipc against stop-the-world from disk, GPU replicas, same run
+step bench_scaling "${GPU_CHECK_SCALING_S:-65}" "$PY" -m pdcluster bench scaling --quick --device cuda \
+  --fabric cuda-ipc --systems live stop-the-world --out "$OUT/scaling" --work /tmp/pdcluster-scaling-work
 echo "gpu-check: $([[ $failed -eq 0 ]] && echo passed || echo FAILED), results in $OUT" | tee -a "$SUMMARY"
 exit "$failed"

@@ -38,10 +38,16 @@ class EngineSpec:
     profile: Path | None = None
     compute_efficiency: float = 0.6
     memory_efficiency: float = 0.8
+    device: str = "cpu"  # torch: cpu, cuda, cuda:N or auto (placed by gpu_placement, like `up`)
+    fabric: str = "tcp"  # the replicas' --fabric
+    dtype: str = ""  # torch: the replicas' --dtype ("" = each device's default)
 
     def __post_init__(self) -> None:
         if self.kind not in ENGINES:
             raise ValueError(f"engine {self.kind!r} is not one of {', '.join(ENGINES)}")
+        if self.simulated and (self.device not in ("cpu", "auto") or self.dtype):
+            raise ValueError("a simulated engine runs on no device and takes its card's dtype: "
+                             "no --device or --dtype")
         if self.simulated:
             gpu(self.gpu)  # an unknown name → ValueError naming the known ones
             card_dict(self.model_card)
@@ -64,9 +70,9 @@ class EngineSpec:
             raise ValueError(f"byte_scale must be a number or a fraction, got {self.byte_scale!r}") from None
 
     def replica_args(self) -> list[str]:
-        """`pdcluster replica` flags of this engine (none for torch)."""
+        """`pdcluster replica` flags of this engine (torch: its dtype; the device is placed per replica)."""
         if not self.simulated:
-            return []
+            return ["--dtype", self.dtype] if self.dtype else []
         args = ["--engine", "simulated", "--gpu", self.gpu, "--model-card", self.model_card,
                 "--byte-scale", self.byte_scale, "--compute-efficiency", str(self.compute_efficiency),
                 "--memory-efficiency", str(self.memory_efficiency)]

@@ -22,6 +22,7 @@ import os
 import time
 from pathlib import Path
 
+from pdcluster.cluster.gpu_placement import place_on_devices
 from pdcluster.cluster.processes import (
     REPLICA_READY,
     ROUTER_READY,
@@ -32,6 +33,7 @@ from pdcluster.cluster.processes import (
     stop_procs,
 )
 from pdcluster.cluster.replica_process import free_ports
+from pdcluster.discovery.discover import visible_gpu_count
 from pdcluster.experiment.netns import HEAD_ADDRESS, Network
 from pdcluster.experiment.spec import STATIC_POLICY, ClusterShape, ModelSpec, TopologySpec
 from transfer.ranktable import RankEntry, RankTable
@@ -90,14 +92,16 @@ class CellCluster:
         engine = self.shape.engine
         self.model_dir = engine.model_folder(self.model.path, self.folder / "model" / engine.model_card)
         pages = self.model.num_blocks if engine.simulated else (self.model.num_blocks or DEFAULT_PAGES)
+        gpus = 0 if engine.simulated or engine.device == "cpu" else visible_gpu_count()
+        slots = place_on_devices(len(self.roles), "cpu" if engine.simulated else engine.device, gpus)
         deadline = time.monotonic() + timeout
         for rank, role in enumerate(self.roles):
             entry = table[rank]
             args = ["replica", "--model", str(self.model_dir), "--host", entry.host, "--port", "0",
                     "--rank", str(rank), *(["--num-blocks", str(pages)] if pages else []),
                     "--torch-threads", str(self._threads()), "--cluster", str(self.folder / "ranks.json"),
-                    "--fabric", "tcp", *(["--inactive"] if role == "inactive" else []),
-                    *engine.replica_args(), *self.shape.replica_args]
+                    "--fabric", engine.fabric, *(["--inactive"] if role == "inactive" else []),
+                    *engine.replica_args(), *slots[rank].replica_args(), *self.shape.replica_args]
             self.replicas.append(self._spawn(f"replica-{rank}-{role}", role, args, logs, self.nodes[rank],
                                              REPLICA_READY))
         for proc in self.replicas:

@@ -140,6 +140,15 @@ class BenchScalingConfig:
         "help": "torch: replicas run a tiny checkpoint on the CPU; simulated: they behave like --gpu running "
                 "--model-card (replica/engine/sim/README.md), sized by the simulated preset",
         "choices": list(ENGINES)})
+    device: str = field(default="cpu", metadata={
+        "help": "torch engine: the replicas' device, cpu, cuda (spread over the visible GPUs, sharing "
+                "them as `pdcluster up` does), cuda:N or auto"})
+    fabric: str = field(default="tcp", metadata={
+        "help": "the replicas' --fabric (tcp, cuda-ipc, nccl, rdma, auto); on GPUs cuda-ipc moves "
+                "weights and KV device to device",
+        "choices": ["tcp", "cuda-ipc", "nccl", "rdma", "auto"]})
+    dtype: str = field(default="", metadata={
+        "help": "torch engine: the replicas' --dtype (empty: float32 on the CPU, bfloat16 on CUDA)"})
     gpu: str = field(default="a100-80g", metadata={"help": "simulated GPU (replica/engine/sim/gpus.py)"})
     model_card: str = field(default="llama-2-7b", metadata={
         "help": "simulated model: a built-in card (replica/engine/sim/cards.py) or a config.json file"})
@@ -173,7 +182,8 @@ class BenchScalingConfig:
     def engine_spec(self) -> EngineSpec:
         """The replicas' engine (ValueError naming the known GPUs or cards on a bad one)."""
         return EngineSpec(self.engine, self.gpu, self.model_card, self.byte_scale,
-                          Path(self.profile) if self.profile is not None else None)
+                          Path(self.profile) if self.profile is not None else None,
+                          device=self.device, fabric=self.fabric, dtype=self.dtype)
 
     @property
     def preset(self) -> Preset:
