@@ -139,20 +139,31 @@ class Tokenizer:
         """The text one token stands for on its own (for logprob listings)."""
         return self.decode([token_id], skip_special_tokens=False)
 
+    @property
+    def supports_tools(self) -> bool:
+        """Whether the chat template renders `tools` (transformers' variable name for them)."""
+        return "tools" in self.chat_template
+
     def apply_chat_template(
-        self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: Sequence[Mapping[str, Any]] | None = None,
     ) -> str:
-        """Render `messages` ([{role, content}, ...]) into one prompt string.
+        """Render `messages` ([{role, content}, ...]) into one prompt string, with `tools` (OpenAI's
+        shape, as transformers passes them) when given.
 
         The rendered text already holds any BOS the template wants: encode it with
         `add_special_tokens=False`. Raises `ChatTemplateError` when the template refuses.
         """
+        extra = {"tools": [dict(t) for t in tools]} if tools else {}
         try:
             return self._template.render(
                 messages=[dict(m) for m in messages],
                 add_generation_prompt=add_generation_prompt,
                 bos_token=self.bos_token,
                 eos_token=self.eos_token,
+                **extra,
             )
         except ChatTemplateError:
             raise

@@ -30,9 +30,17 @@ ARCHS = {
     "qwen2": ("Qwen2ForCausalLM", "qwen2"),
 }
 SPECIAL_TOKENS = ("<unk>", "<s>", "</s>")  # ids 0, 1, 2
+# Renders tools (a system turn listing them) and earlier tool calls in the Hermes style the router
+# parses (router/http/tools.py); without tools or calls the prompt is what it always was.
 CHAT_TEMPLATE = (
-    "{{ bos_token }}{% for message in messages %}<|{{ message['role'] }}|>\n"
-    "{{ message['content'] }}{{ eos_token }}\n{% endfor %}"
+    "{{ bos_token }}{% if tools %}<|system|>\nYou may call these tools:\n"
+    "{% for tool in tools %}{{ tool | tojson }}{{ '\\n' }}{% endfor %}"
+    'To call one, answer <tool_call>{"name": ..., "arguments": {...}}</tool_call>{{ eos_token }}{{ \'\\n\' }}'
+    "{% endif %}"
+    "{% for message in messages %}<|{{ message['role'] }}|>\n"
+    "{% if message.get('tool_calls') %}{% for call in message['tool_calls'] %}"
+    "<tool_call>{{ call['function'] | tojson }}</tool_call>{% endfor %}"
+    "{% else %}{{ message['content'] }}{% endif %}{{ eos_token }}\n{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
 )
 # A small English corpus, enough for a few hundred byte-level BPE merges.

@@ -114,11 +114,30 @@ class ChatLogprobs(_Answer):
     content: list[ChatTokenLogprob]
 
 
+ChatFinishReason = Literal["stop", "length", "tool_calls"]
+
+
+class FunctionCall(_Answer):
+    """The function a tool call calls: its name and its arguments as JSON text."""
+
+    name: str
+    arguments: str
+
+
+class ToolCall(_Answer):
+    """One tool call of the answer (`finish_reason` is then "tool_calls")."""
+
+    id: str
+    type: Literal["function"]
+    function: FunctionCall
+
+
 class AssistantMessage(_Answer):
-    """The generated message."""
+    """The generated message: text, or tool calls (content null when the output was only calls)."""
 
     role: Literal["assistant"]
-    content: str
+    content: str | None
+    tool_calls: list[ToolCall] | None = None
 
 
 class ChatChoice(_Answer):
@@ -127,7 +146,7 @@ class ChatChoice(_Answer):
     index: int
     message: AssistantMessage
     logprobs: ChatLogprobs | None
-    finish_reason: FinishReason
+    finish_reason: ChatFinishReason
 
 
 class ChatCompletion(_Envelope):
@@ -139,11 +158,28 @@ class ChatCompletion(_Envelope):
     pdcluster_route: Route
 
 
+class FunctionDelta(_Answer):
+    """What a chunk adds to a tool call's function: its name (first delta), a piece of its arguments."""
+
+    name: str | None = None
+    arguments: str | None = None
+
+
+class ToolCallDelta(_Answer):
+    """A tool call's part in a chunk; its first delta carries id, type and name."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: FunctionDelta
+
+
 class ChatDelta(_Answer):
-    """The text a chunk adds (the first chunk also names the role)."""
+    """The text a chunk adds (the first chunk also names the role), or tool-call deltas."""
 
     role: Literal["assistant"] | None = None
-    content: str
+    content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
 
 
 class ChatChunkChoice(_Answer):
@@ -152,7 +188,7 @@ class ChatChunkChoice(_Answer):
     index: int
     delta: ChatDelta
     logprobs: ChatLogprobs | None
-    finish_reason: FinishReason | None
+    finish_reason: ChatFinishReason | None
 
 
 class ChatCompletionChunk(_Envelope):

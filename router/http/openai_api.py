@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import AsyncIterator
+from typing import Any
 
 from fastapi import APIRouter
 from starlette.requests import Request
@@ -22,6 +23,15 @@ from router.http.openai_format import OpenAIAnswer, OpenAIContext
 from router.http.responses import dumps, json_response
 from router.http.schemas import ChatCompletionRequest, CompletionRequest
 from router.http.structured import openai_grammar
+from router.http.tools import (
+    NO_TOOLS,
+    ToolMode,
+    ToolPlan,
+    ToolStream,
+    finished_message,
+    plan_tools,
+    template_messages,
+)
 from router.http.validation import (
     check_max_new_range,
     check_model,
@@ -105,9 +115,14 @@ async def chat_completions(request: Request) -> Response:
     body = parse_body(await request.body(), ChatCompletionRequest, OPENAI)
     check_model(body.model, backend.info)
     check_openai_unsupported(body)
-    messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+    tools = plan_tools(body.tools, body.tool_choice, body.response_format)
+    if tools.tools and not backend.tokenizer.supports_tools:
+        raise APIError("this model's chat template does not render tools", 400, param="tools")
+    messages = template_messages(body.messages)
     try:
-        prompt = backend.tokenizer.apply_chat_template(messages, body.add_generation_prompt)
+        prompt = backend.tokenizer.apply_chat_template(
+            messages, body.add_generation_prompt, tools=tools.tools or None
+        )
     except ChatTemplateError as exc:
         raise APIError(str(exc), 400, param="messages") from exc
     ids = check_prompt(
@@ -134,10 +149,10 @@ async def chat_completions(request: Request) -> Response:
         openai_sampling(body, backend.tokenizer.vocab_size),
         StoppingParams(max_new_tokens=max_new, stop_sequences=stops, ignore_eos=body.ignore_eos),
         top_n_tokens=top_n,
-        grammar=openai_grammar(body.response_format),
+        grammar=tools.grammar or openai_grammar(body.response_format),
     )
     ctx = _context(request, "chatcmpl", True, stops, body.logprobs, body.stream, body.stream_options)
-    return await _answer(request, req, ctx, body.stream)
+    return await _answer(request, req, ctx, body.stream, tools)
 
 
 def _completion_prompt(
@@ -183,14 +198,19 @@ def _context(
     )
 
 
-async def _answer(request: Request, req: GenerateRequest, ctx: OpenAIContext, stream: bool) -> Response:
+async def _answer(
+    request: Request, req: GenerateRequest, ctx: OpenAIContext, stream: bool, tools: ToolPlan = NO_TOOLS
+) -> Response:
     try:
         feed, first = await start(request, req, OPENAI)
     except ClientGone:
         return gone_response()
     answer = OpenAIAnswer(ctx)
     if stream:
-        return EventStreamResponse(_stream(answer, first, feed), feed, {"x-request-id": ctx.request_id})
+        calls = None if tools.mode is ToolMode.NONE else ToolStream(tools)
+        return EventStreamResponse(
+            _stream(answer, first, feed, calls), feed, {"x-request-id": ctx.request_id}
+        )
     try:
         events = await finish_all(request, feed, first, OPENAI)
     except ClientGone:
@@ -198,6 +218,11 @@ async def _answer(request: Request, req: GenerateRequest, ctx: OpenAIContext, st
     for event in events:
         _fold(answer, event)
     final = answer.final_object()
+    if tools.mode is not ToolMode.NONE:
+        choice = final["choices"][0]
+        choice["message"], choice["finish_reason"] = finished_message(
+            tools, answer.text, choice["finish_reason"]
+        )
     headers = {"x-request-id": ctx.request_id, "x-pdcluster-route": dumps(final["pdcluster_route"])}
     return json_response(final, headers=headers)
 
@@ -212,8 +237,11 @@ def _fold(answer: OpenAIAnswer, event: Event) -> str:
     return ""
 
 
-async def _stream(answer: OpenAIAnswer, first: Event, feed: EventFeed) -> AsyncIterator[str]:
-    """SSE chunks: (role | echo), one per token, the finish with the route, (usage), [DONE]."""
+async def _stream(
+    answer: OpenAIAnswer, first: Event, feed: EventFeed, calls: ToolStream | None = None
+) -> AsyncIterator[str]:
+    """SSE chunks: (role | echo), one per token, the finish with the route, (usage), [DONE]; with
+    tools, content pieces and tool-call deltas as `calls` splits them."""
     ctx = answer.ctx
     if ctx.chat:
         yield sse(dumps(answer.chunk("", [], role=True)))
@@ -229,8 +257,12 @@ async def _stream(answer: OpenAIAnswer, first: Event, feed: EventFeed) -> AsyncI
             if isinstance(event, FinishEvent):
                 # One write for the finish, the usage and [DONE]: they are ready together.
                 usage = sse(dumps(answer.usage_chunk())) if ctx.include_usage else ""
-                yield sse(dumps(answer.final_chunk(piece))) + usage + sse("[DONE]")
+                yield _finish_with_calls(answer, piece, calls) + usage + sse("[DONE]")
                 return
+            if calls is not None and isinstance(event, TokenEvent):
+                piece, deltas = calls.push(piece)
+                if deltas:
+                    yield _tool_chunk(answer, deltas)
             if isinstance(event, TokenEvent) and (piece or ctx.logprobs):
                 yield sse(answer.token_chunk_json(piece, event.token))
             event = await feed.next()
@@ -239,3 +271,21 @@ async def _stream(answer: OpenAIAnswer, first: Event, feed: EventFeed) -> AsyncI
         yield sse(dumps(exc.body()))
     except Exception as exc:  # a scheduler bug must still end the stream with a reason
         yield sse(dumps(error_body(f"internal error: {exc!r}", 500, OPENAI)))
+
+
+def _tool_chunk(answer: OpenAIAnswer, deltas: list[dict[str, Any]]) -> str:
+    """A chunk whose delta carries tool calls (their first delta has id, type and name)."""
+    body = answer.chunk("", [])
+    body["choices"][0]["delta"] = {"tool_calls": deltas}
+    return sse(dumps(body))
+
+
+def _finish_with_calls(answer: OpenAIAnswer, piece: str, calls: ToolStream | None) -> str:
+    """The last content and tool-call deltas, then the finish chunk ("tool_calls" once a call went out)."""
+    if calls is None:
+        return sse(dumps(answer.final_chunk(piece)))
+    piece, deltas = calls.finish(piece)
+    final = answer.final_chunk(piece)
+    if calls.called:
+        final["choices"][0]["finish_reason"] = "tool_calls"
+    return (_tool_chunk(answer, deltas) if deltas else "") + sse(dumps(final))

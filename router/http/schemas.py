@@ -94,12 +94,29 @@ class TextPart(_Strict):
     text: str
 
 
+class FunctionCall(_Strict):
+    """The function of a tool call: its name and its arguments as JSON text."""
+
+    name: str
+    arguments: str
+
+
+class ToolCall(_Strict):
+    """A tool call an assistant message made earlier in the conversation."""
+
+    id: str
+    type: Literal["function"]
+    function: FunctionCall
+
+
 class ChatMessage(_Strict):
     """One chat message; content is text or a list of text parts."""
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # assistant messages
+    tool_call_id: str | None = None  # tool messages: the call this answers
 
     def text(self) -> str:
         """The message's content as one string."""
@@ -110,6 +127,35 @@ class ChatMessage(_Strict):
         return "".join(part.text for part in self.content)
 
 
+class FunctionDefinition(_Strict):
+    """A function the model may call: its name, what it does, its parameters as a JSON Schema."""
+
+    name: Annotated[str, Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")]
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(_Strict):
+    """One entry of `tools`."""
+
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class FunctionName(_Strict):
+    """The function a named `tool_choice` forces."""
+
+    name: str
+
+
+class NamedToolChoice(_Strict):
+    """`tool_choice` naming one function: the model must call it."""
+
+    type: Literal["function"]
+    function: FunctionName
+
+
 class ChatCompletionRequest(_OpenAISampling):
     """POST /v1/chat/completions."""
 
@@ -118,6 +164,9 @@ class ChatCompletionRequest(_OpenAISampling):
     top_logprobs: Annotated[int, Field(ge=0, le=20), WHOLE] | None = None
     max_completion_tokens: Int | None = None
     add_generation_prompt: bool = True
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
 
 
 class TGIGrammar(_Strict):

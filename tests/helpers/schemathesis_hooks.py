@@ -21,6 +21,10 @@ from typing import Any
 import httpx
 import schemathesis
 
+from router.http.errors import APIError
+from router.http.schemas import ChatCompletionRequest, CompletionRequest, TGIRequest
+from router.http.structured import openai_grammar, tgi_grammar
+from router.http.tools import plan_tools, template_messages
 from router.tokenizer import ChatTemplateError, Tokenizer
 
 
@@ -45,17 +49,16 @@ def _completion_ids(prompt: Any) -> list[int]:
     return tok.encode(first) if isinstance(first, str) else [int(t) for t in first]
 
 
-def _text(content: Any) -> str:
-    if content is None:
-        return ""
-    return content if isinstance(content, str) else "".join(part["text"] for part in content)
-
-
 def _chat_ids(body: dict[str, Any]) -> list[int] | None:
     tok = _tokenizer()
-    messages = [{"role": m["role"], "content": _text(m.get("content"))} for m in body["messages"]]
+    try:  # the router's own rendering: earlier tool calls and the tools are part of the prompt
+        parsed = ChatCompletionRequest.model_validate(body)
+    except ValueError:
+        return None
+    tools = [t.model_dump(exclude_none=True) for t in parsed.tools] if parsed.tools else None
     try:
-        prompt = tok.apply_chat_template(messages, body.get("add_generation_prompt", True))
+        messages = template_messages(parsed.messages)
+        prompt = tok.apply_chat_template(messages, parsed.add_generation_prompt, tools)
     except ChatTemplateError:
         return None
     return tok.encode(prompt, add_special_tokens=False)
@@ -86,6 +89,28 @@ def over_token_limits(path: str, body: dict[str, Any]) -> bool:
 _GENERATION = {"/v1/completions", "/v1/chat/completions", "/generate", "/generate_stream", "/"}
 
 
+def grammar_refused(path: str, body: dict[str, Any]) -> bool:
+    """Whether the router must refuse this schema-valid body for its grammar or tools: a JSON Schema
+    or regex the grammar engine does not compile, a json_schema format without a schema, tool_choice
+    without tools or naming a function not in them, tools for a chat template that does not render
+    them (what no OpenAPI schema can say)."""
+    try:
+        if path == "/v1/chat/completions":
+            chat = ChatCompletionRequest.model_validate(body)
+            if plan_tools(chat.tools, chat.tool_choice, chat.response_format).tools:
+                return not _tokenizer().supports_tools  # a template that cannot render them
+            openai_grammar(chat.response_format)
+        elif path == "/v1/completions":
+            openai_grammar(CompletionRequest.model_validate(body).response_format)
+        elif path in ("/generate", "/generate_stream", "/"):
+            tgi_grammar(TGIRequest.model_validate(body).parameters.grammar)
+    except APIError:
+        return True
+    except ValueError:  # not the route's body: its own checks answer
+        return False
+    return False
+
+
 @schemathesis.check
 def accepted_unless_over_token_limits(
     ctx: schemathesis.CheckContext, response: schemathesis.Response, case: schemathesis.Case
@@ -96,7 +121,9 @@ def accepted_unless_over_token_limits(
         return None
     status = response.status_code
     body = case.body if isinstance(case.body, dict) else None
-    refuse = case.path in _GENERATION and body is not None and over_token_limits(case.path, body)
+    refuse = case.path in _GENERATION and body is not None and (
+        over_token_limits(case.path, body) or grammar_refused(case.path, body)
+    )
     if refuse and status != 400:
         raise AssertionError(f"over the token limits, so 400 was due; got {status}")
     if not refuse and not 200 <= status < 300:

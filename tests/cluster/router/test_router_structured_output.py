@@ -234,3 +234,97 @@ def test_decode_replica_killed_mid_generation_output_still_validates(cluster: Lo
     for text, ref in zip(results, reference, strict=True):
         jsonschema.validate(json.loads(text), LONG)
         assert text == ref.generated_text  # greedy: the re-run continues exactly where the dead run stopped
+
+
+WEATHER: dict[str, Any] = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "city": {"enum": ["Paris", "Rome"]},
+                "days": {"type": "integer", "minimum": 1, "maximum": 7},
+            },
+            "required": ["city", "days"],
+        },
+    },
+}
+TIME: dict[str, Any] = {
+    "type": "function",
+    "function": {"name": "get_time", "parameters": {"type": "object", "properties": {}}},
+}
+
+
+@pytest.mark.parametrize("strategy", [Strategy.FULL.value, Strategy.RECOMPUTE.value])
+def test_forced_tool_calls_through_the_openai_sdk(cluster: LocalCluster, strategy: str) -> None:
+    set_strategy(cluster, strategy)
+    client: Any = _client(cluster)  # the SDK's TypedDicts: these tests send plain dicts
+    messages: list[Any] = [{"role": "user", "content": "What is the weather in Paris?"}]
+    forced: list[tuple[Any, str | None]] = [
+        ("required", None),
+        ({"type": "function", "function": {"name": "get_weather"}}, "get_weather"),
+    ]
+    for choice_arg, name in forced:
+        done = client.chat.completions.create(
+            model=_model(client),
+            messages=messages,
+            tools=[WEATHER, TIME],
+            tool_choice=choice_arg,
+            max_tokens=MAX_NEW,
+            temperature=0,
+        )
+        choice = done.choices[0]
+        assert choice.finish_reason == "tool_calls" and choice.message.content is None, choice
+        call = choice.message.tool_calls[0]
+        assert name is None or call.function.name == name
+        if call.function.name == "get_weather":
+            jsonschema.validate(json.loads(call.function.arguments), WEATHER["function"]["parameters"])
+        # streamed: the deltas add up to the same call
+        stream = client.chat.completions.create(
+            model=_model(client),
+            messages=messages,
+            tools=[WEATHER, TIME],
+            tool_choice=choice_arg,
+            max_tokens=MAX_NEW,
+            temperature=0,
+            stream=True,
+        )
+        names, arguments, reasons = [], "", []
+        for chunk in stream:
+            delta = chunk.choices[0].delta
+            for part in delta.tool_calls or []:
+                assert part.index == 0
+                names += [part.function.name] if part.function and part.function.name else []
+                arguments += part.function.arguments or "" if part.function else ""
+            reasons.append(chunk.choices[0].finish_reason)
+        assert names == [call.function.name] and arguments == call.function.arguments
+        assert reasons[-1] == "tool_calls"
+    # the call and its result go back into the conversation (role "tool"), and the model answers
+    follow = [
+        *messages,
+        {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+        {"role": "tool", "tool_call_id": call.id, "content": "sunny"},
+    ]
+    answer = client.chat.completions.create(
+        model=_model(client), messages=follow, tools=[WEATHER], max_tokens=8, temperature=0
+    )
+    assert answer.choices[0].finish_reason in ("stop", "length", "tool_calls")
+    assert answer.usage is not None and answer.usage.prompt_tokens > done.usage.prompt_tokens
+
+
+def test_tool_refusals(cluster: LocalCluster) -> None:
+    client: Any = _client(cluster)  # the SDK's TypedDicts: these tests send plain dicts
+    messages: list[Any] = [{"role": "user", "content": "x"}]
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.chat.completions.create(
+            model=_model(client),
+            messages=messages,
+            tools=[TIME],
+            tool_choice={"type": "function", "function": {"name": "nope"}},
+        )
+    assert refused.value.body["param"] == "tool_choice"  # type: ignore[index]
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.chat.completions.create(model=_model(client), messages=messages, tool_choice="required")
+    assert refused.value.body["param"] == "tool_choice"  # type: ignore[index]
