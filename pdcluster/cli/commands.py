@@ -107,6 +107,11 @@ COMMANDS: dict[str, Command] = {
         "pdcluster.bench.gpu_config:BenchGpuConfig",
         "pdcluster.bench.gpu:run",
     ),
+    "bench grammar": Command(
+        "a decode step's time with structured output (JSON Schema masks) against the same batch free",
+        "pdcluster.bench.grammar:BenchGrammarConfig",
+        "pdcluster.bench.grammar:run",
+    ),
     "bench serving": Command(
         "end-to-end serving benchmark (TTFT, TPOT, ITL, goodput)",
         "pdcluster.bench.serving.bench:BenchServingConfig",
