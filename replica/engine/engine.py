@@ -193,7 +193,7 @@ class Engine:
         """Refuse appended tokens a constrained request's grammar would not have allowed (nothing changed)."""
         for request, token in zip(batch.requests, tokens, strict=False):
             grammar = request.grammar
-            if grammar is None or request.finished or grammar.allows(token, self.limits.vocab_size):
+            if grammar is None or request.finished or grammar.allows(token):
                 continue
             message = f"batch {batch.id}: token {token} does not match request {request.id}'s grammar"
             raise InvalidArgument(message)

@@ -22,13 +22,26 @@ from __future__ import annotations
 import functools
 import json
 from collections.abc import Iterable, Sequence
+from types import ModuleType
+from typing import TYPE_CHECKING
 
-import torch
-import xgrammar as xgr
-from tokenizers import Tokenizer
+import numpy as np
 
 from replica.engine.types import GrammarKind, GrammarSpec, RowInput
 from replica.errors import FailedPrecondition, InvalidArgument
+
+if TYPE_CHECKING:
+    import torch
+    import xgrammar as xgr
+    from tokenizers import Tokenizer
+
+
+def _xgr() -> ModuleType:
+    """xgrammar (it imports torch): loaded by the first grammar, so an engine that never sees one (the
+    simulated engine's torch-free processes) does not load it."""
+    import xgrammar
+
+    return xgrammar
 
 # xgrammar's compiled grammars kept per replica (its own cache is keyed the same way: by text)
 _CACHE_BYTES = 64 << 20
@@ -37,17 +50,23 @@ _CACHE_BYTES = 64 << 20
 class GrammarState:
     """One request's matcher: which tokens may come next, advanced by every token the request gets."""
 
-    def __init__(self, matcher: xgr.GrammarMatcher) -> None:
+    def __init__(self, matcher: xgr.GrammarMatcher, vocab_size: int) -> None:
         self._matcher = matcher
+        self.vocab_size = vocab_size  # the width of the logits its masks apply to
 
-    def allows(self, token: int, vocab_size: int) -> bool:
-        """Whether `token` may come next (changes nothing)."""
-        if self._matcher.is_terminated():
-            return False
-        mask = xgr.allocate_token_bitmask(1, vocab_size)
+    def _allowed(self) -> np.ndarray:
+        """One flag per token id: may it come next."""
+        mask = _xgr().allocate_token_bitmask(1, self.vocab_size)
         self._matcher.fill_next_token_bitmask(mask)
-        word = int(mask[0, token // 32])
-        return bool((word >> (token % 32)) & 1)
+        return np.unpackbits(mask.numpy().view(np.uint8), bitorder="little")[: self.vocab_size]
+
+    def allows(self, token: int) -> bool:
+        """Whether `token` may come next (changes nothing)."""
+        return (
+            not self._matcher.is_terminated()
+            and 0 <= token < self.vocab_size
+            and bool(self._allowed()[token])
+        )
 
     def accept(self, token: int) -> bool:
         """Advance by `token`; False (nothing changed) when the grammar refuses it."""
@@ -57,6 +76,17 @@ class GrammarState:
     def terminated(self) -> bool:
         """The grammar accepted a stop token: nothing may follow."""
         return bool(self._matcher.is_terminated())
+
+    def first_allowed(self, order: Sequence[int], start: int) -> int:
+        """The first token of `order`, from `start` on and wrapping round, that may come next; the
+        lowest allowed id when none of them may (e.g. only EOS is left). For engines that pick tokens
+        without logits (the simulated one)."""
+        bits = self._allowed()
+        for i in range(len(order)):
+            token = order[(start + i) % len(order)]
+            if token < len(bits) and bits[token]:
+                return int(token)
+        return int(np.flatnonzero(bits)[0])
 
     def fill(self, bitmask: torch.Tensor, row: int) -> None:
         """Write the allowed next tokens into row `row` of an xgrammar bitmask."""
@@ -79,10 +109,10 @@ class Grammars:
         from transformers import PreTrainedTokenizerFast
 
         wrapped = PreTrainedTokenizerFast(tokenizer_object=self._tokenizer)
-        info = xgr.TokenizerInfo.from_huggingface(
+        info = _xgr().TokenizerInfo.from_huggingface(
             wrapped, vocab_size=self._vocab_size, stop_token_ids=self._stop_ids
         )
-        return xgr.GrammarCompiler(info, cache_limit_bytes=_CACHE_BYTES)
+        return _xgr().GrammarCompiler(info, cache_limit_bytes=_CACHE_BYTES)
 
     def compile(self, spec: GrammarSpec) -> xgr.CompiledGrammar:
         """The compiled grammar (cached by text); InvalidArgument when it does not compile."""
@@ -94,7 +124,8 @@ class Grammars:
     def state(self, spec: GrammarSpec, generated: Sequence[int]) -> GrammarState:
         """A matcher advanced over `generated` (a continuation's earlier tokens); InvalidArgument when
         the grammar does not compile or refuses one of them."""
-        state = GrammarState(xgr.GrammarMatcher(self.compile(spec), override_stop_tokens=self._stop_ids))
+        matcher = _xgr().GrammarMatcher(self.compile(spec), override_stop_tokens=self._stop_ids)
+        state = GrammarState(matcher, self._vocab_size)
         for i, token in enumerate(generated):
             if not state.accept(token):
                 raise InvalidArgument(f"grammar: generated token {i} (id {token}) does not match the grammar")
@@ -120,12 +151,15 @@ def masked(logits: torch.Tensor, rows: Sequence[RowInput]) -> torch.Tensor:
     states = [(i, inp.grammar) for i, inp in enumerate(rows) if inp.grammar is not None]
     if not states:
         return logits
-    bitmask = xgr.allocate_token_bitmask(len(rows), logits.shape[-1])
+    import torch
+
+    xgrammar = _xgr()
+    bitmask = xgrammar.allocate_token_bitmask(len(rows), logits.shape[-1])
     for i, state in states:
         state.fill(bitmask, i)
     which = [i for i, _ in states]
-    out = logits.float().clone() if logits.dtype == torch.float32 else logits.float()
+    out = logits.clone() if logits.dtype == torch.float32 else logits.float()
     if out.device.type == "cuda":  # from pinned memory, asynchronous like the step's other copy
         bitmask = bitmask.pin_memory().to(out.device, non_blocking=True)
-    xgr.apply_token_bitmask_inplace(out, bitmask.to(out.device), indices=which)
+    xgrammar.apply_token_bitmask_inplace(out, bitmask.to(out.device), indices=which)
     return out

@@ -4,7 +4,9 @@ A request's token at step n is drawn from a 64-bit seed mixed from (a hash of it
 its sampling seed when it samples, n), so it is the same in any batch, on any replica, after a
 migration or a re-run (a continuation's generated prefix does not change its original prompt), and
 from run to run. EOS and special tokens are never drawn: a request ends at its `max_new_tokens`
-(or a stop sequence), which is how serving benchmarks fix output lengths.
+(or a stop sequence), which is how serving benchmarks fix output lengths. Under a grammar the token
+is the first one the grammar allows in the same order (EOS when only it is left), so constrained
+output is valid here too.
 """
 
 from __future__ import annotations
@@ -51,6 +53,8 @@ class TokenPicker:
         for row in rows:
             z = self._seed(row)
             token, logprob = ids[z % n], -((z >> 40) % 4096) / 1024.0
+            if row.grammar is not None:  # structured output: the first allowed token in the same order
+                token = row.grammar.first_allowed(ids, z % n)
             if row.top_n:
                 alternatives = tuple(ids[(z + k) % n] for k in range(min(row.top_n, n)))
                 values = tuple(logprob - k for k in range(len(alternatives)))

@@ -254,8 +254,27 @@ def test_batched_path_masks_the_same_rows(engine: Engine) -> None:
     cpu, batched = choose_next(logits, rows), choose_batched(logits, rows)
     assert [c.token_id for c in cpu][:2] == [c.token_id for c in batched][:2]
     for choice, state in ((cpu[0], states[0]), (batched[0], states[0]), (batched[2], states[1])):
-        assert state.allows(choice.token_id, engine.limits.vocab_size)
+        assert state.allows(choice.token_id)
     # refused tokens have probability 0: every alternative with a finite log-probability is allowed
     finite = [t for t, lp in zip(cpu[2].top_ids, cpu[2].top_logprobs, strict=True) if lp > float("-inf")]
-    assert finite and all(states[1].allows(t, engine.limits.vocab_size) for t in finite)
+    assert finite and all(states[1].allows(t) for t in finite)
     assert len(finite) < 3  # the nested schema's first token can only be "{"
+
+
+def test_the_simulated_engine_keeps_to_the_grammar_and_needs_a_tokenizer(model_dir: Path) -> None:
+    from replica.config import EngineKind
+    from replica.engine.sim.clock import TallyClock
+    from replica.engine.sim.factory import build_simulated
+    from replica.errors import FailedPrecondition
+
+    base: dict[str, Any] = {"port": 0, "engine": EngineKind.SIMULATED, "gpu": "a100-80g", "num_blocks": 64,
+                            "block_size": 8, "byte_scale": "1/1024"}
+    sim, _ = build_simulated(ReplicaConfig(model=model_dir, **base), TallyClock())
+    for name in sorted(SCHEMAS):
+        outs = _run(sim, 8, [_req(0, [1, 5, 6], _spec(name))])
+        assert outs[0][1].finish_reason is FinishReason.EOS_TOKEN
+        jsonschema.validate(json.loads(outs[0][1].text), SCHEMAS[name])
+    bare, _ = build_simulated(ReplicaConfig(model_card="llama-2-7b", **base), TallyClock())
+    with pytest.raises(FailedPrecondition, match="tokenizer"):
+        bare.prefill(BatchSpec(BatchId(9), (_req(0, [1, 5, 6], _spec("enum")),)))
+    assert bare.blocks.num_free == bare.blocks.num_blocks
