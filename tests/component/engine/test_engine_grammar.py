@@ -18,13 +18,12 @@ import jsonschema
 import pytest
 import torch
 import xgrammar as xgr
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoModelForCausalLM
 
 from replica.config import ReplicaConfig
 from replica.engine.device_sampling import choose_batched
 from replica.engine.engine import Engine
 from replica.engine.factory import build_engine
-from replica.engine.grammar import compile_with
 from replica.engine.sampling import choose_next
 from replica.engine.types import (
     BatchId,
@@ -40,6 +39,7 @@ from replica.engine.types import (
     StoppingParams,
 )
 from replica.errors import InvalidArgument
+from tests.helpers.grammar_reference import constrained_greedy, grammar_compiler
 
 SCHEMAS: dict[str, dict[str, Any]] = {
     "enum": {
@@ -90,11 +90,7 @@ def hf(model_dir: Path) -> Any:
 
 @pytest.fixture(scope="module")
 def compiler(model_dir: Path, engine: Engine) -> xgr.GrammarCompiler:
-    tok = AutoTokenizer.from_pretrained(model_dir)
-    info = xgr.TokenizerInfo.from_huggingface(
-        tok, vocab_size=engine.limits.vocab_size, stop_token_ids=sorted(engine.eos_token_ids)
-    )
-    return xgr.GrammarCompiler(info)
+    return grammar_compiler(model_dir, engine.limits.vocab_size, engine.eos_token_ids)
 
 
 def _spec(name: str) -> GrammarSpec:
@@ -113,28 +109,6 @@ def _run(engine: Engine, batch_id: int, requests: list[RequestSpec]) -> dict[int
         if result.batch is None:
             return out
         result = engine.decode([DecodeInput(result.batch.id)])
-
-
-def _reference(
-    hf: Any, compiler: xgr.GrammarCompiler, spec: GrammarSpec, prompt: list[int], stop: set[int]
-) -> list[int]:
-    """transformers' greedy tokens with the grammar's mask applied to every step's logits."""
-    matcher = xgr.GrammarMatcher(compile_with(compiler, spec), override_stop_tokens=sorted(stop))
-    tokens = list(prompt)
-    out: list[int] = []
-    for _ in range(MAX_NEW):
-        with torch.no_grad():
-            logits = hf(torch.tensor([tokens])).logits[0, -1:].float().clone()
-        mask = xgr.allocate_token_bitmask(1, logits.shape[-1])
-        matcher.fill_next_token_bitmask(mask)
-        xgr.apply_token_bitmask_inplace(logits, mask)
-        token = int(logits.argmax(-1))
-        assert matcher.accept_token(token)
-        out.append(token)
-        tokens.append(token)
-        if token in stop:
-            break
-    return out
 
 
 def _req(rid: int, prompt: list[int], grammar: GrammarSpec | None, **kw: Any) -> RequestSpec:
@@ -161,7 +135,7 @@ def test_greedy_constrained_equals_transformers_with_the_same_mask(
             expected = reference[0, len(prompt) :].tolist()
             assert tokens == expected[: len(tokens)]
             continue
-        assert tokens == _reference(hf, compiler, spec, prompt, stop)
+        assert tokens == constrained_greedy(hf, compiler, spec, prompt, stop, MAX_NEW)
         assert final.finish_reason is FinishReason.EOS_TOKEN, final
         jsonschema.validate(json.loads(final.text), json.loads(spec.text))
 
@@ -267,8 +241,14 @@ def test_the_simulated_engine_keeps_to_the_grammar_and_needs_a_tokenizer(model_d
     from replica.engine.sim.factory import build_simulated
     from replica.errors import FailedPrecondition
 
-    base: dict[str, Any] = {"port": 0, "engine": EngineKind.SIMULATED, "gpu": "a100-80g", "num_blocks": 64,
-                            "block_size": 8, "byte_scale": "1/1024"}
+    base: dict[str, Any] = {
+        "port": 0,
+        "engine": EngineKind.SIMULATED,
+        "gpu": "a100-80g",
+        "num_blocks": 64,
+        "block_size": 8,
+        "byte_scale": "1/1024",
+    }
     sim, _ = build_simulated(ReplicaConfig(model=model_dir, **base), TallyClock())
     for name in sorted(SCHEMAS):
         outs = _run(sim, 8, [_req(0, [1, 5, 6], _spec(name))])
