@@ -38,10 +38,10 @@ def constrained_greedy(
     out: list[int] = []
     for _ in range(max_new):
         with torch.no_grad():
-            logits = hf(torch.tensor([tokens])).logits[0, -1:].float().clone()
+            logits = hf(torch.tensor([tokens], device=hf.device)).logits[0, -1:].float().clone()
         mask = xgr.allocate_token_bitmask(1, logits.shape[-1])
         matcher.fill_next_token_bitmask(mask)
-        xgr.apply_token_bitmask_inplace(logits, mask)
+        xgr.apply_token_bitmask_inplace(logits, mask.to(logits.device))
         token = int(logits.argmax(-1))
         assert matcher.accept_token(token)
         out.append(token)
