@@ -12,19 +12,18 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
 
 from pdcluster.cluster.local import LocalCluster, UpConfig
 from tests.cluster.router.test_router_autoscaling_cluster import (
-    MAX_NEW,
     PLANNER,
     back_to_minimum,
     burst,
     check_tokens,
     finished_loads,
+    greedy_reference,
 )
 from tests.helpers.cuda_engines import CUDA_REASON
 
@@ -38,22 +37,7 @@ def model(tiny_model_factory: Callable[..., Path]) -> Path:
 
 @pytest.fixture(scope="module")
 def reference(model: Path) -> Callable[[list[int]], list[int]]:
-    from transformers import AutoModelForCausalLM
-
-    hf: Any = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
-    hf = hf.to("cuda").eval()
-    cache: dict[tuple[int, ...], list[int]] = {}
-
-    def greedy(prompt: list[int]) -> list[int]:
-        if tuple(prompt) not in cache:
-            inp = torch.tensor([prompt], device="cuda")
-            with torch.no_grad():
-                out = hf.generate(inp, attention_mask=torch.ones_like(inp), max_new_tokens=MAX_NEW,
-                                  do_sample=False, pad_token_id=0)
-            cache[tuple(prompt)] = [int(t) for t in out[0, len(prompt):]]
-        return cache[tuple(prompt)]
-
-    return greedy
+    return greedy_reference(model, "cuda")
 
 
 @pytest.fixture

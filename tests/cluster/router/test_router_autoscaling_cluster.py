@@ -40,15 +40,21 @@ def prompts(n: int) -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def reference(model: Path) -> Callable[[list[int]], list[int]]:
+    return greedy_reference(model)
+
+
+def greedy_reference(model: Path, device: str = "cpu") -> Callable[[list[int]], list[int]]:
+    """transformers' greedy MAX_NEW tokens of a prompt, float32 on `device`, memoised."""
     import torch
     from transformers import AutoModelForCausalLM
 
-    hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
+    hf: Any = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
+    hf = hf.to(device).eval()
     cache: dict[tuple[int, ...], list[int]] = {}
 
     def greedy(prompt: list[int]) -> list[int]:
         if tuple(prompt) not in cache:
-            inp = torch.tensor([prompt])
+            inp = torch.tensor([prompt], device=device)
             with torch.no_grad():
                 out = hf.generate(inp, attention_mask=torch.ones_like(inp), max_new_tokens=MAX_NEW,
                                   do_sample=False, pad_token_id=0)
