@@ -115,7 +115,7 @@ async def chat_completions(request: Request) -> Response:
     body = parse_body(await request.body(), ChatCompletionRequest, OPENAI)
     check_model(body.model, backend.info)
     check_openai_unsupported(body)
-    tools = plan_tools(body.tools, body.tool_choice, body.response_format)
+    tools = plan_tools(body.tools, body.tool_choice, body.response_format, body.parallel_tool_calls)
     if tools.tools and not backend.tokenizer.supports_tools:
         raise APIError("this model's chat template does not render tools", 400, param="tools")
     messages = template_messages(body.messages)

@@ -56,6 +56,7 @@ class ToolPlan:
     tools: tuple[dict[str, Any], ...] = ()  # as the chat template receives them (OpenAI's shape)
     names: frozenset[str] = frozenset()
     grammar: Grammar | None = None
+    parallel: bool = True  # auto mode may return several calls (parallel_tool_calls false: the first)
 
 
 NO_TOOLS = ToolPlan(ToolMode.NONE)
@@ -65,8 +66,10 @@ def plan_tools(
     tools: Sequence[Tool] | None,
     choice: str | NamedToolChoice | None,
     response_format: ResponseFormat | None,
+    parallel: bool | None = None,
 ) -> ToolPlan:
-    """Check `tools` / `tool_choice` (400s naming the field) and plan the request."""
+    """Check `tools` / `tool_choice` (400s naming the field) and plan the request (`parallel`:
+    `parallel_tool_calls`, default true)."""
     if not tools:
         if choice not in (None, "none"):
             raise APIError("`tool_choice` needs `tools`", 400, param="tool_choice")
@@ -77,7 +80,8 @@ def plan_tools(
     template_tools = tuple(t.model_dump(exclude_none=True) for t in tools)
     names = frozenset(functions)
     if choice in (None, "auto", "none"):
-        return ToolPlan(ToolMode.NONE if choice == "none" else ToolMode.AUTO, template_tools, names)
+        mode = ToolMode.NONE if choice == "none" else ToolMode.AUTO
+        return ToolPlan(mode, template_tools, names, parallel=parallel is not False)
     if response_format is not None and response_format.type != "text":
         raise APIError("a forced tool call cannot have a response_format too", 400, param="response_format")
     if isinstance(choice, NamedToolChoice):
@@ -153,6 +157,7 @@ def parse_calls(plan: ToolPlan, text: str) -> tuple[str | None, list[dict[str, A
     calls = [c for c in (_call_of(m.group(1).strip(), plan.names) for m in _AUTO_CALL.finditer(text)) if c]
     if not calls:
         return text, []
+    calls = calls if plan.parallel else calls[:1]
     content = _AUTO_CALL.sub("", text).strip()
     return content or None, [new_call(name, _dumps(arguments)) for name, arguments in calls]
 

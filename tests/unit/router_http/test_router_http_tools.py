@@ -91,6 +91,11 @@ def test_calls_parsed_from_forced_and_auto_outputs() -> None:
     content, calls = parse_calls(auto, text + '<tool_call>{"name": "unknown", "arguments": {}}</tool_call>')
     assert content == "Let me look." and [c["function"]["name"] for c in calls] == ["get_time"]
     assert parse_calls(auto, "no call here") == ("no call here", [])
+    two = text + '<tool_call>{"name": "get_weather", "arguments": {"city": "Rome"}}</tool_call>'
+    assert len(parse_calls(auto, two)[1]) == 2
+    assert [c["function"]["name"] for c in parse_calls(plan_tools(TOOLS, "auto", None, False), two)[1]] == [
+        "get_time"
+    ]
     message, reason = finished_message(auto, text, "stop")
     assert reason == "tool_calls" and message["tool_calls"][0]["id"].startswith("call_")
     assert finished_message(auto, "plain", "length") == ({"role": "assistant", "content": "plain"}, "length")
