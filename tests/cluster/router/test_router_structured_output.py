@@ -24,6 +24,7 @@ from text_generation.types import Grammar, GrammarType
 from pdcluster.cluster.local import LocalCluster, UpConfig
 from router import strategies
 from router.config import Strategy
+from tests.helpers.eventually import eventually
 from tests.helpers.router_cluster import grpcurl, wait_pages_free
 
 TOKEN = "structured-test-token"
@@ -214,8 +215,14 @@ def test_bad_grammars_are_400s_naming_the_field(cluster: LocalCluster) -> None:
     assert answer.status_code == 400 and "grammar" in answer.json()["error"]
 
 
-def test_decode_replica_killed_mid_generation_output_still_validates(cluster: LocalCluster) -> None:
-    set_strategy(cluster, Strategy.FULL.value)
+@pytest.mark.parametrize(
+    "strategy", [Strategy.FULL.value, Strategy.PROGRESSIVE.value, Strategy.RECOMPUTE.value]
+)
+def test_decode_replica_killed_mid_generation_output_still_validates(
+    cluster: LocalCluster, strategy: str
+) -> None:
+    """Each run kills a busy decode replica, checks the outputs, then restarts it for the next."""
+    set_strategy(cluster, strategy)
     grammar = Grammar(type=GrammarType.Json, value=LONG)
     prompts = [f"list number {i}:" for i in range(4)]
     max_new = 400
@@ -248,20 +255,29 @@ def test_decode_replica_killed_mid_generation_output_still_validates(cluster: Lo
                 return victim
         pytest.fail("every stream ended before a decode replica was seen holding it: nothing was killed")
 
-    async def main() -> list[str]:
+    async def main() -> tuple[list[str], int]:
         client = TGIAsyncClient(cluster.http_url, timeout=120)
         started = asyncio.Event()
         tasks = [asyncio.create_task(one(client, p, started)) for p in prompts]
         await asyncio.wait_for(started.wait(), 60)
-        await kill_a_busy_decode_replica(tasks)
-        return list(await asyncio.gather(*tasks))
+        victim = await kill_a_busy_decode_replica(tasks)
+        return list(await asyncio.gather(*tasks)), victim
 
     before = int(grpcurl(cluster.admin_address, "Stats").get("requests_requeued", 0))
-    results = asyncio.run(main())
+    results, victim = asyncio.run(main())
     assert int(grpcurl(cluster.admin_address, "Stats").get("requests_requeued", 0)) > before
     for text, ref in zip(results, reference, strict=True):
         jsonschema.validate(json.loads(text), LONG)
         assert text == ref.generated_text  # greedy: the re-run continues exactly where the dead run stopped
+    # back to 1 prefill + 2 decode for what follows (this thread outlives the replica: see restart_replica)
+    cluster.replicas[victim].popen.wait(timeout=30)
+    cluster.wait_replica(cluster.restart_replica(victim))
+
+    def back() -> bool:
+        listed = grpcurl(cluster.admin_address, "ListReplicas")["replicas"]
+        return next(r for r in listed if int(r.get("id", 0)) == victim)["role"] == "REPLICA_ROLE_DECODE"
+
+    eventually(back, 60, interval=0.5, message=f"replica {victim} serving as a decode replica again")
 
 
 WEATHER: dict[str, Any] = {
