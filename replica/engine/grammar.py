@@ -13,7 +13,7 @@ path vLLM and SGLang use; llguidance's torch helper cost far more per call on th
 
 A continuation or a migrated request rebuilds its matcher from the tokens generated so far (the
 continuation's generated prefix, then DecodeV2's appended tokens), so the constraint survives a
-re-run on another replica. JSON comes out compact (no free whitespace between tokens), which also
+re-run on another replica. JSON comes out with fixed separators (no free whitespace), which also
 keeps a model from padding the output with endless blanks.
 """
 
@@ -42,6 +42,7 @@ def _xgr() -> ModuleType:
     import xgrammar
 
     return xgrammar
+
 
 # xgrammar's compiled grammars kept per replica (its own cache is keyed the same way: by text)
 _CACHE_BYTES = 64 << 20
@@ -138,7 +139,8 @@ class Grammars:
 
 
 def compile_with(compiler: xgr.GrammarCompiler, spec: GrammarSpec) -> xgr.CompiledGrammar:
-    """Compile `spec` with `compiler`: compact JSON, no properties beyond the schema's (strict)."""
+    """Compile `spec` with `compiler`: JSON without free whitespace, and no properties beyond the ones
+    a schema lists when it lists some (strict)."""
     if spec.kind is GrammarKind.REGEX:
         return compiler.compile_regex(spec.text)
     schema = spec.text if spec.kind is GrammarKind.JSON_SCHEMA else json.dumps({"type": "object"})
