@@ -44,6 +44,9 @@ class RouterConfig:
     api_keys: Path | None = field(default=None, metadata=_help(
         "API key file: one `KEY [name=N] [rpm=N] [concurrent=N] [tpm=N]` per line, # comments "
         "(router/http/README.md); /v1/* and TGI routes then need `Authorization: Bearer KEY` (unset = open)"))
+    ignore_unknown_fields: bool = field(default=False, metadata=_help(
+        "drop request fields the OpenAI / TGI routes do not know instead of refusing them with a 400 "
+        "naming the field (for clients that send extras; known fields it cannot honour stay refused)"))
     tls_cert: Path | None = field(default=None, metadata=_help(
         "PEM certificate: serve HTTPS and admin gRPC over TLS, and present it to replicas "
         "(`pdcluster make-certs`)"))

@@ -97,6 +97,8 @@ def serving_info(config: RouterConfig, sched: ClusterScheduler) -> ServingInfo:
         model_id=config.served_model_id, max_input_tokens=max(1, max_input), max_total_tokens=max_total,
         default_max_new_tokens=config.max_new_tokens, model_dtype=dtype, model_device_type=device,
         max_batch_total_tokens=config.max_batch_total_tokens,
+        ignore_unknown_fields=config.ignore_unknown_fields,
+        model_root=str(config.model),
     )
 
 

@@ -207,6 +207,9 @@ class Model(_Answer):
     object: Literal["model"]
     created: int
     owned_by: str
+    root: str = Field(description="the checkpoint the model was loaded from (vLLM's field: its "
+                      "`bench serve` loads the tokenizer from it)")
+    parent: str | None = Field(description="the model this one derives from (always null: no adapters)")
     max_model_len: int = Field(description="prompt + generated tokens one request may reach")
 
 

@@ -76,10 +76,18 @@ def _is_union_tag(part: object) -> bool:
 
 def from_validation_error(exc: ValidationError, flavor: Flavor) -> APIError:
     """The first pydantic complaint as a 400 naming the offending field."""
-    first = exc.errors(include_url=False)[0]
+    errors = exc.errors(include_url=False)
+    # An unknown field is the complaint to name: a union's other members fail for its sake only.
+    first = next((e for e in errors if e["type"] == "extra_forbidden"), errors[0])
     loc = ".".join(str(part) for part in first.get("loc", ()) if not _is_union_tag(part))
     kind = str(first.get("type", ""))
     if kind == "json_invalid":
         return APIError(f"malformed JSON body: {first.get('msg', '')}", 400, flavor, code="invalid_json")
     where = f"`{loc}`: " if loc else ""
+    if kind == "extra_forbidden":
+        message = (
+            f"{where}unknown field: this server refuses what it cannot honour "
+            "(the router's --ignore-unknown-fields drops such fields instead)"
+        )
+        return APIError(message, 400, flavor, param=loc or None, code="unknown_field")
     return APIError(f"{where}{first.get('msg', 'invalid value')}", 400, flavor, param=loc or None, code=kind)

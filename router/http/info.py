@@ -12,7 +12,9 @@ class ServingInfo:
 
     `max_input_tokens` bounds a prompt after tokenization (and truncation); `max_total_tokens`
     bounds prompt + new tokens. `default_max_new_tokens` applies when a TGI or chat request does
-    not say (capped so the total stays within `max_total_tokens`).
+    not say (capped so the total stays within `max_total_tokens`). `ignore_unknown_fields`: drop
+    request fields the API models do not name instead of refusing them with a 400. `model_root`:
+    where the checkpoint was loaded from (vLLM's `root` in /v1/models).
     """
 
     model_id: str
@@ -27,6 +29,8 @@ class ServingInfo:
     max_top_n_tokens: int = 20
     max_batch_total_tokens: int | None = None
     vocab_size: int | None = None
+    ignore_unknown_fields: bool = False
+    model_root: str = ""  # the checkpoint /v1/models reports as `root` (empty: the model id)
     created: int = field(default_factory=lambda: int(time.time()))
 
     def __post_init__(self) -> None:

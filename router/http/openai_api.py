@@ -69,6 +69,8 @@ async def list_models(request: Request) -> Response:
         "object": "model",
         "created": info.created,
         "owned_by": "pdcluster",
+        "root": info.model_root or info.model_id,
+        "parent": None,
         "max_model_len": info.max_total_tokens,
     }
     return json_response({"object": "list", "data": [model]})
@@ -78,7 +80,7 @@ async def list_models(request: Request) -> Response:
 async def completions(request: Request) -> Response:
     """Text completion of one prompt (text or token ids), streamed or not."""
     backend = backend_of(request)
-    body = parse_body(await request.body(), CompletionRequest, OPENAI)
+    body = parse_body(await request.body(), CompletionRequest, OPENAI, backend.info.ignore_unknown_fields)
     check_model(body.model, backend.info)
     check_openai_unsupported(body)
     if body.best_of not in (None, 1):
@@ -112,7 +114,7 @@ async def completions(request: Request) -> Response:
 async def chat_completions(request: Request) -> Response:
     """Chat completion: messages rendered with the checkpoint's chat template, streamed or not."""
     backend = backend_of(request)
-    body = parse_body(await request.body(), ChatCompletionRequest, OPENAI)
+    body = parse_body(await request.body(), ChatCompletionRequest, OPENAI, backend.info.ignore_unknown_fields)
     check_model(body.model, backend.info)
     check_openai_unsupported(body)
     tools = plan_tools(body.tools, body.tool_choice, body.response_format, body.parallel_tool_calls)

@@ -9,6 +9,7 @@ both.
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,12 +32,13 @@ class RequestLimits:
     max_total_tokens: int
     max_stop_sequences: int
     max_top_n_tokens: int
+    ignore_unknown_fields: bool = False  # the schemas then admit additional properties
 
     @classmethod
     def of(cls, info: ServingInfo, vocab_size: int) -> RequestLimits:
         """The limits of a router serving `info` with a tokenizer of `vocab_size` ids."""
         return cls(info.model_id, vocab_size, info.max_input_tokens, info.max_total_tokens,
-                   info.max_stop_sequences, info.max_top_n_tokens)
+                   info.max_stop_sequences, info.max_top_n_tokens, info.ignore_unknown_fields)
 
 
 def below_regex(limit: int) -> str:
@@ -168,9 +170,19 @@ def request_schemas(limits: RequestLimits) -> dict[str, dict[str, Any]]:
     _tgi_parameters(defs["TGIParameters"], limits)
     out.update(defs)
     out["TGIRequest"] = tgi
+    for name, stream in (("TGIGenerateRequest", False), ("TGIStreamRequest", True)):  # stream fixed by route
+        fixed = copy.deepcopy(tgi)
+        fixed["properties"]["stream"] = {"type": "boolean", "enum": [stream], "default": stream,
+                                         "description": "this route's answer shape (optional)"}
+        out[name] = fixed
+    if limits.ignore_unknown_fields:  # unknown fields are dropped, not refused
+        for schema in out.values():
+            if schema.get("additionalProperties") is False:
+                del schema["additionalProperties"]
     out["CompletionRequest"]["examples"] = [{"model": limits.model_id, "prompt": "Once upon a time",
                                              "max_tokens": 8}]
     out["ChatCompletionRequest"]["examples"] = [
         {"model": limits.model_id, "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 8}]
-    out["TGIRequest"]["examples"] = [{"inputs": "Once upon a time", "parameters": {"max_new_tokens": 8}}]
+    for name in ("TGIRequest", "TGIGenerateRequest", "TGIStreamRequest"):
+        out[name]["examples"] = [{"inputs": "Once upon a time", "parameters": {"max_new_tokens": 8}}]
     return out

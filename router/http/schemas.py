@@ -1,7 +1,9 @@
 """Request bodies of the OpenAI and TGI routes (pydantic, strict: wrong types are refused, not coerced).
 
 Strict mode keeps `"max_tokens": "5"` or `"stream": "yes"` from silently meaning something; NaN
-and infinities are refused everywhere. Unknown fields are ignored, as the upstream APIs do. JSON has
+and infinities are refused everywhere. No field is silently dropped: a field these models do not
+name is refused with a 400 naming it (`extra="forbid"`; the router's `--ignore-unknown-fields`
+drops them instead, for clients that send extras: `validation.parse_body`). JSON has
 one number type, so a whole number written `5.0` is the integer 5 (as JSON Schema says; `5.5` is
 refused).
 Range checks that need the model's limits (prompt length, max_tokens) live in `validation.py`.
@@ -30,7 +32,7 @@ Seed = Annotated[int, Field(ge=0, le=2**63 - 1), WHOLE]
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(strict=True, allow_inf_nan=False, extra="ignore")
+    model_config = ConfigDict(strict=True, allow_inf_nan=False, extra="forbid")
 
 
 class StreamOptions(_Strict):

@@ -52,6 +52,7 @@ class _Prepared:
     request: GenerateRequest
     ctx: TGIContext
     stream: bool
+    stream_given: bool  # `stream` was in the body (not the default)
 
 
 @router.get("/info")
@@ -89,6 +90,8 @@ async def generate(request: Request) -> Response:
     """Generate and answer once (TGI's single object)."""
     timeline = Timeline()
     prepared = _prepare(request, await request.body())
+    if prepared.stream:
+        raise APIError("`stream`: /generate answers once; stream from /generate_stream or /", 400, TGI)
     return await _generate(request, prepared, timeline, as_list=False)
 
 
@@ -96,6 +99,8 @@ async def generate(request: Request) -> Response:
 async def generate_stream(request: Request) -> Response:
     """Generate and stream one SSE event per token."""
     prepared = _prepare(request, await request.body())
+    if not prepared.stream and prepared.stream_given:
+        raise APIError("`stream`: /generate_stream always streams; answer once from /generate or /", 400, TGI)
     return await _stream_response(request, prepared)
 
 
@@ -111,7 +116,7 @@ async def compat(request: Request) -> Response:
 
 def _prepare(request: Request, raw: bytes) -> _Prepared:
     backend = backend_of(request)
-    body = parse_body(raw, TGIRequest, TGI)
+    body = parse_body(raw, TGIRequest, TGI, backend.info.ignore_unknown_fields)
     params = body.parameters
     check_tgi_unsupported(params, backend.info)
     ids = backend.tokenizer.encode(body.inputs)
@@ -140,7 +145,7 @@ def _prepare(request: Request, raw: bytes) -> _Prepared:
         prefix=body.inputs if params.return_full_text else "",
         input_length=len(prompt),
     )
-    return _Prepared(req, ctx, body.stream)
+    return _Prepared(req, ctx, body.stream, "stream" in body.model_fields_set)
 
 
 async def _generate(request: Request, prepared: _Prepared, timeline: Timeline, as_list: bool) -> Response:

@@ -5,6 +5,7 @@ Every refusal is an `APIError` (HTTP 4xx) raised before anything reaches the sch
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from typing import TypeVar
 
@@ -18,14 +19,37 @@ from router.types import GenerateRequest, Grammar, SamplingParams, StoppingParam
 Body = TypeVar("Body", bound=BaseModel)
 
 
-def parse_body(raw: bytes, schema: type[Body], flavor: Flavor) -> Body:
-    """Parse and type-check a JSON body; malformed JSON and wrong types become 400s."""
+def parse_body(raw: bytes, schema: type[Body], flavor: Flavor, ignore_unknown: bool = False) -> Body:
+    """Parse and type-check a JSON body; malformed JSON, wrong types and unknown fields become 400s
+    naming the field. With `ignore_unknown`, fields the models do not name are dropped instead
+    (the router's `--ignore-unknown-fields`); every other complaint stays a 400."""
     if not raw.strip():
         raise APIError("empty request body: expected a JSON object", 400, flavor, code="invalid_json")
     try:
         return schema.model_validate_json(raw)
     except ValidationError as exc:
+        unknown = [e["loc"] for e in exc.errors(include_url=False) if e["type"] == "extra_forbidden"]
+        if not (ignore_unknown and unknown):
+            raise from_validation_error(exc, flavor) from exc
+    data = json.loads(raw)  # valid JSON: pydantic got as far as the fields
+    for loc in unknown:
+        _drop(data, loc)
+    try:
+        return schema.model_validate_json(json.dumps(data))
+    except ValidationError as exc:
         raise from_validation_error(exc, flavor) from exc
+
+
+def _drop(data: object, loc: tuple[int | str, ...]) -> None:
+    """Delete the field at pydantic's `loc` (union member tags in it, which are no keys, skipped)."""
+    node = data
+    for part in loc[:-1]:
+        in_dict = isinstance(node, dict) and isinstance(part, str) and part in node
+        in_list = isinstance(node, list) and isinstance(part, int) and 0 <= part < len(node)
+        if in_dict or in_list:
+            node = node[part]  # type: ignore[index]
+    if isinstance(node, dict) and isinstance(loc[-1], str):
+        node.pop(loc[-1], None)
 
 
 def check_model(name: str | None, info: ServingInfo) -> None:

@@ -53,11 +53,22 @@ def test_malformed_or_empty_json_is_a_400() -> None:
     assert _refused(parse_body, b"[1, 2]", CompletionRequest, OA).status == 400
 
 
-def test_valid_bodies_parse_and_ignore_unknown_fields() -> None:
-    body = parse_body(
-        b'{"prompt": [1, 2], "temperature": 1, "user": "u", "whatever": {}}', CompletionRequest, OA
-    )
+def test_valid_bodies_parse_and_unknown_fields_are_refused_unless_ignored() -> None:
+    raw = b'{"prompt": [1, 2], "temperature": 1, "user": "u", "whatever": {}}'
+    error = _refused(parse_body, raw, CompletionRequest, OA)
+    assert (error.status, error.param, error.code) == (400, "whatever", "unknown_field")
+    body = parse_body(raw, CompletionRequest, OA, ignore_unknown=True)
     assert body.prompt == [1, 2] and body.temperature == 1.0
+    nested = b'{"messages": [{"role": "user", "content": [{"type": "text", "text": "a", "x": 1}], "y": 2}]}'
+    error = _refused(parse_body, nested, ChatCompletionRequest, OA)
+    assert error.status == 400 and error.param is not None and error.param.endswith(("x", "y"))
+    assert parse_body(nested, ChatCompletionRequest, OA, ignore_unknown=True).messages[0].text() == "a"
+    tgi_raw = b'{"inputs": "hi", "parameters": {"adapter_id": "a"}}'
+    assert _refused(parse_body, tgi_raw, TGIRequest, T).status == 400
+    assert parse_body(tgi_raw, TGIRequest, T, ignore_unknown=True).inputs == "hi"
+    # dropping an unknown field never hides a bad known one
+    bad = b'{"prompt": "x", "whatever": 1, "max_tokens": "3"}'
+    assert _refused(parse_body, bad, CompletionRequest, OA, True).param == "max_tokens"
     chat = parse_body(
         b'{"messages": [{"role": "user", "content": '
         b'[{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]}',
