@@ -10,6 +10,7 @@ import functools
 
 import torch
 
+from replica.engine.finite import saturate
 from replica.engine.seeding import MASK32, MIX32, WEYL32
 
 _NEG_INF = float("-inf")
@@ -20,7 +21,7 @@ def repetition_rows(scores: torch.Tensor, penalty: torch.Tensor, seen: torch.Ten
     n, vocab = scores.shape
     mask = torch.zeros(n, vocab + 1, dtype=torch.bool, device=scores.device).scatter_(1, seen, True)
     penalised = torch.where(scores < 0, scores * penalty, scores / penalty)
-    return torch.where(mask[:, :vocab], penalised, scores)
+    return saturate(torch.where(mask[:, :vocab], penalised, scores), scores)  # overflow saturates
 
 
 def frequency_rows(
@@ -31,7 +32,8 @@ def frequency_rows(
     ones = torch.ones(output.shape, dtype=scores.dtype, device=scores.device)
     counts = torch.zeros(n, vocab + 1, dtype=scores.dtype, device=scores.device).scatter_add_(1, output, ones)
     counts = counts[:, :vocab]
-    return scores - counts * frequency - (counts > 0).to(scores.dtype) * presence
+    penalised = scores - counts * frequency - (counts > 0).to(scores.dtype) * presence
+    return saturate(penalised, scores)  # overflow saturates (finite.py)
 
 
 def top_k_rows(scores: torch.Tensor, k: torch.Tensor, k_max: int) -> torch.Tensor:

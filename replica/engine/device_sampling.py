@@ -38,6 +38,7 @@ from replica.engine.batched_processors import (
     top_p_rows,
     typical_rows,
 )
+from replica.engine.finite import saturate
 from replica.engine.grammar import masked
 from replica.engine.seeding import MASK32, step_seed
 from replica.engine.types import Choice, RowInput
@@ -274,7 +275,7 @@ def _penalise(scores: torch.Tensor, plan: StepPlan, sent: OnDevice) -> torch.Ten
 def _warp(scores: torch.Tensor, plan: SamplePlan, sent: OnDevice) -> torch.Tensor:
     """Temperature → top-k → top-p → typical-p (transformers' order) on the sampling rows."""
     if plan.temperature is not None:
-        scores = scores / sent.float_column(plan.temperature)
+        scores = saturate(scores / sent.float_column(plan.temperature), scores)
     if plan.top_k is not None:
         scores = top_k_rows(scores, sent.int_block(plan.top_k), plan.top_k_max)
     if plan.top_p_drop is not None:

@@ -26,6 +26,7 @@ import torch
 
 from replica.engine.batched_processors import typical_rows
 from replica.engine.device_sampling import choose_batched
+from replica.engine.finite import saturate
 from replica.engine.grammar import masked
 from replica.engine.seeding import step_seed
 from replica.engine.types import Choice, RowInput, SamplingParams
@@ -34,8 +35,8 @@ from replica.engine.types import Choice, RowInput, SamplingParams
 def repetition_penalty(scores: torch.Tensor, seen: torch.Tensor, penalty: float) -> torch.Tensor:
     """CTRL repetition penalty on `scores` (..., vocab) for the token ids in `seen` (..., n)."""
     picked = scores.gather(-1, seen)
-    picked = torch.where(picked < 0, picked * penalty, picked / penalty)
-    return scores.scatter(-1, seen, picked)
+    penalised = torch.where(picked < 0, picked * penalty, picked / penalty)
+    return scores.scatter(-1, seen, saturate(penalised, picked))  # overflow saturates (finite.py)
 
 
 def frequency_presence_penalty(
@@ -43,7 +44,8 @@ def frequency_presence_penalty(
 ) -> torch.Tensor:
     """OpenAI penalties on a (vocab,) row from the generated token ids `output` (n,)."""
     counts = torch.bincount(output, minlength=scores.shape[-1]).to(scores.dtype)
-    return scores - counts * frequency - (counts > 0).to(scores.dtype) * presence
+    penalised = scores - counts * frequency - (counts > 0).to(scores.dtype) * presence
+    return saturate(penalised, scores)  # overflow saturates (finite.py)
 
 
 def top_k_filter(scores: torch.Tensor, k: int) -> torch.Tensor:
@@ -71,7 +73,7 @@ def typical_filter(scores: torch.Tensor, mass: float) -> torch.Tensor:
 def warp(scores: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """The sampling warpers in transformers' order: temperature, top-k, top-p, typical-p."""
     if params.temperature != 1.0:
-        scores = scores / params.temperature
+        scores = saturate(scores / params.temperature, scores)
     if params.top_k > 0:
         scores = top_k_filter(scores, params.top_k)
     if params.top_p < 1.0:
@@ -105,6 +107,7 @@ def _penalise(row: torch.Tensor, inp: RowInput) -> torch.Tensor:
 
 def _choose_row(row: torch.Tensor, inp: RowInput) -> tuple[int, torch.Tensor]:
     """(token, final log-probabilities) for one request that is not plain greedy."""
+    row = row.float()  # as the batched path: a bfloat16 penalty of 3e38 would be inf, inf - inf NaN
     row = _penalise(row, inp)
     if not inp.params.do_sample:
         return int(torch.argmax(row)), torch.log_softmax(row, dim=-1)
