@@ -135,6 +135,16 @@ class Tokenizer:
         """Text of `ids`."""
         return str(self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens))
 
+    def encode_with_offsets(self, text: str) -> list[tuple[int, int, int]]:
+        """(id, start, stop) of each token of `text` (special tokens included), offsets in characters."""
+        encoding = self._backend.encode(text)
+        return [(int(i), int(a), int(b)) for i, (a, b) in zip(encoding.ids, encoding.offsets, strict=True)]
+
+    def token_piece(self, token_id: int) -> str:
+        """The vocabulary's string for one id (transformers' `convert_ids_to_tokens`)."""
+        piece = self._backend.id_to_token(token_id)
+        return piece if piece is not None else ""
+
     def token_text(self, token_id: int) -> str:
         """The text one token stands for on its own (for logprob listings)."""
         return self.decode([token_id], skip_special_tokens=False)

@@ -213,6 +213,30 @@ class Model(_Answer):
     max_model_len: int = Field(description="prompt + generated tokens one request may reach")
 
 
+class Tokenized(_Answer):
+    """POST /tokenize, vLLM's shapes."""
+
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = Field(description="the vocabulary's string per id (`return_token_strs`)")
+
+
+class Detokenized(_Answer):
+    """POST /detokenize."""
+
+    prompt: str
+
+
+class TGISimpleToken(_Answer):
+    """One token of TGI's /tokenize answer: its id, its text and its character offsets in `inputs`."""
+
+    id: int
+    text: str
+    start: int
+    stop: int
+
+
 class ModelList(_Answer):
     """GET /v1/models."""
 

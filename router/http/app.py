@@ -8,7 +8,7 @@ from fastapi import FastAPI
 from starlette.requests import Request
 from starlette.responses import Response
 
-from router.http import openai_api, tgi_api
+from router.http import openai_api, tgi_api, tokenize_api
 from router.http.access import Access, ApiKeyMiddleware
 from router.http.common import Backend, backend_of
 from router.http.errors import APIError, Flavor, error_body
@@ -39,6 +39,7 @@ def create_app(
     app.state.backend = Backend(scheduler, tokenizer, info, render_metrics, access)
     app.include_router(openai_api.router)
     app.include_router(tgi_api.router)
+    app.include_router(tokenize_api.router)
     app.add_api_route("/health", health, methods=["GET"])
     app.add_api_route("/metrics", metrics, methods=["GET"])
     app.add_exception_handler(APIError, _api_error)  # type: ignore[arg-type]

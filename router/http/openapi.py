@@ -28,6 +28,7 @@ REF = "#/components/schemas/{model}"
 _ANSWERS: tuple[type[BaseModel], ...] = (
     am.Completion, am.CompletionChunk, am.ChatCompletion, am.ChatCompletionChunk, am.ModelList,
     am.TGIGenerated, am.TGIStreamEvent, am.TGIInfo, am.Health, am.OpenAIError, am.TGIError,
+    am.Tokenized, am.Detokenized, am.TGISimpleToken,
 )
 
 
@@ -47,7 +48,9 @@ def _components(limits: RequestLimits) -> dict[str, Any]:
 
 
 def _error(description: str, flavor: str, headers: dict[str, Any] | None = None) -> dict[str, Any]:
-    schema = ref("OpenAIError" if flavor == "openai" else "TGIError")
+    schema: dict[str, Any] = ref("OpenAIError" if flavor == "openai" else "TGIError")
+    if flavor == "both":  # /tokenize: the error shape of the request's own API
+        schema = {"anyOf": [ref("OpenAIError"), ref("TGIError")]}
     answer: dict[str, Any] = {"description": description, "content": {JSON: {"schema": schema}}}
     if headers:
         answer["headers"] = headers
@@ -102,6 +105,12 @@ _OPERATIONS = (
     _Operation("/", "post", "TGI compat: a one-element list, or the stream with `stream: true`", "tgi",
                "TGIRequest", {"schema": {"type": "array", "items": ref("TGIGenerated"), "minItems": 1,
                                          "maxItems": 1}}, "TGIStreamEvent", True, True),
+    _Operation("/tokenize", "post", "Token ids of a prompt or of chat messages (vLLM: `prompt` / "
+               "`messages`), or tokens with their offsets (TGI: `inputs`)", "both", "TokenizeRequest",
+               {"schema": {"anyOf": [ref("Tokenized"), {"type": "array", "items": ref("TGISimpleToken")}]}},
+               not_found=True),
+    _Operation("/detokenize", "post", "The text of token ids (vLLM)", "openai", "DetokenizeRequest",
+               {"schema": ref("Detokenized")}, not_found=True),
     _Operation("/info", "get", "The model and the limits this router enforces (TGI)", "open", None,
                {"schema": ref("TGIInfo")}),
 )
@@ -236,6 +245,6 @@ def _description(keys: bool) -> str:
     )
     return (
         "OpenAI- and TGI-compatible generation over a cluster of prefill and decode replicas. "
-        "Request bodies are strict JSON (a wrong type is a 400, not coerced); unknown fields are "
-        f"ignored. {auth}"
+        "Request bodies are strict JSON (a wrong type is a 400, not coerced); every field is "
+        f"honoured or refused with a 400 naming it, unknown ones too. {auth}"
     )

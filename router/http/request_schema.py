@@ -16,7 +16,15 @@ from typing import Any
 from pydantic import BaseModel
 
 from router.http.info import ServingInfo
-from router.http.schemas import ChatCompletionRequest, CompletionRequest, TGIRequest
+from router.http.schemas import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TGIRequest,
+    TGITokenizeRequest,
+    TokenizeChatRequest,
+    TokenizeCompletionRequest,
+)
 from router.http.validation import LOGIT_BIAS_LIMIT
 
 REF = "#/components/schemas/{model}"
@@ -158,6 +166,28 @@ def _schema(model: type[BaseModel]) -> tuple[dict[str, Any], dict[str, Any]]:
     return schema, schema.pop("$defs", {})
 
 
+def _tokenizer_schemas(out: dict[str, dict[str, Any]], limits: RequestLimits) -> None:
+    """/tokenize (vLLM's two shapes and TGI's, told apart by `prompt` / `messages` / `inputs`) and
+    /detokenize (ids within the vocabulary)."""
+    model = {**_nullable({"type": "string", "enum": [limits.model_id]}), "description": "the served model"}
+    shapes = []
+    for kind in (TokenizeCompletionRequest, TokenizeChatRequest, TGITokenizeRequest):
+        schema, defs = _schema(kind)
+        if "model" in schema["properties"]:
+            schema["properties"]["model"] = model
+        out.update(defs)
+        out[kind.__name__] = schema
+        shapes.append({"$ref": REF.format(model=kind.__name__)})
+    out["TokenizeRequest"] = {"oneOf": shapes, "examples": [{"prompt": "Once upon a time"}]}
+    detokenize, defs = _schema(DetokenizeRequest)
+    detokenize["properties"]["model"] = model
+    detokenize["properties"]["tokens"] = {"type": "array", "maxItems": limits.max_total_tokens,
+                                          "items": {"type": "integer", "minimum": 0,
+                                                    "maximum": limits.vocab_size - 1}}
+    detokenize["examples"] = [{"tokens": [1, 2, 3]}]
+    out["DetokenizeRequest"] = detokenize
+
+
 def request_schemas(limits: RequestLimits) -> dict[str, dict[str, Any]]:
     """Component schemas of the three request bodies and the models they use."""
     out: dict[str, dict[str, Any]] = {}
@@ -175,6 +205,7 @@ def request_schemas(limits: RequestLimits) -> dict[str, dict[str, Any]]:
         fixed["properties"]["stream"] = {"type": "boolean", "enum": [stream], "default": stream,
                                          "description": "this route's answer shape (optional)"}
         out[name] = fixed
+    _tokenizer_schemas(out, limits)
     if limits.ignore_unknown_fields:  # unknown fields are dropped, not refused
         for schema in out.values():
             if schema.get("additionalProperties") is False:

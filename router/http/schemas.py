@@ -208,3 +208,42 @@ class TGIRequest(_Strict):
     inputs: Annotated[str, Field(min_length=1)]
     parameters: TGIParameters = Field(default_factory=TGIParameters)
     stream: bool = False
+
+
+class TokenizeCompletionRequest(_Strict):
+    """POST /tokenize (vLLM): the ids of a text prompt."""
+
+    model: str | None = None
+    prompt: str
+    add_special_tokens: bool = True
+    return_token_strs: bool = False
+
+
+class TokenizeChatRequest(_Strict):
+    """POST /tokenize (vLLM): the ids of messages rendered by the chat template."""
+
+    model: str | None = None
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    add_generation_prompt: bool = True
+    add_special_tokens: bool = False
+    return_token_strs: bool = False
+
+
+class TGITokenizeParameters(_Strict):
+    """The one parameter TGI's /tokenize applies: `truncate` keeps the last tokens."""
+
+    truncate: Annotated[int, Field(gt=0), WHOLE] | None = None
+
+
+class TGITokenizeRequest(_Strict):
+    """POST /tokenize (TGI): the tokens of `inputs` with their character offsets."""
+
+    inputs: Annotated[str, Field(min_length=1)]
+    parameters: TGITokenizeParameters | None = None
+
+
+class DetokenizeRequest(_Strict):
+    """POST /detokenize (vLLM): the text of token ids."""
+
+    model: str | None = None
+    tokens: list[Annotated[int, Field(ge=0), WHOLE]]

@@ -29,7 +29,9 @@ def test_every_post_has_a_required_json_body_and_every_answer_a_body(doc: dict[s
         if method == "post":
             body = op["requestBody"]
             assert body["required"] and "$ref" in body["content"]["application/json"]["schema"], path
-            assert {"400", "500", "502", "503"} <= set(op["responses"]), path
+            generates = path not in ("/tokenize", "/detokenize")  # the tokenizer's routes queue nothing
+            due = {"400", "500", "502", "503"} if generates else {"400"}
+            assert due <= set(op["responses"]), path
         for status, answer in op["responses"].items():
             assert answer["content"], (path, status)
 
