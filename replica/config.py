@@ -73,6 +73,11 @@ class ReplicaConfig:
         default=True,
         metadata={"help": "CUDA: capture decode steps as CUDA graphs at bucketed batch sizes at Warmup"},
     )
+    prefix_cache: bool = field(
+        default=True,
+        metadata={"help": "automatic prefix caching: full KV pages kept by their chained hash after their "
+                          "requests end and shared by later prompts with the same prefix (evicted LRU)"},
+    )
     attention_backend: str = field(
         default="auto",
         metadata={"help": "paged attention: torch (gather + SDPA, the reference), triton (a kernel over "

@@ -43,6 +43,8 @@ class RequestState:
     num_cached: int = 0
     finish: FinishReason | None = None
     grammar: GrammarState | None = None  # structured output: advanced by every accepted token
+    cached_tokens: int = 0  # prompt tokens whose K/V a prefill took from the prefix cache
+    page_hashes: list[int] = field(default_factory=list)  # PageHash of pages[0..], as far as registered
 
     @property
     def id(self) -> RequestId:

@@ -39,6 +39,7 @@ from replica.engine.types import (
 from replica.engine.validation import Limits, admit_batch, check_appended
 from replica.errors import FailedPrecondition, InvalidArgument
 from replica.kv.block_manager import BlockManager, PageId
+from replica.kv.page_hash import page_hash, page_hashes
 from replica.params.readiness import ParamReadiness
 
 
@@ -53,6 +54,7 @@ class EngineMeta:
     gpu_name: str = ""  # the CUDA device's name ("" elsewhere)
     attention_backend: str = "torch"  # "torch" (gather + SDPA) or "triton" (the paged kernel)
     cuda_graphs: bool = False  # decode steps replay CUDA graphs once Warmup captured them
+    prefix_cache: bool = False  # full pages kept by PageHash and shared by later prompts (kv.block_manager)
 
 
 @dataclass(frozen=True)
@@ -78,7 +80,7 @@ class Engine:
         self.detok = detok
         self.limits = limits
         self.meta = meta
-        self.blocks = BlockManager(runner.cache.num_blocks, runner.cache.block_size)
+        self.blocks = BlockManager(runner.cache.num_blocks, runner.cache.block_size, meta.prefix_cache)
         self.store = BatchStore()
         self.eos_token_ids = frozenset(runner.config.eos_token_ids)
         self.grammars = Grammars(detok.tokenizer, limits.vocab_size, self.eos_token_ids)
@@ -89,20 +91,61 @@ class Engine:
         return self.blocks.block_size
 
     # ----------------------------------------------------------------------------------- prefill
-    def admit(self, spec: BatchSpec) -> Batch:
-        """Validate a new batch and reserve its pages (prompt + max_new_tokens); nothing cached yet."""
+    def admit(self, spec: BatchSpec, use_prefix_cache: bool = False) -> Batch:
+        """Validate a new batch and reserve its pages (prompt + max_new_tokens).
+
+        With `use_prefix_cache` (a local prefill), each prompt's longest cached run of full pages is
+        shared instead of allocated and counts as already computed (`num_cached`); the last prompt
+        token is always computed (its logits choose the first token), and a request asking for
+        prompt logprobs shares nothing (every prompt token's logprob needs its forward). Without it
+        (a migration's destination or a layer-level prefill writes every page itself) nothing is shared.
+        """
         self.store.check_new(spec.id, [r.id for r in spec.requests])
         tokenize = self.detok.encode if self.detok.available else None
         prompts = admit_batch(spec, self.limits, tokenize)
         pairs = list(zip(spec.requests, prompts, strict=True))
         grammars = [self._grammar(r, p) for r, p in pairs]  # before any page: a bad one changes nothing
-        counts = [self.blocks.pages_for(len(p) + r.stopping.max_new_tokens) for r, p in pairs]
-        page_lists = self.blocks.allocate_many(counts)
+        block = self.block_size
+        shared = [
+            self._cached_prefix(r, p) if use_prefix_cache and self.blocks.prefix_cache else ([], [])
+            for r, p in pairs
+        ]
+        counts = [
+            self.blocks.pages_for(len(p) + r.stopping.max_new_tokens) - len(pages)
+            for (r, p), (pages, _h) in zip(pairs, shared, strict=True)
+        ]
+        page_lists = self.blocks.allocate_many(counts, [pages for pages, _h in shared])
         requests = [
             self._new_request(r, p, pages, g)
             for (r, p), pages, g in zip(pairs, page_lists, grammars, strict=True)
         ]
+        for request, (pages, hashes) in zip(requests, shared, strict=True):
+            request.num_cached = request.cached_tokens = len(pages) * block
+            request.page_hashes = hashes[: len(pages)]
         return Batch(id=spec.id, requests=requests)
+
+    def _cached_prefix(self, spec: RequestSpec, prompt: list[int]) -> tuple[list[PageId], list[int]]:
+        """(pages, hashes) of the longest cached run of full pages before the prompt's last token."""
+        if spec.prefill_logprobs:
+            return [], []
+        hashes = page_hashes(prompt[: len(prompt) - 1], self.block_size)
+        return self.blocks.lookup(hashes), hashes
+
+    def register_pages(self, request: RequestState) -> None:
+        """Name the request's full pages whose K/V are written (`num_cached` tokens) by their PageHash.
+
+        Called whenever `num_cached` grows (after a forward, or when a migration's K/V arrived); a
+        page whose hash another page already keeps stays unnamed and is freed, not cached, later.
+        """
+        if not self.blocks.prefix_cache:
+            return
+        block, hashes, tokens = self.block_size, request.page_hashes, request.tokens
+        full = min(request.num_cached // block, len(request.pages))
+        parent = hashes[-1] if hashes else 0
+        for index in range(len(hashes), full):
+            parent = page_hash(parent, tokens[index * block : (index + 1) * block])
+            self.blocks.register(request.pages[index], parent)
+            hashes.append(parent)
 
     def _grammar(self, spec: RequestSpec, prompt: list[int]) -> GrammarState | None:
         """A constrained request's matcher, advanced over a continuation's earlier tokens."""
@@ -145,6 +188,7 @@ class Engine:
         self.store.check_new(batch.id, [])
         for request in batch:
             request.num_cached = request.prompt_len
+            self.register_pages(request)
         self.store.put(batch)
         return batch.info(self.block_size)
 
@@ -152,7 +196,7 @@ class Engine:
         """Full forward of a new batch, first tokens sampled, batch cached (unless all finished)."""
         start = time.perf_counter_ns()
         self.readiness.require_complete("a NORMAL prefill")
-        batch = self.admit(spec)
+        batch = self.admit(spec, use_prefix_cache=True)
         try:
             generations, times = self._step(batch.requests, with_prompt_logprobs=True)
         except BaseException:
@@ -160,7 +204,8 @@ class Engine:
             raise
         info = self._keep_or_drop(batch, cached=False)
         total = time.perf_counter_ns() - start
-        return StepResult(tuple(generations), info, times.forward_ns, times.decode_ns, total)
+        evicted = tuple(self.blocks.take_evicted())
+        return StepResult(tuple(generations), info, times.forward_ns, times.decode_ns, total, 0, evicted)
 
     # ------------------------------------------------------------------------------------ decode
     def decode(self, inputs: Sequence[DecodeInput]) -> StepResult:
@@ -187,7 +232,10 @@ class Engine:
             generations.extend(stepped)
         info = self._keep_or_drop(merged, cached=True)
         total = time.perf_counter_ns() - start
-        return StepResult(tuple(generations), info, times.forward_ns, times.decode_ns, total, concat_ns)
+        evicted = tuple(self.blocks.take_evicted())
+        return StepResult(
+            tuple(generations), info, times.forward_ns, times.decode_ns, total, concat_ns, evicted
+        )
 
     def _check_grammars(self, batch: Batch, tokens: Sequence[int]) -> None:
         """Refuse appended tokens a constrained request's grammar would not have allowed (nothing changed)."""
@@ -241,7 +289,11 @@ class Engine:
                 prompt = request.tokens[: request.prompt_len]
                 prefill = prefill_tokens(prompt, self.runner.prompt_logprobs(out, i, prompt), detok)
             request.num_cached = len(request.tokens)
-            generations.append(step_generation(request, choice, detok, prefill))
+            self.register_pages(request)
+            generation = step_generation(request, choice, detok, prefill)
+            if request.cached_tokens and len(request.tokens) == request.prompt_len + 1:  # its first token
+                generation = generation._replace(cached_tokens=request.cached_tokens)
+            generations.append(generation)
         return generations
 
     def finish_prefill(self, batch: Batch, out: Any, start_ns: int, forward_ns: int) -> StepResult:
@@ -258,7 +310,10 @@ class Engine:
             raise
         info = self._keep_or_drop(batch, cached=False)
         end = time.perf_counter_ns()
-        return StepResult(tuple(generations), info, forward_ns, end - sample_start, end - start_ns)
+        evicted = tuple(self.blocks.take_evicted())
+        return StepResult(
+            tuple(generations), info, forward_ns, end - sample_start, end - start_ns, 0, evicted
+        )
 
     def _keep_or_drop(self, batch: Batch, cached: bool) -> CachedBatchInfo | None:
         """Cache a batch that still runs; drop (and free) one whose requests all finished."""
@@ -313,6 +368,9 @@ class Engine:
             gpu_name=self.meta.gpu_name,
             attention_backend=self.meta.attention_backend,
             cuda_graphs=self.meta.cuda_graphs,
+            prefix_cache=self.blocks.prefix_cache,
+            num_blocks_cached=self.blocks.num_cached,
+            cached_page_hashes=tuple(self.blocks.cached_hashes()),
         )
 
     def replace_cache(self, runner: Runner) -> None:
@@ -320,7 +378,7 @@ class Engine:
         if len(self.store):
             raise FailedPrecondition("cannot resize the KV cache while batches are cached")
         self.runner = runner
-        self.blocks = BlockManager(runner.cache.num_blocks, runner.cache.block_size)
+        self.blocks = BlockManager(runner.cache.num_blocks, runner.cache.block_size, self.meta.prefix_cache)
 
 
 def _row_input(r: RequestState) -> RowInput:

@@ -95,6 +95,7 @@ def _meta(config: ReplicaConfig, choice: DeviceChoice) -> EngineMeta:
         gpu_name=choice.gpu_name,
         attention_backend=choice.attention_backend,
         cuda_graphs=choice.is_cuda and config.cuda_graphs and choice.attention_backend == "triton",
+        prefix_cache=config.prefix_cache,
     )
 
 

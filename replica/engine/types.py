@@ -151,6 +151,7 @@ class Generation(NamedTuple):
     prefill_tokens: TokenList | None = None
     generated_text: GeneratedText | None = None
     top_tokens: tuple[TokenList, ...] = ()
+    cached_tokens: int = 0  # a prefill's prompt tokens whose K/V came from the prefix cache
 
 
 # RowInput and Choice are built for every request at every step: NamedTuples are immutable like
@@ -189,6 +190,7 @@ class StepResult:
     decode_ns: int = 0
     total_ns: int = 0
     concat_ns: int = 0
+    evicted_page_hashes: tuple[int, ...] = ()  # prefix-cache pages evicted since the previous response
 
 
 class DecodeInput(NamedTuple):
@@ -240,3 +242,6 @@ class EngineInfo:
     gpu_name: str = ""
     attention_backend: str = "torch"
     cuda_graphs: bool = False
+    prefix_cache: bool = False
+    num_blocks_cached: int = 0  # part of num_blocks_free: held by no request, kept for their prefix
+    cached_page_hashes: tuple[int, ...] = ()  # every kept page's PageHash, held or cached

@@ -147,7 +147,7 @@ def fill_step(response: Any, result: StepResult) -> None:
     (cheaper than extend)."""
     add = response.generations.add
     for gen in result.generations:
-        rid, tokens, prefill, done, tops = gen
+        rid, tokens, prefill, done, tops, cached_tokens = gen
         msg = add(request_id=rid)
         ids, logprobs, texts, special = tokens
         out = msg.tokens
@@ -158,8 +158,10 @@ def fill_step(response: Any, result: StepResult) -> None:
             out.is_special.append(special[0])
         else:
             fill_tokens(out, tokens)
-        if prefill is not None or done is not None or tops:
+        if prefill is not None or done is not None or tops or cached_tokens:
             _fill_rest(msg, gen)
+    if result.evicted_page_hashes and hasattr(response, "evicted_page_hashes"):  # V1 responses lack it
+        response.evicted_page_hashes.extend(result.evicted_page_hashes)
     batch = result.batch
     if batch is not None:
         out_batch = response.batch
@@ -182,6 +184,8 @@ def _fill_rest(msg: pb.Generation, gen: Generation) -> None:
             out.seed = done.seed
     for top in gen.top_tokens:
         fill_tokens(msg.top_tokens.add(), top)
+    if gen.cached_tokens:
+        msg.cached_tokens = gen.cached_tokens
 
 
 def fill_cached_batch(msg: pb.CachedBatch, info: CachedBatchInfo) -> None:
@@ -227,6 +231,9 @@ def info_to_pb(info: EngineInfo, rank: int, tp_size: int, fabric: str = "") -> p
         attention_backend=info.attention_backend,
         cuda_graphs=info.cuda_graphs,
         fabric=fabric,
+        prefix_cache=info.prefix_cache,
+        num_blocks_cached=info.num_blocks_cached,
+        cached_page_hashes=info.cached_page_hashes,
     )
     if info.window_size is not None:
         msg.window_size = info.window_size

@@ -89,7 +89,8 @@ def build_simulated(config: ReplicaConfig, clock: StepClock | None = None) -> tu
     runner = SimRunner(card, cache, cost_model(config, card, itemsize), clock or SleepClock(), picker,
                        itemsize, scale)
     meta = EngineMeta(model_id=config.name, dtype=dtype, device_type=f"simulated:{spec.name}",
-                      device=f"simulated:{spec.name}", attention_backend="simulated")
+                      device=f"simulated:{spec.name}", attention_backend="simulated",
+                      prefix_cache=config.prefix_cache)
     log.info("simulated %s on a %s: %.1f GB of weights (%.1f MB here), %d KV pages of %d tokens "
              "(%d B per page and layer here, scale %g)", config.name, spec.name, full.total_bytes / 1e9,
              layout.total_bytes / 1e6, num_blocks, config.block_size, cache.page_bytes, scale)
