@@ -123,7 +123,7 @@ def _request_pb(wire: WireRequest) -> pb.Request:
         id=wire.id, parameters=params, input_tokens=list(req.input_ids),
         stopping_parameters=pb.StoppingCriteriaParameters(
             max_new_tokens=st.max_new_tokens, stop_sequences=list(st.stop_sequences),
-            ignore_eos_token=st.ignore_eos,
+            ignore_eos_token=st.ignore_eos, min_new_tokens=st.min_new_tokens,
         ),
         prefill_logprobs=req.prefill_logprobs, top_n_tokens=req.top_n_tokens,
         generated_prefix=req.generated_prefix,

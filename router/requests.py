@@ -50,6 +50,7 @@ class RouteRecord:
     migration_seconds: float = 0.0
     loading_prefill: bool = False
     relay_replica: ReplicaId | None = None
+    cached_tokens: int = 0
 
     def freeze(self, requeues: int = 0) -> Route:
         """The client-facing route (`requeues`: the request's re-runs after replica failures)."""
@@ -94,7 +95,12 @@ class RequestState:
         return dataclasses.replace(
             self.original,
             input_ids=self.original.input_ids + tuple(self.generated),
-            stopping=StoppingParams(remaining, stopping.stop_sequences, stopping.ignore_eos),
+            stopping=StoppingParams(
+                remaining,
+                stopping.stop_sequences,
+                stopping.ignore_eos,
+                max(0, stopping.min_new_tokens - len(self.generated)),
+            ),
             prefill_logprobs=False,
             truncate=None,
             # the replica counts these as generated: penalties, seeded sampling's step index and
@@ -162,6 +168,8 @@ class RequestState:
         if not self.prefill_sent:
             self.prefill_sent = True
             self.events.put_nowait(PrefillEvent(gen.prefill_tokens))
+            # the prefill that answered the client: its prompt tokens taken from the prefix cache
+            self.route.cached_tokens = min(gen.cached_tokens, len(self.original.input_ids))
         for token in gen.tokens:
             if self.first_token_at is None:
                 self.first_token_at = self.clock()

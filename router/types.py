@@ -60,6 +60,7 @@ class StoppingParams:
     max_new_tokens: int
     stop_sequences: tuple[str, ...] = ()
     ignore_eos: bool = False
+    min_new_tokens: int = 0  # until generated: no EOS, no stop sequence (the replica masks EOS)
 
 
 class GrammarKind(enum.Enum):

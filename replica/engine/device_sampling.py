@@ -30,6 +30,7 @@ from typing import NamedTuple
 
 import torch
 
+from replica.engine.banned import without_banned
 from replica.engine.batched_processors import (
     frequency_rows,
     race_noise,
@@ -333,7 +334,7 @@ def unpack_choices(host: list[list[float]], top_n: Sequence[int], width: int) ->
 def choose_batched(logits: torch.Tensor, rows: Sequence[RowInput]) -> list[Choice]:
     """One next token per row of `logits` (batch, vocab), on any device, with one copy each way."""
     plan = plan_step(rows, logits.shape[-1])
-    tokens, logprobs = choose_tensors(masked(logits, rows), plan)
+    tokens, logprobs = choose_tensors(without_banned(masked(logits, rows), rows), plan)
     chosen = logprobs.gather(1, tokens.view(-1, 1))
     top = None
     if plan.top_n_max:

@@ -198,6 +198,7 @@ class Engine:
         self.readiness.require_complete("a NORMAL prefill")
         batch = self.admit(spec, use_prefix_cache=True)
         try:
+            chunks_ns = self._prefill_chunks(batch.requests)
             generations, times = self._step(batch.requests, with_prompt_logprobs=True)
         except BaseException:
             self.blocks.free(batch.pages())
@@ -205,7 +206,43 @@ class Engine:
         info = self._keep_or_drop(batch, cached=False)
         total = time.perf_counter_ns() - start
         evicted = tuple(self.blocks.take_evicted())
-        return StepResult(tuple(generations), info, times.forward_ns, times.decode_ns, total, 0, evicted)
+        forward_ns = chunks_ns + times.forward_ns
+        return StepResult(tuple(generations), info, forward_ns, times.decode_ns, total, 0, evicted)
+
+    def _prefill_chunks(self, requests: Sequence[RequestState]) -> int:
+        """Chunked prefill: forward the prompts' leading tokens `prefill_chunk_tokens` at a time until
+        what is left fits one forward; returns the nanoseconds spent.
+
+        Each chunk writes its tokens' K/V into the request's pages and attends to the pages earlier
+        chunks (or the prefix cache) wrote, exactly as a resumed prompt does; its logits are not
+        used. Every request keeps at least its last token for the final forward (which chooses the
+        first token). A request asking for prompt log-probabilities is not chunked (they come from
+        the final forward's logits of every prompt token).
+        """
+        budget = self.limits.prefill_chunk_tokens
+        if budget <= 0:
+            return 0
+        start = time.perf_counter_ns()
+        chunked = [r for r in requests if not r.spec.prefill_logprobs]
+        while sum([len(r.pending) for r in requests]) > budget:
+            left, inputs, fed = budget, [], []
+            for request in chunked:
+                take = min(len(request.pending) - 1, left)
+                if take <= 0:
+                    continue
+                first = request.num_cached
+                inputs.append(SeqInput(request.tokens[first : first + take], request.pages, first))
+                fed.append((request, take))
+                left -= take
+                if not left:
+                    break
+            if not inputs:
+                break
+            self.runner.forward(inputs)
+            for request, take in fed:
+                request.num_cached += take
+                self.register_pages(request)
+        return time.perf_counter_ns() - start
 
     # ------------------------------------------------------------------------------------ decode
     def decode(self, inputs: Sequence[DecodeInput]) -> StepResult:
@@ -385,4 +422,4 @@ def _row_input(r: RequestState) -> RowInput:
     """What choosing `r`'s next token needs (a continuation's earlier tokens count as generated)."""
     spec = r.spec
     prompt_len = r.prompt_len - spec.generated_prefix
-    return RowInput(spec.sampling, r.tokens, prompt_len, spec.top_n_tokens, r.grammar)
+    return RowInput(spec.sampling, r.tokens, prompt_len, spec.top_n_tokens, r.grammar, r.stop.banned())

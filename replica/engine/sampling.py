@@ -24,6 +24,7 @@ from collections.abc import Sequence
 
 import torch
 
+from replica.engine.banned import without_banned
 from replica.engine.batched_processors import typical_rows
 from replica.engine.device_sampling import choose_batched
 from replica.engine.finite import saturate
@@ -123,7 +124,7 @@ def choose_next(logits: torch.Tensor, rows: Sequence[RowInput]) -> list[Choice]:
     on any other device batched (`choose_batched`: one copy each way per step)."""
     if logits.device.type != "cpu":
         return choose_batched(logits, rows)
-    logits = masked(logits, rows)
+    logits = without_banned(masked(logits, rows), rows)
     logprobs = torch.log_softmax(logits, dim=-1)
     # = torch.argmax (the first maximum; NaN counts as the maximum), in half the time on the CPU
     tokens = logits.max(dim=-1).indices

@@ -28,6 +28,10 @@ class StopChecker:
     def step(self, token_id: int, text: str) -> FinishReason | None:
         """Account one generated token; the reason to stop now, or None."""
         self.generated += 1
+        if self.generated < self.params.min_new_tokens:  # EOS was masked out (`banned`); no stop yet
+            if self.params.stop_sequences and text:
+                self.output = self._reachable(self.output + text)
+            return FinishReason.LENGTH if self.generated >= self.params.max_new_tokens else None
         if not self.params.ignore_eos and token_id in self.eos_token_ids:
             return FinishReason.EOS_TOKEN
         if text and self.params.stop_sequences and self._hit_stop_sequence(text):
@@ -35,6 +39,12 @@ class StopChecker:
         if self.generated >= self.params.max_new_tokens:
             return FinishReason.LENGTH
         return None
+
+    def banned(self) -> tuple[int, ...]:
+        """The ids the next token must not be: the EOS tokens while min_new_tokens is not reached."""
+        if self.params.ignore_eos or self.generated + 1 > self.params.min_new_tokens:
+            return ()
+        return tuple(self.eos_token_ids)
 
     def _hit_stop_sequence(self, text: str) -> bool:
         # Only a window touching the new text can hold a match that was not there before, so the

@@ -63,6 +63,7 @@ class StoppingParams:
     max_new_tokens: int = 20
     stop_sequences: tuple[str, ...] = ()
     ignore_eos: bool = False
+    min_new_tokens: int = 0  # until generated: EOS masked out, stop sequences not looked for
 
 
 class GrammarKind(enum.Enum):
@@ -164,6 +165,7 @@ class RowInput(NamedTuple):
     prompt_len: int
     top_n: int = 0
     grammar: GrammarState | None = None  # structured output: its mask applies before everything else
+    banned: tuple[int, ...] = ()  # ids masked out at this step (EOS before min_new_tokens)
 
     @property
     def num_generated(self) -> int:

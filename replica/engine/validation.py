@@ -26,6 +26,9 @@ class Limits:
     max_input_tokens: int
     max_total_tokens: int
     max_prefill_tokens: int
+    # a prefill's forwards feed at most this many prompt tokens (0 = one forward): longer prompts
+    # run as consecutive chunks, each attending to the pages its predecessors wrote
+    prefill_chunk_tokens: int = 0
 
 
 def derive_limits(config: ReplicaConfig, model: ModelConfig) -> Limits:
@@ -42,6 +45,7 @@ def derive_limits(config: ReplicaConfig, model: ModelConfig) -> Limits:
         max_input_tokens=max_input,
         max_total_tokens=max_total,
         max_prefill_tokens=max(config.max_batch_prefill_tokens, max_input),
+        prefill_chunk_tokens=config.max_batch_prefill_tokens,
     )
 
 
@@ -109,6 +113,9 @@ def check_request(spec: RequestSpec, limits: Limits, has_tokenizer: bool) -> Non
     check_sampling(spec.sampling, where)
     if spec.stopping.max_new_tokens <= 0:
         raise InvalidArgument(f"{where}: max_new_tokens must be positive")
+    least, most = spec.stopping.min_new_tokens, spec.stopping.max_new_tokens
+    if least > most:
+        raise InvalidArgument(f"{where}: min_new_tokens {least} > max_new_tokens {most}")
     if spec.stopping.stop_sequences and not has_tokenizer:
         raise InvalidArgument(f"{where}: stop sequences need a tokenizer, this replica has none")
     if any(not s for s in spec.stopping.stop_sequences):

@@ -67,6 +67,7 @@ def request_from_pb(msg: pb.Request) -> RequestSpec:
             max_new_tokens=stopping.max_new_tokens,
             stop_sequences=tuple(stopping.stop_sequences),
             ignore_eos=stopping.ignore_eos_token,
+            min_new_tokens=stopping.min_new_tokens,
         ),
         prefill_logprobs=msg.prefill_logprobs,
         top_n_tokens=msg.top_n_tokens,

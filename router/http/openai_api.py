@@ -34,6 +34,7 @@ from router.http.tools import (
 )
 from router.http.validation import (
     check_max_new_range,
+    check_min_tokens,
     check_model,
     check_openai_unsupported,
     check_prompt,
@@ -91,15 +92,15 @@ async def completions(request: Request) -> Response:
     ids = check_prompt(raw_ids, backend.info, backend.tokenizer.vocab_size, OPENAI)
     if text is None:  # token ids: decoded only once they are known to be in the vocabulary
         text = backend.tokenizer.decode(list(ids), skip_special_tokens=False) if body.echo else ""
-    max_new = max_new_tokens(
-        body.max_tokens, COMPLETIONS_DEFAULT_MAX_TOKENS, len(ids), backend.info, OPENAI, "max_tokens"
-    )
+    default = max(COMPLETIONS_DEFAULT_MAX_TOKENS, body.min_tokens)  # a default never undercuts min_tokens
+    max_new = max_new_tokens(body.max_tokens, default, len(ids), backend.info, OPENAI, "max_tokens")
+    min_new = check_min_tokens(body.min_tokens, max_new)
     stops = stop_sequences(body.stop, backend.info, OPENAI)
     want_logprobs = body.logprobs is not None
     req = generate_request(
         ids,
         openai_sampling(body, backend.tokenizer.vocab_size),
-        StoppingParams(max_new_tokens=max_new, stop_sequences=stops, ignore_eos=body.ignore_eos),
+        StoppingParams(max_new, stops, body.ignore_eos, min_new),
         prefill_logprobs=body.echo and want_logprobs,
         top_n_tokens=body.logprobs or 0,
         grammar=openai_grammar(body.response_format),
@@ -141,15 +142,15 @@ async def chat_completions(request: Request) -> Response:
     )
     if param == "max_completion_tokens":  # the one that loses is still held to its range
         check_max_new_range(body.max_tokens, backend.info, OPENAI, "max_tokens")
-    max_new = max_new_tokens(
-        asked, backend.info.default_max_new_tokens, len(ids), backend.info, OPENAI, param
-    )
+    default = max(backend.info.default_max_new_tokens, body.min_tokens)  # never undercuts min_tokens
+    max_new = max_new_tokens(asked, default, len(ids), backend.info, OPENAI, param)
+    min_new = check_min_tokens(body.min_tokens, max_new)
     stops = stop_sequences(body.stop, backend.info, OPENAI)
     top_n = (body.top_logprobs or 0) if body.logprobs else 0
     req = generate_request(
         ids,
         openai_sampling(body, backend.tokenizer.vocab_size),
-        StoppingParams(max_new_tokens=max_new, stop_sequences=stops, ignore_eos=body.ignore_eos),
+        StoppingParams(max_new, stops, body.ignore_eos, min_new),
         top_n_tokens=top_n,
         grammar=tools.grammar or openai_grammar(body.response_format),
     )

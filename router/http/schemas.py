@@ -75,6 +75,7 @@ class _OpenAISampling(_Strict):
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
+    min_tokens: Annotated[int, Field(ge=0), WHOLE] = 0
     user: str | None = None
     response_format: ResponseFormat | None = None
 

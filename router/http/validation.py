@@ -191,6 +191,14 @@ def check_prompt(
     return tuple(ids)
 
 
+def check_min_tokens(min_tokens: int, max_new: int, flavor: Flavor = Flavor.OPENAI) -> int:
+    """`min_tokens` (vLLM's extension: no EOS, no stop sequence before it) within the request's maximum."""
+    if min_tokens > max_new:
+        problem = f"`min_tokens` ({min_tokens}) must be <= the request's maximum of new tokens ({max_new})"
+        raise APIError(problem, 400, flavor, "min_tokens")
+    return min_tokens
+
+
 def check_max_new_range(requested: int | None, info: ServingInfo, flavor: Flavor, param: str) -> None:
     """A maximum of new tokens within what any prompt could leave room for: [1, max_total_tokens - 1]."""
     if requested is not None and not 1 <= requested < info.max_total_tokens:

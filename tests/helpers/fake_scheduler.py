@@ -94,14 +94,22 @@ class FakeScheduler:
             if self.fail_after is not None and i == self.fail_after:
                 yield ErrorEvent(message="replica 1 failed the batch: boom", http_status=500)
                 return
-            if self.eos_after is not None and i == self.eos_after and not request.stopping.ignore_eos:
+            early = i < request.stopping.min_new_tokens  # no EOS, no stop sequence yet (min_tokens)
+            if (
+                self.eos_after is not None
+                and i == self.eos_after
+                and not request.stopping.ignore_eos
+                and not early
+            ):
                 yield TokenEvent(TokenInfo(id=EOS_ID, text="", logprob=-0.1, special=True), i)
                 yield self._finish(request, text, FinishReason.EOS_TOKEN, i + 1)
                 return
             token = fake_token(request, i)
             text += token.text
             yield TokenEvent(token, i)
-            if any(stop in text for stop in request.stopping.stop_sequences):
+            if i + 1 >= request.stopping.min_new_tokens and any(
+                stop in text for stop in request.stopping.stop_sequences
+            ):
                 yield self._finish(request, text, FinishReason.STOP_SEQUENCE, i + 1)
                 return
         yield self._finish(request, text, FinishReason.LENGTH, limit)

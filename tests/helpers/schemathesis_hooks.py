@@ -83,6 +83,9 @@ def over_token_limits(path: str, body: dict[str, Any]) -> bool:
     max_input, max_total = _limits()
     if ids is None or not ids or len(ids) > max_input:
         return True
+    least = int(body.get("min_tokens") or 0)  # OpenAI routes: at most the maximum of new tokens
+    if least > (int(new) if new is not None else max_total - len(ids)):
+        return True
     return len(ids) + (int(new) if new is not None else 1) > max_total
 
 

@@ -67,6 +67,7 @@ COMPLETION_SAMPLES: dict[str, tuple[Any, dict[str, Any]]] = {
     "top_k": (3, {}),
     "repetition_penalty": (1.3, {}),
     "ignore_eos": (True, {}),
+    "min_tokens": (2, {}),
     "response_format": ({"type": "json_object"}, {}),
 }
 CHAT_SAMPLES: dict[str, tuple[Any, dict[str, Any]]] = {
@@ -89,6 +90,7 @@ CHAT_SAMPLES: dict[str, tuple[Any, dict[str, Any]]] = {
             "top_k",
             "repetition_penalty",
             "ignore_eos",
+            "min_tokens",
             "response_format",
         )
     },
