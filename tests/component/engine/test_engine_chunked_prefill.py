@@ -1,0 +1,101 @@
+"""Chunked prefill: a batch over `--max-batch-prefill-tokens` runs as consecutive forwards.
+
+Prompts of 1-45 tokens with a 16-token chunk: every forward feeds at most 16 tokens, and the tokens
+equal the unchunked engine's and transformers' greedy `generate` (llama, mistral with a sliding
+window shorter than the prompts, qwen2), with the prefix cache on and off; a request asking for
+prompt log-probabilities is computed whole and gets one log-probability per prompt token.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from replica.config import ReplicaConfig
+from replica.engine.backend import SeqInput
+from replica.engine.engine import Engine
+from replica.engine.factory import build_engine
+from replica.engine.types import BatchId, BatchSpec, DecodeInput, RequestId, RequestSpec, StoppingParams
+from tests.helpers.engine_driver import reference_greedy
+
+CHUNK = 16
+ARCHS: dict[str, dict[str, Any]] = {
+    "llama": {"arch": "llama"},
+    "mistral": {"arch": "mistral", "kv_heads": 1, "sliding_window": 12},
+    "qwen2": {"arch": "qwen2", "tie_embeddings": True},
+}
+
+
+def _generate(engine: Engine, specs: Sequence[RequestSpec], batch_id: int) -> dict[int, list[int]]:
+    tokens: dict[int, list[int]] = {int(s.id): [] for s in specs}
+    result = engine.prefill(BatchSpec(BatchId(batch_id), tuple(specs)))
+    while True:
+        for g in result.generations:
+            tokens[g.request_id].extend(g.tokens.ids)
+        if result.batch is None:
+            return tokens
+        result = engine.decode([DecodeInput(result.batch.id)])
+
+
+@pytest.mark.parametrize("prefix_cache", [True, False], ids=["cache", "no-cache"])
+@pytest.mark.parametrize("arch", sorted(ARCHS))
+def test_chunked_prefill_equals_unchunked_and_transformers(
+    tiny_model_factory: Callable[..., Path], arch: str, prefix_cache: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = tiny_model_factory(**ARCHS[arch])
+    config = ReplicaConfig(
+        model=path,
+        port=0,
+        num_blocks=64,
+        block_size=4,
+        max_batch_prefill_tokens=CHUNK,
+        prefix_cache=prefix_cache,
+    )
+    engine = build_engine(config)
+    fed: list[int] = []
+    forward = engine.runner.forward
+
+    def counting(inputs: list[SeqInput]) -> Any:
+        fed.append(sum(len(i.tokens) for i in inputs))
+        return forward(inputs)
+
+    monkeypatch.setattr(engine.runner, "forward", counting)
+    gen = torch.Generator().manual_seed(3)
+    prompts = [
+        torch.randint(3, engine.limits.vocab_size, (n,), generator=gen).tolist() for n in (45, 1, 17, 30)
+    ]
+    max_new = 4
+    specs = [
+        RequestSpec(RequestId(i), tuple(p), stopping=StoppingParams(max_new_tokens=max_new))
+        for i, p in enumerate(prompts)
+    ]
+    chunked = _generate(engine, specs, 1)
+    assert len(fed) > 1 + max_new and all(n <= CHUNK for n in fed)  # the prefill ran as several forwards
+
+    whole = build_engine(ReplicaConfig(model=path, port=0, num_blocks=64, block_size=4, prefix_cache=False))
+    assert _generate(whole, specs, 1) == chunked
+    hf = AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.float32).eval()
+    for i, prompt in enumerate(prompts):
+        assert chunked[i] == reference_greedy(hf, prompt, max_new)[0], f"{arch}: prompt of {len(prompt)}"
+
+    # prompt log-probabilities: that request is computed in one piece, the others still chunked
+    logprob_spec = RequestSpec(
+        RequestId(10), tuple(prompts[0]), stopping=StoppingParams(max_new_tokens=1), prefill_logprobs=True
+    )
+    other = RequestSpec(RequestId(11), tuple(prompts[3]), stopping=StoppingParams(max_new_tokens=1))
+    result = engine.prefill(BatchSpec(BatchId(2), (logprob_spec, other)))
+    [with_logprobs] = [g for g in result.generations if g.request_id == 10]
+    assert with_logprobs.prefill_tokens is not None and len(with_logprobs.prefill_tokens.ids) == len(
+        prompts[0]
+    )
+    assert with_logprobs.tokens.ids[0] == chunked[0][0]
+    if result.batch is not None:
+        engine.clear(result.batch.id)
+    blocks = engine.blocks
+    blocks.check()
+    assert (blocks.num_used, blocks.num_free) == (0, blocks.num_blocks)
