@@ -197,11 +197,14 @@ def _generation(msg: pb.Generation) -> Generation:
             g.seed if g.HasField("seed") else None,
         )
     prefill = _tokens(msg.prefill_tokens) if msg.HasField("prefill_tokens") else ()
-    return Generation(RequestId(msg.request_id), _tokens(msg.tokens, msg.top_tokens), prefill, finished)
+    return Generation(RequestId(msg.request_id), _tokens(msg.tokens, msg.top_tokens), prefill, finished,
+                      msg.cached_tokens)
 
 
-def _step(generations: Sequence[pb.Generation], batch: pb.CachedBatch | None) -> StepResult:
-    return StepResult(tuple(_generation(g) for g in generations), _cached(batch) if batch else None)
+def _step(generations: Sequence[pb.Generation], batch: pb.CachedBatch | None,
+          evicted: Sequence[int] = ()) -> StepResult:
+    return StepResult(tuple(_generation(g) for g in generations), _cached(batch) if batch else None,
+                      tuple(evicted))
 
 
 def _set_resume(info: pb.PipeParaInfo, layer: int) -> None:
@@ -226,7 +229,8 @@ def _info(msg: pb.InfoResponse) -> ReplicaInfo:
         max_input_tokens=msg.max_input_tokens, max_total_tokens=msg.max_total_tokens,
         num_layers_loaded=msg.num_layers_loaded, embed_ready=msg.embed_ready,
         lm_head_ready=msg.lm_head_ready, num_cached_batches=msg.num_cached_batches,
-        device_type=msg.device_type, fabric=msg.fabric,
+        device_type=msg.device_type, fabric=msg.fabric, prefix_cache=msg.prefix_cache,
+        cached_page_hashes=tuple(msg.cached_page_hashes),
     )
 
 
@@ -295,7 +299,8 @@ class ReplicaClient:
             _set_resume(req.pp_info, resume)
         timeout = self.transfer_timeout if case else None
         resp = await self._call("PrefillV2", req, timeout)
-        return _step(resp.generations, resp.batch if resp.HasField("batch") else None)
+        return _step(resp.generations, resp.batch if resp.HasField("batch") else None,
+                     resp.evicted_page_hashes)
 
     async def zag_prefill(self, batch: BatchSpec, seq: int) -> ZagOutcome:
         """Layer-by-layer prefill on a replica still receiving weights, admitted in `seq` order."""
@@ -356,7 +361,8 @@ class ReplicaClient:
             resp = await call
         except grpc.aio.AioRpcError as exc:
             raise _error(self.address, "DecodeV2", exc) from None
-        return _step(resp.generations, resp.batch if resp.HasField("batch") else None)
+        return _step(resp.generations, resp.batch if resp.HasField("batch") else None,
+                     resp.evicted_page_hashes)
 
     async def filter_batch(self, batch_id: BatchId, keep: Sequence[RequestId]) -> CachedBatch:
         """Keep only `keep`; the replica frees the others' pages."""

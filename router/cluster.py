@@ -75,6 +75,14 @@ class Cluster(Protocol):
         """A call on `handle` failed: re-run, retry or fail these requests by what failed."""
         ...
 
+    def prefill_done(self, replica: ReplicaHandle, members: Iterable[Member], result: StepResult) -> None:
+        """`replica` prefilled `members` (the router's prefix index learns what it now holds)."""
+        ...
+
+    def step_done(self, replica: ReplicaHandle, result: StepResult) -> None:
+        """A decode step on `replica` answered (the prefix index drops the pages it evicted)."""
+        ...
+
     def settle_roles(self) -> None:
         """Keep the roles the cluster needs (an empty decode replica may have to become prefill)."""
         ...

@@ -39,6 +39,13 @@ class RouterConfig:
     strategy: str = field(default=Strategy.FULL.value, metadata=_help(
         "migration strategy: a name registered in router/strategies/ (built in: "
         + ", ".join(s.value for s in Strategy) + ")"))
+    routing: str = field(default="cache-aware", metadata=_help(
+        "which replica prefills a prompt: cache-aware (the one holding the longest cached prefix of "
+        "it, unless its load is over --routing-max-load; else the least loaded) or load (the least "
+        "loaded, the cache ignored)"))
+    routing_max_load: int = field(default=32, metadata=_help(
+        "cache-aware routing: a replica holding a prompt's prefix is passed over while it holds "
+        "pages for more than this many requests"))
     admin_token: str = field(default="", metadata=_help(
         "token required in the `x-admin-token` metadata of mutating admin calls (empty = none)"))
     api_keys: Path | None = field(default=None, metadata=_help(
@@ -111,6 +118,10 @@ class RouterConfig:
         self.strategy = strategies.get(self.strategy).name  # a `Strategy` or a name; unknown → ValueError
         if self.api_keys is not None:
             self.api_keys = Path(self.api_keys)
+        if self.routing not in ("cache-aware", "load"):
+            raise ValueError(f"--routing must be cache-aware or load, got {self.routing!r}")
+        if self.routing_max_load < 0:
+            raise ValueError(f"--routing-max-load must be >= 0, got {self.routing_max_load}")
         if self.role and len(self.role) != len(self.replica):
             raise ValueError("--role needs one entry per --replica")
         bad = [r for r in self.role if r not in ROLE_NAMES]

@@ -111,6 +111,7 @@ class DecodeLoop:
 
     async def _after_step(self, result: StepResult, members: dict[RequestId, Member]) -> None:
         """Send the next steps when they can go now, stream this step's tokens, then prune."""
+        self.cluster.step_done(self.h, result)
         if result.batch is None:
             await self._settle_flights()  # steps sent ahead find the batch gone: nothing was run
             self.cluster.deliver(result, members)

@@ -63,9 +63,11 @@ class Requests:
         self.wakeups.queue(len(self.queue))
         return RequestStream(state, self._closed)
 
-    def take(self, budgets: Budgets) -> tuple[PlannedBatch, list[Member]] | None:
-        """The next batch that fits `budgets`, as members at their current run."""
-        planned = self.queue.next_batch(budgets)
+    def take(self, budgets: Budgets, accept: Callable[[QueueEntry], bool] | None = None
+             ) -> tuple[PlannedBatch, list[Member]] | None:
+        """The next batch that fits `budgets` (of the entries `accept` takes), as members at their
+        current run."""
+        planned = self.queue.next_batch(budgets, accept)
         self._queue_gauges()
         if planned is None:
             return None

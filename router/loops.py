@@ -232,6 +232,7 @@ class ReplicaWorker:
             self.cluster.on_error(self.h, exc, members)
             return None
         self.cluster.prefilled(sum(len(m.request.input_ids) for m in members), time.monotonic() - start)
+        self.cluster.prefill_done(self.h, members, result)
         self.cluster.deliver(result, {m.id: m for m in members})
         if result.batch is None:
             self.h.state.release(pages)

@@ -51,6 +51,13 @@ class RouterMetrics:
         self.replica_used = Gauge("pdcluster_replica_router_used_blocks", "KV pages the router accounts "
                                   "to the replica's batches", ["replica"], registry=r)
         self.replicas_in_state = Gauge("pdcluster_replicas", "Replicas in each state", ["state"], registry=r)
+        self.prefix_prompt_tokens = Counter("pdcluster_prefix_cache_prompt_tokens", "Prompt tokens prefilled",
+                                            ["replica"], registry=r)
+        self.prefix_cached_tokens = Counter("pdcluster_prefix_cache_hit_tokens", "Prompt tokens a prefill "
+                                            "took from the replica's prefix cache", ["replica"], registry=r)
+        self.prefix_hit_rate = Gauge("pdcluster_prefix_cache_hit_rate", "Prompt tokens taken from prefix "
+                                     "caches / prompt tokens prefilled, over all replicas", registry=r)
+        self._prefix_totals = [0, 0]  # prompt, hit
         self.scaling_actions = Counter("pdcluster_scaling_actions", "Scaling actions by kind and outcome",
                                        ["action", "outcome"], registry=r)
 
@@ -73,6 +80,15 @@ class RouterMetrics:
         self.migration_bytes.labels(strategy).inc(nbytes)
         self.migration_seconds.labels(strategy).observe(seconds)
         self.migration_size.observe(nbytes)
+
+    def prefix_cache(self, replica: str, prompt: int, cached: int) -> None:
+        """A prefill on `replica` of `prompt` prompt tokens, `cached` of them from its prefix cache."""
+        self.prefix_prompt_tokens.labels(replica).inc(prompt)
+        self.prefix_cached_tokens.labels(replica).inc(cached)
+        self._prefix_totals[0] += prompt
+        self._prefix_totals[1] += cached
+        if self._prefix_totals[0]:
+            self.prefix_hit_rate.set(self._prefix_totals[1] / self._prefix_totals[0])
 
     def update_replicas(self, replicas: Iterable[ReplicaState]) -> None:
         """Refresh per-replica gauges."""

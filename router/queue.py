@@ -125,18 +125,26 @@ class RequestQueue:
         """Prompt tokens waiting for a prefill (a load signal for metrics)."""
         return self._prompt_tokens
 
-    def next_batch(self, budgets: Budgets) -> PlannedBatch | None:
+    def next_batch(self, budgets: Budgets, accept: Callable[[QueueEntry], bool] | None = None
+                   ) -> PlannedBatch | None:
         """Pop the FIFO prefix that fits every budget, or None when nothing fits (or nothing waits).
 
         The head request is taken even when it alone exceeds the prefill-token budget (it was
         admitted against the replica's own limits), but never when its pages do not fit: FIFO
         order is kept, so a large head waits for pages rather than being overtaken.
+
+        `accept` (the routing rule): entries it refuses are passed over and stay queued in place,
+        for another replica; the FIFO order above holds among the entries it accepts.
         """
         self.drop_dead()
         taken: list[QueueEntry] = []
+        left: list[QueueEntry] = []
         prefill = blocks = 0
         while self._entries and len(taken) < budgets.max_batch_size:
             entry = self._entries[0]
+            if accept is not None and not accept(entry):
+                left.append(self._entries.popleft())
+                continue
             need = request_blocks(entry.request, budgets.block_size)
             prompt = len(entry.request.input_ids)
             if not self._fits(budgets, taken, prefill + prompt, blocks + need):
@@ -145,6 +153,7 @@ class RequestQueue:
             self._prompt_tokens -= prompt
             prefill += prompt
             blocks += need
+        self._entries.extendleft(reversed(left))
         if not taken:
             return None
         return PlannedBatch(self.batch_ids.next(), tuple(taken), blocks, budgets.block_size)

@@ -14,7 +14,7 @@ import asyncio
 import itertools
 import logging
 from collections import Counter
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 
 from router.batches import InboxItem, LiveBatch
@@ -119,6 +119,7 @@ class Replicas(Mapping[ReplicaId, ReplicaHandle]):
         self._ids = itertools.count(0)
         self._roles: Counter[State] = Counter()  # replicas in each state, kept by `_moved`
         self.on_move: Observer | None = None  # told of every state change after the counts
+        self.on_info: Callable[[ReplicaState], None] | None = None  # told of every Info a replica gave
         self._limits: ServingLimits | None = None  # of the serving replicas; None: to be computed
         self._decode: dict[ReplicaId, ReplicaState] = {}  # the replicas in State.DECODE, kept by `_moved`
 
@@ -167,6 +168,8 @@ class Replicas(Mapping[ReplicaId, ReplicaHandle]):
     def _info_changed(self, state: ReplicaState) -> None:
         if state.role in SERVING:
             self._limits = None
+        if self.on_info is not None:
+            self.on_info(state)
 
     def serving(self) -> list[ReplicaInfo]:
         """Info of every replica in a serving role."""

@@ -31,15 +31,17 @@ from router.links import PeerLinks
 from router.loops import ReplicaWorker
 from router.metrics import RouterMetrics
 from router.migration import Migrations
+from router.prefix_routing import PrefixRouting
 from router.queue import Budgets, RequestQueue
 from router.registry import ReplicaHandle, Replicas, fabric_conflict
 from router.replica_api import Connect
 from router.replicas import SERVING, Heartbeats, ReplicaState, ReplicaView, State, Trigger
 from router.requests import RequestStream, now
+from router.routing import Routing
 from router.scaling.autoscaler import Autoscaler
 from router.scaling.rates import Rates
 from router.scaling.timeline import Timeline
-from router.strategies.base import MigrationStrategy
+from router.strategies.base import MigrationStrategy, Mode
 from router.types import BatchId, GenerateRequest, ReplicaId, RequestId, StepResult, TokenDecoder
 from router.wakeup import Wakeups
 
@@ -69,6 +71,8 @@ class ClusterScheduler:
         self.wakeups = Wakeups()
         self.replicas = Replicas()
         self.replicas.on_move = self._moved
+        self.replicas.on_info = self._info
+        self.prefix = PrefixRouting(Routing(config.routing), config.routing_max_load, self.metrics)
         self.requests = Requests(self.metrics, clock, decoder, self.wakeups, config.max_requeues)
         self.heartbeats = Heartbeats(config.heartbeat_timeout)
         self._strategy = strategies.get(config.strategy)
@@ -155,12 +159,29 @@ class ClusterScheduler:
         return self.config.model.name
 
     def take_batch(self, replica: ReplicaHandle) -> tuple[BatchId, list[Member]] | None:
-        """The next batch from the queue that fits `replica`."""
+        """The next batch from the queue that fits `replica`, of the prompts the routing rule gives it
+        (`--routing`; prompts it leaves for another replica wake that replica's loop)."""
         c = self.config
         budgets = Budgets(c.max_batch_prefill_tokens, c.max_batch_total_tokens, replica.state.free_blocks,
                           replica.block_size, c.max_batch_size)
-        taken = self.requests.take(budgets)
+        accept = self.prefix.wants(replica.state, self._prefill_candidates(), self.wakeups.replica)
+        taken = self.requests.take(budgets, accept)
         return None if taken is None else (taken[0].id, taken[1])
+
+    def _prefill_candidates(self) -> list[ReplicaState]:
+        """Live replicas whose loop takes batches from the queue under the current strategy."""
+        has_decode = self.replicas.has_decode()
+        takes = (Mode.PREFILL, Mode.COLOCATED)
+        return [h.state for h in self.replicas.values()
+                if h.state.alive and self._strategy.mode(h.state.role, has_decode) in takes]
+
+    def prefill_done(self, replica: ReplicaHandle, members: Iterable[Member], result: StepResult) -> None:
+        """`replica` prefilled `members` (the prefix index and the hit-rate metrics learn of it)."""
+        self.prefix.prefilled(replica.state, members, result)
+
+    def step_done(self, replica: ReplicaHandle, result: StepResult) -> None:
+        """A decode step on `replica` answered (the prefix index drops what it evicted)."""
+        self.prefix.stepped(replica.id, result)
 
     def new_batch_id(self) -> BatchId:
         """An unused batch id."""
@@ -216,6 +237,7 @@ class ClusterScheduler:
             log.warning("replica %s has no weights loaded: registering it inactive", address)
             role = State.INACTIVE
         handle = self.replicas.add(address, info, role, client, registered)
+        self.prefix.info(handle.id, info)
         handle.state.since = self.clock()
         self.timeline.write("replica", replica=handle.id, address=address, state=role, rank=info.rank)
         self._start_loop(handle)
@@ -231,6 +253,10 @@ class ClusterScheduler:
         self.metrics.update_replicas([state])
         self.metrics.count_states(h.state.role for h in self.replicas.values())
         self.wakeups.all()
+
+    def _info(self, state: ReplicaState) -> None:
+        """A replica's Info replaced the router's: rebuild its prefix index entry from it."""
+        self.prefix.info(state.id, state.info)
 
     def _start_loop(self, handle: ReplicaHandle) -> None:
         self.heartbeats.beat(handle.id, self.clock())
@@ -267,6 +293,7 @@ class ClusterScheduler:
         log.warning("replica %s (%s) is dead: %s", rid, handle.state.address, reason)
         handle.state.move(State.DEAD, Trigger.DIED)
         self.heartbeats.forget(rid)
+        self.prefix.dead(rid)
         if handle.task is not None and handle.task is not asyncio.current_task():
             handle.task.cancel()
         on_it = self.requests.on(rid)

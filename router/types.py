@@ -128,6 +128,7 @@ class Route:
     loading_prefill: bool = False  # prefilled (at least its first layers) by a replica still loading
     relay_replica: ReplicaId | None = None  # the loaded replica that finished such a prefill
     requeues: int = 0  # times it was re-run elsewhere after a replica failed
+    cached_tokens: int = 0  # prompt tokens its (last) prefill found in the replica's prefix cache
 
 
 @dataclass(frozen=True)
@@ -263,6 +264,7 @@ class Generation:
     tokens: tuple[TokenInfo, ...]
     prefill_tokens: tuple[TokenInfo, ...] = ()
     finished: Finished | None = None
+    cached_tokens: int = 0  # prompt tokens the prefill took from the prefix cache (prefill steps)
 
 
 @dataclass(frozen=True)
@@ -271,6 +273,7 @@ class StepResult:
 
     generations: tuple[Generation, ...]
     batch: CachedBatch | None
+    evicted_page_hashes: tuple[int, ...] = ()  # prefix-cache pages the call evicted (PageHash)
 
 
 @dataclass(frozen=True)
@@ -292,6 +295,8 @@ class ReplicaInfo:
     num_cached_batches: int = 0
     device_type: str = "cpu"
     fabric: str = ""  # the fabric moving its KV and weights ("tcp", "cuda-ipc", "nccl", "rdma"; "": unknown)
+    prefix_cache: bool = False  # automatic prefix caching is on
+    cached_page_hashes: tuple[int, ...] = ()  # PageHash of every full page it caches or holds
 
     @property
     def loaded(self) -> bool:

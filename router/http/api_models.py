@@ -28,6 +28,13 @@ class Route(_Answer):
                                               "receiving its weights (live scaling)")
     relay_replica: int | None = Field(description="the loaded replica that finished such a prefill")
     requeues: int = Field(description="times it ran again on another replica after a replica failed")
+    cached_tokens: int = Field(0, description="prompt tokens its prefill found in the replica's prefix cache")
+
+
+class PromptTokensDetails(_Answer):
+    """What OpenAI and vLLM say of the prompt's tokens."""
+
+    cached_tokens: int = Field(description="prompt tokens the prefill took from the prefix cache")
 
 
 class Usage(_Answer):
@@ -36,6 +43,7 @@ class Usage(_Answer):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None
 
 
 class CompletionLogprobs(_Answer):

@@ -33,13 +33,17 @@ def finite(logprob: float) -> float:
     return logprob if math.isfinite(logprob) else LOGPROB_FLOOR
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
-    """OpenAI's usage object."""
-    return {
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None) -> dict[str, Any]:
+    """OpenAI's usage object; with `cached_tokens`, its `prompt_tokens_details.cached_tokens` (prompt
+    tokens the prefill found in the replica's prefix cache, as vLLM and OpenAI report them)."""
+    body: dict[str, Any] = {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
     }
+    if cached_tokens is not None:
+        body["prompt_tokens_details"] = {"cached_tokens": cached_tokens}
+    return body
 
 
 def route_dict(route: Route) -> dict[str, Any]:
@@ -53,6 +57,7 @@ def route_dict(route: Route) -> dict[str, Any]:
         "loading_prefill": route.loading_prefill,
         "relay_replica": route.relay_replica,
         "requeues": route.requeues,
+        "cached_tokens": route.cached_tokens,
     }
 
 
@@ -210,11 +215,11 @@ class OpenAIAnswer:
         body["pdcluster_route"] = route_dict(self.finish.route)
         return body
 
-    def usage(self) -> dict[str, int]:
-        """Prompt and completion token counts (from the finish event when there is one)."""
+    def usage(self) -> dict[str, Any]:
+        """Prompt, completion and cached prompt token counts (from the finish event when there is one)."""
         if self.finish is None:
             return usage(len(self.prompt_tokens), len(self.tokens))
-        return usage(self.finish.prompt_tokens, self.finish.generated_tokens)
+        return usage(self.finish.prompt_tokens, self.finish.generated_tokens, self.finish.route.cached_tokens)
 
     def _logprobs(self, tokens: list[TokenInfo], first_offset: int) -> dict[str, Any] | None:
         if not self.ctx.logprobs:

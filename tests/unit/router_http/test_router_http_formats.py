@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 
@@ -74,7 +75,8 @@ def test_chat_answer_non_stream_with_logprobs_and_route() -> None:
     entries = choice["logprobs"]["content"]
     assert entries[0]["bytes"] == [32, 104, 105] and entries[0]["top_logprobs"][1]["token"] == "z"
     assert entries[1]["logprob"] == -9999.0  # -inf is not JSON
-    assert body["usage"] == {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}
+    assert body["usage"] == {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5,
+                             "prompt_tokens_details": {"cached_tokens": 0}}
     assert body["pdcluster_route"]["decode_replica"] == 5
     json.dumps(body, allow_nan=False)
 
@@ -91,6 +93,18 @@ def test_completion_stream_chunks_hold_back_stop_text() -> None:
     assert final["pdcluster_route"]["migration_bytes"] == 1024
     assert answer.usage_chunk()["choices"] == [] and answer.usage_chunk()["usage"]["total_tokens"] == 5
     assert answer.final_object()["choices"][0]["text"] == " a "
+
+
+def test_usage_reports_the_prompt_tokens_found_in_the_prefix_cache() -> None:
+    answer = OpenAIAnswer(_ctx(True, include_usage=True))
+    answer.on_prefill(PrefillEvent())
+    answer.on_token(TokenEvent(_tok(5, " hi"), 0))
+    finish = FinishEvent(text=" hi", reason=FinishReason.LENGTH, generated_tokens=1, prompt_tokens=40,
+                         route=dataclasses.replace(ROUTE, cached_tokens=32))
+    answer.final_chunk(answer.on_finish(finish))
+    for usage in (answer.usage_chunk()["usage"], answer.final_object()["usage"]):
+        assert usage["prompt_tokens_details"] == {"cached_tokens": 32} and usage["prompt_tokens"] == 40
+    assert answer.final_object()["pdcluster_route"]["cached_tokens"] == 32
 
 
 def test_completion_echo_logprobs_cover_prompt_then_completion() -> None:

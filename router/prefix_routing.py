@@ -1,0 +1,109 @@
+"""Cache-aware routing, wired: which queued prompt a replica's loop should take, and what the
+router learns of each replica's prefix cache.
+
+```
+ take_batch(R) ─► wants(R, entry): choose() over the prefill candidates ─► take it, or leave it
+                   (routing.py: the rule)           ▲                      for the replica chosen
+ prefilled(R, members, result) ─► PrefixIndex.add / evict (prefix_index.py) + hit-rate metrics
+ stepped(R, result) ─► evict;  info(R) ─► rebuild from Info.cached_page_hashes;  dead(R) ─► drop
+```
+The router keeps one FIFO queue that every prefill loop takes from (queue.py), so the rule is
+applied at batch time: a loop passes over a prompt whose best replica is another one (its prefix is
+cached there and that replica is not over the load bound), leaving it in place, and wakes that
+replica's loop. One queue rather than one per replica keeps a dead or draining replica from
+stranding prompts, and the decision sees every replica's load at the moment a batch is cut.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+
+from router.batches import Member
+from router.metrics import RouterMetrics
+from router.page_hash import prompt_page_hashes
+from router.prefix_index import PrefixIndex
+from router.queue import QueueEntry
+from router.replicas import ReplicaState
+from router.routing import Candidate, Routing, choose
+from router.types import ReplicaId, ReplicaInfo, RequestId, StepResult
+
+_MAX_MEMO = 1 << 14  # requests whose page hashes are kept between batch cuts
+
+
+class PrefixRouting:
+    """The prefix index, the routing rule and the memo of each queued prompt's page hashes."""
+
+    def __init__(self, routing: Routing, max_load: int, metrics: RouterMetrics,
+                 index: PrefixIndex | None = None) -> None:
+        self.routing = routing
+        self.max_load = max_load
+        self.metrics = metrics
+        self.index = index or PrefixIndex()
+        self._memo: dict[tuple[RequestId, int, int], tuple[int, ...]] = {}
+
+    def hashes(self, request_id: RequestId, tokens: Sequence[int], block_size: int) -> tuple[int, ...]:
+        """The prompt's full-page hashes (memoized per request, prompt length and page size)."""
+        key = (request_id, len(tokens), block_size)
+        found = self._memo.get(key)
+        if found is None:
+            if len(self._memo) >= _MAX_MEMO:
+                self._memo.clear()
+            found = self._memo[key] = prompt_page_hashes(tokens, block_size)
+        return found
+
+    def choice(self, entry: QueueEntry, candidates: Sequence[ReplicaState]) -> Candidate | None:
+        """Where `entry`'s prefill should run among `candidates` (None: no candidate)."""
+        cands = []
+        for rep in candidates:
+            hashes = self.hashes(entry.request_id, entry.request.input_ids, rep.info.block_size)
+            cands.append(Candidate(rep.id, self.index.cached_pages(rep.id, hashes), len(rep.held)))
+        return choose(cands, self.routing, self.max_load)
+
+    def wants(self, replica: ReplicaState, candidates: Sequence[ReplicaState],
+              wake: Callable[[ReplicaId], None]) -> Callable[[QueueEntry], bool]:
+        """The queue's filter for `replica`'s next batch: True for the prompts it should take; a
+        prompt left for another replica wakes that replica's loop."""
+        if self.routing is Routing.LOAD or len(candidates) < 2:
+            return lambda entry: True
+        woken: set[ReplicaId] = set()
+
+        def accept(entry: QueueEntry) -> bool:
+            best = self.choice(entry, candidates)
+            if best is None or best.replica == replica.id:
+                return True
+            # only a cached prefix is worth waiting for; an even load split is the least loaded's
+            if best.cached_pages == 0:
+                return True
+            if best.replica not in woken:
+                woken.add(best.replica)
+                wake(best.replica)
+            return False
+
+        return accept
+
+    def prefilled(self, replica: ReplicaState, members: Iterable[Member], result: StepResult) -> None:
+        """`replica` prefilled these members: it holds their full prompt pages now (when its prefix
+        cache is on); count the prompt tokens and those it took from its cache."""
+        self.stepped(replica.id, result)
+        cached = {g.request_id: g.cached_tokens for g in result.generations}
+        prompt = hit = 0
+        for m in members:
+            tokens = m.request.input_ids
+            if replica.info.prefix_cache:
+                self.index.add(replica.id, self.hashes(m.state.id, tokens, replica.info.block_size))
+            prompt += len(tokens)
+            hit += cached.get(m.state.id, 0)
+        self.metrics.prefix_cache(str(replica.id), prompt, hit)
+
+    def stepped(self, replica: ReplicaId, result: StepResult) -> None:
+        """A call on `replica` answered: drop the pages it reports evicted."""
+        if result.evicted_page_hashes:
+            self.index.evict(replica, result.evicted_page_hashes)
+
+    def info(self, replica: ReplicaId, info: ReplicaInfo) -> None:
+        """`replica` (re)registered or was polled: its Info lists every page it holds."""
+        self.index.reset(replica, info.cached_page_hashes if info.prefix_cache else ())
+
+    def dead(self, replica: ReplicaId) -> None:
+        """`replica` died or left: it holds nothing any more."""
+        self.index.drop(replica)
