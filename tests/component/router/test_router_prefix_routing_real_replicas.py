@@ -1,0 +1,57 @@
+"""Cache-aware routing over real replicas (tiny model, prefix cache on): the second turn of a
+conversation goes to the replica holding its first turn's pages, which takes them from its cache
+(`cached_tokens` in the route and in the hit-rate metric); under `--routing load` a second turn
+gets a cached prefix only where it happens to land on that replica. Tokens equal transformers."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from router.config import Strategy
+from router.replicas import State
+from tests.helpers.router_core import (
+    collect,
+    finish_of,
+    greedy,
+    pages_back,
+    real_cluster,
+    request,
+    run,
+    tokens_of,
+)
+
+BLOCK = 16  # the real replicas' page size
+
+
+@pytest.mark.parametrize("routing", ["cache-aware", "load"])
+def test_second_turn_goes_to_the_replica_holding_its_prefix(routing: str, tiny_llama: Path,
+                                                            tmp_path: Path) -> None:
+    want = greedy(tiny_llama)
+
+    async def body() -> None:
+        roles = (State.COLOCATED, State.COLOCATED)
+        async with real_cluster(tiny_llama, tmp_path, roles, Strategy.COLOCATED,
+                                routing=routing) as (sched, replicas):
+            prompt_tokens = hit_tokens = 0
+            for conv in range(3):  # three conversations: a lucky pick passes one, not three
+                turn1 = [3 + (i * 7 + conv * 13) % 50 for i in range(2 * BLOCK + 8)]  # 2 pages + a part
+                first = await collect(sched.submit(request(turn1, 6)))
+                home = finish_of(first).route.prefill_replica
+                assert finish_of(first).route.cached_tokens == 0
+                turn2 = turn1 + tokens_of(first) + [11, 12, 13, 14]
+                second = await collect(sched.submit(request(turn2, 6)))
+                assert tokens_of(second) == want(turn2, 6)
+                route = finish_of(second).route
+                if routing == "cache-aware":
+                    assert (route.prefill_replica, route.cached_tokens) == (home, 2 * BLOCK)
+                else:
+                    assert route.cached_tokens == (2 * BLOCK if route.prefill_replica == home else 0)
+                prompt_tokens += len(turn1) + len(turn2)
+                hit_tokens += route.cached_tokens
+            await pages_back(replicas)
+            assert sched.metrics.prefix_hit_rate._value.get() == (  # type: ignore[attr-defined]
+                pytest.approx(hit_tokens / prompt_tokens))
+            assert hit_tokens > 0 or routing == "load"
+    run(body())
