@@ -51,7 +51,7 @@ def test_second_turn_goes_to_the_replica_holding_its_prefix(routing: str, tiny_l
                 prompt_tokens += len(turn1) + len(turn2)
                 hit_tokens += route.cached_tokens
             await pages_back(replicas)
-            assert sched.metrics.prefix_hit_rate._value.get() == (  # type: ignore[attr-defined]
+            assert sched.metrics.prefix_hit_rate._value.get() == (
                 pytest.approx(hit_tokens / prompt_tokens))
             assert hit_tokens > 0 or routing == "load"
     run(body())
