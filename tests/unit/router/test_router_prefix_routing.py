@@ -2,15 +2,28 @@
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
 
 from replica.kv.page_hash import page_hashes as replica_page_hashes
+from router.metrics import RouterMetrics
 from router.page_hash import page_hash, prompt_page_hashes
 from router.prefix_index import PrefixIndex
+from router.prefix_routing import PrefixRouting
+from router.queue import Budgets, QueueEntry, RequestQueue
+from router.replicas import ReplicaState, State
 from router.routing import Candidate, Routing, choose
-from router.types import ReplicaId
+from router.types import (
+    GenerateRequest,
+    ReplicaId,
+    ReplicaInfo,
+    RequestId,
+    SamplingParams,
+    StepResult,
+    StoppingParams,
+)
 
 R1, R2, R3 = ReplicaId(1), ReplicaId(2), ReplicaId(3)
 
@@ -94,3 +107,62 @@ def test_load_routing_ignores_the_cache() -> None:
     cands = [Candidate(R1, 9, 3), Candidate(R2, 0, 2)]
     assert choose(cands, Routing.LOAD, max_load=8).replica == R2  # type: ignore[union-attr]
     assert choose([], Routing.LOAD, 8) is None and choose([], Routing.CACHE_AWARE, 8) is None
+
+
+# ---- the rule at batch time: the queue's filter -----------------------------------------------------
+
+def _entry(rid: int, prompt: list[int]) -> QueueEntry:
+    req = GenerateRequest(tuple(prompt), SamplingParams(), StoppingParams(4))
+    return QueueEntry(RequestId(rid), req, lambda: True)
+
+
+def _replica(rid: ReplicaId, held: int = 0) -> ReplicaState:
+    info = ReplicaInfo("m", "float32", 2, 4, 64, 64, int(rid), 1024, 2048, prefix_cache=True)
+    state = ReplicaState(rid, f"r{rid}", info, State.COLOCATED)
+    state.held = {RequestId(1000 + i): 1 for i in range(held)}
+    return state
+
+
+def test_a_loop_leaves_a_prompt_cached_elsewhere_in_place_and_wakes_that_replica() -> None:
+    routing = PrefixRouting(Routing.CACHE_AWARE, max_load=4, metrics=RouterMetrics())
+    r1, r2 = _replica(R1), _replica(R2)
+    shared = list(range(1, 9))  # two full pages of 4
+    routing.index.add(R2, prompt_page_hashes(shared, 4))
+    queue = RequestQueue()
+    for rid, prompt in ((1, [*shared, 50]), (2, [7, 7, 7, 7, 7]), (3, [*shared, 60])):
+        queue.push(_entry(rid, prompt))
+    woken: list[ReplicaId] = []
+    budgets = Budgets(1000, 10_000, 100, 4, 64)
+    batch = queue.next_batch(budgets, routing.wants(r1, [r1, r2], woken.append))
+    assert batch is not None and [e.request_id for e in batch.entries] == [2]
+    assert woken == [R2] and [e.request_id for e in queue] == [1, 3]  # left in FIFO order
+    batch = queue.next_batch(budgets, routing.wants(r2, [r1, r2], woken.append))
+    assert batch is not None and [e.request_id for e in batch.entries] == [1, 3] and len(queue) == 0
+
+
+def test_a_loaded_home_replica_or_load_routing_lets_any_loop_take_the_prompt() -> None:
+    shared = list(range(1, 9))
+    for routing, home_load in ((Routing.CACHE_AWARE, 5), (Routing.LOAD, 0)):
+        rule = PrefixRouting(routing, max_load=4, metrics=RouterMetrics())
+        rule.index.add(R2, prompt_page_hashes(shared, 4))
+        r1, r2 = _replica(R1), _replica(R2, held=home_load)
+        accept = rule.wants(r1, [r1, r2], lambda r: None)
+        assert accept(_entry(1, [*shared, 9]))
+
+
+def test_the_index_learns_from_prefills_evictions_info_and_deaths() -> None:
+    metrics = RouterMetrics()
+    routing = PrefixRouting(Routing.CACHE_AWARE, max_load=4, metrics=metrics)
+    r1 = _replica(R1)
+    hashes = prompt_page_hashes(list(range(1, 10)), 4)
+    routing.info(R1, dataclasses.replace(r1.info, cached_page_hashes=hashes))
+    assert routing.index.cached_pages(R1, hashes) == 2
+    routing.stepped(R1, StepResult((), None, evicted_page_hashes=(hashes[0],)))
+    assert routing.index.cached_pages(R1, hashes) == 0
+    routing.info(R1, dataclasses.replace(r1.info, prefix_cache=False, cached_page_hashes=hashes))
+    assert routing.index.pages(R1) == 0  # a replica without a prefix cache holds nothing for us
+    routing.index.add(R1, hashes)
+    routing.dead(R1)
+    assert routing.index.pages(R1) == 0
+    metrics.prefix_cache("1", 40, 32)
+    assert metrics.prefix_hit_rate._value.get() == 0.8
