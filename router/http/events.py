@@ -18,7 +18,7 @@ import asyncio
 import contextlib
 import json
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import TypeVar
+from typing import Protocol, TypeVar
 
 import anyio
 from starlette.responses import StreamingResponse
@@ -130,10 +130,16 @@ async def collect(feed: EventFeed, observe: Callable[[Event], None] | None = Non
     return events
 
 
+class Closable(Protocol):
+    """What a stream closes when it ends: one request's `EventFeed`, or the feeds of its samples."""
+
+    async def close(self) -> None: ...
+
+
 class EventStreamResponse(StreamingResponse):
     """An SSE response that closes the scheduler's iterator however the stream ends."""
 
-    def __init__(self, body: AsyncIterator[str], feed: EventFeed, headers: dict[str, str] | None = None):
+    def __init__(self, body: AsyncIterator[str], feed: Closable, headers: dict[str, str] | None = None):
         super().__init__(body, media_type="text/event-stream", headers={**SSE_HEADERS, **(headers or {})})
         self._feed = feed
         self._body = body

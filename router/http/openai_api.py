@@ -21,6 +21,7 @@ from router.http.errors import APIError, Flavor, error_body
 from router.http.events import ClientGone, EventFeed, EventStreamResponse, failed_event, sse
 from router.http.openai_format import OpenAIAnswer, OpenAIContext
 from router.http.responses import dumps, json_response
+from router.http.samples import merged, sample_requests, start_samples, summed_usage
 from router.http.schemas import ChatCompletionRequest, CompletionRequest
 from router.http.structured import openai_grammar
 from router.http.tools import (
@@ -108,7 +109,7 @@ async def completions(request: Request) -> Response:
     ctx = _context(request, "cmpl", False, stops, want_logprobs, body.stream, body.stream_options)
     if body.echo:
         ctx = OpenAIContext(**{**ctx.__dict__, "echo": text})
-    return await _answer(request, req, ctx, body.stream)
+    return await _answer(request, req, ctx, body.stream, n=body.n)
 
 
 @router.post("/v1/chat/completions")
@@ -155,7 +156,7 @@ async def chat_completions(request: Request) -> Response:
         grammar=tools.grammar or openai_grammar(body.response_format),
     )
     ctx = _context(request, "chatcmpl", True, stops, body.logprobs, body.stream, body.stream_options)
-    return await _answer(request, req, ctx, body.stream, tools)
+    return await _answer(request, req, ctx, body.stream, tools, body.n)
 
 
 def _completion_prompt(
@@ -202,8 +203,15 @@ def _context(
 
 
 async def _answer(
-    request: Request, req: GenerateRequest, ctx: OpenAIContext, stream: bool, tools: ToolPlan = NO_TOOLS
+    request: Request,
+    req: GenerateRequest,
+    ctx: OpenAIContext,
+    stream: bool,
+    tools: ToolPlan = NO_TOOLS,
+    n: int = 1,
 ) -> Response:
+    if n > 1:
+        return await _answer_samples(request, req, ctx, stream, tools, n)
     try:
         feed, first = await start(request, req, OPENAI)
     except ClientGone:
@@ -230,6 +238,65 @@ async def _answer(
     return json_response(final, headers=headers)
 
 
+async def _answer_samples(
+    request: Request, req: GenerateRequest, ctx: OpenAIContext, stream: bool, tools: ToolPlan, n: int
+) -> Response:
+    """n samples of one prompt (samples.py): one object with n choices, or one interleaved stream."""
+    try:
+        group, firsts = await start_samples(request, sample_requests(req, n), OPENAI)
+    except ClientGone:
+        return gone_response()
+    answers = [OpenAIAnswer(ctx) for _ in range(n)]
+    if stream:
+        streams = [
+            _stream(
+                answer, first, feed, None if tools.mode is ToolMode.NONE else ToolStream(tools), last=False
+            )
+            for answer, first, feed in zip(answers, firsts, group.feeds, strict=True)
+        ]
+        return EventStreamResponse(_samples_stream(answers, streams), group, {"x-request-id": ctx.request_id})
+    finals = []
+    try:
+        for answer, first, feed in zip(answers, firsts, group.feeds, strict=True):
+            for event in await finish_all(request, feed, first, OPENAI):
+                _fold(answer, event)
+            final = answer.final_object()
+            if tools.mode is not ToolMode.NONE:
+                choice = final["choices"][0]
+                choice["message"], choice["finish_reason"] = finished_message(
+                    tools, answer.text, choice["finish_reason"]
+                )
+            finals.append(final)
+    except ClientGone:
+        await group.close()
+        return gone_response()
+    except APIError:
+        await group.close()
+        raise
+    whole = finals[0]
+    whole["choices"] = [{**final["choices"][0], "index": i} for i, final in enumerate(finals)]
+    whole["usage"] = summed_usage([final["usage"] for final in finals])
+    headers = {"x-request-id": ctx.request_id, "x-pdcluster-route": dumps(whole["pdcluster_route"])}
+    return json_response(whole, headers=headers)
+
+
+async def _samples_stream(
+    answers: list[OpenAIAnswer], streams: list[AsyncIterator[str]]
+) -> AsyncIterator[str]:
+    """The samples' chunks interleaved, then (every sample finished) the usage chunk and [DONE]; a
+    sample that failed ended its part with its error event, and the stream ends without [DONE]."""
+    async for chunk in merged(streams):
+        yield chunk
+    if any(answer.finish is None for answer in answers):
+        return
+    tail = ""
+    if answers[0].ctx.include_usage:
+        body = answers[0].usage_chunk()
+        body["usage"] = summed_usage([answer.usage() for answer in answers])
+        tail = sse(dumps(body))
+    yield tail + sse("[DONE]")
+
+
 def _fold(answer: OpenAIAnswer, event: Event) -> str:
     if isinstance(event, PrefillEvent):
         answer.on_prefill(event)
@@ -241,10 +308,11 @@ def _fold(answer: OpenAIAnswer, event: Event) -> str:
 
 
 async def _stream(
-    answer: OpenAIAnswer, first: Event, feed: EventFeed, calls: ToolStream | None = None
+    answer: OpenAIAnswer, first: Event, feed: EventFeed, calls: ToolStream | None = None, last: bool = True
 ) -> AsyncIterator[str]:
     """SSE chunks: (role | echo), one per token, the finish with the route, (usage), [DONE]; with
-    tools, content pieces and tool-call deltas as `calls` splits them."""
+    tools, content pieces and tool-call deltas as `calls` splits them. `last=False` (one sample of
+    several) leaves the usage and [DONE] to the caller."""
     ctx = answer.ctx
     if ctx.chat:
         yield sse(dumps(answer.chunk("", [], role=True)))
@@ -259,6 +327,9 @@ async def _stream(
             piece = _fold(answer, event)
             if isinstance(event, FinishEvent):
                 # One write for the finish, the usage and [DONE]: they are ready together.
+                if not last:
+                    yield _finish_with_calls(answer, piece, calls)
+                    return
                 usage = sse(dumps(answer.usage_chunk())) if ctx.include_usage else ""
                 yield _finish_with_calls(answer, piece, calls) + usage + sse("[DONE]")
                 return

@@ -29,6 +29,7 @@ WHOLE = BeforeValidator(_whole_number)
 Int = Annotated[int, WHOLE]
 Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]
 Seed = Annotated[int, Field(ge=0, le=2**63 - 1), WHOLE]
+MAX_SAMPLES = 16  # `n`: samples of one prompt in one request
 
 
 class _Strict(BaseModel):
@@ -70,7 +71,7 @@ class _OpenAISampling(_Strict):
     repetition_penalty: Annotated[float, Field(gt=0.0)] | None = None
     stop: str | list[str] | None = None
     seed: Seed | None = None
-    n: Int = 1
+    n: Annotated[int, Field(ge=1, le=MAX_SAMPLES), WHOLE] = 1  # samples of the prompt (samples.py)
     logit_bias: dict[str, float] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None

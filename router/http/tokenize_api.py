@@ -93,7 +93,9 @@ async def detokenize(request: Request) -> Response:
         await request.body(), DetokenizeRequest, Flavor.OPENAI, backend.info.ignore_unknown_fields
     )
     check_model(body.model, backend.info)
-    vocab = backend.tokenizer.vocab_size
+    vocab, most = backend.tokenizer.vocab_size, backend.info.max_total_tokens
+    if len(body.tokens) > most:
+        raise APIError(f"at most {most} token ids (max_model_len)", 400, param="tokens")
     if any(t >= vocab for t in body.tokens):
         raise APIError(f"token ids must be in [0, {vocab})", 400, param="tokens")
     return json_response({"prompt": backend.tokenizer.decode(body.tokens, skip_special_tokens=False)})

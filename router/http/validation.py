@@ -65,8 +65,6 @@ def check_model(name: str | None, info: ServingInfo) -> None:
 
 def check_openai_unsupported(body: _OpenAISampling) -> None:
     """Refuse OpenAI features the replicas cannot honour instead of silently ignoring them."""
-    if body.n != 1:
-        raise APIError("only n=1 is supported", 400, param="n", code="unsupported_value")
     if body.stream_options is not None and not body.stream:
         raise APIError("stream_options is only allowed when stream is true", 400, param="stream_options")
 

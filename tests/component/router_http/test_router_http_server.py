@@ -228,7 +228,7 @@ BAD_OPENAI = [
     ("/v1/completions", {"prompt": []}, 400, "prompt"),
     ("/v1/completions", {"prompt": [5, 100000]}, 400, "prompt"),
     ("/v1/completions", {"prompt": ["a", "b"]}, 400, "prompt"),
-    ("/v1/completions", {"prompt": "hello", "n": 2}, 400, "n"),
+    ("/v1/completions", {"prompt": "hello", "n": 17}, 400, "n"),
     ("/v1/completions", {"prompt": "hello", "logit_bias": {"999999": 1.0}}, 400, "logit_bias"),
     ("/v1/completions", {"prompt": "hello", "logit_bias": {"5": 101.0}}, 400, "logit_bias"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "logit_bias": {"a": 1}}, 400,

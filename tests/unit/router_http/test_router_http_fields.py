@@ -210,7 +210,7 @@ def test_every_completion_field_is_honoured_or_refused(client: TestClient) -> No
     verdicts = _walk(
         client, "/v1/completions", {"prompt": "hello world", "max_tokens": 4}, fields, COMPLETION_SAMPLES
     )
-    assert {k for k, v in verdicts.items() if v == "refused"} == {"best_of", "model", "n", "suffix"}
+    assert {k for k, v in verdicts.items() if v == "refused"} == {"best_of", "model", "suffix"}
 
 
 def test_every_chat_field_is_honoured_or_refused(client: TestClient) -> None:
@@ -219,7 +219,7 @@ def test_every_chat_field_is_honoured_or_refused(client: TestClient) -> None:
     verdicts = _walk(client, "/v1/chat/completions", base, fields, CHAT_SAMPLES)
     unknown = fields - set(ChatCompletionRequest.model_fields)
     assert {"functions", "function_call", "audio", "modalities", "store", "metadata"} <= unknown
-    assert {k for k, v in verdicts.items() if v == "refused"} == unknown | {"model", "n"}
+    assert {k for k, v in verdicts.items() if v == "refused"} == unknown | {"model"}
 
 
 def test_every_tgi_parameter_is_honoured_or_refused(client: TestClient) -> None:
@@ -252,8 +252,8 @@ def test_unknown_fields_are_dropped_with_the_router_flag(tmp_path: Path) -> None
         answer = http.post("/v1/completions", json={"prompt": "hello", "max_tokens": 2, "store": True})
         assert answer.status_code == 200
         answer = http.post(
-            "/v1/completions", json={"prompt": "hello", "max_tokens": 2, "n": 2, "store": True}
+            "/v1/completions", json={"prompt": "hello", "max_tokens": 2, "best_of": 2, "store": True}
         )
-        assert (answer.status_code, answer.json()["error"]["param"]) == (400, "n")  # known: still refused
+        assert (answer.status_code, answer.json()["error"]["param"]) == (400, "best_of")  # still refused
         schema = http.get("/openapi.json").json()["components"]["schemas"]["CompletionRequest"]
         assert schema.get("additionalProperties", True) is not False

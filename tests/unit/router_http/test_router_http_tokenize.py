@@ -65,6 +65,7 @@ def test_detokenize_round_trip_and_refusals(served: tuple[TestClient, FakeSchedu
     assert http.post("/detokenize", json={"tokens": [1, 45, 46]}).json() == {"prompt": "<s> the cat"}
     for body, status, param in (
         ({"tokens": [1, 10_000]}, 400, "tokens"),
+        ({"tokens": [1] * 65}, 400, "tokens"),
         ({"tokens": [-1]}, 400, "tokens.0"),
         ({"tokens": [1], "model": "other"}, 404, "model"),
         ({"tokens": [1], "skip_special_tokens": True}, 400, "skip_special_tokens"),

@@ -93,7 +93,8 @@ def test_openai_unsupported_features() -> None:
         return CompletionRequest.model_validate({"prompt": "x", **fields})
 
     check_openai_unsupported(body(logit_bias={"3": 1.0}))
-    assert _refused(check_openai_unsupported, body(n=2)).param == "n"
+    check_openai_unsupported(body(n=2))  # n samples: samples.py
+    assert _refused(parse_body, b'{"prompt": "x", "n": 17}', CompletionRequest, OA).param == "n"
     assert _refused(check_openai_unsupported, body(stream_options={"include_usage": True})).status == 400
 
 
