@@ -45,6 +45,7 @@ class RequestState:
     grammar: GrammarState | None = None  # structured output: advanced by every accepted token
     cached_tokens: int = 0  # prompt tokens whose K/V a prefill took from the prefix cache
     page_hashes: list[int] = field(default_factory=list)  # PageHash of pages[0..], as far as registered
+    shared_upto: int = 0  # a prefill only: prompt tokens later requests of its batch share (computed first)
 
     @property
     def id(self) -> RequestId:

@@ -97,8 +97,12 @@ class Engine:
         With `use_prefix_cache` (a local prefill), each prompt's longest cached run of full pages is
         shared instead of allocated and counts as already computed (`num_cached`); the last prompt
         token is always computed (its logits choose the first token), and a request asking for
-        prompt logprobs shares nothing (every prompt token's logprob needs its forward). Without it
-        (a migration's destination or a layer-level prefill writes every page itself) nothing is shared.
+        prompt logprobs shares nothing (every prompt token's logprob needs its forward). A request
+        whose full prompt pages match an earlier request's of the same batch further than the cache
+        does (n samples of one prompt, a shared system prompt) shares that request's pages too: the
+        earlier one (its `shared_upto`) must then be computed that far before the batch's forward,
+        which `prefill` does. Without it (a migration's destination or a layer-level prefill writes
+        every page itself) nothing is shared.
         """
         self.store.check_new(spec.id, [r.id for r in spec.requests])
         tokenize = self.detok.encode if self.detok.available else None
@@ -114,7 +118,18 @@ class Engine:
             self.blocks.pages_for(len(p) + r.stopping.max_new_tokens) - len(pages)
             for (r, p), (pages, _h) in zip(pairs, shared, strict=True)
         ]
+        leaders = self._in_batch_leaders(shared) if use_prefix_cache else [None] * len(shared)
+        for i, lead in enumerate(leaders):
+            if lead is not None:
+                counts[i] -= lead[1] - len(shared[i][0])
+                shared[i] = ([], shared[i][1])
         page_lists = self.blocks.allocate_many(counts, [pages for pages, _h in shared])
+        for i, lead in enumerate(leaders):
+            if lead is not None:  # the leader's first pages, held once more (its list is final: j < i)
+                pages = page_lists[lead[0]][: lead[1]]
+                self.blocks.share(pages)
+                page_lists[i] = pages + page_lists[i]
+                shared[i] = (pages, shared[i][1])
         requests = [
             self._new_request(r, p, pages, g)
             for (r, p), pages, g in zip(pairs, page_lists, grammars, strict=True)
@@ -122,7 +137,32 @@ class Engine:
         for request, (pages, hashes) in zip(requests, shared, strict=True):
             request.num_cached = request.cached_tokens = len(pages) * block
             request.page_hashes = hashes[: len(pages)]
+        for lead in leaders:
+            if lead is not None:
+                leader = requests[lead[0]]
+                leader.shared_upto = max(leader.shared_upto, lead[1] * block)
         return Batch(id=spec.id, requests=requests)
+
+    @staticmethod
+    def _in_batch_leaders(shared: list[tuple[list[PageId], list[int]]]) -> list[tuple[int, int] | None]:
+        """Per request: (earlier request, pages) to share when it matches more full pages than the cache.
+
+        Only a request that follows nobody leads (one wave of computing before the batch's forward).
+        """
+        leaders: list[tuple[int, int] | None] = []
+        for i, (cached, hashes) in enumerate(shared):
+            best: tuple[int, int] | None = None
+            for j in range(i):
+                if leaders[j] is not None:
+                    continue
+                other = shared[j][1]
+                common = 0
+                while common < min(len(hashes), len(other)) and hashes[common] == other[common]:
+                    common += 1
+                if common > max(len(cached), best[1] if best else 0):
+                    best = (j, common)
+            leaders.append(best)
+        return leaders
 
     def _cached_prefix(self, spec: RequestSpec, prompt: list[int]) -> tuple[list[PageId], list[int]]:
         """(pages, hashes) of the longest cached run of full pages before the prompt's last token."""
@@ -198,7 +238,7 @@ class Engine:
         self.readiness.require_complete("a NORMAL prefill")
         batch = self.admit(spec, use_prefix_cache=True)
         try:
-            chunks_ns = self._prefill_chunks(batch.requests)
+            chunks_ns = self._prefill_leaders(batch.requests) + self._prefill_chunks(batch.requests)
             generations, times = self._step(batch.requests, with_prompt_logprobs=True)
         except BaseException:
             self.blocks.free(batch.pages())
@@ -208,6 +248,30 @@ class Engine:
         evicted = tuple(self.blocks.take_evicted())
         forward_ns = chunks_ns + times.forward_ns
         return StepResult(tuple(generations), info, forward_ns, times.decode_ns, total, 0, evicted)
+
+    def _prefill_leaders(self, requests: Sequence[RequestState]) -> int:
+        """Compute the pages later requests of the batch share (`shared_upto`) before the batch's forward,
+        in chunks of `prefill_chunk_tokens` (one forward if 0); returns the nanoseconds spent."""
+        start = time.perf_counter_ns()
+        budget = self.limits.prefill_chunk_tokens or sum(len(r.tokens) for r in requests)
+        while True:
+            left, inputs, fed = budget, [], []
+            for request in requests:
+                take = min(request.shared_upto - request.num_cached, left)
+                if take <= 0:
+                    continue
+                first = request.num_cached
+                inputs.append(SeqInput(request.tokens[first : first + take], request.pages, first))
+                fed.append((request, take))
+                left -= take
+                if not left:
+                    break
+            if not inputs:
+                return time.perf_counter_ns() - start
+            self.runner.forward(inputs)
+            for request, take in fed:
+                request.num_cached += take
+                self.register_pages(request)
 
     def _prefill_chunks(self, requests: Sequence[RequestState]) -> int:
         """Chunked prefill: forward the prompts' leading tokens `prefill_chunk_tokens` at a time until

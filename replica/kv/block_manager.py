@@ -149,6 +149,18 @@ class BlockManager:
                 self._hold(page)
         return [prefix + self.allocate(count) for prefix, count in zip(prefixes, counts, strict=True)]
 
+    def share(self, pages: Sequence[PageId]) -> None:
+        """Hold each of `pages` (all held already) once more; `PageNotOwned` (nothing changed) otherwise.
+
+        Requests of one batch sharing a prefix computed in that batch share its pages before they are
+        named by a hash.
+        """
+        for page in set(pages):
+            if not 0 <= page < self._num_blocks or self._refs[page] == 0:
+                raise PageNotOwned(f"page {page} is not held: only a held page can be shared")
+        for page in pages:
+            self._refs[page] += 1
+
     def _hold(self, page: PageId) -> None:
         if self._refs[page] == 0:
             del self._cached[page]

@@ -95,9 +95,17 @@ def test_prefix_cache_matches_transformers(
     check(prompts["first"], runner.run(prompts["first"], max_new))
     # full pages with K/V: 14 + 4 and 17 + 4 tokens hold 4 + 5 pages, the system prompt's two counted once
     assert engine.info().num_blocks_cached == (7 if prefix_cache else 0)
+    assert runner.cached[1] == (8 if prefix_cache else 0)  # the system prompt computed once in the batch
     check(prompts["again"], runner.run(prompts["again"], max_new))
     shared = [runner.cached[i] for i in (2, 3, 4)]
     assert shared == ([8, 8, 8] if prefix_cache else [0, 0, 0])  # the third: its last token computed
+
+    # n samples of one prompt (sent as n requests): its full pages are computed once
+    samples = [prompts["other"][0][:13]] * 3
+    check(samples, runner.run(samples, max_new))
+    assert [runner.cached[runner.next_id - 3 + i] for i in range(3)] == (
+        [0, 12, 12] if prefix_cache else [0] * 3
+    )
 
     # two turns of one conversation: the second prompt carries the first one's answer
     turn1 = prompts["first"][1] + [7, 8, 9]

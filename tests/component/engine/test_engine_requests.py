@@ -226,9 +226,11 @@ def _refusals(engine: Engine) -> list[tuple[Callable[[], object], type[Exception
         ),  # more tokens "generated before" than the prompt has
         (lambda: engine.prefill(BatchSpec(BatchId(9), (_req(1, [1] * 50, 500),))), ResourceExhausted),
         (
-            lambda: engine.prefill(BatchSpec(BatchId(9), tuple(_req(i, [1] * 100, 60) for i in range(4)))),
+            lambda: engine.prefill(
+                BatchSpec(BatchId(9), tuple(_req(i, [1 + i] * 100, 60) for i in range(4)))
+            ),
             ResourceExhausted,
-        ),  # 4 x 20 pages > the 61 free pages
+        ),  # 4 x 20 pages > the 61 free pages (distinct prompts: identical ones would share their prefix)
         (
             lambda: engine.prefill(
                 BatchSpec(BatchId(9), (_req(1, [1], truncate=None, inputs=""), _req(2, [], inputs="")))

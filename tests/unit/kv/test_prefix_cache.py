@@ -96,6 +96,19 @@ def test_a_hash_kept_elsewhere_is_not_registered_twice() -> None:
     assert sorted(bm.cached_hashes()) == [7]
 
 
+def test_share_holds_held_pages_once_more() -> None:
+    bm = BlockManager(4, 2)
+    pages = bm.allocate(2)
+    bm.share(pages[:1])
+    assert bm.refs(pages[0]) == 2 and bm.num_used == 2
+    with pytest.raises(PageNotOwned):
+        bm.share([pages[1], PageId(3)])  # page 3 is free: nothing shared
+    assert bm.refs(pages[1]) == 1
+    bm.free(pages + pages[:1])
+    assert bm.num_free == 4
+    bm.check()
+
+
 def test_cache_off_keeps_nothing() -> None:
     bm = BlockManager(4, 2, prefix_cache=False)
     pages = bm.allocate(2)

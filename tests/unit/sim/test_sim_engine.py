@@ -123,8 +123,8 @@ def _refusals(engine: Engine) -> list[tuple[Callable[[], object], type[Exception
         (lambda: engine.prefill(BatchSpec(BatchId(9), (_req(100, [1]),))), InvalidArgument),
         (lambda: engine.prefill(BatchSpec(BatchId(100), (ok,))), AlreadyExists),
         (lambda: engine.prefill(BatchSpec(BatchId(9), (_req(1, [1] * 1100),))), ResourceExhausted),
-        (lambda: engine.prefill(BatchSpec(BatchId(9), tuple(_req(i, [1] * 300, 40) for i in range(4)))),
-         ResourceExhausted),  # 4 x 22 pages > the 62 free
+        (lambda: engine.prefill(BatchSpec(BatchId(9), tuple(_req(i, [1 + i] * 300, 40) for i in range(4)))),
+         ResourceExhausted),  # 4 x 22 pages > the 62 free (distinct prompts: identical ones share a prefix)
         (lambda: engine.prefill(BatchSpec(BatchId(9), (_req(1, [1], sampling=SamplingParams(
             temperature=math.nan)),))), InvalidArgument),
         (lambda: engine.decode([DecodeInput(BatchId(12345))]), NotFound),
