@@ -68,6 +68,12 @@ class Host(Protocol):
         """Keep the roles the cluster needs (a prefill replica in a disaggregated cluster)."""
         ...
 
+    def decode_preference(self, live: LiveBatch, receivers: Sequence[ReplicaState], need: int,
+                          chosen: ReplicaState) -> ReplicaState:
+        """The routing rule's say on a batch's destination (`chosen` by the strategy): a receiver
+        that fits the batch and holds more of its prompts' prefix, or `chosen`."""
+        ...
+
 
 class Migrations:
     """Hand-off tasks, destination reservations and the moves of a batch between replicas."""
@@ -123,7 +129,10 @@ class Migrations:
             if src.state.role in LOCAL_ROLES:
                 return None
             token = self.wakeups.moves.token()
-            chosen = choose(self.replicas.receivers(src), need, self.max_inbound)
+            receivers = self.replicas.receivers(src)
+            chosen = choose(receivers, need, self.max_inbound)
+            if chosen is not None and live is not None and chosen.role is State.DECODE:
+                chosen = self.host.decode_preference(live, receivers, need, chosen)
             if chosen is not None:
                 chosen.inbound += 1
                 chosen.promised += need

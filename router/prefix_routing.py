@@ -4,6 +4,7 @@ router learns of each replica's prefix cache.
 ```
  take_batch(R) ─► wants(R, entry): choose() over the prefill candidates ─► take it, or leave it
                    (routing.py: the rule)           ▲                      for the replica chosen
+ destination(batch, decode replicas) ─► a prefilled batch's decode replica, the same rule
  prefilled(R, members, result) ─► PrefixIndex.add / evict (prefix_index.py) + hit-rate metrics
  stepped(R, result) ─► evict;  info(R) ─► rebuild from Info.cached_page_hashes;  dead(R) ─► drop
 ```
@@ -23,7 +24,7 @@ from router.metrics import RouterMetrics
 from router.page_hash import prompt_page_hashes
 from router.prefix_index import PrefixIndex
 from router.queue import QueueEntry
-from router.replicas import ReplicaState
+from router.replicas import ReplicaState, State
 from router.routing import Candidate, Routing, choose
 from router.types import ReplicaId, ReplicaInfo, RequestId, StepResult
 
@@ -80,6 +81,27 @@ class PrefixRouting:
             return False
 
         return accept
+
+    def destination(self, members: Iterable[Member], receivers: Sequence[ReplicaState], need: int,
+                    max_inbound: int, chosen: ReplicaState) -> ReplicaState:
+        """A prefilled batch's decode replica: among the decode replicas with room for it (`need`
+        pages, an inbound slot), the one holding the longest cached prefix of its prompts (summed)
+        under the load bound; `chosen` (the strategy's pick) when none holds any, or under `load`."""
+        fits = [r for r in receivers
+                if r.role is State.DECODE and r.inbound < max_inbound and r.free_blocks >= need]
+        if self.routing is Routing.LOAD or len(fits) < 2:
+            return chosen
+        prompts = [(m.state.id, m.request.input_ids) for m in members]
+
+        def held(r: ReplicaState) -> int:
+            return sum(self.index.cached_pages(r.id, self.hashes(rid, tokens, r.info.block_size))
+                       for rid, tokens in prompts)
+
+        cands = [Candidate(r.id, held(r), len(r.held)) for r in fits]
+        best = choose(cands, self.routing, self.max_load)
+        if best is None or best.cached_pages == 0:
+            return chosen
+        return next(r for r in fits if r.id == best.replica)
 
     def prefilled(self, replica: ReplicaState, members: Iterable[Member], result: StepResult) -> None:
         """`replica` prefilled these members: it holds their full prompt pages now (when its prefix

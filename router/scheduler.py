@@ -18,11 +18,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from router import strategies
-from router.batches import Member
+from router.batches import LiveBatch, Member
 from router.cluster import LoopLimits
 from router.config import RouterConfig
 from router.errors import PeerFailed, ReplicaCallError, ReplicaRejected, ReplicaUnavailable, out_of_pages
@@ -178,6 +178,12 @@ class ClusterScheduler:
     def prefill_done(self, replica: ReplicaHandle, members: Iterable[Member], result: StepResult) -> None:
         """`replica` prefilled `members` (the prefix index and the hit-rate metrics learn of it)."""
         self.prefix.prefilled(replica.state, members, result)
+
+    def decode_preference(self, live: LiveBatch, receivers: Sequence[ReplicaState], need: int,
+                          chosen: ReplicaState) -> ReplicaState:
+        """A migrating batch's decode replica by the routing rule (`chosen`: the strategy's pick)."""
+        return self.prefix.destination(live.members.values(), receivers, need,
+                                       self.config.max_inbound_migrations, chosen)
 
     def step_done(self, replica: ReplicaHandle, result: StepResult) -> None:
         """A decode step on `replica` answered (the prefix index drops what it evicted)."""

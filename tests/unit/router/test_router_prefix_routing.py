@@ -166,3 +166,23 @@ def test_the_index_learns_from_prefills_evictions_info_and_deaths() -> None:
     assert routing.index.pages(R1) == 0
     metrics.prefix_cache("1", 40, 32)
     assert metrics.prefix_hit_rate._value.get() == 0.8
+
+
+def test_a_batchs_decode_replica_is_the_one_holding_its_prefix_when_it_has_room() -> None:
+    from router.batches import Member
+    from router.requests import RequestState
+
+    rule = PrefixRouting(Routing.CACHE_AWARE, max_load=4, metrics=RouterMetrics())
+    d1, d2 = (dataclasses.replace(_replica(r), _role=State.DECODE) for r in (R1, R2))
+    prompt = list(range(1, 10))
+    state = RequestState(RequestId(1), _entry(1, prompt).request, lambda: 0.0, None)  # type: ignore[arg-type]
+    members = [Member(state, 0, state.current())]
+    assert rule.destination(members, [d1, d2], 4, 2, d1) is d1  # nobody holds it: the strategy's pick
+    rule.index.add(R2, prompt_page_hashes(prompt, 4))
+    assert rule.destination(members, [d1, d2], 4, 2, d1) is d2
+    d2.inbound = 2  # no inbound slot left on it
+    assert rule.destination(members, [d1, d2], 4, 2, d1) is d1
+    d2.inbound = 0
+    assert rule.destination(members, [d1, d2], 100, 2, d1) is d1  # no room for the batch there
+    load = PrefixRouting(Routing.LOAD, max_load=4, metrics=RouterMetrics(), index=rule.index)
+    assert load.destination(members, [d1, d2], 4, 2, d1) is d1
