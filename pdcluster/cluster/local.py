@@ -128,6 +128,11 @@ class UpConfig:
     dtype: str = field(default="", metadata={"help": (
         "torch engine: the replicas' weight and KV dtype, float32, bfloat16 or float16 (empty: each "
         "device's default, float32 on the CPU and bfloat16 on CUDA)")})
+    routing: str = field(default="cache-aware", metadata={"choices": ["cache-aware", "load"], "help": (
+        "the router's --routing: cache-aware (a prompt to the replica holding its longest cached "
+        "prefix, within --routing-max-load) or load (the least loaded)")})
+    prefix_cache: bool = field(default=True, metadata={"help": (
+        "the replicas' automatic prefix caching (--no-prefix-cache: every prompt computed whole)")})
 
     def __post_init__(self) -> None:
         self.model = Path(self.model)
@@ -166,8 +171,8 @@ class UpConfig:
                              "config.json the replicas can read")
 
     def router_args(self) -> list[str]:
-        """The router flags of `--scaling` and `--router-flag`."""
-        args = ["--scaling", self.scaling]
+        """The router flags of `--scaling`, `--routing` and `--router-flag`."""
+        args = ["--scaling", self.scaling, "--routing", self.routing]
         for flag in self.router_flag:
             name, _, value = flag.partition("=")
             args += [f"--{name}", value]
@@ -193,6 +198,8 @@ class UpConfig:
             args.append("--no-grpc-frontend")  # a sleeping engine holds no GIL: one process is enough
         if self.dtype:
             args += ["--dtype", self.dtype]
+        if not self.prefix_cache:
+            args.append("--no-prefix-cache")
         if self.disk_gbps:
             args += ["--disk-gbps", str(self.disk_gbps)]
         if self.host_gbps:

@@ -32,11 +32,11 @@ import os
 import signal
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from pdcluster.bench.serving.prompts import PromptMaker
+from pdcluster.bench.serving.prompts import PromptMaker, with_prefix
 from pdcluster.bench.serving.sender import Served, model_vocab_size, probe, send_all
 from pdcluster.bench.serving.stats import (
     RequestRecord,
@@ -110,6 +110,16 @@ class BenchServingConfig:
         "prefill replica, the decode replicas' gRPC fronts, this load generator) on the other cores; the "
         "in-process run on the first decode core")})
     seed: int = field(default=0, metadata={"help": "seed of arrivals and prompts"})
+    shared_prefix_len: int = field(default=0, metadata={"help": (
+        "a shared-system-prompt load: every prompt starts with the same this many tokens")})
+    routing: str = field(default="cache-aware", metadata={"choices": ["cache-aware", "load"], "help": (
+        "local cluster: the router's --routing")})
+    prefix_cache: bool = field(default=True, metadata={"help": (
+        "local cluster: the replicas' automatic prefix caching")})
+    compare_prefix_cache: bool = field(default=False, metadata={"help": (
+        "local cluster: run the workload three times, on a fresh cluster each: cache-aware routing, "
+        "load routing, and cache-aware with --no-prefix-cache; report each (prefix hit rate, TTFT, "
+        "prefill tokens computed, KV bytes migrated) and the cache-aware run's ratios to the others")})
     max_model_len: int = field(default=0, metadata={"help": (
         "--url: context length when the server tells none (it has no /info and no max_model_len)")})
     vocab_size: int = field(default=0, metadata={"help": (
@@ -130,6 +140,10 @@ class BenchServingConfig:
         parse_slos(self.slo)
         if self.engine_spec.simulated and self.url:
             raise ValueError("--engine simulated starts a local cluster: give --model, not --url")
+        if self.shared_prefix_len < 0:
+            raise ValueError("--shared-prefix-len must be >= 0")
+        if self.compare_prefix_cache and self.url:
+            raise ValueError("--compare-prefix-cache starts local clusters: give --model, not --url")
 
     @property
     def engine_spec(self) -> EngineSpec:
@@ -140,6 +154,16 @@ class BenchServingConfig:
 
 def run(config: BenchServingConfig) -> int:
     """CLI runner: benchmark, print and write the summary."""
+    if config.compare_prefix_cache:
+        return run_prefix_comparison(config)
+    summary = measure(config)
+    _print(summary)
+    return 0 if summary["failed"] == 0 else 1
+
+
+def measure(config: BenchServingConfig) -> dict[str, Any]:
+    """One benchmark run (a local cluster started and stopped when no --url); its summary, written
+    to --json with the per-request lines."""
     # SIGTERM unwinds like Ctrl-C, so a local cluster this started is stopped too.
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
     placement = placement_of(config)
@@ -166,8 +190,7 @@ def run(config: BenchServingConfig) -> int:
     finally:
         os.sched_setaffinity(0, cores)
     _write(config, summary, records)
-    _print(summary)
-    return 0 if summary["failed"] == 0 else 1
+    return summary
 
 
 def _exit_on_sigterm(signum: int, frame: object) -> None:
@@ -186,7 +209,10 @@ def _run_client(config: BenchServingConfig, url: str) -> dict[str, Any]:
 async def _bench(config: BenchServingConfig, url: str) -> dict[str, Any]:
     served = probe(url, config.max_model_len, config.vocab_size or model_vocab_size(config.model))
     arrivals = _workload(config, served)
-    prompts = PromptMaker(config.seed, served.vocab_size).prompts(arrivals)
+    maker = PromptMaker(config.seed, served.vocab_size)
+    prompts = maker.prompts(arrivals)
+    if config.shared_prefix_len:
+        prompts = with_prefix(prompts, maker.system_prompt(config.shared_prefix_len))
     records, duration, _ = await send_all(url, served.model_id, arrivals, prompts, config.request_timeout,
                                           _progress())
     summary = summarize(records, duration, parse_slos(config.slo))
@@ -200,6 +226,9 @@ async def _bench(config: BenchServingConfig, url: str) -> dict[str, Any]:
             "output_len": config.output_len,
             "trace": str(config.trace) if config.trace else None,
             "strategy": config.strategy or None,
+            "shared_prefix_len": config.shared_prefix_len,
+            "routing": None if config.url else config.routing,
+            "prefix_cache": None if config.url else config.prefix_cache,
             "engine": _engine_label(config.engine_spec),
             "_records": records,
         }
@@ -319,11 +348,66 @@ def up_config(config: BenchServingConfig) -> UpConfig:
         ready_timeout=config.startup_timeout, engine=config.engine, gpu=config.gpu,
         model_card=config.model_card, byte_scale=config.byte_scale, profile=config.profile,
     )
+    up.routing, up.prefix_cache = config.routing, config.prefix_cache
     if config.strategy:
         up.strategy = config.strategy
     if config.num_blocks:
         up.num_blocks = config.num_blocks
     return up
+
+
+# ------------------------------------------------------------------------- prefix-cache comparison
+PREFIX_RUNS = {  # name: (routing, prefix cache)
+    "cache_aware": ("cache-aware", True),
+    "load": ("load", True),
+    "no_prefix_cache": ("cache-aware", False),
+}
+PREFIX_KEYS = ("completed", "failed", "duration", "prefix_hit_rate", "cached_prompt_tokens",
+               "prefill_tokens_computed", "kv_bytes_migrated", "median_ttft_ms", "p99_ttft_ms",
+               "median_tpot_ms", "p99_tpot_ms", "request_throughput")
+
+
+def run_prefix_comparison(config: BenchServingConfig) -> int:
+    """The same workload on three fresh local clusters (`PREFIX_RUNS`), one after the other; the
+    summary holds each run's and the cache-aware run's ratios to the other two."""
+    runs: dict[str, dict[str, Any]] = {}
+    for name, (routing, cache) in PREFIX_RUNS.items():
+        out = config.json.with_name(f"{config.json.stem}.{name}.json") if config.json else None
+        one = replace(config, compare_prefix_cache=False, in_process=False, routing=routing,
+                      prefix_cache=cache, json=out)
+        print(f"bench serving: run {name} (--routing {routing}, prefix cache {'on' if cache else 'off'})",
+              file=sys.stderr, flush=True)
+        runs[name] = measure(one)
+    summary = {"runs": runs, **prefix_ratios(runs)}
+    if config.json is not None:
+        config.json.parent.mkdir(parents=True, exist_ok=True)
+        config.json.write_text(json.dumps(summary, indent=2, default=str, allow_nan=False) + "\n")
+    print("=" * 20, "prefix cache comparison", "=" * 20)
+    print(f"{'':<26}" + "".join(f"{n:>18}" for n in runs))
+    for key in PREFIX_KEYS:
+        cells = [runs[n].get(key, 0) for n in runs]
+        print(f"{key:<26}" + "".join(f"{v:>18.3f}" if isinstance(v, float) else f"{v:>18}" for v in cells))
+    for key, value in prefix_ratios(runs).items():
+        print(f"{key:<44} {value:.3f}")
+    return 0 if all(r["failed"] == 0 for r in runs.values()) else 1
+
+
+def prefix_ratios(runs: dict[str, dict[str, Any]]) -> dict[str, float]:
+    """The cache-aware run against each other run: the share of prefill tokens it did not compute,
+    and its TTFT P50 / P99 speed-up (theirs ÷ its; 0 when a figure is missing or zero)."""
+    mine = runs["cache_aware"]
+    out: dict[str, float] = {}
+
+    def over(a: float, b: float) -> float:
+        return a / b if b else 0.0
+
+    for other in ("load", "no_prefix_cache"):
+        theirs = runs[other]
+        out[f"prefill_tokens_saved_vs_{other}"] = 1.0 - over(mine["prefill_tokens_computed"],
+                                                            theirs["prefill_tokens_computed"])
+        out[f"ttft_p50_speedup_vs_{other}"] = over(theirs["median_ttft_ms"], mine["median_ttft_ms"])
+        out[f"ttft_p99_speedup_vs_{other}"] = over(theirs["p99_ttft_ms"], mine["p99_ttft_ms"])
+    return out
 
 
 # -------------------------------------------------------------------------------------- output
@@ -351,6 +435,9 @@ def _print(summary: dict[str, Any]) -> None:
         k
         for k in (
             "request_goodput",
+            "prefix_hit_rate",
+            "prefill_tokens_computed",
+            "kv_bytes_migrated",
             "cluster_steady_decode_tokens_per_s",
             "steady_window_s",
             "cluster_decode_tokens_per_s",

@@ -54,6 +54,16 @@ class PromptMaker:
             ids.extend(self._ids(f"request:{index}", arrival.input_len - len(ids)))
         return ids
 
+    def system_prompt(self, n: int) -> list[int]:
+        """`n` ids every request of a shared-system-prompt load starts with."""
+        return self._ids("system", n)
+
     def prompts(self, arrivals: Sequence[Arrival]) -> list[list[int]]:
         """The prompt of every request, by index."""
         return [self.prompt(i, a) for i, a in enumerate(arrivals)]
+
+
+def with_prefix(prompts: Sequence[Sequence[int]], prefix: Sequence[int]) -> list[list[int]]:
+    """Each prompt with its first tokens replaced by `prefix` (lengths kept; a prompt shorter than
+    the prefix is its start)."""
+    return [list(prefix[: len(p)]) + list(p[len(prefix):]) for p in prompts]

@@ -122,6 +122,7 @@ def summarize(records: Sequence[RequestRecord], duration: float, slos: dict[str,
         summary["request_goodput"] = sum(meets(r, slos) for r in records) / span
         summary["slos_ms"] = dict(slos)
         summary["slo_attainment"] = attainment(records, slos)
+    summary.update(prefix_summary(done))
     for metric in METRICS:
         values_ms = [v * 1000.0 for v in _samples(records, metric)]
         summary[f"mean_{metric}_ms"] = statistics.fmean(values_ms) if values_ms else 0.0
@@ -130,6 +131,19 @@ def summarize(records: Sequence[RequestRecord], duration: float, slos: dict[str,
         for q in PERCENTILES:
             summary[f"p{q:g}_{metric}_ms"] = percentile(values_ms, q)
     return summary
+
+
+def prefix_summary(records: Sequence[RequestRecord]) -> dict[str, Any]:
+    """What the prefix cache saved, from the routes pdcluster reports (a server without them: none
+    cached): prompt tokens found cached, the hit rate, prompt tokens computed, KV bytes migrated."""
+    prompt = sum(r.input_len for r in records)
+    cached = sum(int((r.route or {}).get("cached_tokens") or 0) for r in records)
+    return {
+        "cached_prompt_tokens": cached,
+        "prefix_hit_rate": cached / prompt if prompt else 0.0,
+        "prefill_tokens_computed": prompt - cached,
+        "kv_bytes_migrated": sum(int((r.route or {}).get("migration_bytes") or 0) for r in records),
+    }
 
 
 def cluster_decode_rate(records: Sequence[RequestRecord]) -> float:
