@@ -23,7 +23,7 @@ from router.batches import Member
 from router.metrics import RouterMetrics
 from router.page_hash import prompt_page_hashes
 from router.prefix_index import PrefixIndex
-from router.queue import QueueEntry
+from router.queue import QueueEntry, request_blocks
 from router.replicas import ReplicaState, State
 from router.routing import Candidate, Routing, choose
 from router.types import ReplicaId, ReplicaInfo, RequestId, StepResult
@@ -57,7 +57,10 @@ class PrefixRouting:
         cands = []
         for rep in candidates:
             hashes = self.hashes(entry.request_id, entry.request.input_ids, rep.info.block_size)
-            cands.append(Candidate(rep.id, self.index.cached_pages(rep.id, hashes), len(rep.held)))
+            load = len(rep.held)
+            if rep.free_blocks < request_blocks(entry.request, rep.info.block_size):
+                load = max(load, self.max_load + 1)  # no room for it now: not worth waiting for
+            cands.append(Candidate(rep.id, self.index.cached_pages(rep.id, hashes), load))
         return choose(cands, self.routing, self.max_load)
 
     def wants(self, replica: ReplicaState, candidates: Sequence[ReplicaState],

@@ -186,3 +186,12 @@ def test_a_batchs_decode_replica_is_the_one_holding_its_prefix_when_it_has_room(
     assert rule.destination(members, [d1, d2], 100, 2, d1) is d1  # no room for the batch there
     load = PrefixRouting(Routing.LOAD, max_load=4, metrics=RouterMetrics(), index=rule.index)
     assert load.destination(members, [d1, d2], 4, 2, d1) is d1
+
+
+def test_a_home_without_free_pages_for_the_prompt_does_not_hold_it_back() -> None:
+    rule = PrefixRouting(Routing.CACHE_AWARE, max_load=4, metrics=RouterMetrics())
+    shared = list(range(1, 9))
+    rule.index.add(R2, prompt_page_hashes(shared, 4))
+    r1, r2 = _replica(R1), _replica(R2)
+    r2.hold({RequestId(7): 64})  # every page of r2 held
+    assert rule.wants(r1, [r1, r2], lambda r: None)(_entry(1, [*shared, 9]))
