@@ -4,7 +4,8 @@ choice directly, through the CPU's per-row path (`choose_next`) and the batched 
 (`replica/engine/validation.check_sampling`): denormal and extreme temperatures and penalties,
 logit biases, frequency / presence penalties, top-k / top-p / typical-p, float32 and bfloat16
 logits with extreme values, and rows a grammar mask left with a few allowed tokens (-inf
-elsewhere). Every choice is an allowed token with a log-probability that is not NaN.
+elsewhere; real xgrammar masks: tests/component/engine/test_sampling_fuzz_grammar.py). Every
+choice is an allowed token with a log-probability that is not NaN.
 
 The regression that started it (a Schemathesis run through the router): `repetition_penalty`
 2.2250738585e-313 (the router brings it to the smallest normal float32), `frequency_penalty` 0.26
