@@ -112,3 +112,25 @@ def test_model_list_and_tokenizer_routes(cluster: LocalCluster, model_dir: Path)
     assert tokens["tokens"] == tokenizer.encode(PROMPT) and tokens["count"] == len(tokens["tokens"])
     text = httpx.post(f"{cluster.http_url}/detokenize", json={"tokens": tokens["tokens"]}, timeout=30).json()
     assert text["prompt"] == tokenizer.decode(tokens["tokens"], skip_special_tokens=False)
+
+
+def test_the_schemathesis_sampler_regression_is_answered(cluster: LocalCluster) -> None:
+    """The request that once failed a replica's batch with a 502 ("probability tensor contains either
+    inf, nan or element < 0"): a denormal repetition penalty with a frequency penalty and a bias."""
+    body = {
+        "messages": [{"role": "user", "content": "hi"}],
+        "max_tokens": 6,
+        "repetition_penalty": 2.2250738585e-313,
+        "frequency_penalty": 0.26,
+        "logit_bias": {"000000297": 3.0, "5": -1.0},
+        "seed": 3,
+    }
+    for sampled in (True, False):
+        answer = httpx.post(
+            f"{cluster.http_url}/v1/chat/completions",
+            json={**body, "temperature": 1.0 if sampled else 0},
+            timeout=60,
+        )
+        assert answer.status_code == 200, answer.text
+        assert answer.json()["usage"]["completion_tokens"] >= 1
+    wait_pages_free([r.address for r in cluster.replicas])
