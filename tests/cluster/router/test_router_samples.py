@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import openai
@@ -133,4 +134,23 @@ def test_the_schemathesis_sampler_regression_is_answered(cluster: LocalCluster) 
         )
         assert answer.status_code == 200, answer.text
         assert answer.json()["usage"]["completion_tokens"] >= 1
+    wait_pages_free([r.address for r in cluster.replicas])
+
+
+def test_n_samples_share_one_prefill(cluster: LocalCluster) -> None:
+    """The n samples reach the prefill replica in one batch, and samples 1.. reuse sample 0's full
+    prompt pages there (the replica's in-batch prefix sharing): their routes report those tokens cached."""
+    client = _client(cluster)
+    model = client.models.list().data[0].id
+    prompt = "The fishermen of the little town by the sea went out every morning before dawn " * 2
+    routes: dict[int, dict[str, Any]] = {}
+    for chunk in client.completions.create(
+        model=model, prompt=prompt, max_tokens=3, temperature=1.0, n=4, seed=5, stream=True
+    ):
+        if chunk.model_extra and "pdcluster_route" in chunk.model_extra:
+            routes[chunk.choices[0].index] = chunk.model_extra["pdcluster_route"]
+    assert sorted(routes) == [0, 1, 2, 3]
+    assert routes[0]["cached_tokens"] == 0
+    assert all(routes[i]["cached_tokens"] > 0 for i in (1, 2, 3))
+    assert len({routes[i]["migration_seconds"] for i in range(4)}) == 1  # one batch, one migration
     wait_pages_free([r.address for r in cluster.replicas])
