@@ -32,6 +32,7 @@ ROUTE = {
     "loading_prefill": False,
     "relay_replica": None,
     "requeues": 0,
+    "cached_tokens": 0,
 }
 
 
@@ -106,6 +107,8 @@ def test_completion_stream_with_usage_and_route(oai: openai.OpenAI, sched: FakeS
     assert (finish[0].model_extra or {})["pdcluster_route"] == ROUTE
     assert chunks[-1].choices == [] and chunks[-1].usage is not None
     assert chunks[-1].usage.completion_tokens == 4
+    details = chunks[-1].usage.prompt_tokens_details  # the OpenAI SDK reads it
+    assert details is not None and details.cached_tokens == 0
 
 
 def test_chat_uses_template_and_trims_stop_sequence(
