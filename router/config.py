@@ -41,11 +41,11 @@ class RouterConfig:
         + ", ".join(s.value for s in Strategy) + ")"))
     routing: str = field(default="cache-aware", metadata=_help(
         "which replica prefills a prompt: cache-aware (the one holding the longest cached prefix of "
-        "it, unless its load is over --routing-max-load; else the least loaded) or load (the least "
-        "loaded, the cache ignored)"))
-    routing_max_load: int = field(default=32, metadata=_help(
+        "it, unless its load is more than --routing-max-load over the least loaded's; else the "
+        "least loaded) or load (the least loaded, the cache ignored)"))
+    routing_max_load: int = field(default=4, metadata=_help(
         "cache-aware routing: a replica holding a prompt's prefix is passed over while it holds "
-        "pages for more than this many requests"))
+        "pages for more than this many requests over the least loaded replica"))
     admin_token: str = field(default="", metadata=_help(
         "token required in the `x-admin-token` metadata of mutating admin calls (empty = none)"))
     api_keys: Path | None = field(default=None, metadata=_help(

@@ -57,10 +57,10 @@ class PrefixRouting:
         cands = []
         for rep in candidates:
             hashes = self.hashes(entry.request_id, entry.request.input_ids, rep.info.block_size)
-            load = len(rep.held)
+            cached = self.index.cached_pages(rep.id, hashes)
             if rep.free_blocks < request_blocks(entry.request, rep.info.block_size):
-                load = max(load, self.max_load + 1)  # no room for it now: not worth waiting for
-            cands.append(Candidate(rep.id, self.index.cached_pages(rep.id, hashes), load))
+                cached = 0  # no room for it now: its prefix there is not worth waiting for
+            cands.append(Candidate(rep.id, cached, len(rep.held)))
         return choose(cands, self.routing, self.max_load)
 
     def wants(self, replica: ReplicaState, candidates: Sequence[ReplicaState],

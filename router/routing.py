@@ -4,8 +4,10 @@ A small pure function over plain facts, unit-tested without a cluster:
 
 - `load`: the least loaded candidate (ties: the lowest id).
 - `cache-aware`: the candidate with the longest cached prefix of the prompt, unless its load is
-  over `max_load` — then, and when no candidate holds any of the prefix, the least loaded one.
-  Among candidates with equally long prefixes the least loaded wins.
+  more than `max_load` over the least loaded candidate's — then, and when no candidate holds any
+  of the prefix, the least loaded one. Among candidates with equally long prefixes the least
+  loaded wins. The bound is relative: a prefix every prompt shares (a system prompt) would
+  otherwise draw every prompt to the first replica that cached it while the others stand idle.
 """
 
 from __future__ import annotations
@@ -40,7 +42,8 @@ def choose(candidates: Sequence[Candidate], routing: Routing, max_load: int) -> 
     least_loaded = min(candidates, key=lambda c: (c.load, c.replica))
     if routing is Routing.LOAD:
         return least_loaded
-    eligible = [c for c in candidates if c.load <= max_load and c.cached_pages > 0]
+    bound = least_loaded.load + max_load
+    eligible = [c for c in candidates if c.load <= bound and c.cached_pages > 0]
     if not eligible:
         return least_loaded
     return min(eligible, key=lambda c: (-c.cached_pages, c.load, c.replica))

@@ -91,8 +91,11 @@ def test_cache_aware_picks_the_longest_cached_prefix() -> None:
 
 
 def test_cache_aware_falls_back_to_least_loaded_over_the_bound() -> None:
-    cands = [Candidate(R1, 0, 2), Candidate(R2, 5, 9), Candidate(R3, 0, 1)]
+    cands = [Candidate(R1, 0, 2), Candidate(R2, 5, 10), Candidate(R3, 0, 1)]  # R2: 9 over R3
     assert choose(cands, Routing.CACHE_AWARE, max_load=8).replica == R3  # type: ignore[union-attr]
+    # the bound is relative to the least loaded: loaded alike, the prefix wins
+    busy = [Candidate(R1, 0, 12), Candidate(R2, 5, 20), Candidate(R3, 0, 13)]
+    assert choose(busy, Routing.CACHE_AWARE, max_load=8).replica == R2  # type: ignore[union-attr]
     # a shorter prefix under the bound still beats no prefix
     cands.append(Candidate(ReplicaId(4), 1, 8))
     assert choose(cands, Routing.CACHE_AWARE, max_load=8).replica == ReplicaId(4)  # type: ignore[union-attr]
