@@ -24,7 +24,7 @@ from router.types import (
 
 
 class ReplicaApi(Protocol):
-    """One replica, as the router drives it (`generate.v2`, see shared/design/REPLICA_RPC.md)."""
+    """One replica, as the router drives it (`generate.v2`, see docs/replica-rpc.md)."""
 
     address: str
 

@@ -6,8 +6,8 @@
 - `burstgpt`: CSV `Timestamp,Model,Request tokens,Response tokens,Total tokens,Log Type`; seconds from
   the trace start.
 
-(Formats as described in `../shared/data/traces/README.md`; BurstGPT's as its upstream repository
-publishes `BurstGPT_*.csv`.) Arrivals come back in seconds from the first row. Rows whose output is 0
+(Formats, sources and licenses: `docs/traces.md`; BurstGPT's as its upstream repository publishes
+`BurstGPT_*.csv`.) Arrivals come back in seconds from the first row. Rows whose output is 0
 tokens are dropped: BurstGPT logs failed requests that way, and a replayed request must generate at
 least one token. A malformed row raises `TraceError` naming the file and line.
 """

@@ -4,7 +4,7 @@
 Requests are drawn from the protobuf descriptors (tests/helpers/proto_strategies.py: every field of
 every request message), first one call of each RPC, then random sequences of calls (batches a
 Prefill cached are what a later Decode, FilterBatch or Migrate may name). Properties:
-- every answer is OK or a status of REPLICA_RPC.md "Errors", never UNKNOWN, INTERNAL, UNIMPLEMENTED;
+- every answer is OK or a status of docs/replica-rpc.md's error codes, never UNKNOWN, INTERNAL, UNIMPLEMENTED;
 - the processes stay up;
 - page accounting is exact afterwards: once the cache is cleared, Info.num_blocks_free is back to
   its start value;

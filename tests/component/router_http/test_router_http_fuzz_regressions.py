@@ -80,8 +80,9 @@ def f32(value: float) -> float:
 
 
 def replica_accepts(s: SamplingParams) -> bool:
-    """REPLICA_RPC.md: positive finite temperature and repetition_penalty, top_p and typical_p in
-    (0, 1], top_k a 32-bit count; the values as the replica gets them (32-bit floats)."""
+    """The replica's rules (replica/engine/validation.check_sampling): positive finite temperature and
+    repetition_penalty, top_p and typical_p in (0, 1], top_k a 32-bit count; the values as the
+    replica gets them (32-bit floats)."""
     positive = all(0 < f32(v) < math.inf for v in (s.temperature, s.repetition_penalty))
     in_unit = all(0 < f32(v) <= 1 for v in (s.top_p, s.typical_p))
     return positive and in_unit and 0 <= s.top_k < 2**32
