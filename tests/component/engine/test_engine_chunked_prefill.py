@@ -96,6 +96,26 @@ def test_chunked_prefill_equals_unchunked_and_transformers(
     assert with_logprobs.tokens.ids[0] == chunked[0][0]
     if result.batch is not None:
         engine.clear(result.batch.id)
+
+    # two samples of one new prompt: with the cache the first computes the shared pages in chunks first
+    fresh = torch.randint(3, engine.limits.vocab_size, (37,), generator=gen).tolist()
+    twins = [
+        RequestSpec(RequestId(20 + i), tuple(fresh), stopping=StoppingParams(max_new_tokens=max_new))
+        for i in range(2)
+    ]
+    fed.clear()
+    result = engine.prefill(BatchSpec(BatchId(3), tuple(twins)))
+    assert [g.cached_tokens for g in result.generations] == ([0, 36] if prefix_cache else [0, 0])
+    assert all(n <= CHUNK for n in fed)
+    got: dict[int, list[int]] = {20: [], 21: []}
+    while True:
+        for g in result.generations:
+            got[g.request_id].extend(g.tokens.ids)
+        if result.batch is None:
+            break
+        result = engine.decode([DecodeInput(result.batch.id)])
+    want = reference_greedy(hf, fresh, max_new)[0]
+    assert got == {20: want, 21: want}
     blocks = engine.blocks
     blocks.check()
     assert (blocks.num_used, blocks.num_free) == (0, blocks.num_blocks)
