@@ -71,7 +71,9 @@ async def send_tokens(moves: Migrations, src: ReplicaHandle, live: LiveBatch, vi
         fresh.append(Member.now(m.state))
     need = sum(member_blocks(m, live.block_size) for m in fresh)
     try:
-        dst = await via.reserve(moves, src, need)
+        # the fresh runs as the batch: the routing rule sees their prompts; all gone → Abandoned
+        runs = LiveBatch(live.cached, {m.id: m for m in fresh}, live.block_size)
+        dst = await via.reserve(moves, src, need, runs)
     except Abandoned:
         moves.requests.requeue(fresh, "prefill replica died")
         return
