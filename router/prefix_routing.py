@@ -17,7 +17,7 @@ stranding prompts, and the decision sees every replica's load at the moment a ba
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
 from router.batches import Member
 from router.metrics import RouterMetrics
@@ -52,32 +52,38 @@ class PrefixRouting:
             found = self._memo[key] = prompt_page_hashes(tokens, block_size)
         return found
 
-    def choice(self, entry: QueueEntry, candidates: Sequence[ReplicaState]) -> Candidate | None:
-        """Where `entry`'s prefill should run among `candidates` (None: no candidate)."""
+    def choice(self, entry: QueueEntry, candidates: Sequence[ReplicaState],
+               queued: Mapping[ReplicaId, int] | None = None) -> Candidate | None:
+        """Where `entry`'s prefill should run among `candidates` (None: no candidate); a replica's
+        load is the requests it holds pages for and the `queued` ones ahead of `entry` going to it."""
+        queued = queued or {}
         cands = []
         for rep in candidates:
             hashes = self.hashes(entry.request_id, entry.request.input_ids, rep.info.block_size)
             cached = self.index.cached_pages(rep.id, hashes)
             if rep.free_blocks < request_blocks(entry.request, rep.info.block_size):
                 cached = 0  # no room for it now: its prefix there is not worth waiting for
-            cands.append(Candidate(rep.id, cached, len(rep.held)))
+            cands.append(Candidate(rep.id, cached, len(rep.held) + queued.get(rep.id, 0)))
         return choose(cands, self.routing, self.max_load)
 
     def wants(self, replica: ReplicaState, candidates: Sequence[ReplicaState],
               wake: Callable[[ReplicaId], None]) -> Callable[[QueueEntry], bool]:
         """The queue's filter for `replica`'s next batch: True for the prompts it should take; a
-        prompt left for another replica wakes that replica's loop."""
+        prompt left for another replica wakes that replica's loop. The prompts ahead in the queue
+        count in the load of the replica each goes to, so a prefix every prompt shares does not
+        leave a burst waiting for one replica while this one could take them."""
         if self.routing is Routing.LOAD or len(candidates) < 2:
             return lambda entry: True
         woken: set[ReplicaId] = set()
+        queued: dict[ReplicaId, int] = {}
 
         def accept(entry: QueueEntry) -> bool:
-            best = self.choice(entry, candidates)
-            if best is None or best.replica == replica.id:
-                return True
+            best = self.choice(entry, candidates, queued)
             # only a cached prefix is worth waiting for; an even load split is the least loaded's
-            if best.cached_pages == 0:
+            if best is None or best.replica == replica.id or best.cached_pages == 0:
+                queued[replica.id] = queued.get(replica.id, 0) + 1
                 return True
+            queued[best.replica] = queued.get(best.replica, 0) + 1
             if best.replica not in woken:
                 woken.add(best.replica)
                 wake(best.replica)

@@ -198,3 +198,20 @@ def test_a_home_without_free_pages_for_the_prompt_does_not_hold_it_back() -> Non
     r1, r2 = _replica(R1), _replica(R2)
     r2.hold({RequestId(7): 64})  # every page of r2 held
     assert rule.wants(r1, [r1, r2], lambda r: None)(_entry(1, [*shared, 9]))
+
+
+def test_prompts_queued_for_a_replica_count_in_its_load() -> None:
+    """A burst sharing one cached prefix: the home replica gets `max_load` of them ahead of it,
+    the loop of an idle replica takes the rest rather than leave them waiting."""
+    rule = PrefixRouting(Routing.CACHE_AWARE, max_load=2, metrics=RouterMetrics())
+    shared = list(range(1, 9))
+    rule.index.add(R2, prompt_page_hashes(shared, 4))
+    r1, r2 = _replica(R1), _replica(R2)
+    queue = RequestQueue()
+    for rid in range(1, 7):
+        queue.push(_entry(rid, [*shared, 50 + rid]))
+    batch = queue.next_batch(Budgets(1000, 10_000, 100, 4, 64), rule.wants(r1, [r1, r2], lambda r: None))
+    # R2 keeps the first three (loads 0, 1, 2 <= 0 + 2); R1's 0 vs R2's 3: R1 takes one, then it is
+    # R2's turn again (3 <= 1 + 2), and so on
+    assert batch is not None and [e.request_id for e in batch.entries] == [4, 6]
+    assert [e.request_id for e in queue] == [1, 2, 3, 5]
