@@ -39,8 +39,11 @@ def test_inactive_replicas_need_a_checkpoint_they_can_load(tmp_path: Path) -> No
 def test_scaling_and_emulated_devices_reach_the_processes(tmp_path: Path) -> None:
     config = UpConfig(model=tmp_path, scaling="live", router_flag=["min-prefill=1", "keep-alive=2.5"],
                       disk_gbps=16.0, host_gbps=200.0, link_gbps=2.0, log_dir=tmp_path)
-    assert config.router_args() == ["--scaling", "live", "--min-prefill", "1", "--keep-alive", "2.5"]
+    assert config.router_args() == ["--scaling", "live", "--routing", "cache-aware", "--min-prefill", "1",
+                                    "--keep-alive", "2.5"]
     assert config.replica_args() == ["--disk-gbps", "16.0", "--host-gbps", "200.0"]
+    plain = UpConfig(model=tmp_path, routing="load", prefix_cache=False, log_dir=tmp_path)
+    assert plain.router_args()[2:4] == ["--routing", "load"] and "--no-prefix-cache" in plain.replica_args()
     table = load_rank_table(LocalCluster(config)._fabric_args([7001, 7002])[1])
     assert [(e.node, e.link_gbps) for e in table] == [("n0", 2.0), ("n1", 2.0)]
 
