@@ -82,7 +82,8 @@ class UpConfig:
         "share the other cores), as each would have its own device in a real deployment")})
     router_flag: list[str] = field(default_factory=list, metadata={"help": (
         "more router flags, NAME=VALUE each (e.g. min-prefill=1 max-prefill=3 keep-alive=5 "
-        "timeline=/tmp/t.jsonl; see `pdcluster router --help`)")})
+        "timeline=/tmp/t.jsonl ignore-unknown-fields=true; a boolean's true / false is --NAME / "
+        "--no-NAME; see `pdcluster router --help`)")})
     link_gbps: float = field(default=0.0, metadata={"help": (
         "emulated NIC of each replica, Gbit/s: every replica is its own node and the transfer "
         "fabric paces KV and weights to this rate (0 = loopback speed)")})
@@ -171,11 +172,15 @@ class UpConfig:
                              "config.json the replicas can read")
 
     def router_args(self) -> list[str]:
-        """The router flags of `--scaling`, `--routing` and `--router-flag`."""
+        """The router flags of `--scaling`, `--routing` and `--router-flag` (a boolean flag as the
+        cluster file writes it: `NAME=true` is `--NAME`, `NAME=false` is `--no-NAME`)."""
         args = ["--scaling", self.scaling, "--routing", self.routing]
         for flag in self.router_flag:
             name, _, value = flag.partition("=")
-            args += [f"--{name}", value]
+            if value.lower() in ("true", "false"):
+                args.append(f"--{name}" if value.lower() == "true" else f"--no-{name}")
+            else:
+                args += [f"--{name}", value]
         return args
 
     def tls_args(self) -> list[str]:
