@@ -81,6 +81,7 @@ class Engine:
         self.limits = limits
         self.meta = meta
         self.blocks = BlockManager(runner.cache.num_blocks, runner.cache.block_size, meta.prefix_cache)
+        self._weights_resets = self.readiness.resets  # the prefix cache holds K/V of these weights
         self.store = BatchStore()
         self.eos_token_ids = frozenset(runner.config.eos_token_ids)
         self.grammars = Grammars(detok.tokenizer, limits.vocab_size, self.eos_token_ids)
@@ -107,6 +108,7 @@ class Engine:
         self.store.check_new(spec.id, [r.id for r in spec.requests])
         tokenize = self.detok.encode if self.detok.available else None
         prompts = admit_batch(spec, self.limits, tokenize)
+        self._check_weights()
         pairs = list(zip(spec.requests, prompts, strict=True))
         grammars = [self._grammar(r, p) for r, p in pairs]  # before any page: a bad one changes nothing
         block = self.block_size
@@ -163,6 +165,13 @@ class Engine:
                     best = (j, common)
             leaders.append(best)
         return leaders
+
+    def _check_weights(self) -> None:
+        """Drop the prefix cache once the weights were unloaded since it was filled (ResetStatus)."""
+        resets = self.readiness.resets
+        if resets != self._weights_resets:
+            self.blocks.drop_cache()
+            self._weights_resets = resets
 
     def _cached_prefix(self, spec: RequestSpec, prompt: list[int]) -> tuple[list[PageId], list[int]]:
         """(pages, hashes) of the longest cached run of full pages before the prompt's last token."""

@@ -224,6 +224,16 @@ class BlockManager:
         self._page_of[digest] = page
         return True
 
+    def drop_cache(self) -> None:
+        """Forget every hash (the K/V they name is stale): cached pages become free, held pages stay
+        held but unnamed; every forgotten hash is reported by `take_evicted`."""
+        self._evicted.extend(self._page_of)
+        while self._cached:
+            page, _none = self._cached.popitem(last=False)
+            self._free.append(page)
+        self._hash_of.clear()
+        self._page_of.clear()
+
     def page_hash(self, page: PageId) -> int | None:
         """The hash `page` is kept under, if any."""
         return self._hash_of.get(page)

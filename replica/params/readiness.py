@@ -53,6 +53,7 @@ class ParamReadiness:
         self._head = loaded
         self._layers: set[int] = set(range(num_layers)) if loaded else set()
         self._prefix = num_layers if loaded else 0
+        self._resets = 0
 
     # ------------------------------------------------------------------------------ reading
     def snapshot(self) -> Readiness:
@@ -118,7 +119,14 @@ class ParamReadiness:
             self._embed = self._head = False
             self._layers = set()
             self._prefix = 0
+            self._resets += 1
         self._changed()
+
+    @property
+    def resets(self) -> int:
+        """How many times the weights were unloaded (K/V computed before a reset may not match after)."""
+        with self._cond:
+            return self._resets
 
     def subscribe(self, listener: Listener) -> None:
         """Call `listener(snapshot)` after every change (on the changing thread: keep it quick)."""

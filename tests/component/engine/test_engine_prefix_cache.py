@@ -129,3 +129,19 @@ def test_prefix_cache_matches_transformers(
     assert (blocks.num_used, blocks.num_free, len(engine.store)) == (0, blocks.num_blocks, 0)
     info = engine.info()
     assert info.prefix_cache is prefix_cache and len(info.cached_page_hashes) == info.num_blocks_cached
+
+
+def test_unloaded_weights_drop_the_cache(tiny_model_factory: Callable[..., Path]) -> None:
+    """K/V computed before ResetStatus may not match the weights loaded after it: nothing is shared."""
+    path = tiny_model_factory(**ARCHS["llama"])
+    engine = build_engine(ReplicaConfig(model=path, port=0, num_blocks=24, block_size=BLOCK))
+    runner = _Runner(engine)
+    prompt = list(range(3, 20))
+    first = runner.run([prompt], 2)
+    assert runner.run([prompt], 2) == first and runner.cached[1] == 16
+    hashes = set(engine.info().cached_page_hashes)
+    engine.readiness.reset()
+    engine.readiness.mark_all()  # the same weights again, as far as this test goes
+    assert runner.run([prompt], 2) == first and runner.cached[2] == 0
+    assert hashes <= set(runner.evicted)  # the router's index forgets them
+    engine.blocks.check()

@@ -109,6 +109,20 @@ def test_share_holds_held_pages_once_more() -> None:
     bm.check()
 
 
+def test_drop_cache_forgets_every_hash() -> None:
+    bm = BlockManager(4, 2)
+    held, cached = bm.allocate(1), bm.allocate(1)
+    bm.register(held[0], 1)
+    bm.register(cached[0], 2)
+    bm.free(cached)
+    bm.drop_cache()
+    assert sorted(bm.take_evicted()) == [1, 2] and bm.lookup([1]) == bm.lookup([2]) == []
+    assert (bm.num_free, bm.num_cached, bm.num_used) == (3, 0, 1)
+    bm.free(held)
+    assert (bm.num_free, bm.num_cached) == (4, 0)
+    bm.check()
+
+
 def test_cache_off_keeps_nothing() -> None:
     bm = BlockManager(4, 2, prefix_cache=False)
     pages = bm.allocate(2)
