@@ -488,7 +488,9 @@ class Engine:
         if len(self.store):
             raise FailedPrecondition("cannot resize the KV cache while batches are cached")
         self.runner = runner
+        lost = self.blocks.take_evicted() + self.blocks.cached_hashes()
         self.blocks = BlockManager(runner.cache.num_blocks, runner.cache.block_size, self.meta.prefix_cache)
+        self.blocks.note_evicted(lost)  # the router's cache index forgets them with the next response
 
 
 def _row_input(r: RequestState) -> RowInput:

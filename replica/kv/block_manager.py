@@ -234,6 +234,10 @@ class BlockManager:
         self._hash_of.clear()
         self._page_of.clear()
 
+    def note_evicted(self, hashes: Iterable[int]) -> None:
+        """Report `hashes` as evicted too (a previous manager's, when the cache was replaced)."""
+        self._evicted.extend(hashes)
+
     def page_hash(self, page: PageId) -> int | None:
         """The hash `page` is kept under, if any."""
         return self._hash_of.get(page)
