@@ -9,10 +9,7 @@ import enum
 import functools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, NamedTuple, NewType
-
-if TYPE_CHECKING:  # grammar.py imports xgrammar and torch; these types stay free of both
-    from replica.engine.grammar import GrammarState
+from typing import Any, NamedTuple, NewType, Protocol
 
 RequestId = NewType("RequestId", int)
 BatchId = NewType("BatchId", int)
@@ -157,6 +154,34 @@ class Generation(NamedTuple):
 
 # RowInput and Choice are built for every request at every step: NamedTuples are immutable like
 # frozen dataclasses but several times cheaper to construct.
+class TokenGrammar(Protocol):
+    """A request's structured-output state as sampling sees it (`grammar.GrammarState` is the one;
+    declared here so these types import neither it nor xgrammar and torch)."""
+
+    vocab_size: int
+
+    def allows(self, token: int) -> bool:
+        """Whether `token` may come next."""
+        ...
+
+    def accept(self, token: int) -> bool:
+        """Advance by `token`; False (nothing changed) when refused."""
+        ...
+
+    @property
+    def terminated(self) -> bool:
+        """Nothing may follow."""
+        ...
+
+    def first_allowed(self, order: Sequence[int], start: int) -> int:
+        """The first allowed token of `order` from `start` on (engines without logits)."""
+        ...
+
+    def fill(self, bitmask: Any, row: int) -> None:
+        """Write the allowed next tokens into row `row` of a bitmask."""
+        ...
+
+
 class RowInput(NamedTuple):
     """What choosing one request's next token needs besides its logits."""
 
@@ -164,7 +189,7 @@ class RowInput(NamedTuple):
     tokens: Sequence[int]  # prompt + generated so far
     prompt_len: int
     top_n: int = 0
-    grammar: GrammarState | None = None  # structured output: its mask applies before everything else
+    grammar: TokenGrammar | None = None  # structured output: its mask applies before everything else
     banned: tuple[int, ...] = ()  # ids masked out at this step (EOS before min_new_tokens)
 
     @property
