@@ -150,20 +150,22 @@ class Engine:
         """Per request: (earlier request, pages) to share when it matches more full pages than the cache.
 
         Only a request that follows nobody leads (one wave of computing before the batch's forward).
+        Hashes are chained, so a request holding page p's hash holds the whole prefix up to p: the
+        owner of the last matching hash leads (linear in the batch's pages).
         """
+        owner: dict[int, int] = {}  # hash -> the first leading request holding it
         leaders: list[tuple[int, int] | None] = []
         for i, (cached, hashes) in enumerate(shared):
-            best: tuple[int, int] | None = None
-            for j in range(i):
-                if leaders[j] is not None:
-                    continue
-                other = shared[j][1]
-                common = 0
-                while common < min(len(hashes), len(other)) and hashes[common] == other[common]:
-                    common += 1
-                if common > max(len(cached), best[1] if best else 0):
-                    best = (j, common)
-            leaders.append(best)
+            common, lead = 0, -1
+            while common < len(hashes) and hashes[common] in owner:
+                lead = owner[hashes[common]]
+                common += 1
+            if common > len(cached):
+                leaders.append((lead, common))
+                continue
+            leaders.append(None)
+            for digest in hashes:
+                owner.setdefault(digest, i)
         return leaders
 
     def _check_weights(self) -> None:
