@@ -1,6 +1,7 @@
 """No field silently dropped (issue 26 part 1): every field of the OpenAI SDK's request types
-(completions and chat, streaming or not), of TGI's `Parameters` (the `text-generation` client) and
-of the router's own request models is either honoured or refused with a 400 naming it.
+(completions and chat, streaming or not), of TGI's `Parameters` (the `text-generation` client and
+`huggingface_hub`'s generate parameters and chat input, TGI's own shapes) and of the router's own
+request models is either honoured or refused with a 400 naming it.
 
 Honoured means: a request carrying the field's sample value reaches the scheduler as a different
 `GenerateRequest`, or gets a different answer, than the same request without it. Refused means a
@@ -10,6 +11,7 @@ unknown until it is classified here; `--ignore-unknown-fields` drops unknown fie
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import json
 import re
@@ -18,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from huggingface_hub import ChatCompletionInput, TextGenerationInputGenerateParameters
 from openai.types import completion_create_params as completion_params
 from openai.types.chat import completion_create_params as chat_params
 from starlette.testclient import TestClient
@@ -215,15 +218,18 @@ def test_every_completion_field_is_honoured_or_refused(client: TestClient) -> No
 
 def test_every_chat_field_is_honoured_or_refused(client: TestClient) -> None:
     fields = _sdk_fields(chat_params) | set(ChatCompletionRequest.model_fields)
+    fields |= {f.name for f in dataclasses.fields(ChatCompletionInput)}  # TGI's chat (tool_prompt)
     base = {"messages": [{"role": "user", "content": "hello world"}], "max_tokens": 4}
     verdicts = _walk(client, "/v1/chat/completions", base, fields, CHAT_SAMPLES)
     unknown = fields - set(ChatCompletionRequest.model_fields)
     assert {"functions", "function_call", "audio", "modalities", "store", "metadata"} <= unknown
+    assert "tool_prompt" in unknown  # TGI's chat: the tool prompt comes from the model's template
     assert {k for k, v in verdicts.items() if v == "refused"} == unknown | {"model"}
 
 
 def test_every_tgi_parameter_is_honoured_or_refused(client: TestClient) -> None:
-    fields = set(Parameters.model_fields) | set(TGIParameters.model_fields) | {"adapter_id"}
+    hub = {f.name for f in dataclasses.fields(TextGenerationInputGenerateParameters)}
+    fields = set(Parameters.model_fields) | set(TGIParameters.model_fields) | hub | {"adapter_id"}
     base = {"inputs": "hello world the cat", "parameters": {"max_new_tokens": 4}}
     verdicts = _walk(client, "/generate", base, fields, TGI_SAMPLES, wrap="parameters")
     assert {k for k, v in verdicts.items() if v == "refused"} == {"best_of", "watermark", "adapter_id"}
