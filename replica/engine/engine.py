@@ -395,13 +395,15 @@ class Engine:
         choices = self.runner.choose(out, rows)
         generations = []
         detok = self.detok
+        block = self.block_size if self.blocks.prefix_cache else 0
         for i, (request, choice) in enumerate(zip(requests, choices, strict=True)):
             prefill = None
             if request.spec.prefill_logprobs and request.num_cached == 0:
                 prompt = request.tokens[: request.prompt_len]
                 prefill = prefill_tokens(prompt, self.runner.prompt_logprobs(out, i, prompt), detok)
             request.num_cached = len(request.tokens)
-            self.register_pages(request)
+            if block and request.num_cached >= (len(request.page_hashes) + 1) * block:  # a page filled
+                self.register_pages(request)
             generation = step_generation(request, choice, detok, prefill)
             if request.cached_tokens and len(request.tokens) == request.prompt_len + 1:  # its first token
                 generation = generation._replace(cached_tokens=request.cached_tokens)
