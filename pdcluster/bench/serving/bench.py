@@ -46,7 +46,13 @@ from pdcluster.bench.serving.stats import (
     steady_decode_rate,
     summarize,
 )
-from pdcluster.bench.serving.workload import Arrival, clip, load_trace, poisson_arrivals
+from pdcluster.bench.serving.workload import (
+    Arrival,
+    clip,
+    conversation_arrivals,
+    load_trace,
+    poisson_arrivals,
+)
 from pdcluster.cluster.engine import ENGINES, EngineSpec
 from pdcluster.cluster.local import LocalCluster, UpConfig
 from pdcluster.cluster.placement import Placement
@@ -112,6 +118,10 @@ class BenchServingConfig:
     seed: int = field(default=0, metadata={"help": "seed of arrivals and prompts"})
     shared_prefix_len: int = field(default=0, metadata={"help": (
         "a shared-system-prompt load: every prompt starts with the same this many tokens")})
+    conversation_turns: int = field(default=0, metadata={"help": (
+        "a multi-turn chat load: conversations of this many turns, turn t's prompt the conversation "
+        "so far plus --input-len new tokens ((t + 1) × --input-len); every first turn is sent, then "
+        "every second, ... (0: independent prompts)")})
     routing: str = field(default="cache-aware", metadata={"choices": ["cache-aware", "load"], "help": (
         "local cluster: the router's --routing")})
     prefix_cache: bool = field(default=True, metadata={"help": (
@@ -140,8 +150,10 @@ class BenchServingConfig:
         parse_slos(self.slo)
         if self.engine_spec.simulated and self.url:
             raise ValueError("--engine simulated starts a local cluster: give --model, not --url")
-        if self.shared_prefix_len < 0:
-            raise ValueError("--shared-prefix-len must be >= 0")
+        if self.shared_prefix_len < 0 or self.conversation_turns < 0:
+            raise ValueError("--shared-prefix-len and --conversation-turns must be >= 0")
+        if self.conversation_turns and self.trace is not None:
+            raise ValueError("--conversation-turns makes its own load: not with --trace")
         if self.compare_prefix_cache and self.url:
             raise ValueError("--compare-prefix-cache starts local clusters: give --model, not --url")
 
@@ -209,7 +221,8 @@ def _run_client(config: BenchServingConfig, url: str) -> dict[str, Any]:
 async def _bench(config: BenchServingConfig, url: str) -> dict[str, Any]:
     served = probe(url, config.max_model_len, config.vocab_size or model_vocab_size(config.model))
     arrivals = _workload(config, served)
-    maker = PromptMaker(config.seed, served.vocab_size)
+    maker = (PromptMaker(config.seed, served.vocab_size, block_tokens=config.input_len)
+             if config.conversation_turns else PromptMaker(config.seed, served.vocab_size))
     prompts = maker.prompts(arrivals)
     if config.shared_prefix_len:
         prompts = with_prefix(prompts, maker.system_prompt(config.shared_prefix_len))
@@ -227,6 +240,7 @@ async def _bench(config: BenchServingConfig, url: str) -> dict[str, Any]:
             "trace": str(config.trace) if config.trace else None,
             "strategy": config.strategy or None,
             "shared_prefix_len": config.shared_prefix_len,
+            "conversation_turns": config.conversation_turns,
             "routing": None if config.url else config.routing,
             "prefix_cache": None if config.url else config.prefix_cache,
             "engine": _engine_label(config.engine_spec),
@@ -245,6 +259,9 @@ def _engine_label(engine: EngineSpec) -> str:
 def _workload(config: BenchServingConfig, served: Served) -> list[Arrival]:
     if config.trace is not None:
         arrivals = load_trace(config.trace, config.num, config.trace_speed)
+    elif config.conversation_turns:
+        arrivals = conversation_arrivals(config.num, config.rate, config.conversation_turns,
+                                         config.input_len, config.output_len, config.seed)
     else:
         arrivals = poisson_arrivals(config.num, config.rate, config.input_len, config.output_len, config.seed)
     return clip(arrivals, served.max_input_tokens, served.max_total_tokens)

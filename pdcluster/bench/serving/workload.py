@@ -139,6 +139,25 @@ def poisson_arrivals(num: int, rate: float, input_len: int, output_len: int, see
     return arrivals
 
 
+def conversation_arrivals(num: int, rate: float, turns: int, turn_len: int, output_len: int,
+                          seed: int = 0) -> list[Arrival]:
+    """`num` requests of a multi-turn chat load, Poisson-timed as `poisson_arrivals`: conversations
+    of `turns` turns, request k is turn k // C of conversation k % C (C conversations: every first
+    turn, then every second, ...). Turn t's prompt is its conversation's blocks 0..t of `turn_len`
+    tokens each (`hash_ids`, for a `PromptMaker` with `block_tokens=turn_len`): each turn repeats
+    the conversation so far and adds `turn_len` tokens."""
+    if turns < 1 or turn_len < 1:
+        raise ValueError("turns and turn_len must be >= 1")
+    convs = -(-num // turns)
+    timed = poisson_arrivals(num, rate, turn_len, output_len, seed)
+    out = []
+    for k, arrival in enumerate(timed):
+        conv, turn = k % convs, k // convs
+        blocks = tuple(conv * turns + i for i in range(turn + 1))
+        out.append(Arrival(arrival.at, turn_len * (turn + 1), output_len, blocks))
+    return out
+
+
 def replay(
     rows: Sequence[TraceRow], num: int = 0, window: tuple[float, float] | None = None,
     speed: float = 1.0, rate: float = 0.0,

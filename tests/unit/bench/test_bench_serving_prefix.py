@@ -10,6 +10,7 @@ import pytest
 from pdcluster.bench.serving.bench import BenchServingConfig, prefix_ratios, up_config
 from pdcluster.bench.serving.prompts import PromptMaker, with_prefix
 from pdcluster.bench.serving.stats import RequestRecord, prefix_summary, summarize
+from pdcluster.bench.serving.workload import conversation_arrivals
 
 
 def test_prefix_summary_counts_cached_tokens_and_migrated_bytes_of_the_routes() -> None:
@@ -31,6 +32,20 @@ def test_shared_prefix_replaces_each_prompts_start_and_keeps_lengths() -> None:
     assert system == PromptMaker(0, 1000).system_prompt(8) != PromptMaker(1, 1000).system_prompt(8)
     prompts = with_prefix([list(range(100, 120)), [5, 6, 7]], system)
     assert prompts == [system + list(range(108, 120)), system[:3]]
+
+
+def test_conversation_turns_repeat_the_conversation_so_far() -> None:
+    arrivals = conversation_arrivals(5, 4.0, turns=2, turn_len=10, output_len=3, seed=1)
+    assert [(a.input_len, a.hash_ids) for a in arrivals] == [
+        (10, (0,)), (10, (2,)), (10, (4,)), (20, (0, 1)), (20, (2, 3))]  # 3 conversations
+    assert [a.at for a in arrivals] == sorted(a.at for a in arrivals) and arrivals[-1].at > 0
+    maker = PromptMaker(0, 1000, block_tokens=10)
+    first, second, other = (maker.prompt(i, arrivals[i]) for i in (0, 3, 1))
+    assert len(second) == 20 and second[:10] == first and other[:10] != first
+    with pytest.raises(ValueError):
+        conversation_arrivals(4, 1.0, turns=0, turn_len=10, output_len=3)
+    with pytest.raises(ValueError, match="--conversation-turns"):
+        BenchServingConfig(model=Path("m"), conversation_turns=2, trace=Path("t.jsonl"))
 
 
 def test_prefix_ratios_compare_the_cache_aware_run_with_the_others() -> None:
