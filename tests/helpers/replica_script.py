@@ -156,7 +156,8 @@ async def refusals(rec: Recorder) -> None:
         "same batch id": batch(5, request(51, [9], 2)),
         "same request id twice": batch(6, request(60, [9], 2), request(60, [8], 2)),
         "request id of a cached batch": batch(6, request(50, [9], 2)),
-        "more pages than free": batch(6, request(60, [9] * 300, 200), request(61, [9] * 300, 200)),
+        # distinct prompts: identical ones would share their full pages (prefix cache) and fit
+        "more pages than free": batch(6, request(60, [9] * 300, 200), request(61, [8] * 300, 200)),
         "prompt over max_input_tokens": batch(6, request(60, [9] * 600, 1)),
         "prompt + max_new over max_total_tokens": batch(6, request(60, [9] * 10, 600)),
         "empty prompt": batch(6, request(60, [], 2)),
