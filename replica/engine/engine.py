@@ -14,7 +14,7 @@ runner's (`backend.Runner`: the torch model, or the simulated GPU); everything e
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -265,24 +265,9 @@ class Engine:
         in chunks of `prefill_chunk_tokens` (one forward if 0); returns the nanoseconds spent."""
         start = time.perf_counter_ns()
         budget = self.limits.prefill_chunk_tokens or sum(len(r.tokens) for r in requests)
-        while True:
-            left, inputs, fed = budget, [], []
-            for request in requests:
-                take = min(request.shared_upto - request.num_cached, left)
-                if take <= 0:
-                    continue
-                first = request.num_cached
-                inputs.append(SeqInput(request.tokens[first : first + take], request.pages, first))
-                fed.append((request, take))
-                left -= take
-                if not left:
-                    break
-            if not inputs:
-                return time.perf_counter_ns() - start
-            self.runner.forward(inputs)
-            for request, take in fed:
-                request.num_cached += take
-                self.register_pages(request)
+        while self._forward_some(requests, budget, lambda r: r.shared_upto - r.num_cached):
+            pass
+        return time.perf_counter_ns() - start
 
     def _prefill_chunks(self, requests: Sequence[RequestState]) -> int:
         """Chunked prefill: forward the prompts' leading tokens `prefill_chunk_tokens` at a time until
@@ -300,24 +285,32 @@ class Engine:
         start = time.perf_counter_ns()
         chunked = [r for r in requests if not r.spec.prefill_logprobs]
         while sum([len(r.pending) for r in requests]) > budget:
-            left, inputs, fed = budget, [], []
-            for request in chunked:
-                take = min(len(request.pending) - 1, left)
-                if take <= 0:
-                    continue
-                first = request.num_cached
-                inputs.append(SeqInput(request.tokens[first : first + take], request.pages, first))
-                fed.append((request, take))
-                left -= take
-                if not left:
-                    break
-            if not inputs:
+            if not self._forward_some(chunked, budget, lambda r: len(r.pending) - 1):
                 break
-            self.runner.forward(inputs)
-            for request, take in fed:
-                request.num_cached += take
-                self.register_pages(request)
         return time.perf_counter_ns() - start
+
+    def _forward_some(self, requests: Sequence[RequestState], budget: int,
+                      wanted: Callable[[RequestState], int]) -> bool:
+        """One forward of each request's next `wanted(request)` prompt tokens, `budget` in all (in
+        order; their logits unused), their full pages named; False when there was nothing to feed."""
+        left, inputs, fed = budget, [], []
+        for request in requests:
+            take = min(wanted(request), left)
+            if take <= 0:
+                continue
+            first = request.num_cached
+            inputs.append(SeqInput(request.tokens[first : first + take], request.pages, first))
+            fed.append((request, take))
+            left -= take
+            if not left:
+                break
+        if not inputs:
+            return False
+        self.runner.forward(inputs)
+        for request, take in fed:
+            request.num_cached += take
+            self.register_pages(request)
+        return True
 
     # ------------------------------------------------------------------------------------ decode
     def decode(self, inputs: Sequence[DecodeInput]) -> StepResult:

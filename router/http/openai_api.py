@@ -228,14 +228,20 @@ async def _answer(
         return gone_response()
     for event in events:
         _fold(answer, event)
+    final = _final_object(answer, tools)
+    headers = {"x-request-id": ctx.request_id, "x-pdcluster-route": dumps(final["pdcluster_route"])}
+    return json_response(final, headers=headers)
+
+
+def _final_object(answer: OpenAIAnswer, tools: ToolPlan) -> dict[str, Any]:
+    """The answer's whole object; with tools, its message carries the parsed calls."""
     final = answer.final_object()
     if tools.mode is not ToolMode.NONE:
         choice = final["choices"][0]
         choice["message"], choice["finish_reason"] = finished_message(
             tools, answer.text, choice["finish_reason"]
         )
-    headers = {"x-request-id": ctx.request_id, "x-pdcluster-route": dumps(final["pdcluster_route"])}
-    return json_response(final, headers=headers)
+    return final
 
 
 async def _answer_samples(
@@ -260,13 +266,7 @@ async def _answer_samples(
         for answer, first, feed in zip(answers, firsts, group.feeds, strict=True):
             for event in await finish_all(request, feed, first, OPENAI):
                 _fold(answer, event)
-            final = answer.final_object()
-            if tools.mode is not ToolMode.NONE:
-                choice = final["choices"][0]
-                choice["message"], choice["finish_reason"] = finished_message(
-                    tools, answer.text, choice["finish_reason"]
-                )
-            finals.append(final)
+            finals.append(_final_object(answer, tools))
     except ClientGone:
         await group.close()
         return gone_response()
