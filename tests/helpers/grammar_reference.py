@@ -49,3 +49,36 @@ def constrained_greedy(
         if token in stop:
             break
     return out
+
+
+# JSON Schemas the structured-output tests use: nested objects, enums, arrays (small: a tiny random
+# model under the mask finishes them in a few tokens)
+SCHEMAS: dict[str, dict[str, Any]] = {
+    "enum": {
+        "type": "object",
+        "properties": {"colour": {"enum": ["red", "green", "blue"]}},
+        "required": ["colour"],
+    },
+    "nested": {
+        "type": "object",
+        "properties": {
+            "ok": {"type": "boolean"},
+            "point": {
+                "type": "object",
+                "properties": {
+                    "x": {"type": "integer", "minimum": 0, "maximum": 9},
+                    "tag": {"enum": ["a", "b"]},
+                },
+                "required": ["x", "tag"],
+            },
+        },
+        "required": ["ok", "point"],
+    },
+    "array": {
+        "type": "object",
+        "properties": {
+            "items": {"type": "array", "items": {"enum": [1, 2, 3]}, "minItems": 1, "maxItems": 3}
+        },
+        "required": ["items"],
+    },
+}

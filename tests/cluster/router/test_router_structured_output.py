@@ -25,38 +25,10 @@ from pdcluster.cluster.local import LocalCluster, UpConfig
 from router import strategies
 from router.config import Strategy
 from tests.helpers.eventually import eventually
+from tests.helpers.grammar_reference import SCHEMAS
 from tests.helpers.router_cluster import grpcurl, wait_pages_free
 
 TOKEN = "structured-test-token"
-SCHEMAS: dict[str, dict[str, Any]] = {
-    "enum": {
-        "type": "object",
-        "properties": {"colour": {"enum": ["red", "green", "blue"]}},
-        "required": ["colour"],
-    },
-    "nested": {
-        "type": "object",
-        "properties": {
-            "ok": {"type": "boolean"},
-            "point": {
-                "type": "object",
-                "properties": {
-                    "x": {"type": "integer", "minimum": 0, "maximum": 9},
-                    "tag": {"enum": ["a", "b"]},
-                },
-                "required": ["x", "tag"],
-            },
-        },
-        "required": ["ok", "point"],
-    },
-    "array": {
-        "type": "object",
-        "properties": {
-            "items": {"type": "array", "items": {"enum": [1, 2, 3]}, "minItems": 1, "maxItems": 3}
-        },
-        "required": ["items"],
-    },
-}
 # long enough (a fixed 120-item array) that the streams still run when a decode replica is killed
 LONG = {
     "type": "object",

@@ -39,37 +39,8 @@ from replica.engine.types import (
     StoppingParams,
 )
 from replica.errors import InvalidArgument
-from tests.helpers.grammar_reference import constrained_greedy, grammar_compiler
+from tests.helpers.grammar_reference import SCHEMAS, constrained_greedy, grammar_compiler
 
-SCHEMAS: dict[str, dict[str, Any]] = {
-    "enum": {
-        "type": "object",
-        "properties": {"colour": {"enum": ["red", "green", "blue"]}},
-        "required": ["colour"],
-    },
-    "nested": {
-        "type": "object",
-        "properties": {
-            "ok": {"type": "boolean"},
-            "point": {
-                "type": "object",
-                "properties": {
-                    "x": {"type": "integer", "minimum": 0, "maximum": 9},
-                    "tag": {"enum": ["a", "b"]},
-                },
-                "required": ["x", "tag"],
-            },
-        },
-        "required": ["ok", "point"],
-    },
-    "array": {
-        "type": "object",
-        "properties": {
-            "items": {"type": "array", "items": {"enum": [1, 2, 3]}, "minItems": 1, "maxItems": 3}
-        },
-        "required": ["items"],
-    },
-}
 MAX_NEW = 48
 
 
