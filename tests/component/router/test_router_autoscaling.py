@@ -25,6 +25,9 @@ P, D, INACTIVE = State.PREFILL, State.DECODE, State.INACTIVE
 # rounds only by hand; the speeds the planner starts from
 MANUAL: dict[str, Any] = {"plan_interval": 1000.0, "prefill_tokens_per_s": 100.0,
                           "migration_tokens_per_s": 1000.0}
+# in-process real replicas share the test's interpreter: on two loaded cores a weight load can hold off
+# their Info answers past the default 5 s heartbeat deadline, which these tests are not about
+REAL: dict[str, Any] = {**MANUAL, "heartbeat_timeout": 30.0}
 
 
 def states(sched: ClusterScheduler) -> list[State]:
@@ -48,7 +51,7 @@ def test_a_burst_scales_prefill_up_by_chain_multicast_from_the_decode_replica(ti
     async def body() -> None:
         timeline = tmp_path / "timeline.jsonl"
         async with real_cluster(tiny_llama, tmp_path, (P, D, INACTIVE, INACTIVE), scaling="multicast",
-                                max_prefill=3, timeline=timeline, **MANUAL) as (sched, replicas):
+                                max_prefill=3, timeline=timeline, **REAL) as (sched, replicas):
             burst(sched, 10_000)  # 2000 tokens/s for 5 s against 100 tokens/s per replica
             [load] = await finish_round(sched)
             assert load == Load(Method.CHAIN, (ReplicaId(1),), (ReplicaId(2), ReplicaId(3)), Kind.PREFILL)
@@ -72,14 +75,14 @@ def test_tanz_from_two_decode_replicas_and_load_from_disk_without_sources(tiny_l
     async def body() -> None:
         roles = (P, D, D, INACTIVE, INACTIVE)
         async with real_cluster(tiny_llama, tmp_path / "tanz", roles, scaling="multicast", max_prefill=3,
-                                min_decode=2, **MANUAL) as (sched, replicas):
+                                min_decode=2, **REAL) as (sched, replicas):
             burst(sched, 10_000)
             [load] = await finish_round(sched)
             assert load.method is Method.TANZ and set(load.sources) == {1, 2}  # type: ignore[attr-defined]
             assert states(sched) == [P, D, D, P, P]
             assert all("TanzBroadcast" in r.calls for r in replicas[1:])
         async with real_cluster(tiny_llama, tmp_path / "disk", (INACTIVE, INACTIVE), scaling="multicast",
-                                max_prefill=1, **MANUAL) as (sched, _):
+                                max_prefill=1, **REAL) as (sched, _):
             burst(sched, 1_000)
             actions = await finish_round(sched)
             assert [a.method for a in actions] == [Method.LOAD_DISK, Method.LOAD_DISK]  # type: ignore[attr-defined]
@@ -128,7 +131,7 @@ def test_idle_cluster_drains_one_replica_per_round_then_expires_it_after_the_kee
         tiny_llama: Path, tmp_path: Path) -> None:
     async def body() -> None:
         async with real_cluster(tiny_llama, tmp_path, (P, D, D, D), scaling="multicast", keep_alive=0.2,
-                                decode_lower=0.3, **MANUAL) as (sched, replicas):
+                                decode_lower=0.3, **REAL) as (sched, replicas):
             await finish_round(sched)
             assert states(sched).count(State.DRAINING_DECODE) + states(sched).count(State.IDLE) == 1
             await eventually_async(lambda: State.IDLE in states(sched))
@@ -146,7 +149,7 @@ def test_idle_cluster_drains_one_replica_per_round_then_expires_it_after_the_kee
 def test_revive_reactivate_and_mutate_move_no_weights(tiny_llama: Path, tmp_path: Path) -> None:
     async def body() -> None:
         async with real_cluster(tiny_llama, tmp_path, (P, P, D, D), scaling="multicast",
-                                **MANUAL) as (sched, replicas):
+                                **REAL) as (sched, replicas):
             ex = sched.scaling.executor
             sched.replicas[ReplicaId(3)].state.move(State.DRAINING_DECODE, Trigger.DRAIN)
             assert await ex.run(Revive(ReplicaId(3), Kind.DECODE))
