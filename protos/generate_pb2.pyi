@@ -466,14 +466,16 @@ class ImmigrateRequest(_message.Message):
     def __init__(self, batch: _Optional[_Union[Batch, _Mapping]] = ..., src: _Optional[_Iterable[int]] = ..., dst: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ImmigrateResponse(_message.Message):
-    __slots__ = ("batch", "reused_tokens", "evicted_page_hashes")
+    __slots__ = ("batch", "reused_tokens", "evicted_page_hashes", "request_reused_tokens")
     BATCH_FIELD_NUMBER: _ClassVar[int]
     REUSED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     EVICTED_PAGE_HASHES_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_REUSED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     batch: CachedBatch
     reused_tokens: int
     evicted_page_hashes: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, batch: _Optional[_Union[CachedBatch, _Mapping]] = ..., reused_tokens: _Optional[int] = ..., evicted_page_hashes: _Optional[_Iterable[int]] = ...) -> None: ...
+    request_reused_tokens: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, batch: _Optional[_Union[CachedBatch, _Mapping]] = ..., reused_tokens: _Optional[int] = ..., evicted_page_hashes: _Optional[_Iterable[int]] = ..., request_reused_tokens: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class MigratePartialRequest(_message.Message):
     __slots__ = ("batch", "fst_or_snd", "num_layer", "src", "dst")

@@ -158,6 +158,13 @@ def _cached(msg: pb.CachedBatch) -> CachedBatch:
     return CachedBatch(BatchId(msg.id), tuple(RequestId(i) for i in msg.request_ids), msg.max_tokens)
 
 
+def _immigrated(msg: pb.ImmigrateResponse) -> CachedBatch:
+    """The decode-ready batch with what the receiver's prefix cache saved (per request) and evicted."""
+    batch = msg.batch
+    return CachedBatch(BatchId(batch.id), tuple(RequestId(i) for i in batch.request_ids), batch.max_tokens,
+                       tuple(msg.request_reused_tokens), tuple(msg.evicted_page_hashes))
+
+
 def _tokens(msg: pb.Tokens, tops: Sequence[pb.Tokens] = ()) -> tuple[TokenInfo, ...]:
     ids, texts, logprobs, special = msg.ids, msg.texts, msg.logprobs, msg.is_special
     if not tops and len(ids) == len(texts) == len(logprobs) == len(special):
@@ -331,7 +338,7 @@ class ReplicaClient:
                                 dst: Sequence[int]) -> CachedBatch:
         """Receiver side of one half; the second half's answer is the decode-ready batch."""
         req = _partial(pb.ImmigratePartialRequest, batch, first, split, src, dst)
-        return _cached((await self._call("ImmigratePartial", req, self.transfer_timeout)).batch)
+        return _immigrated(await self._call("ImmigratePartial", req, self.transfer_timeout))
 
     async def decode(self, batches: Sequence[CachedBatch], last_tokens: Sequence[Sequence[int]]
                      ) -> StepResult:
@@ -383,7 +390,7 @@ class ReplicaClient:
     async def immigrate(self, batch: BatchSpec, src: Sequence[int], dst: Sequence[int]) -> CachedBatch:
         """Receiver side of a full KV migration: returns the decode-ready batch."""
         req = pb.ImmigrateRequest(batch=batch_pb(batch), src=list(src), dst=list(dst))
-        return _cached((await self._call("Immigrate", req, self.transfer_timeout)).batch)
+        return _immigrated(await self._call("Immigrate", req, self.transfer_timeout))
 
     async def send_params(self, dst: int) -> None:
         """Start a background p2p weight send to global rank `dst`."""

@@ -74,6 +74,10 @@ class Host(Protocol):
         that fits the batch and holds more of its prompts' prefix, or `chosen`."""
         ...
 
+    def kv_arrived(self, replica: ReplicaHandle, live: LiveBatch) -> None:
+        """A batch's prompt KV is on `replica` now (the prefix index learns what it holds)."""
+        ...
+
 
 class Migrations:
     """Hand-off tasks, destination reservations and the moves of a batch between replicas."""
@@ -197,15 +201,18 @@ class Migrations:
     def arrive(self, dst: ReplicaHandle, live: LiveBatch, strategy: str, seconds: float) -> None:
         """A batch's KV is on `dst`: account its pages, record the routes, hand it to its loop.
 
-        Each route gets its own request's KV bytes (the pages of its prompt: the rest of its
-        reservation holds nothing yet) and the batch's transfer time.
+        Each route gets its own request's KV bytes (the pages of its prompt, less those the receiver
+        held already in its prefix cache: the rest of its reservation holds nothing yet) and the
+        batch's transfer time.
         """
         dst.state.hold(live.pages())
+        self.host.kv_arrived(dst, live)
         lasts = {}
         page_bytes = live.block_size * self.kv_bytes_per_token
         moved = 0
         for rid, m in live.members.items():
-            nbytes = migrated_blocks(m, live.block_size) * page_bytes
+            reused = live.cached.reused(rid) // live.block_size
+            nbytes = max(migrated_blocks(m, live.block_size) - reused, 0) * page_bytes
             moved += nbytes
             m.state.migrated(dst.id, strategy, nbytes, seconds)
             if m.state.generated:

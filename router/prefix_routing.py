@@ -6,6 +6,7 @@ router learns of each replica's prefix cache.
                    (routing.py: the rule)           ▲                      for the replica chosen
  destination(batch, decode replicas) ─► a prefilled batch's decode replica, the same rule
  prefilled(R, members, result) ─► PrefixIndex.add / evict (prefix_index.py) + hit-rate metrics
+ migrated(R, members) ─► add (KV arrived)
  stepped(R, result) ─► evict;  info(R) ─► rebuild from Info.cached_page_hashes;  dead(R) ─► drop
 ```
 The router keeps one FIFO queue that every prefill loop takes from (queue.py), so the rule is
@@ -125,6 +126,15 @@ class PrefixRouting:
             prompt += len(tokens)
             hit += cached.get(m.state.id, 0)
         self.metrics.prefix_cache(str(replica.id), prompt, hit)
+
+    def migrated(self, replica: ReplicaState, members: Iterable[Member], evicted: Sequence[int]) -> None:
+        """These members' prompt KV arrived on `replica`: it holds their full prompt pages now (when
+        its prefix cache is on), less what it reports evicted."""
+        self.index.evict(replica.id, evicted)
+        if replica.info.prefix_cache:
+            block = replica.info.block_size
+            for m in members:
+                self.index.add(replica.id, self.hashes(m.state.id, m.request.input_ids, block))
 
     def stepped(self, replica: ReplicaId, result: StepResult) -> None:
         """A call on `replica` answered: drop the pages it reports evicted."""

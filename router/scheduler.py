@@ -185,6 +185,10 @@ class ClusterScheduler:
         return self.prefix.destination(live.members.values(), receivers, need,
                                        self.config.max_inbound_migrations, chosen)
 
+    def kv_arrived(self, replica: ReplicaHandle, live: LiveBatch) -> None:
+        """A batch's prompt KV is on `replica` now (the prefix index learns of it)."""
+        self.prefix.migrated(replica.state, live.members.values(), live.cached.evicted_page_hashes)
+
     def step_done(self, replica: ReplicaHandle, result: StepResult) -> None:
         """A decode step on `replica` answered (the prefix index drops what it evicted)."""
         self.prefix.stepped(replica.id, result)

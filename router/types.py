@@ -244,6 +244,15 @@ class CachedBatch:
     id: BatchId
     request_ids: tuple[RequestId, ...]
     max_tokens: int = 0
+    # (an Immigrate's answer) per request, prompt tokens whose KV the receiver held already: not moved
+    reused_tokens: tuple[int, ...] = ()
+    evicted_page_hashes: tuple[int, ...] = ()  # (an Immigrate's answer) as StepResult's
+
+    def reused(self, request: RequestId) -> int:
+        """Prompt tokens of `request` the receiver took from its prefix cache (0 when not said)."""
+        if len(self.reused_tokens) != len(self.request_ids):
+            return 0
+        return self.reused_tokens[self.request_ids.index(request)]
 
 
 @dataclass(frozen=True)

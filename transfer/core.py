@@ -33,6 +33,7 @@ class Stream(enum.IntEnum):
     ACTIVATION = 0
     KV = 1
     PARAMS = 2
+    KV_HAVE = 3  # a KV migration's receiver to its sender: the pages it holds already (replica/migration)
 
 
 def control_stream(stream: int) -> StreamId:

@@ -33,6 +33,7 @@ from replica.engine.types import (
     Generation,
     RequestId,
     RequestSpec,
+    Reuse,
     RowInput,
     StepResult,
 )
@@ -92,18 +93,19 @@ class Engine:
         return self.blocks.block_size
 
     # ----------------------------------------------------------------------------------- prefill
-    def admit(self, spec: BatchSpec, use_prefix_cache: bool = False) -> Batch:
+    def admit(self, spec: BatchSpec, reuse: Reuse = Reuse.NONE) -> Batch:
         """Validate a new batch and reserve its pages (prompt + max_new_tokens).
 
-        With `use_prefix_cache` (a local prefill), each prompt's longest cached run of full pages is
+        With `Reuse.PREFILL` (a local prefill), each prompt's longest cached run of full pages is
         shared instead of allocated and counts as already computed (`num_cached`); the last prompt
         token is always computed (its logits choose the first token), and a request asking for
         prompt logprobs shares nothing (every prompt token's logprob needs its forward). A request
         whose full prompt pages match an earlier request's of the same batch further than the cache
         does (n samples of one prompt, a shared system prompt) shares that request's pages too: the
         earlier one (its `shared_upto`) must then be computed that far before the batch's forward,
-        which `prefill` does. Without it (a migration's destination or a layer-level prefill writes
-        every page itself) nothing is shared.
+        which `prefill` does. With `Reuse.WHOLE_PROMPT` (a migration's destination) every cached
+        full prompt page is shared (the sender skips them) and nothing within the batch. With
+        `Reuse.NONE` (a layer-level prefill writes every page itself) nothing is shared.
         """
         self.store.check_new(spec.id, [r.id for r in spec.requests])
         tokenize = self.detok.encode if self.detok.available else None
@@ -112,15 +114,12 @@ class Engine:
         pairs = list(zip(spec.requests, prompts, strict=True))
         grammars = [self._grammar(r, p) for r, p in pairs]  # before any page: a bad one changes nothing
         block = self.block_size
-        shared = [
-            self._cached_prefix(r, p) if use_prefix_cache and self.blocks.prefix_cache else ([], [])
-            for r, p in pairs
-        ]
+        shared = [self._cached_prefix(r, p, reuse) for r, p in pairs]
         counts = [
             self.blocks.pages_for(len(p) + r.stopping.max_new_tokens) - len(pages)
             for (r, p), (pages, _h) in zip(pairs, shared, strict=True)
         ]
-        leaders = self._in_batch_leaders(shared) if use_prefix_cache else [None] * len(shared)
+        leaders = self._in_batch_leaders(shared) if reuse is Reuse.PREFILL else [None] * len(shared)
         for i, lead in enumerate(leaders):
             if lead is not None:
                 counts[i] -= lead[1] - len(shared[i][0])
@@ -175,11 +174,17 @@ class Engine:
             self.blocks.drop_cache()
             self._weights_resets = resets
 
-    def _cached_prefix(self, spec: RequestSpec, prompt: list[int]) -> tuple[list[PageId], list[int]]:
-        """(pages, hashes) of the longest cached run of full pages before the prompt's last token."""
-        if spec.prefill_logprobs:
+    def _cached_prefix(
+        self, spec: RequestSpec, prompt: list[int], reuse: Reuse
+    ) -> tuple[list[PageId], list[int]]:
+        """(pages, hashes) of the longest cached run of full pages `reuse` allows: before the prompt's
+        last token for a prefill (none when it wants prompt logprobs), every one for a migration."""
+        if reuse is Reuse.NONE or not self.blocks.prefix_cache:
             return [], []
-        hashes = page_hashes(prompt[: len(prompt) - 1], self.block_size)
+        if reuse is Reuse.PREFILL and spec.prefill_logprobs:
+            return [], []
+        covered = prompt if reuse is Reuse.WHOLE_PROMPT else prompt[: len(prompt) - 1]
+        hashes = page_hashes(covered, self.block_size)
         return self.blocks.lookup(hashes), hashes
 
     def register_pages(self, request: RequestState) -> None:
@@ -247,7 +252,7 @@ class Engine:
         """Full forward of a new batch, first tokens sampled, batch cached (unless all finished)."""
         start = time.perf_counter_ns()
         self.readiness.require_complete("a NORMAL prefill")
-        batch = self.admit(spec, use_prefix_cache=True)
+        batch = self.admit(spec, Reuse.PREFILL)
         try:
             chunks_ns = self._prefill_leaders(batch.requests) + self._prefill_chunks(batch.requests)
             generations, times = self._step(batch.requests, with_prompt_logprobs=True)

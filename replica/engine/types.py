@@ -120,6 +120,23 @@ class CachedBatchInfo:
         return len(self.request_ids)
 
 
+class Reuse(enum.Enum):
+    """What a new batch's admission takes from the prefix cache (`Engine.admit`)."""
+
+    NONE = "none"  # every page written by this call (a layer-level prefill)
+    PREFILL = "prefill"  # cached full pages before each prompt's last token, and within the batch
+    WHOLE_PROMPT = "whole-prompt"  # every cached full prompt page (a migration's receiver)
+
+
+@dataclass(frozen=True)
+class ImmigratedBatch:
+    """A batch whose prompt KV arrived by migration, and what the receiver's prefix cache saved."""
+
+    info: CachedBatchInfo
+    reused_tokens: tuple[int, ...] = ()  # per request: prompt tokens whose KV was held here, not moved
+    evicted_page_hashes: tuple[int, ...] = ()  # prefix-cache pages evicted since the previous response
+
+
 # TokenList and Generation are built for every request at every step: immutable NamedTuples, several
 # times cheaper to construct than frozen dataclasses (read the same way: by field name).
 class TokenList(NamedTuple):

@@ -22,7 +22,7 @@ import logging
 import secrets
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -30,7 +30,7 @@ from replica.cancellation import aborting
 from replica.cluster import ReplicaCluster
 from replica.engine.batch import Batch
 from replica.engine.engine import Engine
-from replica.engine.types import BatchId, BatchSpec, CachedBatchInfo
+from replica.engine.types import BatchId, BatchSpec, CachedBatchInfo, ImmigratedBatch, Reuse
 from replica.engine.worker import EngineWorker
 from replica.errors import AlreadyExists, FailedPrecondition, InvalidArgument
 from replica.migration import wire
@@ -39,11 +39,11 @@ from replica.migration.plan import (
     CacheGeometry,
     Header,
     LayerHalf,
-    Region,
     SeqPages,
     layer_range,
     runs,
     total_bytes,
+    with_skips,
 )
 from transfer.core import Deadline
 from transfer.errors import TransferError
@@ -149,31 +149,35 @@ class Migrations:
         peer: int,
         layers: range,
         deadline: Deadline,
-        regions: Iterator[Sequence[Region]],
+        regions: wire.Runs,
         streamed: bool,
         cancelled: threading.Event | None = None,
-    ) -> None:
-        """Serialised with other migrations to `peer`: header, the runs of regions, the receiver's ack.
+    ) -> tuple[int, ...]:
+        """Serialised with other migrations to `peer`: header, the receiver's have, the runs of
+        regions, the receiver's ack; returns the pages per request the receiver held already.
 
-        `regions` yields one run per layer when `streamed`, else a single run over all layers. A
-        caller giving up (`cancelled`) aborts the pair's KV streams: every wait below fails at once.
+        `regions(skips)` yields one run per layer when `streamed`, else a single run over all layers,
+        leaving each request's first `skips[i]` pages out. A caller giving up (`cancelled`) aborts
+        the pair's KV streams: every wait below fails at once.
         """
         geometry = self.geometry()
         seqs = seq_pages(batch)
         nbytes = total_bytes(geometry, seqs, layers)
-        header = Header(int(batch.id), secrets.randbits(63), layers, nbytes, streamed)
+        header = Header(int(batch.id), secrets.randbits(63), layers, nbytes, streamed, len(seqs))
         release = self.gates.acquire(peer, deadline.remaining(), cancelled)
         fabric = self.cluster.fabric
         try:
             with aborting(cancelled, lambda: wire.abort_sender(fabric, peer, "the caller cancelled")):
-                wire.send_kv(fabric, peer, header, regions, deadline)
+                return wire.send_kv(fabric, peer, header, regions, deadline)
         except TransferError as exc:
             raise wire.as_replica_error(exc) from exc
         finally:
             release()
 
-    def _all_layers(self, batch: Batch, layers: range) -> Iterator[Sequence[Region]]:
-        return iter(runs(self.geometry(), seq_pages(batch), layers, streamed=False))
+    def _all_layers(self, batch: Batch, layers: range) -> wire.Runs:
+        """The runs of a batch whose every layer is in its pages: one run over all of them."""
+        seqs = seq_pages(batch)
+        return lambda skips: runs(self.geometry(), with_skips(seqs, skips), layers, streamed=False)
 
     def _take(self, spec: BatchSpec) -> Batch:
         """(Engine thread) the cached batch named by `spec`, out of the store, checked against `spec`."""
@@ -191,8 +195,9 @@ class Migrations:
         call_remaining: float | None,
         cancelled: threading.Event | None = None,
         after_reply: Defer = _now,
-    ) -> CachedBatchInfo:
-        """Admit the batch, receive every layer of its prompt KV from `peer`, adopt it (decode-ready)."""
+    ) -> ImmigratedBatch:
+        """Admit the batch (sharing the prompt pages cached here), receive every layer of the rest of
+        its prompt KV from `peer`, adopt it (decode-ready)."""
         self.check_peer(peer)
         deadline = self.deadline(call_remaining)
         layers = range(self.engine.runner.num_layers)
@@ -237,37 +242,46 @@ class Migrations:
                     )
                     wire.refuse(fabric, peer, header, reason, deadline)
                     raise FailedPrecondition(reason)
-                wire.recv_kv(fabric, peer, header, runs(geometry, seqs, layers, header.streamed), deadline)
+                skips = skipped_pages(batch, self.engine.block_size)
+                kept = runs(geometry, with_skips(seqs, skips), layers, header.streamed)
+                wire.recv_kv(fabric, peer, header, skips, kept, deadline)
             finally:
                 self.turns.release(peer)
         except TransferError as exc:
             raise wire.as_replica_error(exc) from exc
 
     def admit(self, spec: BatchSpec) -> Batch:
-        """(Engine thread) validate and allocate like a prefill; the id counts as present from now on."""
+        """(Engine thread) validate and allocate like a prefill, sharing the full prompt pages the
+        prefix cache holds (the sender skips them); the id counts as present from now on."""
         if spec.id in self.incoming:
             raise AlreadyExists(f"batch {spec.id} is already being immigrated")
-        batch = self.engine.admit(spec)
+        batch = self.engine.admit(spec, reuse=Reuse.WHOLE_PROMPT)
         self.incoming.add(spec.id)
         return batch
 
-    def adopt(self, batch: Batch) -> CachedBatchInfo:
+    def adopt(self, batch: Batch) -> ImmigratedBatch:
         """(Engine thread) cache the received batch; on failure its pages go back."""
         self.incoming.discard(batch.id)
         try:
-            return self.engine.adopt(batch)
+            info = self.engine.adopt(batch)
         except BaseException:
             self._free(batch)
             raise
+        return self.immigrated(batch, info)
+
+    def immigrated(self, batch: Batch, info: CachedBatchInfo) -> ImmigratedBatch:
+        """(Engine thread) the answer for a received batch: what its prompts took from the cache."""
+        reused = tuple(r.cached_tokens for r in batch)
+        return ImmigratedBatch(info, reused, tuple(self.engine.blocks.take_evicted()))
 
     def drop_incoming(self, batch: Batch) -> None:
         """(Engine thread) a receive failed: forget the id, free the pages."""
         self.incoming.discard(batch.id)
         self._free(batch)
 
-    def _clear_adopted(self, info: CachedBatchInfo) -> None:
-        if info.id in self.engine.store:
-            self.engine.clear(info.id)
+    def _clear_adopted(self, done: ImmigratedBatch) -> None:
+        if done.info.id in self.engine.store:
+            self.engine.clear(done.info.id)
 
 
 def take_for_migration(engine: Engine, spec: BatchSpec) -> Batch:
@@ -286,6 +300,11 @@ def take_for_migration(engine: Engine, spec: BatchSpec) -> Batch:
 def seq_pages(batch: Batch) -> list[SeqPages]:
     """The batch's requests as (prompt length, pages), in batch order."""
     return [SeqPages(r.prompt_len, tuple(r.pages)) for r in batch]
+
+
+def skipped_pages(batch: Batch, block_size: int) -> tuple[int, ...]:
+    """(Receiver) per request, the leading prompt pages admission took from the prefix cache."""
+    return tuple(r.cached_tokens // block_size for r in batch)
 
 
 def _rate_line(

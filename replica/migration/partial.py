@@ -17,7 +17,7 @@ import threading
 from dataclasses import dataclass
 
 from replica.engine.batch import Batch
-from replica.engine.types import BatchId, BatchSpec, CachedBatchInfo
+from replica.engine.types import BatchId, BatchSpec, ImmigratedBatch
 from replica.errors import InvalidArgument, PeerTimeout, PeerUnavailable
 from replica.migration.manager import Migrations
 from replica.migration.plan import LayerHalf, layer_range
@@ -58,7 +58,7 @@ class PartialImmigrations:
         split: int,
         call_remaining: float | None,
         cancelled: threading.Event | None = None,
-    ) -> CachedBatchInfo:
+    ) -> ImmigratedBatch:
         """Create the batch, receive layers [0, split) from `peer`, hand the batch to SECOND."""
         m = self.m
         m.check_peer(peer)
@@ -88,7 +88,8 @@ class PartialImmigrations:
             raise error
         if not slot.claimed:
             raise PeerTimeout(f"batch {batch.id}: the SECOND half never came for layers [{split}, L)")
-        return batch.info(m.engine.block_size)
+        info = batch.info(m.engine.block_size)
+        return ImmigratedBatch(info, tuple(r.cached_tokens for r in batch))
 
     # ----------------------------------------------------------------------------- SECOND
     def second(
@@ -98,7 +99,7 @@ class PartialImmigrations:
         split: int,
         call_remaining: float | None,
         cancelled: threading.Event | None = None,
-    ) -> CachedBatchInfo:
+    ) -> ImmigratedBatch:
         """Wait for FIRST's batch, receive layers [split, L) into it from `peer`, adopt it."""
         m = self.m
         m.check_peer(peer)

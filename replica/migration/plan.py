@@ -2,10 +2,12 @@
 
 Both sides derive the same order from the Batch message: for each layer of the range, for each
 request in batch order, its first `ceil(prompt_len / block_size)` pages (the pages holding the
-prompt's K/V), each page `page_bytes` bytes at `(layer * num_blocks + page) * page_bytes` of the
-layer-major cache `(layers, blocks, 2, block_size, kv_heads, head_dim)`; pages adjacent in the buffer
-form one region. The two sides' page ids (and so their regions) differ; the logical byte order and the
-total are the same, which is all the transfer layer needs.
+prompt's K/V) less the leading ones the receiver holds already in its prefix cache (`SeqPages.skip`,
+from the receiver's `Have` record), each page `page_bytes` bytes at
+`(layer * num_blocks + page) * page_bytes` of the layer-major cache
+`(layers, blocks, 2, block_size, kv_heads, head_dim)`; pages adjacent in the buffer form one region.
+The two sides' page ids (and so their regions) differ; the logical byte order and the total are the
+same, which is all the transfer layer needs.
 """
 
 from __future__ import annotations
@@ -18,9 +20,13 @@ from dataclasses import dataclass
 Region = tuple[int, int]
 """(byte offset, length) inside the registered KV buffer."""
 
-_HEADER = struct.Struct("!IQQIIQB")  # magic, batch id, nonce, first layer, stop layer, bytes, streamed
-_MAGIC = 0x4B564D31  # "KVM1"
+# magic, batch id, nonce, first layer, stop layer, bytes, streamed, requests
+_HEADER = struct.Struct("!IQQIIQBI")
+_MAGIC = 0x4B564D32  # "KVM2"
 HEADER_BYTES = _HEADER.size
+_HAVE = struct.Struct("!QBI")  # nonce, status, requests; then a message of one u32 per request
+_COUNT = struct.Struct("!I")
+HAVE_BYTES = _HAVE.size
 
 
 class LayerHalf(enum.Enum):
@@ -63,6 +69,7 @@ class SeqPages:
 
     prompt_len: int
     pages: tuple[int, ...]
+    skip: int = 0  # leading prompt pages the receiver holds already: not moved
 
 
 def layer_regions(geometry: CacheGeometry, seqs: Sequence[SeqPages], layer: int) -> list[Region]:
@@ -98,7 +105,7 @@ def _page_runs(geometry: CacheGeometry, seqs: Sequence[SeqPages]) -> list[tuple[
         count = geometry.prompt_pages(seq.prompt_len)
         if count > len(seq.pages):
             raise ValueError(f"a prompt of {seq.prompt_len} tokens needs {count} pages, has {len(seq.pages)}")
-        for page in seq.pages[:count]:
+        for page in seq.pages[min(seq.skip, count) : count]:
             _extend(out, page, 1)
     return out
 
@@ -119,8 +126,8 @@ def runs(
 
 
 def total_bytes(geometry: CacheGeometry, seqs: Sequence[SeqPages], layers: range) -> int:
-    """Bytes a migration of `layers` moves."""
-    pages = sum(geometry.prompt_pages(s.prompt_len) for s in seqs)
+    """Bytes a migration of `layers` moves (skipped pages left out)."""
+    pages = sum(max(geometry.prompt_pages(s.prompt_len) - s.skip, 0) for s in seqs)
     return pages * geometry.page_bytes * len(layers)
 
 
@@ -133,19 +140,64 @@ class Header:
     layers: range
     nbytes: int
     streamed: bool = False  # one p2p run per layer (produced during a prefill), else one run for all
+    num_seqs: int = 0  # requests in the batch: the size of the receiver's `Have` record
 
     def pack(self) -> bytes:
         """Wire form."""
-        layers = self.layers
-        streamed = int(self.streamed)
-        return _HEADER.pack(
-            _MAGIC, self.batch_id, self.nonce, layers.start, layers.stop, self.nbytes, streamed
-        )
+        layers, streamed = self.layers, int(self.streamed)
+        fields = (self.batch_id, self.nonce, layers.start, layers.stop, self.nbytes, streamed, self.num_seqs)
+        return _HEADER.pack(_MAGIC, *fields)
 
     @classmethod
     def unpack(cls, data: bytes | bytearray | memoryview) -> Header:
         """Parse; raises ValueError on a bad magic."""
-        magic, batch_id, nonce, start, stop, nbytes, streamed = _HEADER.unpack(bytes(data[:HEADER_BYTES]))
+        magic, batch_id, nonce, start, stop, nbytes, streamed, num_seqs = _HEADER.unpack(
+            bytes(data[:HEADER_BYTES])
+        )
         if magic != _MAGIC:
             raise ValueError(f"not a migration header (magic {magic:#x})")
-        return cls(batch_id, nonce, range(start, stop), nbytes, bool(streamed))
+        return cls(batch_id, nonce, range(start, stop), nbytes, bool(streamed), num_seqs)
+
+
+@dataclass(frozen=True)
+class Have:
+    """The receiver's answer to a header, before any KV moves: go on (each request's leading prompt
+    pages it already holds in its prefix cache, which the sender then skips) or refused.
+
+    Two messages: a fixed `HAVE_BYTES` record (nonce, status, request count), then the counts
+    (`counts_bytes`, none for an empty batch). A reader can so skip a stale answer of an earlier
+    attempt whatever its size: read the record, then its counts, compare the nonce.
+    """
+
+    nonce: int
+    ok: bool
+    skips: tuple[int, ...]
+
+    @staticmethod
+    def counts_bytes(num_seqs: int) -> int:
+        """Bytes of the counts message of a batch of `num_seqs` requests."""
+        return _COUNT.size * num_seqs
+
+    def pack(self) -> tuple[bytes, bytes]:
+        """Wire form: the record and the counts."""
+        record = _HAVE.pack(self.nonce, 1 if self.ok else 2, len(self.skips))
+        return record, b"".join(_COUNT.pack(n) for n in self.skips)
+
+    @staticmethod
+    def unpack_record(data: bytes | bytearray | memoryview) -> tuple[int, bool, int]:
+        """(nonce, ok, request count) of a record."""
+        nonce, status, num_seqs = _HAVE.unpack(bytes(data[:HAVE_BYTES]))
+        return nonce, status == 1, num_seqs
+
+    @staticmethod
+    def unpack_counts(data: bytes | bytearray | memoryview, num_seqs: int) -> tuple[int, ...]:
+        """The counts of a counts message."""
+        raw = bytes(data[: _COUNT.size * num_seqs])
+        return tuple(_COUNT.unpack_from(raw, i * _COUNT.size)[0] for i in range(num_seqs))
+
+
+def with_skips(seqs: Sequence[SeqPages], skips: Sequence[int]) -> list[SeqPages]:
+    """`seqs` with the receiver's skipped page counts (ValueError when they do not match the batch)."""
+    if len(skips) != len(seqs):
+        raise ValueError(f"the receiver names {len(skips)} requests, the batch has {len(seqs)}")
+    return [SeqPages(s.prompt_len, s.pages, k) for s, k in zip(seqs, skips, strict=True)]

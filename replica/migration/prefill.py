@@ -36,7 +36,8 @@ from replica.engine.types import BatchSpec, StepResult
 from replica.engine.worker import WorkItem
 from replica.errors import AlreadyExists, DeadlineExceeded, PeerTimeout
 from replica.migration.manager import Migrations, seq_pages
-from replica.migration.plan import Region, layer_regions, runs
+from replica.migration.plan import Region, layer_regions, runs, with_skips
+from replica.migration.wire import Runs
 from transfer.core import Deadline
 
 T = TypeVar("T")
@@ -87,9 +88,9 @@ class MigratingPrefill:
             batch = _expect_batch(_next(events, deadline))
             layers = range(m.engine.runner.num_layers)
             if progressive:
-                regions = self._streamed(events, batch, deadline)
+                regions: Runs = lambda skips: self._streamed(events, batch, skips, deadline)  # noqa: E731
             else:
-                regions = self._after(item, batch, deadline)
+                regions = lambda skips: self._after(item, batch, skips, deadline)  # noqa: E731
             m.send_batch(batch, peer, layers, deadline, regions, progressive, cancelled)
             forwarded = _result(item, deadline)
         except BaseException:
@@ -154,9 +155,9 @@ class MigratingPrefill:
 
     # ---------------------------------------------------------------------- handler thread
     def _streamed(
-        self, events: queue.SimpleQueue[_Event], batch: Batch, deadline: Deadline
+        self, events: queue.SimpleQueue[_Event], batch: Batch, skips: Sequence[int], deadline: Deadline
     ) -> Iterator[Sequence[Region]]:
-        geometry, seqs = self.m.geometry(), seq_pages(batch)
+        geometry, seqs = self.m.geometry(), with_skips(seq_pages(batch), skips)
         for layer in range(self.m.engine.runner.num_layers):
             event = _next(events, deadline)
             if isinstance(event, _Failed):
@@ -164,11 +165,11 @@ class MigratingPrefill:
             yield layer_regions(geometry, seqs, layer)
 
     def _after(
-        self, item: WorkItem[_Forwarded], batch: Batch, deadline: Deadline
+        self, item: WorkItem[_Forwarded], batch: Batch, skips: Sequence[int], deadline: Deadline
     ) -> Iterator[Sequence[Region]]:
         _result(item, deadline)  # every layer is in the pages once the forward returned
         layers = range(self.m.engine.runner.num_layers)
-        yield from runs(self.m.geometry(), seq_pages(batch), layers, streamed=False)
+        yield from runs(self.m.geometry(), with_skips(seq_pages(batch), skips), layers, streamed=False)
 
 
 def _next(events: queue.SimpleQueue[_Event], deadline: Deadline) -> _Event:

@@ -3,9 +3,15 @@
 ```
  sender                                            receiver
  send(header) ─────────────────────────────────►  read header (InboundTurns routes it to its Immigrate)
+ wait for the have ◄─ KV_HAVE: (nonce, OK, skips)─  the leading pages it holds (or FAILED: refused)
  for layer in range:  send_regions(layer) ═════►  for layer in range: recv_regions(layer)
+                      (each request's first `skip` pages left out, on both sides)
  wait for the ack  ◄───── (nonce, OK | FAILED) ──  every byte in place (or failed): ack, done
 ```
+The have is one round trip before the first KV byte: a prefill streaming its layers
+(MIGRATE_PROGRESSIVE) overlaps it with its first layer. It travels on its own stream (`KV_HAVE`)
+as a fixed record and a counts message (`plan.Have`), so a stale one of an earlier attempt is
+skipped by its nonce whatever its size.
 The acknowledgement is one record on the KV stream's control stream, in the format of
 `transfer.confirm` (`tag u64 | status u8`, the tag being the header's nonce). It replaces the
 transfer layer's two-way confirmation (record to the leader, verdict back): the receiver's outcome
@@ -22,11 +28,11 @@ from __future__ import annotations
 
 import itertools
 import threading
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 from replica.cluster import KV_BUFFER
 from replica.errors import FailedPrecondition, PeerTimeout, PeerUnavailable, ReplicaError
-from replica.migration.plan import HEADER_BYTES, Header, Region
+from replica.migration.plan import HAVE_BYTES, HEADER_BYTES, Have, Header, Region
 from transfer.collectives import TransferOptions, recv_regions, send_regions
 from transfer.confirm import RECORD, Verdict
 from transfer.core import Deadline, Handle, Stream, control_stream
@@ -35,6 +41,9 @@ from transfer.errors import PeerTimeout as TransferTimeout
 from transfer.fabric import Fabric
 
 KV_STREAM = int(Stream.KV)
+HAVE_STREAM = int(Stream.KV_HAVE)
+Runs = Callable[[Sequence[int]], Iterable[Sequence[Region]]]
+"""The sender's runs of regions, given the receiver's skipped pages per request."""
 _OPTIONS = TransferOptions(confirm=False)  # one acknowledgement at the end of the whole migration
 # Both replicas were serving when the router paired them, so the receiver's fabric listens: one that
 # still does not take the KV connection after this long is gone, and the sender fails UNAVAILABLE now
@@ -55,42 +64,78 @@ def as_replica_error(exc: TransferError) -> ReplicaError:
     return ReplicaError(f"KV migration: {type(exc).__name__}: {exc}")
 
 
-def send_kv(
-    fabric: Fabric, peer: int, header: Header, runs: Iterable[Sequence[Region]], deadline: Deadline
-) -> None:
-    """Send the header, then each run's regions as `runs` yields them, then wait for the ack.
+def send_kv(fabric: Fabric, peer: int, header: Header, runs: Runs, deadline: Deadline) -> tuple[int, ...]:
+    """Send the header, read the receiver's have, then each run's regions as `runs(skips)` yields
+    them, then wait for the ack; returns the skipped pages per request.
 
-    Raises a `TransferError` (this side's, or `PeerGone` when the receiver reported a failure).
-    Any other exception from `runs` (the prefill producing them failed) aborts the stream first,
-    so the receiver fails at once instead of at its deadline.
+    Raises a `TransferError` (this side's, or `PeerGone` when the receiver refused or reported a
+    failure). Any other exception from `runs` (the prefill producing them failed) aborts the stream
+    first, so the receiver fails at once instead of at its deadline.
     """
     name = f"__kv-header:{next(_names)}"
     fabric.register(name, bytearray(header.pack()))
     error: TransferError | None = None
+    skips: tuple[int, ...] = ()
     # a new migration: a connection the receiver reset for an earlier one (it aborted, or restarted)
     # is replaced now rather than failing this header
     fabric.refresh(peer, KV_STREAM)
     try:
         _connect(fabric, peer, deadline)
         sent = fabric.send(peer, name, [(0, HEADER_BYTES)], KV_STREAM, deadline)
-        for regions in runs:
+        skips = _await_have(fabric, peer, header, deadline)
+        for regions in runs(skips):
             if regions:
                 send_regions(fabric, peer, KV_BUFFER, regions, KV_STREAM, deadline, options=_OPTIONS)
         sent.wait(deadline)
     except TransferError as exc:
         error = exc
-        fabric.abort(peer, KV_STREAM, str(exc))
+        _abort_data(fabric, peer, str(exc))
     except BaseException as exc:
-        fabric.abort(peer, KV_STREAM, f"the sender failed: {type(exc).__name__}: {exc}")
+        _abort_data(fabric, peer, f"the sender failed: {type(exc).__name__}: {exc}")
         raise
     finally:
         fabric.unregister(name)
     _await_ack(fabric, peer, header.nonce, error, deadline)
+    return skips
+
+
+def _abort_data(fabric: Fabric, peer: int, reason: str) -> None:
+    """(Sender) drop the KV stream and the have stream (an unread have would be stale next time)."""
+    fabric.abort(peer, KV_STREAM, reason)
+    fabric.abort(peer, HAVE_STREAM, reason)
+
+
+def _await_have(fabric: Fabric, peer: int, header: Header, deadline: Deadline) -> tuple[int, ...]:
+    """(Sender) the receiver's skipped pages per request; `PeerGone` if it refused the migration.
+    Answers to earlier attempts (another nonce) are read and skipped."""
+    while True:
+        nonce, ok, num_seqs = Have.unpack_record(_read(fabric, peer, HAVE_BYTES, deadline))
+        counts = _read(fabric, peer, Have.counts_bytes(num_seqs), deadline) if num_seqs else b""
+        if nonce != header.nonce:
+            continue
+        if not ok:
+            raise PeerGone(f"rank {fabric.rank}: the receiver of the migration, rank {peer}, refused it")
+        if num_seqs != header.num_seqs:
+            raise PeerGone(f"rank {peer} answered for {num_seqs} requests, the batch has {header.num_seqs}")
+        return Have.unpack_counts(counts, num_seqs)
+
+
+def _read(fabric: Fabric, peer: int, nbytes: int, deadline: Deadline) -> bytearray:
+    """One message of `nbytes` from `peer` on the have stream."""
+    name = f"__kv-have:{next(_names)}"
+    buffer = bytearray(nbytes)
+    fabric.register(name, buffer)
+    try:
+        fabric.recv(peer, name, [(0, nbytes)], HAVE_STREAM, deadline).wait(deadline)
+    finally:
+        fabric.unregister(name)
+    return buffer
 
 
 def abort_sender(fabric: Fabric, peer: int, reason: str) -> None:
     """Fail a sender's every wait on `peer` at once: its KV stream and the stream of its ack."""
     fabric.abort(peer, KV_STREAM, reason)
+    fabric.abort(peer, HAVE_STREAM, reason)
     fabric.abort(peer, control_stream(KV_STREAM), reason)
 
 
@@ -126,8 +171,9 @@ def read_header(
         # A connection to the sender's previous life (it died and restarted with its rank) is dropped
         # first: a record written into it is lost without an error, and the sender would wait for its
         # ack until the deadline.
-        fabric.refresh(peer, control_stream(KV_STREAM))
-        fabric.connect(peer, control_stream(KV_STREAM), deadline)
+        for stream in (control_stream(KV_STREAM), HAVE_STREAM):
+            fabric.refresh(peer, stream)
+            fabric.connect(peer, stream, deadline)
         handle = fabric.recv(peer, name, [(0, HEADER_BYTES)], KV_STREAM, deadline)
         _await_or_withdraw(fabric, peer, handle, deadline, cancelled)
     finally:
@@ -159,11 +205,18 @@ def _await_or_withdraw(
 
 
 def recv_kv(
-    fabric: Fabric, peer: int, header: Header, runs: Sequence[Sequence[Region]], deadline: Deadline
+    fabric: Fabric,
+    peer: int,
+    header: Header,
+    skips: Sequence[int],
+    runs: Sequence[Sequence[Region]],
+    deadline: Deadline,
 ) -> None:
-    """Receive each run's regions (the header was read already), then acknowledge; a failure here is
-    reported to the sender, then raised."""
+    """Tell the sender the pages to skip (`skips`, per request), receive each run's regions (the
+    header was read already; `runs` leave the skipped pages out), then acknowledge; a failure here
+    is reported to the sender, then raised."""
     error: TransferError | None = None
+    _post_have(fabric, peer, Have(header.nonce, True, tuple(skips)), deadline)
     try:
         for regions in runs:
             if regions:
@@ -177,9 +230,15 @@ def recv_kv(
 
 
 def refuse(fabric: Fabric, peer: int, header: Header, reason: str, deadline: Deadline) -> None:
-    """Tell the sender this migration failed here (a FAILED acknowledgement), without reading its data."""
+    """Tell the sender this migration failed here (a FAILED have: it sends nothing), without reading
+    its data."""
     fabric.abort(peer, KV_STREAM, reason)
-    _ack(fabric, peer, header.nonce, False, deadline)
+    _post_have(fabric, peer, Have(header.nonce, False, (0,) * header.num_seqs), deadline)
+
+
+def _post_have(fabric: Fabric, peer: int, have: Have, deadline: Deadline) -> None:
+    """(Receiver) send the have's two messages, not waiting for them to go out (as `_ack`)."""
+    _post(fabric, peer, [bytearray(part) for part in have.pack() if part], HAVE_STREAM, deadline)
 
 
 def _await_ack(fabric: Fabric, peer: int, tag: int, error: TransferError | None, deadline: Deadline) -> None:
@@ -220,30 +279,40 @@ def _ack(fabric: Fabric, peer: int, tag: int, ok: bool, deadline: Deadline) -> N
     """(Receiver) tell the sender whether every byte arrived here; not waiting for it to go out.
 
     The receiver's own outcome is decided (it has every byte, or it failed), so nothing it could
-    hear back would change it: no verdict round trip. The record goes out without waiting (written
-    by this thread when the connection is idle, else by the fabric's writer); over a control
-    connection the sender reset in an earlier failed attempt the first write fails, and the record
-    is sent once more over a fresh connection (its nonce makes it unambiguous). It gets at least
-    `_LATE_ACK_S` to go out, even past this side's deadline (which may be why it failed).
+    hear back would change it: no verdict round trip.
     """
-    name = f"__kv-ack:{next(_names)}"
     record = bytearray(RECORD.pack(tag, Verdict.OK if ok else Verdict.FAILED))
-    fabric.register(name, record)
-    late = Deadline.after(max(deadline.remaining(), _LATE_ACK_S))
-    ctl = control_stream(KV_STREAM)
+    _post(fabric, peer, [record], control_stream(KV_STREAM), deadline)
 
-    def post(retry: bool) -> None:
+
+def _post(fabric: Fabric, peer: int, messages: Sequence[bytearray], stream: int, deadline: Deadline) -> None:
+    """Send small messages to `peer` on `stream`, one after the other, without waiting for them.
+
+    Each is written by this thread when the connection is idle, else by the fabric's writer, and the
+    next is posted once it went out. Over a connection the sender reset in an earlier failed attempt
+    the first write fails, and the message is sent once more over a fresh connection (its nonce
+    makes it unambiguous). They get at least `_LATE_ACK_S` to go out, even past this side's deadline
+    (which may be why it failed).
+    """
+    name = f"__kv-post:{next(_names)}"
+    late = Deadline.after(max(deadline.remaining(), _LATE_ACK_S))
+
+    def post(index: int, retry: bool) -> None:
+        if index == len(messages):
+            return
+        fabric.register(name, messages[index])
         try:
-            handle = fabric.send(peer, name, [(0, RECORD.size)], ctl, late)
+            handle = fabric.send(peer, name, [(0, len(messages[index]))], stream, late)
         except TransferError:  # the fabric is closing: the sender learns by its own deadline
             fabric.unregister(name)
             return
-        handle.add_done_callback(lambda h: done(h, retry))
+        handle.add_done_callback(lambda h: done(h, index, retry))
 
-    def done(handle: Handle, retry: bool) -> None:
+    def done(handle: Handle, index: int, retry: bool) -> None:
+        fabric.unregister(name)
         if retry and isinstance(handle.error, PeerGone):
-            post(False)
-        else:
-            fabric.unregister(name)
+            post(index, False)
+        elif handle.error is None:
+            post(index + 1, True)
 
-    post(True)
+    post(0, True)

@@ -17,7 +17,8 @@ engine's own types back (no second, positional encoding of a step).
  Warmup(spec)                                               ENGINE  int | None
  Health() · Discover() · Info()                             SERVICE HealthState · Discovery · ReplicaInfo
  ConnectPeers(peers)                                        SERVICE tuple[PeerLink, ...]
- Migrate · Immigrate · MigratePartial · ImmigratePartial    SERVICE CachedBatchInfo
+ Migrate · MigratePartial                                   SERVICE CachedBatchInfo
+ Immigrate · ImmigratePartial                               SERVICE ImmigratedBatch
  MigratingPrefill · PipelinedPrefill · ZagPrefill           SERVICE StepResult · ZagOutcome
  LoadParams · SendParams · RecvParams · Broadcast ·         SERVICE None
    WaitRdmaDone · ResetStatus · SetStatusReady
@@ -46,6 +47,7 @@ from replica.engine.types import (
     DecodeInput,
     EngineInfo,
     HealthState,
+    ImmigratedBatch,
     RequestId,
     StepResult,
     WarmupSpec,
@@ -214,7 +216,7 @@ class Migrate(Call, frozen=True):
 class Immigrate(Call, frozen=True):
     """Immigrate (receiver): admit, receive every layer from `src`, return it decode-ready."""
 
-    reply = CachedBatchInfo
+    reply = ImmigratedBatch
     batch: BatchSpec
     src: tuple[int, ...]
     dst: tuple[int, ...]
@@ -234,7 +236,7 @@ class MigratePartial(Call, frozen=True):
 class ImmigratePartial(Call, frozen=True):
     """ImmigratePartial (receiver of one half)."""
 
-    reply = CachedBatchInfo
+    reply = ImmigratedBatch
     batch: BatchSpec
     half: int  # PartialCase
     num_layer: int

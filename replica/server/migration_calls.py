@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from replica.engine.engine import Engine
-from replica.engine.types import CachedBatchInfo, StepResult
+from replica.engine.types import CachedBatchInfo, ImmigratedBatch, StepResult
 from replica.errors import FailedPrecondition, InvalidArgument
 from replica.migration.manager import Migrations, Route
 from replica.migration.partial import PartialImmigrations
@@ -82,7 +82,7 @@ class MigrationCalls:
         route = Route(_one(call.dst, "dst"))
         return parts.full.migrate(call.batch, route, ctx.remaining(), ctx.after, ctx.cancellation)
 
-    def immigrate(self, call: Immigrate, ctx: CallContext) -> CachedBatchInfo:
+    def immigrate(self, call: Immigrate, ctx: CallContext) -> ImmigratedBatch:
         """Receiver: admit the batch, receive every layer from `src[0]`, return it decode-ready."""
         parts = self._parts()
         self._me(call.dst, "dst")
@@ -96,7 +96,7 @@ class MigrationCalls:
         route = _checked(Route(_one(call.dst, "dst"), _half(call.half), call.num_layer), parts)
         return parts.full.migrate(call.batch, route, ctx.remaining(), ctx.after, ctx.cancellation)
 
-    def immigrate_partial(self, call: ImmigratePartial, ctx: CallContext) -> CachedBatchInfo:
+    def immigrate_partial(self, call: ImmigratePartial, ctx: CallContext) -> ImmigratedBatch:
         """Receiver of one half; SECOND waits for FIRST's batch and returns it decode-ready."""
         parts = self._parts()
         self._me(call.dst, "dst")

@@ -24,7 +24,7 @@ import grpc
 from google.protobuf.message import Message
 
 from protos import generate_pb2 as pb
-from replica.engine.types import BatchId, CachedBatchInfo, RequestId, StepResult
+from replica.engine.types import BatchId, CachedBatchInfo, ImmigratedBatch, RequestId, StepResult
 from replica.errors import InvalidArgument
 from replica.server import convert
 from replica.server import messages as m
@@ -138,6 +138,15 @@ def _batch(response: type[Any]) -> Callable[[CachedBatchInfo], Message]:
     return lambda info: response(batch=convert.cached_batch_to_pb(info))
 
 
+def _immigrated(done: ImmigratedBatch) -> pb.ImmigrateResponse:
+    return pb.ImmigrateResponse(
+        batch=convert.cached_batch_to_pb(done.info),
+        reused_tokens=sum(done.reused_tokens),
+        request_reused_tokens=list(done.reused_tokens),
+        evicted_page_hashes=list(done.evicted_page_hashes),
+    )
+
+
 def _empty(response: type[Message]) -> Callable[[Any], Message]:
     return lambda _: response()
 
@@ -205,10 +214,10 @@ RPCS: dict[str, Rpc] = {
         _zag,
     ),
     "Migrate": Rpc(pb.MigrateRequest, _migration(m.Migrate), _batch(pb.MigrateResponse)),
-    "Immigrate": Rpc(pb.ImmigrateRequest, _migration(m.Immigrate), _batch(pb.ImmigrateResponse)),
+    "Immigrate": Rpc(pb.ImmigrateRequest, _migration(m.Immigrate), _immigrated),
     "MigratePartial": Rpc(pb.MigratePartialRequest, _partial(m.MigratePartial), _batch(pb.MigrateResponse)),
     "ImmigratePartial": Rpc(
-        pb.ImmigratePartialRequest, _partial(m.ImmigratePartial), _batch(pb.ImmigrateResponse)
+        pb.ImmigratePartialRequest, _partial(m.ImmigratePartial), _immigrated
     ),
     "WaitRdmaDone": Rpc(pb.WaitRdmaDoneRequest, lambda r: m.WaitRdmaDone(), _empty(pb.WaitRdmaDoneResponse)),
     "ResetStatus": Rpc(pb.ResetStatusRequest, lambda r: m.ResetStatus(), _empty(pb.ResetStatusResponse)),

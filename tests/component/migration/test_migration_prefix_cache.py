@@ -56,9 +56,16 @@ def pages_return(cluster: list[Replica]) -> Iterator[None]:
 
 
 def _move(p: Replica, d: Replica, batch: pb.Batch, how: str) -> tuple[pb.PrefillV2Response, pb.CachedBatch]:
-    def immigrate() -> pb.CachedBatch:
+    first, moved = _move_reporting(p, d, batch, how)
+    return first, moved.batch
+
+
+def _move_reporting(
+    p: Replica, d: Replica, batch: pb.Batch, how: str
+) -> tuple[pb.PrefillV2Response, pb.ImmigrateResponse]:
+    def immigrate() -> pb.ImmigrateResponse:
         request = pb.ImmigrateRequest(batch=batch, src=[p.rank], dst=[d.rank])
-        return d.stub.Immigrate(request, timeout=CALL_TIMEOUT).batch
+        return d.stub.Immigrate(request, timeout=CALL_TIMEOUT)
 
     if how == "migrate":
         first = p.stub.PrefillV2(
@@ -98,3 +105,40 @@ def test_migrated_pages_are_cached_on_the_receiver(cluster: list[Replica], model
     if reply.HasField("batch"):
         tokens2 = decode_to_end(d, reply.batch, tokens2, None)
     assert tokens2[100 * seed + 50] == reference(model, [turn2], [4])[0]
+
+
+@pytest.mark.parametrize("how", ["migrate", "prefill-migrate", "progressive"])
+def test_the_next_turn_moves_only_the_pages_the_receiver_lacks(
+    cluster: list[Replica], model: Path, how: str
+) -> None:
+    p, d = cluster
+    seed = {"migrate": 11, "prefill-migrate": 12, "progressive": 13}[how]
+    [turn1, other] = random_prompts(256, [21, 12], seed=seed)  # 2 full pages + 5 tokens; 1 page + 4
+    first, moved = _move_reporting(p, d, make_batch(30 + seed, [turn1], [3], first_id=1000 * seed), how)
+    assert moved.reused_tokens == 0 and list(moved.request_reused_tokens) == [0]
+    tokens = first_tokens(first.generations)
+    decode_to_end(d, moved.batch, tokens, [tokens[r][0] for r in moved.batch.request_ids])
+
+    # the next turn extends turn 1 (its two full pages are cached on D); `other` shares nothing
+    turn2 = turn1 + [9, 8, 7, 6, 5, 4, 3, 2, 1, 0, 11]
+    batch = make_batch(40 + seed, [turn2, other], [4, 4], first_id=1000 * seed + 10)
+    first, moved = _move_reporting(p, d, batch, how)
+    assert list(moved.request_reused_tokens) == [2 * BLOCK, 0] and moved.reused_tokens == 2 * BLOCK
+    tokens = first_tokens(first.generations)
+    got = decode_to_end(d, moved.batch, tokens, [tokens[r][0] for r in moved.batch.request_ids])
+    assert [got[1000 * seed + 10], got[1000 * seed + 11]] == reference(model, [turn2, other], [4, 4])
+
+
+def test_a_receiver_without_the_prefix_cache_reuses_nothing(
+    model: Path, tmp_path: Path
+) -> None:
+    no_cache = {1: {"prefix_cache": False}}
+    with migration_cluster(model, tmp_path, 2, no_cache, num_blocks=64, block_size=BLOCK) as (p, d):
+        [prompt] = random_prompts(256, [24], seed=21)
+        for turn in range(2):  # the second time the same prompt still moves whole
+            batch = make_batch(50 + turn, [prompt], [2], first_id=500 + turn)
+            first, moved = _move_reporting(p, d, batch, "migrate")
+            assert moved.reused_tokens == 0
+            tokens = first_tokens(first.generations)
+            got = decode_to_end(d, moved.batch, tokens, [tokens[r][0] for r in moved.batch.request_ids])
+            assert got[500 + turn] == reference(model, [prompt], [2])[0]

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from router.config import Strategy
+from router.main import kv_bytes_per_token
 from router.replicas import State
 from router.types import TokenEvent
 from tests.helpers.router_core import (
@@ -89,5 +90,24 @@ def test_second_turn_decodes_on_the_replica_holding_its_prefix(routing: str, tin
             assert route.cached_tokens == 2 * BLOCK  # the prefill replica's own cache
             assert route.decode_replica == (home if routing == "cache-aware" else 2)
             await collect(busy)
+            await pages_back(replicas)
+    run(body())
+
+
+def test_second_turn_migrates_only_the_pages_the_decode_replica_lacks(tiny_llama: Path,
+                                                                      tmp_path: Path) -> None:
+    want = greedy(tiny_llama)
+    page_bytes = BLOCK * kv_bytes_per_token(tiny_llama, "float32")
+
+    async def body() -> None:
+        roles = (State.PREFILL, State.DECODE)
+        async with real_cluster(tiny_llama, tmp_path, roles, Strategy.FULL) as (sched, replicas):
+            turn1 = [3 + (i * 11) % 45 for i in range(2 * BLOCK + 8)]  # 2 full pages + 8 tokens
+            first = await collect(sched.submit(request(turn1, 6)))
+            assert finish_of(first).route.migration_bytes == 3 * page_bytes
+            turn2 = turn1 + tokens_of(first) + [11, 12, 13, 14]  # 50 tokens: 4 pages, 2 held on D
+            second = await collect(sched.submit(request(turn2, 6)))
+            assert tokens_of(second) == want(turn2, 6)
+            assert finish_of(second).route.migration_bytes == 2 * page_bytes
             await pages_back(replicas)
     run(body())
