@@ -11,6 +11,7 @@ from replica.errors import PeerTimeout
 from replica.migration.gates import InboundTurns, SendGates
 from replica.migration.plan import (
     CacheGeometry,
+    Have,
     Header,
     LayerHalf,
     SeqPages,
@@ -18,6 +19,7 @@ from replica.migration.plan import (
     layer_regions,
     runs,
     total_bytes,
+    with_skips,
 )
 from tests.helpers.eventually import eventually
 
@@ -69,10 +71,31 @@ def test_layer_halves() -> None:
 
 
 def test_header_round_trip_and_bad_magic() -> None:
-    header = Header(batch_id=2**40 + 3, nonce=12345, layers=range(2, 7), nbytes=999)
+    header = Header(batch_id=2**40 + 3, nonce=12345, layers=range(2, 7), nbytes=999, num_seqs=7)
     assert Header.unpack(header.pack()) == header
     with pytest.raises(ValueError, match="not a migration header"):
         Header.unpack(bytes(len(header.pack())))
+
+
+def test_pages_the_receiver_holds_are_left_out_on_both_sides() -> None:
+    sender = [SeqPages(9, (1, 2, 3)), SeqPages(5, (4, 6))]
+    receiver = [SeqPages(9, (8, 0, 5)), SeqPages(5, (7, 9))]
+    skips = (2, 0)  # request 0's first two pages are cached on the receiver; request 1 moves whole
+    assert layer_regions(GEOMETRY, with_skips(sender, skips), 0) == [(300, 200), (600, 100)]
+    assert layer_regions(GEOMETRY, with_skips(receiver, skips), 0) == [(500, 100), (700, 100), (900, 100)]
+    assert total_bytes(GEOMETRY, with_skips(sender, skips), range(2)) == 3 * 100 * 2
+    assert total_bytes(GEOMETRY, with_skips(sender, (9, 9)), range(2)) == 0  # more than the prompt: none
+    with pytest.raises(ValueError, match="names 1 requests"):
+        with_skips(sender, (1,))
+
+
+def test_have_round_trip() -> None:
+    have = Have(nonce=2**62 + 5, ok=True, skips=(3, 0, 70000))
+    record, counts = have.pack()
+    assert Have.unpack_record(record) == (have.nonce, True, 3)
+    assert len(counts) == Have.counts_bytes(3) and Have.unpack_counts(counts, 3) == have.skips
+    refused, empty = Have(1, False, ()).pack()
+    assert Have.unpack_record(refused) == (1, False, 0) and empty == b""
 
 
 def test_send_gate_serialises_and_times_out() -> None:
