@@ -376,16 +376,26 @@ class PipeParaInfo(_message.Message):
     def __init__(self, embedding_layer: _Optional[int] = ..., lm_head: _Optional[int] = ..., tfm_layer: _Optional[int] = ..., num_layer_per_rank: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class PrefillV2Request(_message.Message):
-    __slots__ = ("batch", "forward_case", "pp_info", "pipe_peer")
+    __slots__ = ("batch", "forward_case", "pp_info", "pipe_peer", "chunk_tokens")
     BATCH_FIELD_NUMBER: _ClassVar[int]
     FORWARD_CASE_FIELD_NUMBER: _ClassVar[int]
     PP_INFO_FIELD_NUMBER: _ClassVar[int]
     PIPE_PEER_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_TOKENS_FIELD_NUMBER: _ClassVar[int]
     batch: Batch
     forward_case: int
     pp_info: PipeParaInfo
     pipe_peer: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, batch: _Optional[_Union[Batch, _Mapping]] = ..., forward_case: _Optional[int] = ..., pp_info: _Optional[_Union[PipeParaInfo, _Mapping]] = ..., pipe_peer: _Optional[_Iterable[int]] = ...) -> None: ...
+    chunk_tokens: int
+    def __init__(self, batch: _Optional[_Union[Batch, _Mapping]] = ..., forward_case: _Optional[int] = ..., pp_info: _Optional[_Union[PipeParaInfo, _Mapping]] = ..., pipe_peer: _Optional[_Iterable[int]] = ..., chunk_tokens: _Optional[int] = ...) -> None: ...
+
+class PrefillChunkRequest(_message.Message):
+    __slots__ = ("batch_id", "chunk_tokens")
+    BATCH_ID_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    batch_id: int
+    chunk_tokens: int
+    def __init__(self, batch_id: _Optional[int] = ..., chunk_tokens: _Optional[int] = ...) -> None: ...
 
 class PrefillV2Response(_message.Message):
     __slots__ = ("generations", "batch", "pp_info", "forward_ns", "decode_ns", "total_ns", "evicted_page_hashes")

@@ -164,6 +164,11 @@ class TextGenerationServiceStub:
                 request_serializer=protos_dot_generate__pb2.ConnectPeersRequest.SerializeToString,
                 response_deserializer=protos_dot_generate__pb2.ConnectPeersResponse.FromString,
                 _registered_method=True)
+        self.PrefillChunk = channel.unary_unary(
+                '/generate.v2.TextGenerationService/PrefillChunk',
+                request_serializer=protos_dot_generate__pb2.PrefillChunkRequest.SerializeToString,
+                response_deserializer=protos_dot_generate__pb2.PrefillV2Response.FromString,
+                _registered_method=True)
 
 
 class TextGenerationServiceServicer:
@@ -354,6 +359,16 @@ class TextGenerationServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def PrefillChunk(self, request, context):
+        """pdcluster extension. The next chunk of a batch a PrefillV2 with `chunk_tokens` left prefilling:
+        at most `chunk_tokens` more prompt tokens (one forward); once every prompt is computed, the
+        first tokens (generations) and the batch, now an ordinary cached batch. Until then the answer
+        has no generations, and DecodeV2 / Migrate of the batch are FAILED_PRECONDITION.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_TextGenerationServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -486,6 +501,11 @@ def add_TextGenerationServiceServicer_to_server(servicer, server):
                     servicer.ConnectPeers,
                     request_deserializer=protos_dot_generate__pb2.ConnectPeersRequest.FromString,
                     response_serializer=protos_dot_generate__pb2.ConnectPeersResponse.SerializeToString,
+            ),
+            'PrefillChunk': grpc.unary_unary_rpc_method_handler(
+                    servicer.PrefillChunk,
+                    request_deserializer=protos_dot_generate__pb2.PrefillChunkRequest.FromString,
+                    response_serializer=protos_dot_generate__pb2.PrefillV2Response.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -1190,6 +1210,33 @@ class TextGenerationService:
             '/generate.v2.TextGenerationService/ConnectPeers',
             protos_dot_generate__pb2.ConnectPeersRequest.SerializeToString,
             protos_dot_generate__pb2.ConnectPeersResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PrefillChunk(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/generate.v2.TextGenerationService/PrefillChunk',
+            protos_dot_generate__pb2.PrefillChunkRequest.SerializeToString,
+            protos_dot_generate__pb2.PrefillV2Response.FromString,
             options,
             channel_credentials,
             insecure,

@@ -78,6 +78,7 @@ class Batch:
 
     id: BatchId
     requests: list[RequestState] = field(default_factory=list)
+    prefilling: bool = False  # prompts computed in chunks, not all yet: no decode, no migration
 
     def __iter__(self) -> Iterator[RequestState]:
         return iter(self.requests)

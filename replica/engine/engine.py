@@ -14,12 +14,13 @@ runner's (`backend.Runner`: the torch model, or the simulated GPU); everything e
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from replica.engine.backend import Runner, SeqInput
 from replica.engine.batch import Batch, BatchStore, RequestState, merge
+from replica.engine.chunks import PromptFeeder
 from replica.engine.detokenizer import Detokenizer
 from replica.engine.generation import appended_generation, prefill_tokens, step_generation
 from replica.engine.grammar import Grammars, GrammarState
@@ -86,6 +87,7 @@ class Engine:
         self.store = BatchStore()
         self.eos_token_ids = frozenset(runner.config.eos_token_ids)
         self.grammars = Grammars(detok.tokenizer, limits.vocab_size, self.eos_token_ids)
+        self.feeder = PromptFeeder(lambda inputs: self.runner.forward(inputs), self.register_pages)
 
     @property
     def block_size(self) -> int:
@@ -248,74 +250,67 @@ class Engine:
         self.store.put(batch)
         return batch.info(self.block_size)
 
-    def prefill(self, spec: BatchSpec) -> StepResult:
-        """Full forward of a new batch, first tokens sampled, batch cached (unless all finished)."""
+    def prefill(self, spec: BatchSpec, chunk_tokens: int = 0) -> StepResult:
+        """Forward of a new batch, first tokens sampled, batch cached (unless all finished).
+
+        With `chunk_tokens` the call computes at most that many prompt tokens (one forward): a batch
+        whose prompts are not all computed by then is cached as *prefilling* and the answer has no
+        generations; `prefill_chunk` continues it.
+        """
         start = time.perf_counter_ns()
         self.readiness.require_complete("a NORMAL prefill")
+        if chunk_tokens < 0:
+            raise InvalidArgument(f"chunk_tokens must be >= 0, got {chunk_tokens}")
         batch = self.admit(spec, Reuse.PREFILL)
+        return self._prefill_step(batch, chunk_tokens, start, cached=False)
+
+    def prefill_chunk(self, batch_id: BatchId, chunk_tokens: int) -> StepResult:
+        """The next chunk (at most `chunk_tokens` prompt tokens) of a prefilling batch; the first tokens
+        once its prompts are computed (the batch is then an ordinary cached batch)."""
+        start = time.perf_counter_ns()
+        self.readiness.require_complete("a prefill chunk")
+        if chunk_tokens <= 0:
+            raise InvalidArgument(f"chunk_tokens must be positive, got {chunk_tokens}")
+        batch = self.store.get(batch_id)
+        if not batch.prefilling:
+            raise FailedPrecondition(f"batch {batch_id} is not being prefilled in chunks")
+        return self._prefill_step(batch, chunk_tokens, start, cached=True)
+
+    def _prefill_step(self, batch: Batch, chunk_tokens: int, start: int, cached: bool) -> StepResult:
+        """Compute (a chunk of) the batch's prompts; sample once they are done. A failure frees it."""
         try:
-            chunks_ns = self._prefill_leaders(batch.requests) + self._prefill_chunks(batch.requests)
+            chunk_start = time.perf_counter_ns()
+            if chunk_tokens > 0:
+                done = self.feeder.advance(batch.requests, chunk_tokens)
+            else:
+                budget = self.limits.prefill_chunk_tokens
+                self.feeder.leaders(batch.requests, budget or sum(len(r.tokens) for r in batch.requests))
+                self.feeder.chunks(batch.requests, budget)
+                done = True
+            chunks_ns = time.perf_counter_ns() - chunk_start
+            if not done:
+                return self._prefilling(batch, cached, chunks_ns, start)
             generations, times = self._step(batch.requests, with_prompt_logprobs=True)
         except BaseException:
+            if cached:
+                self.store.pop(batch.id)
             self.blocks.free(batch.pages())
             raise
-        info = self._keep_or_drop(batch, cached=False)
+        batch.prefilling = False
+        info = self._keep_or_drop(batch, cached=cached)
         total = time.perf_counter_ns() - start
         evicted = tuple(self.blocks.take_evicted())
         forward_ns = chunks_ns + times.forward_ns
         return StepResult(tuple(generations), info, forward_ns, times.decode_ns, total, 0, evicted)
 
-    def _prefill_leaders(self, requests: Sequence[RequestState]) -> int:
-        """Compute the pages later requests of the batch share (`shared_upto`) before the batch's forward,
-        in chunks of `prefill_chunk_tokens` (one forward if 0); returns the nanoseconds spent."""
-        start = time.perf_counter_ns()
-        budget = self.limits.prefill_chunk_tokens or sum(len(r.tokens) for r in requests)
-        while self._forward_some(requests, budget, lambda r: r.shared_upto - r.num_cached):
-            pass
-        return time.perf_counter_ns() - start
-
-    def _prefill_chunks(self, requests: Sequence[RequestState]) -> int:
-        """Chunked prefill: forward the prompts' leading tokens `prefill_chunk_tokens` at a time until
-        what is left fits one forward; returns the nanoseconds spent.
-
-        Each chunk writes its tokens' K/V into the request's pages and attends to the pages earlier
-        chunks (or the prefix cache) wrote, exactly as a resumed prompt does; its logits are not
-        used. Every request keeps at least its last token for the final forward (which chooses the
-        first token). A request asking for prompt log-probabilities is not chunked (they come from
-        the final forward's logits of every prompt token).
-        """
-        budget = self.limits.prefill_chunk_tokens
-        if budget <= 0:
-            return 0
-        start = time.perf_counter_ns()
-        chunked = [r for r in requests if not r.spec.prefill_logprobs]
-        while sum([len(r.pending) for r in requests]) > budget:
-            if not self._forward_some(chunked, budget, lambda r: len(r.pending) - 1):
-                break
-        return time.perf_counter_ns() - start
-
-    def _forward_some(self, requests: Sequence[RequestState], budget: int,
-                      wanted: Callable[[RequestState], int]) -> bool:
-        """One forward of each request's next `wanted(request)` prompt tokens, `budget` in all (in
-        order; their logits unused), their full pages named; False when there was nothing to feed."""
-        left, inputs, fed = budget, [], []
-        for request in requests:
-            take = min(wanted(request), left)
-            if take <= 0:
-                continue
-            first = request.num_cached
-            inputs.append(SeqInput(request.tokens[first : first + take], request.pages, first))
-            fed.append((request, take))
-            left -= take
-            if not left:
-                break
-        if not inputs:
-            return False
-        self.runner.forward(inputs)
-        for request, take in fed:
-            request.num_cached += take
-            self.register_pages(request)
-        return True
+    def _prefilling(self, batch: Batch, cached: bool, forward_ns: int, start: int) -> StepResult:
+        """A chunk was computed and more are left: keep the batch as prefilling, answer no tokens."""
+        batch.prefilling = True
+        if not cached:
+            self.store.put(batch)
+        total = time.perf_counter_ns() - start
+        evicted = tuple(self.blocks.take_evicted())
+        return StepResult((), batch.info(self.block_size), forward_ns, 0, total, 0, evicted)
 
     # ------------------------------------------------------------------------------------ decode
     def decode(self, inputs: Sequence[DecodeInput]) -> StepResult:
@@ -325,6 +320,9 @@ class Engine:
             raise InvalidArgument("decode needs at least one batch")
         self.readiness.require_complete("decode")
         batches = self.store.get_many([i.batch_id for i in inputs])
+        prefilling = [b.id for b in batches if b.prefilling]
+        if prefilling:
+            raise FailedPrecondition(f"batches {prefilling} are still being prefilled in chunks")
         for batch, inp in zip(batches, inputs, strict=True):
             if inp.last_iter_tokens:
                 check_appended(inp.last_iter_tokens, len(batch), self.limits.vocab_size, f"batch {batch.id}")

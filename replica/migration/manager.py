@@ -288,6 +288,8 @@ def take_for_migration(engine: Engine, spec: BatchSpec) -> Batch:
     """(Engine thread) the cached batch named by `spec`, out of the store, checked against `spec`:
     the same requests, none decoded here yet (only the prompt's KV moves)."""
     batch = engine.store.get(spec.id)
+    if batch.prefilling:
+        raise FailedPrecondition(f"batch {spec.id} is still being prefilled in chunks")
     wanted = tuple(r.id for r in spec.requests)
     if batch.request_ids != wanted:
         raise InvalidArgument(f"batch {spec.id} holds {list(batch.request_ids)}, not {list(wanted)}")

@@ -62,7 +62,8 @@ class ReplicaCore:
         fraction = None if config.num_blocks is not None else config.kv_memory_fraction
         self._engine_calls: dict[type[m.Call], EngineHandler] = {
             m.Decode: lambda e, c: e.decode(c.inputs),
-            m.Prefill: lambda e, c: e.prefill(c.batch),
+            m.Prefill: lambda e, c: e.prefill(c.batch, c.chunk_tokens),
+            m.PrefillChunk: lambda e, c: e.prefill_chunk(c.batch_id, c.chunk_tokens),
             m.Filter: lambda e, c: e.filter(c.batch_id, c.keep),
             m.Clear: lambda e, c: e.clear(c.batch_id),
             m.Warmup: lambda e, c: warmup(e, c.spec, fraction),

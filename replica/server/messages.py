@@ -12,7 +12,7 @@ engine's own types back (no second, positional encoding of a step).
 ```
  Call (tagged union, one per engine / service operation)   lane    reply
  Decode(inputs)                                             ENGINE  StepResult
- Prefill(batch)                                             ENGINE  StepResult (orphan → Clear)
+ Prefill(batch, chunk_tokens) · PrefillChunk(batch_id, …)  ENGINE  StepResult (orphan → Clear)
  Filter(batch_id, keep) · Clear(batch_id)                   ENGINE  CachedBatchInfo · None
  Warmup(spec)                                               ENGINE  int | None
  Health() · Discover() · Info()                             SERVICE HealthState · Discovery · ReplicaInfo
@@ -143,14 +143,29 @@ class Decode(Call, frozen=True):
 
 
 class Prefill(Call, frozen=True):
-    """Prefill / PrefillV2 NORMAL: prefill a new batch and cache it."""
+    """Prefill / PrefillV2 NORMAL: prefill a new batch (a first chunk of it) and cache it."""
 
     lane = Lane.ENGINE
     reply = StepResult
     batch: BatchSpec
+    chunk_tokens: int = 0
 
     def orphan(self, reply: Any) -> Call | None:
         """A prefill whose caller left cached a batch nobody will decode: clear it."""
+        batch = reply.batch if isinstance(reply, StepResult) else None
+        return None if batch is None else Clear(batch.id)
+
+
+class PrefillChunk(Call, frozen=True):
+    """PrefillChunk: the next chunk of a prefilling batch; its first tokens once it is computed."""
+
+    lane = Lane.ENGINE
+    reply = StepResult
+    batch_id: BatchId
+    chunk_tokens: int
+
+    def orphan(self, reply: Any) -> Call | None:
+        """A chunk whose caller left: the batch stays cached for nobody; clear it."""
         batch = reply.batch if isinstance(reply, StepResult) else None
         return None if batch is None else Clear(batch.id)
 
@@ -322,12 +337,12 @@ class SetStatusReady(Call, frozen=True):
 
 
 CALLS: tuple[type[Call], ...] = (
-    Decode, Prefill, Filter, Clear, Info, Warmup, Health, Discover, Migrate, Immigrate,
+    Decode, Prefill, PrefillChunk, Filter, Clear, Info, Warmup, Health, Discover, Migrate, Immigrate,
     MigratePartial, ImmigratePartial, MigratingPrefill, PipelinedPrefill, ZagPrefill, Relay,
     LoadParams, SendParams, RecvParams, Broadcast, WaitRdmaDone, ResetStatus, SetStatusReady, ConnectPeers,
 )  # fmt: skip
 AnyCall = (
-    Decode | Prefill | Filter | Clear | Info | Warmup | Health | Discover | Migrate | Immigrate
+    Decode | Prefill | PrefillChunk | Filter | Clear | Info | Warmup | Health | Discover | Migrate | Immigrate
     | MigratePartial | ImmigratePartial | MigratingPrefill | PipelinedPrefill | ZagPrefill | Relay
     | LoadParams | SendParams | RecvParams | Broadcast | WaitRdmaDone | ResetStatus | SetStatusReady
     | ConnectPeers

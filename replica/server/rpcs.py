@@ -54,6 +54,8 @@ def _prefill_v2(request: pb.PrefillV2Request) -> m.Call:
     """PrefillV2 by its forward_case: NORMAL, MIGRATE[_PROGRESSIVE] or NAIVE_PP|IMMIGRATE."""
     case, batch = request.forward_case, convert.batch_from_pb(request.batch)
     peers = tuple(request.pipe_peer)
+    if request.chunk_tokens and case != m.PrefillCase.NORMAL:
+        raise InvalidArgument(f"chunk_tokens is for a NORMAL prefill only, not forward_case {case}")
     if case & (m.PrefillCase.NAIVE_PP | m.PrefillCase.IMMIGRATE):  # only NAIVE_PP|IMMIGRATE is valid
         which = request.pp_info.WhichOneof("start_layer") if request.HasField("pp_info") else None
         start = None if which is None else m.PipeStart(which)
@@ -62,7 +64,7 @@ def _prefill_v2(request: pb.PrefillV2Request) -> m.Call:
         return m.MigratingPrefill(batch, case, peers)
     if case != m.PrefillCase.NORMAL:
         raise InvalidArgument(f"PrefillV2 forward_case {case}: not a valid PrefillCase")
-    return m.Prefill(batch)
+    return m.Prefill(batch, request.chunk_tokens)
 
 
 def _migration(kind: type[m.Migrate] | type[m.Immigrate]) -> Callable[[Any], m.Call]:
@@ -201,6 +203,11 @@ RPCS: dict[str, Rpc] = {
     ),
     "PrefillV2": Rpc(
         pb.PrefillV2Request, _prefill_v2, lambda result: _prefilled(pb.PrefillV2Response(), result)
+    ),
+    "PrefillChunk": Rpc(
+        pb.PrefillChunkRequest,
+        lambda r: m.PrefillChunk(BatchId(r.batch_id), r.chunk_tokens),
+        lambda result: _prefilled(pb.PrefillV2Response(), result),
     ),
     "DecodeV2": Rpc(
         pb.DecodeV2Request,

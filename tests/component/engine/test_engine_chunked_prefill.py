@@ -119,3 +119,73 @@ def test_chunked_prefill_equals_unchunked_and_transformers(
     blocks = engine.blocks
     blocks.check()
     assert (blocks.num_used, blocks.num_free) == (0, blocks.num_blocks)
+
+
+def test_one_chunk_per_call_interleaves_with_another_batchs_decode_steps(
+    tiny_model_factory: Callable[..., Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`prefill(chunk_tokens=)` + `prefill_chunk`: each call at most one forward of the chunk; the
+    batch is prefilling (no tokens, no decode, no migration) until its last chunk; tokens equal
+    transformers; a cleared prefilling batch gives every page back."""
+    from replica.errors import FailedPrecondition, InvalidArgument
+    from replica.migration.manager import take_for_migration
+
+    path = tiny_model_factory(arch="llama")
+    engine = build_engine(ReplicaConfig(model=path, port=0, num_blocks=64, block_size=4))
+    fed: list[int] = []
+    forward = engine.runner.forward
+
+    def counting(inputs: list[SeqInput]) -> Any:
+        fed.append(sum(len(i.tokens) for i in inputs))
+        return forward(inputs)
+
+    monkeypatch.setattr(engine.runner, "forward", counting)
+    gen = torch.Generator().manual_seed(5)
+    vocab = engine.limits.vocab_size
+    long_prompt, short, fresh = (torch.randint(3, vocab, (n,), generator=gen).tolist() for n in (45, 6, 40))
+    stop = StoppingParams(max_new_tokens=4)
+
+    def batch(batch_id: int, prompt: list[int]) -> BatchSpec:
+        return BatchSpec(BatchId(batch_id), (RequestSpec(RequestId(batch_id), tuple(prompt), stopping=stop),))
+
+    running = engine.prefill(batch(1, short))
+    got: dict[int, list[int]] = {1: list(running.generations[0].tokens.ids), 2: []}
+    assert running.batch is not None
+    result = engine.prefill(batch(2, long_prompt), chunk_tokens=CHUNK)
+    calls = 1
+    while not result.generations:
+        assert result.batch is not None and fed[-1] <= CHUNK
+        with pytest.raises(FailedPrecondition, match="prefilled in chunks"):
+            engine.decode([DecodeInput(BatchId(2))])
+        with pytest.raises(FailedPrecondition, match="prefilled in chunks"):
+            take_for_migration(engine, BatchSpec(BatchId(2), ()))
+        if running.batch is not None:  # the other batch steps between the chunks
+            running = engine.decode([DecodeInput(running.batch.id)])
+            got[1].extend(t for g in running.generations for t in g.tokens.ids)
+        fed.clear()
+        result = engine.prefill_chunk(BatchId(2), CHUNK)
+        assert len(fed) <= 1
+        calls += 1
+    assert calls == 3  # 45 tokens: 16 + 16, then 13 in the sampling forward
+    got[2].extend(result.generations[0].tokens.ids)
+    while result.batch is not None:
+        result = engine.decode([DecodeInput(result.batch.id)])
+        got[2].extend(t for g in result.generations for t in g.tokens.ids)
+    while running.batch is not None:
+        running = engine.decode([DecodeInput(running.batch.id)])
+        got[1].extend(t for g in running.generations for t in g.tokens.ids)
+    hf = AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.float32).eval()
+    assert got == {1: reference_greedy(hf, short, 4)[0], 2: reference_greedy(hf, long_prompt, 4)[0]}
+
+    ordinary = engine.prefill(batch(3, short))
+    assert ordinary.batch is not None
+    with pytest.raises(FailedPrecondition, match="not being prefilled"):
+        engine.prefill_chunk(BatchId(3), CHUNK)
+    with pytest.raises(InvalidArgument, match="chunk_tokens"):
+        engine.prefill_chunk(BatchId(3), 0)
+    engine.clear(BatchId(3))
+    half = engine.prefill(batch(4, fresh), chunk_tokens=CHUNK)
+    assert not half.generations and half.batch is not None
+    engine.clear(BatchId(4))  # a prefilling batch given up: every page back
+    engine.blocks.check()
+    assert engine.blocks.num_used == 0 and engine.blocks.num_free == engine.blocks.num_blocks
