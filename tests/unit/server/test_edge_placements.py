@@ -72,7 +72,7 @@ class _FakeEngine:
             raise NotFound("no batch 404")
         return _step(CachedBatchInfo(inputs[0].batch_id, (RequestId(1),), 8))
 
-    def prefill(self, spec: Any) -> StepResult:
+    def prefill(self, spec: Any, chunk_tokens: int = 0) -> StepResult:
         self.prefilled.append(spec.id)
         self.release.wait(5)
         self.store.add(spec.id)
