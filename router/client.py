@@ -297,15 +297,24 @@ class ReplicaClient:
 
     async def prefill(
         self, batch: BatchSpec, case: PrefillCase = PrefillCase.NORMAL, pipe_peer: Sequence[int] = (),
-        resume: int | None = None,
+        resume: int | None = None, chunk_tokens: int = 0,
     ) -> StepResult:
         """PrefillV2 of a new batch (with migration flags when `case` asks for them); `resume`: a
-        relayed batch's layer (NAIVE_PP|IMMIGRATE from `pipe_peer`; 0 = at the embedding)."""
-        req = pb.PrefillV2Request(batch=batch_pb(batch), forward_case=int(case), pipe_peer=list(pipe_peer))
+        relayed batch's layer (NAIVE_PP|IMMIGRATE from `pipe_peer`; 0 = at the embedding);
+        `chunk_tokens`: at most that many prompt tokens now (no generations: `prefill_chunk` goes on)."""
+        req = pb.PrefillV2Request(batch=batch_pb(batch), forward_case=int(case), pipe_peer=list(pipe_peer),
+                                  chunk_tokens=chunk_tokens)
         if resume is not None:
             _set_resume(req.pp_info, resume)
         timeout = self.transfer_timeout if case else None
         resp = await self._call("PrefillV2", req, timeout)
+        return _step(resp.generations, resp.batch if resp.HasField("batch") else None,
+                     resp.evicted_page_hashes)
+
+    async def prefill_chunk(self, batch_id: BatchId, chunk_tokens: int) -> StepResult:
+        """The next chunk of a prefilling batch; its first tokens once every prompt is computed."""
+        req = pb.PrefillChunkRequest(batch_id=batch_id, chunk_tokens=chunk_tokens)
+        resp = await self._call("PrefillChunk", req)
         return _step(resp.generations, resp.batch if resp.HasField("batch") else None,
                      resp.evicted_page_hashes)
 

@@ -31,6 +31,7 @@ class LoopLimits:
 
     max_pending_migrations: int  # prefilled batches (and prefills in flight) one prefill replica may hold
     max_batch_prefill_tokens: int  # prompt tokens per prefill (a re-prefill is cut to it)
+    chunked_prefill: bool = False  # colocated: a longer batch is prefilled a chunk per loop step
 
 
 class Cluster(Protocol):

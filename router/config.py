@@ -68,6 +68,9 @@ class RouterConfig:
         "file holding the cluster token (kept out of the process list)"))
     model_id: str = field(default="", metadata=_help("model name served (default: the folder name)"))
     max_batch_prefill_tokens: int = field(default=4096, metadata=_help("prompt tokens per prefill batch"))
+    chunked_prefill: bool = field(default=True, metadata=_help(
+        "colocated: prefill a batch over --max-batch-prefill-tokens in chunks of that size, one per loop "
+        "step, with a decode step of the running batch between them (a long prompt does not stall it)"))
     max_batch_total_tokens: int = field(default=65536, metadata=_help(
         "prompt + new tokens one prefill batch may reserve"))
     max_batch_size: int = field(default=64, metadata=_help("requests per prefill batch"))

@@ -45,12 +45,15 @@ class DecodeLoop:
     """Decode steps of one replica; also the `batches.DecodeSide` its inbox items are taken with."""
 
     def __init__(self, cluster: Cluster, handle: ReplicaHandle, wakeups: Wakeups, prefill: Prefill,
-                 max_prefill_tokens: int) -> None:
+                 max_prefill_tokens: int, hold_back: Callable[[], bool] = lambda: False) -> None:
         self.cluster = cluster
         self.h = handle
         self.wakeups = wakeups
         self._prefill = prefill
         self._max_prefill_tokens = max_prefill_tokens
+        # other work of this replica's loop that must get between two steps (a colocated prefill):
+        # no step is sent ahead while it says so
+        self._hold_back = hold_back
         self._flights: collections.deque[_InFlight] = collections.deque()  # decode steps on the wire
         self._call_prefix = secrets.token_hex(6)  # names this loop's pipelined calls (unique per run)
         self._calls = 0
@@ -121,7 +124,7 @@ class DecodeLoop:
             return  # changes nothing another task waits for: no wake-up then)
         live = LiveBatch.of(result.batch, list(members.values()), self.h.block_size)
         self.h.running = live
-        if not self.h.inbox and len(live.wanted_ids()) == len(live.members):
+        if not self.h.inbox and len(live.wanted_ids()) == len(live.members) and not self._hold_back():
             while len(self._flights) < PIPELINE_DEPTH:
                 self._send_ahead(live)
             await asyncio.sleep(0)  # the calls' sends run before the streams woken by deliver

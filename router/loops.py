@@ -5,7 +5,8 @@
 | PREFILL                 | take a batch off the queue, `strategy.prefill`, hand it to the migration |
 |                         | queue (up to `PREFILL_DEPTH` prefills on the wire if `pipelined`)        |
 | DECODE                  | merge arrived batches into the running one, one step (`decoding.py`)     |
-| COLOCATED               | one prefill from the queue joined into the running batch, one step       |
+| COLOCATED               | one prefill from the queue joined into the running batch, one step; a    |
+|                         | longer batch a chunk per step (`chunked.py`)                              |
 | DRAIN                   | decode what it has, wait for its outbound migrations, then IDLE          |
 | IDLE                    | nothing                                                                  |
 
@@ -21,9 +22,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Awaitable
 
 from router import strategies, zigzag
 from router.batches import Arrived, LiveBatch, Member, member_blocks, spec_for
+from router.chunked import ChunkedPrefill, needs_chunks
 from router.cluster import Cluster, LoopLimits
 from router.decoding import PIPELINE_DEPTH, DecodeLoop
 from router.errors import ReplicaCallError
@@ -31,7 +34,7 @@ from router.migration import Migrations
 from router.registry import ReplicaHandle
 from router.replicas import State, Trigger
 from router.strategies.base import MigrationStrategy, Mode
-from router.types import BatchId, PrefillCase
+from router.types import BatchId, PrefillCase, RequestId, StepResult
 from router.wakeup import Wakeups
 
 __all__ = ["PIPELINE_DEPTH", "PREFILL_DEPTH", "ReplicaWorker"]
@@ -58,8 +61,13 @@ class ReplicaWorker:
         self.h = handle
         self.wakeups = wakeups
         self.limits = limits
-        self.decode = DecodeLoop(cluster, handle, wakeups, self._reprefill, limits.max_batch_prefill_tokens)
+        self.decode = DecodeLoop(cluster, handle, wakeups, self._reprefill, limits.max_batch_prefill_tokens,
+                                 self._prefill_waiting)
         self._prefills: set[asyncio.Task[None]] = set()  # PREFILL mode: prefills on the wire
+        chunk = limits.max_batch_prefill_tokens if limits.chunked_prefill else 0
+        self.chunked = ChunkedPrefill(handle, chunk, self.prefill_answered,
+                                      lambda exc, members: cluster.on_error(handle, exc, members),
+                                      lambda: wakeups.pages(handle.id))
         self._took = False  # this step took a batch off the queue
 
     async def run(self) -> None:
@@ -96,6 +104,8 @@ class ReplicaWorker:
         """One iteration; True when it did work."""
         if self.decode.in_flight:  # steps sent ahead are collected first, whatever the mode
             return await self.decode.step()
+        if self.chunked.busy:  # a batch prefilled in chunks goes on whatever the mode now is
+            return await self._join(self.chunked.step()) | await self.decode_once()
         role = self.h.state.role
         if role in ZIGZAG_STATES:
             return await self._zigzag(role)
@@ -114,6 +124,14 @@ class ReplicaWorker:
         if mode is Mode.DRAIN:
             return await self.drain_once()
         return False
+
+    def _prefill_waiting(self) -> bool:
+        """Prefill work this loop must fit between decode steps: a chunk to run, or (colocated) a
+        queued prompt. Decode steps are not sent ahead meanwhile, or it would wait for the batch."""
+        if self.chunked.busy:
+            return True
+        mode = self.cluster.strategy.mode(self.h.state.role, self.cluster.has_decode())
+        return mode is Mode.COLOCATED and self.cluster.queued()[0] > 0
 
     async def _zigzag(self, role: State) -> bool:
         """Live scaling (zigzag.py): a new replica prefills layer by layer, an old one takes over."""
@@ -165,14 +183,21 @@ class ReplicaWorker:
         self.wakeups.replica(self.h.id)  # a slot on the wire is free
 
     async def prefill_local(self) -> bool:
-        """COLOCATED mode: one batch from the queue, prefilled here and joined to the running batch."""
+        """COLOCATED mode: one batch from the queue, prefilled here and joined to the running batch
+        (one longer than `max_batch_prefill_tokens` a chunk per step: `chunked.py`)."""
         taken = await self.take_batch()
         if taken is None:
             return False
         batch_id, members = taken
         for m in members:
             m.state.decoding(self.h.id, "colocated")
-        live = await self.run_prefill(members, batch_id)
+        if needs_chunks(members, self.chunked.chunk_tokens):
+            return await self._join(self.chunked.start(batch_id, members))
+        return await self._join(self.run_prefill(members, batch_id))
+
+    async def _join(self, prefill: Awaitable[LiveBatch | None]) -> bool:
+        """Await a prefill; its cached batch joins the running batch with the next decode step."""
+        live = await prefill
         if live is not None:
             self.h.inbox.append(Arrived(live, {}))
         return True
@@ -231,7 +256,13 @@ class ReplicaWorker:
                 raise
             self.cluster.on_error(self.h, exc, members)
             return None
-        self.cluster.prefilled(sum(len(m.request.input_ids) for m in members), time.monotonic() - start)
+        return await self.prefill_answered(members, pages, result, time.monotonic() - start, case)
+
+    async def prefill_answered(self, members: list[Member], pages: dict[RequestId, int], result: StepResult,
+                               seconds: float, case: PrefillCase = PrefillCase.NORMAL) -> LiveBatch | None:
+        """A prefill's first tokens: measured, indexed, streamed; the cached batch, pruned (`pages`:
+        what the router holds for it on this replica, released when every request finished)."""
+        self.cluster.prefilled(sum(len(m.request.input_ids) for m in members), seconds)
         self.cluster.prefill_done(self.h, members, result)
         self.cluster.deliver(result, {m.id: m for m in members})
         if result.batch is None:

@@ -34,10 +34,15 @@ class ReplicaApi(Protocol):
 
     async def prefill(
         self, batch: BatchSpec, case: PrefillCase = PrefillCase.NORMAL, pipe_peer: Sequence[int] = (),
-        resume: int | None = None,
+        resume: int | None = None, chunk_tokens: int = 0,
     ) -> StepResult:
         """PrefillV2 of a new batch (with migration flags when `case` asks for them); `resume`: a
-        relayed batch's layer (NAIVE_PP|IMMIGRATE from `pipe_peer`; 0 = at the embedding)."""
+        relayed batch's layer (NAIVE_PP|IMMIGRATE from `pipe_peer`; 0 = at the embedding);
+        `chunk_tokens`: at most that many prompt tokens now (no generations: `prefill_chunk` goes on)."""
+        ...
+
+    async def prefill_chunk(self, batch_id: BatchId, chunk_tokens: int) -> StepResult:
+        """The next chunk of a prefilling batch; its first tokens once every prompt is computed."""
         ...
 
     async def zag_prefill(self, batch: BatchSpec, seq: int) -> ZagOutcome:

@@ -82,7 +82,8 @@ class ClusterScheduler:
         self._moves = Migrations(self, self.replicas, self.requests, self.wakeups, self.metrics, clock,
                                  config.max_inbound_migrations, kv_bytes_per_token, self.rates)
         self._connect = connect
-        self._limits = LoopLimits(config.max_pending_migrations, config.max_batch_prefill_tokens)
+        self._limits = LoopLimits(config.max_pending_migrations, config.max_batch_prefill_tokens,
+                                  config.chunked_prefill)
         self._monitor: asyncio.Task[None] | None = None
         self._stopping = False
         self.weight_bytes = 0  # one replica's weights (main.py sets it from the checkpoint)

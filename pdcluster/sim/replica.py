@@ -27,7 +27,7 @@ from replica.engine.engine import Engine
 from replica.engine.sim.clock import TallyClock
 from replica.engine.sim.runner import SimRunner
 from replica.engine.types import BatchSpec as EngineBatch
-from replica.errors import AlreadyExists, ReplicaError
+from replica.errors import AlreadyExists, InvalidArgument, ReplicaError
 from replica.migration.manager import seq_pages, take_for_migration
 from replica.migration.plan import CacheGeometry, total_bytes
 from replica.params.store import ParamStore
@@ -83,15 +83,25 @@ class VirtualReplica:
         return convert.info(self.engine.info(), self.rank)
 
     async def prefill(self, batch: BatchSpec, case: PrefillCase = PrefillCase.NORMAL,
-                      pipe_peer: Sequence[int] = (), resume: int | None = None) -> StepResult:
-        """PrefillV2: NORMAL, or MIGRATE[_PROGRESSIVE] to `pipe_peer` (the receiver runs Immigrate)."""
+                      pipe_peer: Sequence[int] = (), resume: int | None = None,
+                      chunk_tokens: int = 0) -> StepResult:
+        """PrefillV2: NORMAL (a first chunk of it with `chunk_tokens`), or MIGRATE[_PROGRESSIVE] to
+        `pipe_peer` (the receiver runs Immigrate)."""
         spec = convert.batch_spec(batch)
+        if chunk_tokens and case != PrefillCase.NORMAL:
+            raise self.error("PrefillV2", InvalidArgument("chunk_tokens is for a NORMAL prefill only"))
         if resume is not None or case & (PrefillCase.NAIVE_PP | PrefillCase.IMMIGRATE):
             raise ReplicaUnimplemented(self.address, "PrefillV2", "UNIMPLEMENTED",
                                        "layer-level prefill is not simulated in virtual time")
         if case == PrefillCase.NORMAL:
-            return convert.step(await self.on_engine("PrefillV2", lambda: self.engine.prefill(spec)))
+            prefill = lambda: self.engine.prefill(spec, chunk_tokens)  # noqa: E731
+            return convert.step(await self.on_engine("PrefillV2", prefill))
         return await self._migrating_prefill(spec, pipe_peer, bool(case & PrefillCase.MIGRATE_PROGRESSIVE))
+
+    async def prefill_chunk(self, batch_id: BatchId, chunk_tokens: int) -> StepResult:
+        """PrefillChunk: the next chunk of a prefilling batch."""
+        chunk = lambda: self.engine.prefill_chunk(batch_id, chunk_tokens)  # type: ignore[arg-type]  # noqa: E731
+        return convert.step(await self.on_engine("PrefillChunk", chunk))
 
     async def _migrating_prefill(self, spec: EngineBatch, pipe_peer: Sequence[int], progressive: bool
                                  ) -> StepResult:

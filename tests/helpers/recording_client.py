@@ -15,7 +15,8 @@ from router.config import RouterConfig
 from router.replica_api import Connect, ReplicaApi
 
 RPC_OF = {
-    "info": "Info", "prefill": "PrefillV2", "zag_prefill": "ZagPrefill", "relay": "Relay",
+    "info": "Info", "prefill": "PrefillV2", "prefill_chunk": "PrefillChunk", "zag_prefill": "ZagPrefill",
+    "relay": "Relay",
     "migrate_partial": "MigratePartial", "immigrate_partial": "ImmigratePartial", "start_decode": "DecodeV2",
     "filter_batch": "FilterBatch", "clear_cache": "ClearCache", "migrate": "Migrate",
     "immigrate": "Immigrate",

@@ -189,16 +189,17 @@ async def pages_back(replicas: Sequence[HasPages], timeout: float = 10.0) -> Non
 
 
 @functools.cache
-def greedy(model: Path) -> Callable[[Sequence[int], int], list[int]]:
-    """transformers' greedy tokens of a prompt on `model` (stopping at EOS like the replica)."""
+def greedy(model: Path) -> Callable[..., list[int]]:
+    """transformers' greedy tokens of a prompt on `model` (stopping at EOS like the replica, unless
+    `ignore_eos`): `greedy(model)(prompt, max_new, ignore_eos=False)`."""
     import torch
     from transformers import AutoModelForCausalLM
 
     hf = AutoModelForCausalLM.from_pretrained(model, torch_dtype=torch.float32).eval()
 
     @functools.cache
-    def tokens(prompt: tuple[int, ...], max_new: int) -> list[int]:
+    def tokens(prompt: tuple[int, ...], max_new: int, ignore_eos: bool) -> list[int]:
         with torch.no_grad():
-            return reference_greedy(hf, prompt, max_new)[0]
+            return reference_greedy(hf, prompt, max_new, ignore_eos)[0]
 
-    return lambda prompt, max_new: tokens(tuple(prompt), max_new)
+    return lambda prompt, max_new, ignore_eos=False: tokens(tuple(prompt), max_new, ignore_eos)
