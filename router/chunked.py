@@ -7,7 +7,11 @@ chunk per loop step, with a decode step of the running batch between chunks.
  step k+n:  PrefillChunk(batch, C)           ─► first tokens, batch cached ─► joins the running batch
 ```
 A chunk costs one forward of at most C tokens, so a long prompt holds a decode step up by one chunk
-instead of its whole prefill. One chunked batch at a time per replica: the loop takes nothing
+instead of its whole prefill. While a batch decodes, chunks are paced to take at most `share` of the
+replica's time (`--prefill-chunk-share`): after a chunk of t seconds the next waits until the decode
+steps since took t × (1 - share) / share, so the running requests' TPOT grows by at most
+1 / (1 - share) (2× at the default 0.5) however long the prompt; with nothing decoding, chunks run
+back to back. One chunked batch at a time per replica: the loop takes nothing
 else off the queue until it is done. A replica that ignores `chunk_tokens` (it predates it)
 answers the first call with the first tokens, and the batch is done at once. A batch whose every
 request went away meanwhile is cleared instead of computed on; a failed chunk releases the batch's
@@ -51,9 +55,11 @@ class ChunkedPrefill:
     """At most one batch being prefilled in chunks on one replica."""
 
     def __init__(self, handle: ReplicaHandle, chunk_tokens: int, answered: Answered, failed: Failed,
-                 on_pages: Callable[[], None]) -> None:
+                 on_pages: Callable[[], None], share: float = 1.0) -> None:
         self.h = handle
         self.chunk_tokens = chunk_tokens
+        self.share = share
+        self._owed = 0.0  # seconds of decode steps due before the next chunk
         self._answered = answered
         self._failed = failed
         self._on_pages = on_pages
@@ -74,10 +80,15 @@ class ChunkedPrefill:
         spec = spec_for(batch_id, members, self.h.block_size)
         return await self._call(lambda: self.h.client.prefill(spec, chunk_tokens=self.chunk_tokens))
 
+    def decoded(self, seconds: float) -> None:
+        """A decode step of the running batch took `seconds` (it pays off the chunks' time)."""
+        self._owed = max(self._owed - seconds, 0.0)
+
     async def step(self) -> LiveBatch | None:
-        """The next chunk; the cached batch once its prompts are computed (None until then)."""
+        """The next chunk, when its share of time allows; the cached batch once its prompts are
+        computed (None until then)."""
         current = self._current
-        if current is None:
+        if current is None or (self._owed > 0 and self.h.running is not None):
             return None
         if not any(m.wanted for m in current.members):  # everybody left: stop computing for nobody
             self._drop(current)
@@ -89,12 +100,15 @@ class ChunkedPrefill:
     async def _call(self, call: Callable[[], Awaitable[StepResult]]) -> LiveBatch | None:
         current = self._current
         assert current is not None
+        began = time.monotonic()
         try:
             result = await call()
         except ReplicaCallError as exc:
             self._drop(current)
             self._failed(exc, current.members)
             return None
+        if self.share < 1.0:
+            self._owed = (time.monotonic() - began) * (1.0 - self.share) / self.share
         if not result.generations and result.batch is not None:
             return None  # more chunks to go
         self._current = None

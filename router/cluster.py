@@ -31,7 +31,8 @@ class LoopLimits:
 
     max_pending_migrations: int  # prefilled batches (and prefills in flight) one prefill replica may hold
     max_batch_prefill_tokens: int  # prompt tokens per prefill (a re-prefill is cut to it)
-    chunked_prefill: bool = False  # colocated: a longer batch is prefilled a chunk per loop step
+    prefill_chunk_tokens: int = 0  # colocated: a longer batch is prefilled a chunk per loop step (0: never)
+    prefill_chunk_share: float = 1.0  # of a colocated replica's time chunks may take while a batch decodes
 
 
 class Cluster(Protocol):

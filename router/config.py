@@ -69,8 +69,14 @@ class RouterConfig:
     model_id: str = field(default="", metadata=_help("model name served (default: the folder name)"))
     max_batch_prefill_tokens: int = field(default=4096, metadata=_help("prompt tokens per prefill batch"))
     chunked_prefill: bool = field(default=True, metadata=_help(
-        "colocated: prefill a batch over --max-batch-prefill-tokens in chunks of that size, one per loop "
+        "colocated: prefill a batch over --prefill-chunk-tokens in chunks of that size, one per loop "
         "step, with a decode step of the running batch between them (a long prompt does not stall it)"))
+    prefill_chunk_tokens: int = field(default=512, metadata=_help(
+        "colocated chunked prefill: prompt tokens per chunk, and a batch with more prompt tokens is "
+        "chunked (0: --max-batch-prefill-tokens); smaller chunks hold a decode step up less"))
+    prefill_chunk_share: float = field(default=0.5, metadata=_help(
+        "colocated chunked prefill: the share of the replica's time chunks may take while a batch "
+        "decodes (the running requests' TPOT grows by at most 1 / (1 - share)); 1: a chunk every step"))
     max_batch_total_tokens: int = field(default=65536, metadata=_help(
         "prompt + new tokens one prefill batch may reserve"))
     max_batch_size: int = field(default=64, metadata=_help("requests per prefill batch"))
@@ -134,6 +140,10 @@ class RouterConfig:
             raise ValueError("migration bounds and batch size must be >= 1")
         if self.peer_connect_timeout < 0:
             raise ValueError(f"peer_connect_timeout must be >= 0, got {self.peer_connect_timeout}")
+        if self.prefill_chunk_tokens < 0:
+            raise ValueError("--prefill-chunk-tokens must be >= 0")
+        if not 0.0 < self.prefill_chunk_share <= 1.0:
+            raise ValueError(f"--prefill-chunk-share must be in (0, 1], got {self.prefill_chunk_share}")
         if self.heartbeat_timeout <= self.heartbeat_interval:
             raise ValueError("heartbeat_timeout must exceed heartbeat_interval")
         policies.get(self.scaling)  # an unknown name → ValueError naming the known ones
@@ -164,6 +174,11 @@ class RouterConfig:
     def token(self) -> str:
         """The cluster token ('' = none; ValueError for an empty or unusable token file)."""
         return read_token(self.cluster_token, self.cluster_token_file)
+
+    @property
+    def chunk_tokens(self) -> int:
+        """Prompt tokens per colocated prefill chunk (0: no chunked prefill)."""
+        return (self.prefill_chunk_tokens or self.max_batch_prefill_tokens) if self.chunked_prefill else 0
 
     def bounds(self) -> Bounds:
         """The planner's bounds (validated)."""

@@ -64,10 +64,9 @@ class ReplicaWorker:
         self.decode = DecodeLoop(cluster, handle, wakeups, self._reprefill, limits.max_batch_prefill_tokens,
                                  self._prefill_waiting)
         self._prefills: set[asyncio.Task[None]] = set()  # PREFILL mode: prefills on the wire
-        chunk = limits.max_batch_prefill_tokens if limits.chunked_prefill else 0
-        self.chunked = ChunkedPrefill(handle, chunk, self.prefill_answered,
+        self.chunked = ChunkedPrefill(handle, limits.prefill_chunk_tokens, self.prefill_answered,
                                       lambda exc, members: cluster.on_error(handle, exc, members),
-                                      lambda: wakeups.pages(handle.id))
+                                      lambda: wakeups.pages(handle.id), limits.prefill_chunk_share)
         self._took = False  # this step took a batch off the queue
 
     async def run(self) -> None:
@@ -105,7 +104,11 @@ class ReplicaWorker:
         if self.decode.in_flight:  # steps sent ahead are collected first, whatever the mode
             return await self.decode.step()
         if self.chunked.busy:  # a batch prefilled in chunks goes on whatever the mode now is
-            return await self._join(self.chunked.step()) | await self.decode_once()
+            chunked = await self._join(self.chunked.step())
+            began = time.monotonic()
+            stepped = await self.decode_once()
+            self.chunked.decoded(time.monotonic() - began)
+            return chunked or stepped
         role = self.h.state.role
         if role in ZIGZAG_STATES:
             return await self._zigzag(role)

@@ -83,7 +83,7 @@ class ClusterScheduler:
                                  config.max_inbound_migrations, kv_bytes_per_token, self.rates)
         self._connect = connect
         self._limits = LoopLimits(config.max_pending_migrations, config.max_batch_prefill_tokens,
-                                  config.chunked_prefill)
+                                  config.chunk_tokens, config.prefill_chunk_share)
         self._monitor: asyncio.Task[None] | None = None
         self._stopping = False
         self.weight_bytes = 0  # one replica's weights (main.py sets it from the checkpoint)

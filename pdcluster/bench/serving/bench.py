@@ -36,6 +36,13 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from pdcluster.bench.serving.long_prompt import (
+    LONG_RUNS,
+    long_prompt_ratios,
+    print_comparison,
+    regular_summary,
+    with_long_prompt,
+)
 from pdcluster.bench.serving.prompts import PromptMaker, with_prefix
 from pdcluster.bench.serving.sender import Served, model_vocab_size, probe, send_all
 from pdcluster.bench.serving.stats import (
@@ -130,6 +137,18 @@ class BenchServingConfig:
         "local cluster: run the workload three times, on a fresh cluster each: cache-aware routing, "
         "load routing, and cache-aware with --no-prefix-cache; report each (prefix hit rate, TTFT, "
         "prefill tokens computed, KV bytes migrated) and the cache-aware run's ratios to the others")})
+    long_prompt_len: int = field(default=0, metadata={"help": (
+        "one more request with a prompt of this many tokens, sent when half of the others have been; "
+        "the summary's regular_* figures leave it out (pdcluster/bench/serving/long_prompt.py)")})
+    compare_long_prompt: bool = field(default=False, metadata={"help": (
+        "local cluster: run the workload three times, on a fresh cluster each: without the long prompt, "
+        "with it, and with it and the router's --no-chunked-prefill; report the other requests' TPOT "
+        "and ITL P99 against the run without it")})
+    router_flag: list[str] = field(default_factory=list, metadata={"help": (
+        "local cluster: more router flags, NAME=VALUE each (`pdcluster up --router-flag`), e.g. "
+        "max-batch-prefill-tokens=256")})
+    chunked_prefill: bool = field(default=True, metadata={"help": (
+        "local cluster: the router's --chunked-prefill (colocated: a long prompt a chunk per step)")})
     max_model_len: int = field(default=0, metadata={"help": (
         "--url: context length when the server tells none (it has no /info and no max_model_len)")})
     vocab_size: int = field(default=0, metadata={"help": (
@@ -156,6 +175,11 @@ class BenchServingConfig:
             raise ValueError("--conversation-turns makes its own load: not with --trace")
         if self.compare_prefix_cache and self.url:
             raise ValueError("--compare-prefix-cache starts local clusters: give --model, not --url")
+        if self.long_prompt_len < 0 or (self.compare_long_prompt and self.long_prompt_len <= self.input_len):
+            raise ValueError("--long-prompt-len must be >= 0, and longer than --input-len to compare")
+        if self.compare_long_prompt and (self.url or self.compare_prefix_cache):
+            raise ValueError("--compare-long-prompt starts local clusters of its own: give --model, "
+                             "not --url or --compare-prefix-cache")
 
     @property
     def engine_spec(self) -> EngineSpec:
@@ -168,6 +192,8 @@ def run(config: BenchServingConfig) -> int:
     """CLI runner: benchmark, print and write the summary."""
     if config.compare_prefix_cache:
         return run_prefix_comparison(config)
+    if config.compare_long_prompt:
+        return run_long_prompt_comparison(config)
     summary = measure(config)
     _print(summary)
     return 0 if summary["failed"] == 0 else 1
@@ -229,6 +255,7 @@ async def _bench(config: BenchServingConfig, url: str) -> dict[str, Any]:
     records, duration, _ = await send_all(url, served.model_id, arrivals, prompts, config.request_timeout,
                                           _progress())
     summary = summarize(records, duration, parse_slos(config.slo))
+    summary.update(regular_summary(records, len(arrivals) - 1 if config.long_prompt_len else -1))
     summary.update(
         {
             "url": url,
@@ -241,6 +268,8 @@ async def _bench(config: BenchServingConfig, url: str) -> dict[str, Any]:
             "strategy": config.strategy or None,
             "shared_prefix_len": config.shared_prefix_len,
             "conversation_turns": config.conversation_turns,
+            "long_prompt_len": config.long_prompt_len,
+            "chunked_prefill": None if config.url else config.chunked_prefill,
             "routing": None if config.url else config.routing,
             "prefix_cache": None if config.url else config.prefix_cache,
             "engine": _engine_label(config.engine_spec),
@@ -264,6 +293,8 @@ def _workload(config: BenchServingConfig, served: Served) -> list[Arrival]:
                                          config.input_len, config.output_len, config.seed)
     else:
         arrivals = poisson_arrivals(config.num, config.rate, config.input_len, config.output_len, config.seed)
+    if config.long_prompt_len:
+        arrivals = with_long_prompt(arrivals, config.long_prompt_len, config.output_len)
     return clip(arrivals, served.max_input_tokens, served.max_total_tokens)
 
 
@@ -366,6 +397,7 @@ def up_config(config: BenchServingConfig) -> UpConfig:
         model_card=config.model_card, byte_scale=config.byte_scale, profile=config.profile,
     )
     up.routing, up.prefix_cache = config.routing, config.prefix_cache
+    up.router_flag = [*config.router_flag, *([] if config.chunked_prefill else ["chunked-prefill=false"])]
     if config.strategy:
         up.strategy = config.strategy
     if config.num_blocks:
@@ -425,6 +457,26 @@ def prefix_ratios(runs: dict[str, dict[str, Any]]) -> dict[str, float]:
         out[f"ttft_p50_speedup_vs_{other}"] = over(theirs["median_ttft_ms"], mine["median_ttft_ms"])
         out[f"ttft_p99_speedup_vs_{other}"] = over(theirs["p99_ttft_ms"], mine["p99_ttft_ms"])
     return out
+
+
+# -------------------------------------------------------------------------- long-prompt comparison
+def run_long_prompt_comparison(config: BenchServingConfig) -> int:
+    """The workload on three fresh local clusters (`long_prompt.LONG_RUNS`); print and write it."""
+    runs: dict[str, dict[str, Any]] = {}
+    for name, (long, chunked) in LONG_RUNS.items():
+        out = config.json.with_name(f"{config.json.stem}.{name}.json") if config.json else None
+        length = config.long_prompt_len if long else 0
+        one = replace(config, compare_long_prompt=False, in_process=False, long_prompt_len=length,
+                      chunked_prefill=chunked, json=out)
+        print(f"bench serving: run {name} (long prompt {length} tokens, chunked prefill "
+              f"{'on' if chunked else 'off'})", file=sys.stderr, flush=True)
+        runs[name] = measure(one)
+    if config.json is not None:
+        summary = {"runs": runs, **long_prompt_ratios(runs)}
+        config.json.parent.mkdir(parents=True, exist_ok=True)
+        config.json.write_text(json.dumps(summary, indent=2, default=str, allow_nan=False) + "\n")
+    print_comparison(runs)
+    return 0 if all(r["failed"] == 0 for r in runs.values()) else 1
 
 
 # -------------------------------------------------------------------------------------- output

@@ -120,7 +120,7 @@ def test_the_next_turn_moves_only_the_pages_the_receiver_lacks(
     decode_to_end(d, moved.batch, tokens, [tokens[r][0] for r in moved.batch.request_ids])
 
     # the next turn extends turn 1 (its two full pages are cached on D); `other` shares nothing
-    turn2 = turn1 + [9, 8, 7, 6, 5, 4, 3, 2, 1, 0, 11]
+    turn2 = [*turn1, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0, 11]
     batch = make_batch(40 + seed, [turn2, other], [4, 4], first_id=1000 * seed + 10)
     first, moved = _move_reporting(p, d, batch, how)
     assert list(moved.request_reused_tokens) == [2 * BLOCK, 0] and moved.reused_tokens == 2 * BLOCK
