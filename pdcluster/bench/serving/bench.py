@@ -32,14 +32,15 @@ import os
 import signal
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from pdcluster.bench.serving.compare import report, run_variants
 from pdcluster.bench.serving.long_prompt import (
+    LONG_KEYS,
     LONG_RUNS,
     long_prompt_ratios,
-    print_comparison,
     regular_summary,
     with_long_prompt,
 )
@@ -419,26 +420,10 @@ PREFIX_KEYS = ("completed", "failed", "duration", "prefix_hit_rate", "cached_pro
 def run_prefix_comparison(config: BenchServingConfig) -> int:
     """The same workload on three fresh local clusters (`PREFIX_RUNS`), one after the other; the
     summary holds each run's and the cache-aware run's ratios to the other two."""
-    runs: dict[str, dict[str, Any]] = {}
-    for name, (routing, cache) in PREFIX_RUNS.items():
-        out = config.json.with_name(f"{config.json.stem}.{name}.json") if config.json else None
-        one = replace(config, compare_prefix_cache=False, in_process=False, routing=routing,
-                      prefix_cache=cache, json=out)
-        print(f"bench serving: run {name} (--routing {routing}, prefix cache {'on' if cache else 'off'})",
-              file=sys.stderr, flush=True)
-        runs[name] = measure(one)
-    summary = {"runs": runs, **prefix_ratios(runs)}
-    if config.json is not None:
-        config.json.parent.mkdir(parents=True, exist_ok=True)
-        config.json.write_text(json.dumps(summary, indent=2, default=str, allow_nan=False) + "\n")
-    print("=" * 20, "prefix cache comparison", "=" * 20)
-    print(f"{'':<26}" + "".join(f"{n:>18}" for n in runs))
-    for key in PREFIX_KEYS:
-        cells = [runs[n].get(key, 0) for n in runs]
-        print(f"{key:<26}" + "".join(f"{v:>18.3f}" if isinstance(v, float) else f"{v:>18}" for v in cells))
-    for key, value in prefix_ratios(runs).items():
-        print(f"{key:<44} {value:.3f}")
-    return 0 if all(r["failed"] == 0 for r in runs.values()) else 1
+    variants = {name: {"compare_prefix_cache": False, "in_process": False, "routing": routing,
+                       "prefix_cache": cache} for name, (routing, cache) in PREFIX_RUNS.items()}
+    runs = run_variants(config, variants, measure, config.json)
+    return report("prefix cache comparison", runs, PREFIX_KEYS, prefix_ratios(runs), config.json)
 
 
 def prefix_ratios(runs: dict[str, dict[str, Any]]) -> dict[str, float]:
@@ -462,21 +447,11 @@ def prefix_ratios(runs: dict[str, dict[str, Any]]) -> dict[str, float]:
 # -------------------------------------------------------------------------- long-prompt comparison
 def run_long_prompt_comparison(config: BenchServingConfig) -> int:
     """The workload on three fresh local clusters (`long_prompt.LONG_RUNS`); print and write it."""
-    runs: dict[str, dict[str, Any]] = {}
-    for name, (long, chunked) in LONG_RUNS.items():
-        out = config.json.with_name(f"{config.json.stem}.{name}.json") if config.json else None
-        length = config.long_prompt_len if long else 0
-        one = replace(config, compare_long_prompt=False, in_process=False, long_prompt_len=length,
-                      chunked_prefill=chunked, json=out)
-        print(f"bench serving: run {name} (long prompt {length} tokens, chunked prefill "
-              f"{'on' if chunked else 'off'})", file=sys.stderr, flush=True)
-        runs[name] = measure(one)
-    if config.json is not None:
-        summary = {"runs": runs, **long_prompt_ratios(runs)}
-        config.json.parent.mkdir(parents=True, exist_ok=True)
-        config.json.write_text(json.dumps(summary, indent=2, default=str, allow_nan=False) + "\n")
-    print_comparison(runs)
-    return 0 if all(r["failed"] == 0 for r in runs.values()) else 1
+    variants = {name: {"compare_long_prompt": False, "in_process": False, "chunked_prefill": chunked,
+                       "long_prompt_len": config.long_prompt_len if long else 0}
+                for name, (long, chunked) in LONG_RUNS.items()}
+    runs = run_variants(config, variants, measure, config.json)
+    return report("long prompt comparison", runs, LONG_KEYS, long_prompt_ratios(runs), config.json)
 
 
 # -------------------------------------------------------------------------------------- output

@@ -66,14 +66,3 @@ def long_prompt_ratios(runs: dict[str, dict[str, Any]]) -> dict[str, float]:
             out[f"{name}_{key.removeprefix('regular_').removesuffix('_ms')}_vs_baseline"] = (
                 theirs / mine if mine else 0.0)
     return out
-
-
-def print_comparison(runs: dict[str, dict[str, Any]]) -> None:
-    """The comparison's table and ratios on stdout."""
-    print("=" * 20, "long prompt comparison", "=" * 20)
-    print(f"{'':<26}" + "".join(f"{n:>14}" for n in runs))
-    for key in LONG_KEYS:
-        cells = [runs[n].get(key, 0) for n in runs]
-        print(f"{key:<26}" + "".join(f"{v:>14.3f}" if isinstance(v, float) else f"{v:>14}" for v in cells))
-    for key, value in long_prompt_ratios(runs).items():
-        print(f"{key:<40} {value:.3f}")
