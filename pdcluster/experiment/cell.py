@@ -138,8 +138,11 @@ def _load(experiment: Experiment, cell: Cell, folder: Path, url: str, watched: l
     max_len = cell.endpoint.max_model_len if cell.endpoint else 0
     served = probe(url, max_len, model_vocab_size(experiment.model.path))
     requests = build(cell.workload, cell.seed, served)
-    prompts = PromptMaker(cell.seed, served.vocab_size).prompts(requests)
-    asyncio.run(warm_up(url, served.model_id, prompts[0], experiment.startup_timeout))
+    maker = PromptMaker(cell.seed, served.vocab_size)
+    prompts = maker.prompts(requests)
+    # the first prompt's length, not its tokens: the first measured request must not find them cached
+    warm = maker.warm_up_prompt(len(prompts[0]))
+    asyncio.run(warm_up(url, served.model_id, warm, experiment.startup_timeout))
     t0, wall0 = time.perf_counter(), time.time()
     sampler = Sampler(folder / "resources.jsonl", watched, f"{url}/metrics" if cell.endpoint is None else "",
                       t0, (lambda: netns.enter(namespace)) if namespace else None)

@@ -58,9 +58,11 @@ def decode_inputs(batches: list[t.CachedBatch], last: list[list[int]]) -> list[e
     return [e.DecodeInput(e.BatchId(b.id), tuple(ids)) for b, ids in zip(batches, last, strict=True)]
 
 
-def cached(info: e.CachedBatchInfo) -> t.CachedBatch:
-    """A cached batch, as the router knows it."""
-    return t.CachedBatch(t.BatchId(info.id), tuple(t.RequestId(i) for i in info.request_ids), info.max_tokens)
+def cached(info: e.CachedBatchInfo, reused_tokens: tuple[int, ...] = ()) -> t.CachedBatch:
+    """A cached batch, as the router knows it (an Immigrate's: with the prompt tokens its receiver
+    held already, per request)."""
+    ids = tuple(t.RequestId(i) for i in info.request_ids)
+    return t.CachedBatch(t.BatchId(info.id), ids, info.max_tokens, reused_tokens)
 
 
 def _tokens(tokens: e.TokenList, tops: tuple[e.TokenList, ...] = ()) -> tuple[t.TokenInfo, ...]:

@@ -31,6 +31,7 @@ class Meeting:
     arrived: int = 0
     all_here: asyncio.Future[None] = field(default_factory=_future)
     end: asyncio.Future[float] = field(default_factory=_future)
+    skips: tuple[int, ...] = ()  # a KV migration's receiver: per request, the prompt pages it holds
 
     async def ended(self, hw: Hardware) -> None:
         """Wait until the transfer's end (virtual time)."""
@@ -61,12 +62,15 @@ class Hardware:
         if delay > 0:
             await asyncio.sleep(delay)
 
-    async def meet(self, key: Hashable, parties: int) -> Meeting:
-        """Wait (up to the transfer timeout) until `parties` callers met on `key`."""
+    async def meet(self, key: Hashable, parties: int, skips: tuple[int, ...] = ()) -> Meeting:
+        """Wait (up to the transfer timeout) until `parties` callers met on `key` (a KV receiver
+        brings the pages it holds already, `skips`, for its sender to leave out)."""
         meeting = self._meetings.get(key)
         if meeting is None:
             meeting = self._meetings[key] = Meeting(parties)
         meeting.arrived += 1
+        if skips:
+            meeting.skips = skips
         if meeting.arrived == meeting.parties:
             del self._meetings[key]
             meeting.all_here.set_result(None)

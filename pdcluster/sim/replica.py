@@ -27,9 +27,10 @@ from replica.engine.engine import Engine
 from replica.engine.sim.clock import TallyClock
 from replica.engine.sim.runner import SimRunner
 from replica.engine.types import BatchSpec as EngineBatch
+from replica.engine.types import Reuse
 from replica.errors import AlreadyExists, InvalidArgument, ReplicaError
-from replica.migration.manager import seq_pages, take_for_migration
-from replica.migration.plan import CacheGeometry, total_bytes
+from replica.migration.manager import seq_pages, skipped_pages, take_for_migration
+from replica.migration.plan import CacheGeometry, total_bytes, with_skips
 from replica.params.store import ParamStore
 from router.errors import ReplicaCallError, ReplicaUnimplemented
 from router.types import (
@@ -117,7 +118,7 @@ class VirtualReplica:
         batch, result = await self.on_engine("PrefillV2", forward)
         made = self.hw.now()
         meeting = await self._meet(("kv", self.rank, peer, int(spec.id)), "PrefillV2")
-        network, nbytes = self.hw.network, self._kv_bytes(batch)
+        network, nbytes = self.hw.network, self._kv_bytes(batch, meeting.skips)
         if progressive:  # each layer's KV leaves as soon as the forward has made it
             end = network.send_as_made(self.rank, peer, nbytes, began[0], made, self.engine.runner.num_layers)
         else:
@@ -205,13 +206,14 @@ class VirtualReplica:
                                    f"one peer expected, got {ranks}")
         return int(ranks[0])
 
-    def _kv_bytes(self, batch: Batch) -> int:
-        """The real bytes of the batch's prompt KV, every layer."""
-        return total_bytes(self.geometry, seq_pages(batch), range(self.engine.runner.num_layers))
+    def _kv_bytes(self, batch: Batch, skips: tuple[int, ...] = ()) -> int:
+        """The real bytes of the batch's prompt KV, every layer, less the pages the receiver holds."""
+        seqs = with_skips(seq_pages(batch), skips) if skips else seq_pages(batch)
+        return total_bytes(self.geometry, seqs, range(self.engine.runner.num_layers))
 
-    async def _meet(self, key: tuple[object, ...], method: str) -> Any:
+    async def _meet(self, key: tuple[object, ...], method: str, skips: tuple[int, ...] = ()) -> Any:
         try:
-            return await self.hw.meet(key, 2)
+            return await self.hw.meet(key, 2, skips)
         except ReplicaError as exc:
             raise self.error(method, exc) from None
 
@@ -222,7 +224,7 @@ class VirtualReplica:
         info = taken.info(self.engine.block_size)
         try:
             meeting = await self._meet(("kv", self.rank, peer, int(spec.id)), "Migrate")
-            end = self.hw.network.send(self.rank, peer, self._kv_bytes(taken), self.hw.now())
+            end = self.hw.network.send(self.rank, peer, self._kv_bytes(taken, meeting.skips), self.hw.now())
             meeting.end.set_result(end)
             await meeting.ended(self.hw)
         finally:
@@ -230,21 +232,24 @@ class VirtualReplica:
         return convert.cached(info)
 
     async def immigrate(self, batch: BatchSpec, src: Sequence[int], dst: Sequence[int]) -> CachedBatch:
-        """Receiver: admit the batch (same page counts), receive its KV, cache it decode-ready."""
+        """Receiver: admit the batch (same page counts, the prompt pages its cache holds shared),
+        receive the rest of its KV, cache it decode-ready."""
         peer, spec = self._one(src, "Immigrate"), convert.batch_spec(batch)
         admitted = await self.on_engine("Immigrate", lambda: self._admit(spec))
+        skips = skipped_pages(admitted, self.engine.block_size)
         try:
-            meeting = await self._meet(("kv", peer, self.rank, int(spec.id)), "Immigrate")
+            meeting = await self._meet(("kv", peer, self.rank, int(spec.id)), "Immigrate", skips)
             await meeting.ended(self.hw)
         except BaseException:
             await self.on_engine("Immigrate", lambda: self._drop_incoming(admitted))
             raise
-        return convert.cached(await self.on_engine("Immigrate", lambda: self._adopt(admitted)))
+        info = await self.on_engine("Immigrate", lambda: self._adopt(admitted))
+        return convert.cached(info, tuple(r.cached_tokens for r in admitted))
 
     def _admit(self, spec: EngineBatch) -> Batch:
         if spec.id in self._incoming:
             raise AlreadyExists(f"batch {spec.id} is already being immigrated")
-        batch = self.engine.admit(spec)
+        batch = self.engine.admit(spec, Reuse.WHOLE_PROMPT)
         self._incoming.add(spec.id)
         return batch
 

@@ -54,6 +54,11 @@ class PromptMaker:
             ids.extend(self._ids(f"request:{index}", arrival.input_len - len(ids)))
         return ids
 
+    def warm_up_prompt(self, n: int) -> list[int]:
+        """`n` ids no request of the workload starts with: a warm-up request that leaves nothing in a
+        prefix cache that a measured request could find."""
+        return self._ids("warm-up", n)
+
     def system_prompt(self, n: int) -> list[int]:
         """`n` ids every request of a shared-system-prompt load starts with."""
         return self._ids("system", n)

@@ -69,14 +69,16 @@ def _info(replica: ReplicaProcess) -> pb.InfoResponse:
     return _stub(replica).Info(pb.InfoRequest(), timeout=DEADLINE)
 
 
-def _big_batch() -> pb.Batch:
-    return make_batch(7, random_prompts(256, [400] * 8), [8] * 8)  # 200 pages x 2 layers x 4 KiB
+def _big_batch(seed: int) -> pb.Batch:
+    """200 pages x 2 layers x 4 KiB of prompts no replica has seen (a replica holding them in its
+    prefix cache would receive almost nothing: a migration moves only the pages it lacks)."""
+    return make_batch(7, random_prompts(256, [400] * 8, seed=seed), [8] * 8)
 
 
 def _start_migration(
     pool: ThreadPoolExecutor, p: ReplicaProcess, d: ReplicaProcess, ranks: tuple[int, int]
 ) -> tuple[Future[object], Future[object]]:
-    batch = _big_batch()
+    batch = _big_batch(seed=ranks[0] + 10)
     _stub(p).PrefillV2(pb.PrefillV2Request(batch=batch), timeout=DEADLINE)
     send = pb.MigrateRequest(batch=batch, src=[ranks[0]], dst=[ranks[1]])
     receive = pb.ImmigrateRequest(batch=batch, src=[ranks[0]], dst=[ranks[1]])

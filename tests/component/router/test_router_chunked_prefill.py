@@ -1,5 +1,5 @@
 """Chunked prefill in a colocated router (issue 25 item 4) over a real replica of the tiny model:
-a prompt longer than `--max-batch-prefill-tokens` is prefilled a chunk per loop step (PrefillV2 with
+a prompt longer than `--prefill-chunk-tokens` is prefilled a chunk per loop step (PrefillV2 with
 `chunk_tokens`, then PrefillChunk calls) with the running request's decode steps between the chunks;
 both requests' tokens equal transformers and every page comes back. `--no-chunked-prefill` prefills
 it in one call."""
@@ -26,7 +26,7 @@ def test_a_long_prompt_is_prefilled_in_chunks_between_decode_steps(chunked: bool
 
     async def body() -> None:
         async with real_cluster(tiny_llama, tmp_path, (State.COLOCATED,), Strategy.COLOCATED,
-                                max_batch_prefill_tokens=CHUNK, chunked_prefill=chunked) as (sched, replicas):
+                                prefill_chunk_tokens=CHUNK, chunked_prefill=chunked) as (sched, replicas):
             calls = replicas[0].calls
             short = [5, 6, 7, 8]
             running = sched.submit(request(short, LONG_RUN, ignore_eos=True))
