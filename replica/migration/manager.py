@@ -39,7 +39,10 @@ from replica.migration.plan import (
     CacheGeometry,
     Header,
     LayerHalf,
+    Region,
     SeqPages,
+    chunk_schedule,
+    forward_runs,
     layer_range,
     runs,
     total_bytes,
@@ -152,18 +155,21 @@ class Migrations:
         regions: wire.Runs,
         streamed: bool,
         cancelled: threading.Event | None = None,
+        chunk_tokens: int = 0,
     ) -> tuple[int, ...]:
         """Serialised with other migrations to `peer`: header, the receiver's have, the runs of
         regions, the receiver's ack; returns the pages per request the receiver held already.
 
         `regions(skips)` yields one run per layer when `streamed`, else a single run over all layers,
-        leaving each request's first `skips[i]` pages out. A caller giving up (`cancelled`) aborts
-        the pair's KV streams: every wait below fails at once.
+        leaving each request's first `skips[i]` pages out (streamed by a chunked prefill: one run per
+        forward and layer, `plan.forward_runs` with `chunk_tokens`). A caller giving up (`cancelled`)
+        aborts the pair's KV streams: every wait below fails at once.
         """
         geometry = self.geometry()
         seqs = seq_pages(batch)
         nbytes = total_bytes(geometry, seqs, layers)
-        header = Header(int(batch.id), secrets.randbits(63), layers, nbytes, streamed, len(seqs))
+        nonce = secrets.randbits(63)
+        header = Header(int(batch.id), nonce, layers, nbytes, streamed, len(seqs), chunk_tokens)
         release = self.gates.acquire(peer, deadline.remaining(), cancelled)
         fabric = self.cluster.fabric
         try:
@@ -243,7 +249,7 @@ class Migrations:
                     wire.refuse(fabric, peer, header, reason, deadline)
                     raise FailedPrecondition(reason)
                 skips = skipped_pages(batch, self.engine.block_size)
-                kept = runs(geometry, with_skips(seqs, skips), layers, header.streamed)
+                kept = receiver_runs(batch, geometry, with_skips(seqs, skips), layers, header)
                 wire.recv_kv(fabric, peer, header, skips, kept, deadline)
             finally:
                 self.turns.release(peer)
@@ -302,6 +308,18 @@ def take_for_migration(engine: Engine, spec: BatchSpec) -> Batch:
 def seq_pages(batch: Batch) -> list[SeqPages]:
     """The batch's requests as (prompt length, pages), in batch order."""
     return [SeqPages(r.prompt_len, tuple(r.pages)) for r in batch]
+
+
+def receiver_runs(
+    batch: Batch, geometry: CacheGeometry, seqs: list[SeqPages], layers: range, header: Header
+) -> list[list[Region]]:
+    """The runs the sender sends, in its order: one over every layer, or one per layer of each
+    forward of its (chunked) prefill."""
+    if not header.streamed:
+        return runs(geometry, seqs, layers, streamed=False)
+    chunkable = [not r.spec.prefill_logprobs for r in batch]
+    schedule = chunk_schedule([s.prompt_len for s in seqs], chunkable, header.chunk_tokens)
+    return forward_runs(geometry, seqs, layers, schedule)
 
 
 def skipped_pages(batch: Batch, block_size: int) -> tuple[int, ...]:

@@ -20,8 +20,8 @@ from dataclasses import dataclass
 Region = tuple[int, int]
 """(byte offset, length) inside the registered KV buffer."""
 
-# magic, batch id, nonce, first layer, stop layer, bytes, streamed, requests
-_HEADER = struct.Struct("!IQQIIQBI")
+# magic, batch id, nonce, first layer, stop layer, bytes, streamed, requests, chunk tokens
+_HEADER = struct.Struct("!IQQIIQBII")
 _MAGIC = 0x4B564D32  # "KVM2"
 HEADER_BYTES = _HEADER.size
 _HAVE = struct.Struct("!QBI")  # nonce, status, requests; then a message of one u32 per request
@@ -141,22 +141,24 @@ class Header:
     nbytes: int
     streamed: bool = False  # one p2p run per layer (produced during a prefill), else one run for all
     num_seqs: int = 0  # requests in the batch: the size of the receiver's `Have` record
+    chunk_tokens: int = 0  # streamed: the sender's prefill chunk (its runs follow `chunk_schedule`)
 
     def pack(self) -> bytes:
         """Wire form."""
         layers, streamed = self.layers, int(self.streamed)
-        fields = (self.batch_id, self.nonce, layers.start, layers.stop, self.nbytes, streamed, self.num_seqs)
+        fields = (self.batch_id, self.nonce, layers.start, layers.stop, self.nbytes, streamed, self.num_seqs,
+                  self.chunk_tokens)
         return _HEADER.pack(_MAGIC, *fields)
 
     @classmethod
     def unpack(cls, data: bytes | bytearray | memoryview) -> Header:
         """Parse; raises ValueError on a bad magic."""
-        magic, batch_id, nonce, start, stop, nbytes, streamed, num_seqs = _HEADER.unpack(
+        magic, batch_id, nonce, start, stop, nbytes, streamed, num_seqs, chunk = _HEADER.unpack(
             bytes(data[:HEADER_BYTES])
         )
         if magic != _MAGIC:
             raise ValueError(f"not a migration header (magic {magic:#x})")
-        return cls(batch_id, nonce, range(start, stop), nbytes, bool(streamed), num_seqs)
+        return cls(batch_id, nonce, range(start, stop), nbytes, bool(streamed), num_seqs, chunk)
 
 
 @dataclass(frozen=True)
@@ -201,3 +203,53 @@ def with_skips(seqs: Sequence[SeqPages], skips: Sequence[int]) -> list[SeqPages]
     if len(skips) != len(seqs):
         raise ValueError(f"the receiver names {len(skips)} requests, the batch has {len(seqs)}")
     return [SeqPages(s.prompt_len, s.pages, k) for s, k in zip(seqs, skips, strict=True)]
+
+
+def chunk_schedule(prompt_lens: Sequence[int], chunkable: Sequence[bool], budget: int) -> list[list[int]]:
+    """The forwards of a prefill chunked by `budget` tokens: per forward, each request's prompt tokens
+    computed once it ran (the last forward: every prompt token, the one that samples).
+
+    Mirrors `replica.engine.chunks.PromptFeeder.chunks`: while more than `budget` tokens are left,
+    one forward takes up to `budget` of them in batch order, each chunkable request keeping its last
+    token for the final forward (a request asking for prompt logprobs is not chunkable). A batch that
+    fits one forward (or `budget` 0) is one forward. Both ends of a streamed migration derive the
+    order of its runs from it (`forward_runs`).
+    """
+    done = [0] * len(prompt_lens)
+    forwards: list[list[int]] = []
+    while budget > 0 and sum(p - d for p, d in zip(prompt_lens, done, strict=True)) > budget:
+        ends, left = list(done), budget
+        for i, (length, ok) in enumerate(zip(prompt_lens, chunkable, strict=True)):
+            take = min(length - 1 - ends[i], left) if ok else 0
+            if take > 0:
+                ends[i] += take
+                left -= take
+            if not left:
+                break
+        if ends == done:
+            break
+        forwards.append(ends)
+        done = ends
+    forwards.append(list(prompt_lens))
+    return forwards
+
+
+def forward_runs(
+    geometry: CacheGeometry, seqs: Sequence[SeqPages], layers: range, schedule: Sequence[Sequence[int]]
+) -> list[list[Region]]:
+    """The p2p runs of a migration streamed as a chunked prefill makes its KV: for each forward of
+    `schedule`, for each layer, the prompt pages that forward completed (the last forward: every
+    page left, its partial last one too), skipped pages left out. One forward is `runs(streamed=True)`."""
+    out: list[list[Region]] = []
+    sent = [min(s.skip, geometry.prompt_pages(s.prompt_len)) for s in seqs]
+    for f, ends in enumerate(schedule):
+        final = f == len(schedule) - 1
+        upto = [geometry.prompt_pages(s.prompt_len) if final else max(e // geometry.block_size, k)
+                for s, e, k in zip(seqs, ends, sent, strict=True)]
+        page_runs: list[tuple[int, int]] = []
+        for seq, first, stop in zip(seqs, sent, upto, strict=True):
+            for page in seq.pages[first:stop]:
+                _extend(page_runs, page, 1)
+        out.extend(_regions(geometry, page_runs, layer) for layer in layers)
+        sent = upto
+    return out

@@ -30,13 +30,14 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from replica.engine.backend import Runner, SeqInput
 from replica.engine.batch import Batch
 from replica.engine.engine import Engine
 from replica.engine.types import BatchSpec, StepResult
 from replica.engine.worker import WorkItem
 from replica.errors import AlreadyExists, DeadlineExceeded, PeerTimeout
 from replica.migration.manager import Migrations, seq_pages
-from replica.migration.plan import Region, layer_regions, runs, with_skips
+from replica.migration.plan import Region, chunk_schedule, forward_runs, runs, with_skips
 from replica.migration.wire import Runs
 from transfer.core import Deadline
 
@@ -87,11 +88,12 @@ class MigratingPrefill:
         try:
             batch = _expect_batch(_next(events, deadline))
             layers = range(m.engine.runner.num_layers)
+            chunk = m.engine.limits.prefill_chunk_tokens
             if progressive:
-                regions: Runs = lambda skips: self._streamed(events, batch, skips, deadline)  # noqa: E731
+                regions: Runs = lambda skips: self._streamed(events, batch, skips, chunk, deadline)  # noqa: E731
             else:
                 regions = lambda skips: self._after(item, batch, skips, deadline)  # noqa: E731
-            m.send_batch(batch, peer, layers, deadline, regions, progressive, cancelled)
+            m.send_batch(batch, peer, layers, deadline, regions, progressive, cancelled, chunk)
             forwarded = _result(item, deadline)
         except BaseException:
             m.later(lambda: self._free_forwarded(item))
@@ -119,17 +121,35 @@ class MigratingPrefill:
 
     @staticmethod
     def _layers(engine: Engine, batch: Batch, events: queue.SimpleQueue[_Event] | None) -> Any:
-        """The runner's forward, one `run_layers` call per layer, announcing each finished layer."""
-        runner = engine.runner
-        seqs = Engine.seq_inputs(batch.requests, with_prompt_logprobs=True)
+        """The runner's forwards (chunks of `--max-batch-prefill-tokens` by `plan.chunk_schedule`,
+        then the one that samples), one `run_layers` call per layer, announcing each finished layer."""
+        runner, requests = engine.runner, batch.requests
+        chunkable = [not r.spec.prefill_logprobs for r in requests]
+        budget = engine.limits.prefill_chunk_tokens
+        schedule = chunk_schedule([r.prompt_len for r in requests], chunkable, budget)
         with runner.inference():
-            ctx = runner.context(seqs)
-            hidden = runner.embed(seqs)
-            for layer in range(runner.num_layers):
-                hidden = runner.run_layers(hidden, ctx, layer, layer + 1)
-                if events is not None:
-                    events.put(layer)
+            for ends in schedule[:-1]:
+                seqs = [SeqInput(r.tokens[r.num_cached : end], r.pages, r.num_cached)
+                        for r, end in zip(requests, ends, strict=True) if end > r.num_cached]
+                MigratingPrefill._run_layers(runner, seqs, events)
+                for r, end in zip(requests, ends, strict=True):
+                    r.num_cached = max(r.num_cached, end)
+            seqs = Engine.seq_inputs(requests, with_prompt_logprobs=True)
+            hidden, ctx = MigratingPrefill._run_layers(runner, seqs, events)
             return runner.logits(hidden, ctx, seqs)
+
+    @staticmethod
+    def _run_layers(
+        runner: Runner, seqs: list[SeqInput], events: queue.SimpleQueue[_Event] | None
+    ) -> tuple[Any, Any]:
+        """One forward through every layer (hidden states and context out), each layer announced."""
+        ctx = runner.context(seqs)
+        hidden = runner.embed(seqs)
+        for layer in range(runner.num_layers):
+            hidden = runner.run_layers(hidden, ctx, layer, layer + 1)
+            if events is not None:
+                events.put(layer)
+        return hidden, ctx
 
     def _finish(self, forwarded: _Forwarded) -> StepResult:
         """Sample the first tokens; the batch's KV has left: free its pages (never cache it here)."""
@@ -155,14 +175,18 @@ class MigratingPrefill:
 
     # ---------------------------------------------------------------------- handler thread
     def _streamed(
-        self, events: queue.SimpleQueue[_Event], batch: Batch, skips: Sequence[int], deadline: Deadline
+        self, events: queue.SimpleQueue[_Event], batch: Batch, skips: Sequence[int], chunk: int,
+        deadline: Deadline,
     ) -> Iterator[Sequence[Region]]:
+        """Each forward's layer as soon as it is made: the pages that forward completed."""
         geometry, seqs = self.m.geometry(), with_skips(seq_pages(batch), skips)
-        for layer in range(self.m.engine.runner.num_layers):
+        chunkable = [not r.spec.prefill_logprobs for r in batch]
+        schedule = chunk_schedule([s.prompt_len for s in seqs], chunkable, chunk)
+        for regions in forward_runs(geometry, seqs, range(self.m.engine.runner.num_layers), schedule):
             event = _next(events, deadline)
             if isinstance(event, _Failed):
                 raise event.error
-            yield layer_regions(geometry, seqs, layer)
+            yield regions
 
     def _after(
         self, item: WorkItem[_Forwarded], batch: Batch, skips: Sequence[int], deadline: Deadline

@@ -162,3 +162,21 @@ def test_connect_peers_sets_up_every_stream_on_both_ends_and_refuses_a_rank_not_
     first_reply, cached = pair(lambda: _prefill(p, batch, pb.MIGRATE, d.rank),
                                lambda: _immigrate(d, batch, p.rank))
     _check(_finish(d, cached, first_reply), expected, 300)
+
+
+@pytest.mark.parametrize("case", [pb.MIGRATE, pb.MIGRATE_PROGRESSIVE], ids=["migrate", "progressive"])
+def test_a_chunked_prefill_streams_each_chunks_pages(
+    model: Path, tmp_path: Path, expected: tuple[list[list[int]], list[list[int]]], case: int
+) -> None:
+    """The sender prefills in chunks of 16 tokens (`--max-batch-prefill-tokens`; the batch has 81):
+    PROGRESSIVE sends each forward's layers as made, the pages that forward completed; tokens equal
+    transformers. The same prompts again: the receiver holds their full pages, only the rest moves."""
+    chunked = {0: {"max_batch_prefill_tokens": 16}}
+    with migration_cluster(model, tmp_path, 2, chunked, num_blocks=96, block_size=8) as (p, d):
+        for attempt in range(2):
+            base = 300 + 10 * attempt
+            batch = make_batch(30 + attempt, expected[0], MAX_NEW, first_id=base)
+            first, cached = pair(lambda: _prefill(p, batch, case, d.rank), lambda: _immigrate(d, batch, p.rank))
+            _check(_finish(d, cached, first), expected, base)
+        for replica in (p, d):
+            assert replica.free_blocks() == replica.total_blocks()

@@ -18,6 +18,8 @@ from replica.migration.plan import (
     layer_range,
     layer_regions,
     runs,
+    chunk_schedule,
+    forward_runs,
     total_bytes,
     with_skips,
 )
@@ -87,6 +89,26 @@ def test_pages_the_receiver_holds_are_left_out_on_both_sides() -> None:
     assert total_bytes(GEOMETRY, with_skips(sender, (9, 9)), range(2)) == 0  # more than the prompt: none
     with pytest.raises(ValueError, match="names 1 requests"):
         with_skips(sender, (1,))
+
+
+def test_chunk_schedule_keeps_each_last_token_for_the_sampling_forward() -> None:
+    # 10 + 3 tokens in chunks of 4: 4 of the first, 4 more, then 1 of the first and 2 of the second
+    # (each keeps its last token); 4 left (1 + 1 + ... ) fit the final forward
+    assert chunk_schedule([10, 3], [True, True], 4) == [[4, 0], [8, 0], [9, 2], [10, 3]]
+    assert chunk_schedule([10, 3], [True, True], 0) == [[10, 3]]  # no chunking
+    assert chunk_schedule([10, 3], [True, True], 13) == [[10, 3]]  # fits one forward
+    assert chunk_schedule([10, 3], [False, True], 4) == [[0, 2], [10, 3]]  # prompt logprobs: whole
+
+
+def test_forward_runs_send_each_page_once_when_a_forward_completes_it() -> None:
+    seqs = [SeqPages(9, (1, 2, 3)), SeqPages(5, (4, 6))]  # 4 tokens a page (GEOMETRY)
+    assert forward_runs(GEOMETRY, seqs, range(2), [[9, 5]]) == runs(GEOMETRY, seqs, range(2), streamed=True)
+    schedule = [[4, 0], [8, 3], [9, 5]]
+    got = forward_runs(GEOMETRY, seqs, range(1), schedule)
+    assert got == [[(100, 100)], [(200, 100)], [(300, 200), (600, 100)]]  # page 1; page 2; the rest
+    assert sum(n for run in got for _, n in run) == total_bytes(GEOMETRY, seqs, range(1))
+    skipped = forward_runs(GEOMETRY, with_skips(seqs, (2, 0)), range(1), schedule)
+    assert skipped == [[], [], [(300, 200), (600, 100)]]  # pages 1 and 2 held by the receiver
 
 
 def test_have_round_trip() -> None:
