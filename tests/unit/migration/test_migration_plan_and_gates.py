@@ -15,11 +15,11 @@ from replica.migration.plan import (
     Header,
     LayerHalf,
     SeqPages,
+    chunk_schedule,
+    forward_runs,
     layer_range,
     layer_regions,
     runs,
-    chunk_schedule,
-    forward_runs,
     total_bytes,
     with_skips,
 )
