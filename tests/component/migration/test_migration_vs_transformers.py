@@ -8,6 +8,7 @@ every replica's free page count is back where it started.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -176,8 +177,8 @@ def test_a_chunked_prefill_streams_each_chunks_pages(
         for attempt in range(2):
             base = 300 + 10 * attempt
             batch = make_batch(30 + attempt, expected[0], MAX_NEW, first_id=base)
-            first, cached = pair(lambda b=batch: _prefill(p, b, case, d.rank),
-                                 lambda b=batch: _immigrate(d, b, p.rank))
+            first, cached = pair(functools.partial(_prefill, p, batch, case, d.rank),
+                                 functools.partial(_immigrate, d, batch, p.rank))
             _check(_finish(d, cached, first), expected, base)
         for replica in (p, d):
             assert replica.free_blocks() == replica.total_blocks()
