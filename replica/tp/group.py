@@ -1,0 +1,100 @@
+"""`TpGroup`: the ranks of one tensor-parallel replica, joined over `torch.distributed`.
+
+```
+ rank 0 (leader, serves gRPC) ── TCPStore on HOST:PORT (hosted by rank 0) ──► ranks 1..N-1 (workers)
+   init_process_group(gloo on CPU | nccl on CUDA, timeout=T): every collective fails after T
+   commands: store key "tp/cmd/<n>" = pickled Command, read by each worker in order
+```
+Commands go through the store, not a collective, because a worker waits for the next step for as long
+as the replica is idle (no deadline is right for that wait), while the collectives inside a step must
+have one. A worker polls for its next command and leaves when the store is gone (the leader died).
+A group whose collective failed is broken for good (`TpGroupFailed`); the replica must be restarted.
+"""
+
+from __future__ import annotations
+
+import datetime
+import enum
+import pickle
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from replica.errors import PeerUnavailable
+from replica.model.layout import Shard
+
+DEFAULT_TIMEOUT_S = 30.0
+_POLL = datetime.timedelta(seconds=1)
+
+
+class TpGroupFailed(PeerUnavailable):
+    """A rank of the tensor-parallel group died or missed a collective's deadline."""
+
+
+class Op(enum.Enum):
+    """What the leader asks the workers to do."""
+
+    FORWARD = "forward"  # one forward of the given sequences
+    STOP = "stop"  # leave the loop
+
+
+@dataclass(frozen=True)
+class Command:
+    """One step's inputs, broadcast by the leader: an `Op` and its plain-Python argument."""
+
+    op: Op
+    arg: Any = None
+
+
+def backend_for(device: torch.device) -> str:
+    """gloo on the CPU, NCCL on CUDA."""
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
+class TpGroup:
+    """This process's membership of the group (rank `shard.rank` of `shard.world`)."""
+
+    def __init__(self, shard: Shard, host: str, port: int, device: torch.device,
+                 timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+        self.shard = shard
+        timeout = datetime.timedelta(seconds=timeout_s)
+        self.store = dist.TCPStore(host, port, shard.world, is_master=shard.rank == 0, timeout=timeout,
+                                   wait_for_workers=False)
+        dist.init_process_group(backend_for(device), store=self.store, rank=shard.rank,
+                                world_size=shard.world, timeout=timeout)
+        self.sent = 0  # commands the leader has published / the worker has read
+        self.failed: str | None = None
+
+    @property
+    def is_leader(self) -> bool:
+        """Rank 0 drives the group."""
+        return self.shard.rank == 0
+
+    def publish(self, command: Command) -> None:
+        """Leader: make `command` the next one every worker reads (and forget the one before last)."""
+        self.store.set(f"tp/cmd/{self.sent}", pickle.dumps(command))
+        if self.sent >= 2:  # every worker has joined the collectives of command sent-1, so read sent-2
+            self.store.delete_key(f"tp/cmd/{self.sent - 2}")
+        self.sent += 1
+
+    def receive(self) -> Command:
+        """Worker: the next command, waiting as long as the leader is alive (RuntimeError once it is gone)."""
+        key = f"tp/cmd/{self.sent}"
+        while True:
+            try:
+                self.store.wait([key], _POLL)
+                break
+            except dist.DistStoreError as error:  # a timeout of this poll, or the store is gone
+                if "timeout" not in str(error).lower():
+                    raise
+        self.sent += 1
+        command = pickle.loads(self.store.get(key))
+        assert isinstance(command, Command)
+        return command
+
+    def close(self) -> None:
+        """Leave the process group."""
+        if dist.is_initialized():
+            dist.destroy_process_group()
