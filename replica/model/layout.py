@@ -207,7 +207,8 @@ def _region_entries(config: ModelConfig, world: int) -> list[tuple[RegionKind, i
     if not config.tie_word_embeddings:
         head.append((LM_HEAD_NAME, (config.vocab_size, config.hidden_size), Split.ROWS, 0))
     layers = [
-        (RegionKind.LAYER, i, f"layer.{i}", _layer_entries(config, i, world)) for i in range(config.num_layers)
+        (RegionKind.LAYER, i, f"layer.{i}", _layer_entries(config, i, world))
+        for i in range(config.num_layers)
     ]
     return [(RegionKind.EMBED, 0, "embed", embed), *layers, (RegionKind.HEAD, 0, "head", head)]
 

@@ -145,7 +145,7 @@ class ReplicaCore:
         if engine is None:
             raise FailedPrecondition("the model is still loading")
         cluster = self.shared.cluster
-        return m.ReplicaInfo(engine.info(), self.config.rank, tp_size=1,
+        return m.ReplicaInfo(engine.info(), self.config.rank, tp_size=self.config.tp,
                              fabric=cluster.kind if cluster is not None else "")
 
     def health(self) -> HealthState:

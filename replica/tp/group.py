@@ -26,7 +26,8 @@ from replica.errors import PeerUnavailable
 from replica.model.layout import Shard
 
 DEFAULT_TIMEOUT_S = 30.0
-_POLL = datetime.timedelta(seconds=1)
+# an idle worker wakes once a minute (each wake logs a c10d timeout warning); a set key wakes it at once
+_POLL = datetime.timedelta(seconds=60)
 
 
 class TpGroupFailed(PeerUnavailable):
@@ -74,7 +75,7 @@ class TpGroup:
 
     def publish(self, command: Command) -> None:
         """Leader: make `command` the next one every worker reads (and forget the one before last)."""
-        self.store.set(f"tp/cmd/{self.sent}", pickle.dumps(command))
+        self.store.set(f"tp/cmd/{self.sent}", pickle.dumps(command))  # type: ignore[arg-type]
         if self.sent >= 2:  # every worker has joined the collectives of command sent-1, so read sent-2
             self.store.delete_key(f"tp/cmd/{self.sent - 2}")
         self.sent += 1

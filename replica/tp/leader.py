@@ -70,7 +70,7 @@ def start_group(spec: RankSpec, world: int, device: torch.device,
     port = _free_port(host)
     store = f"{host}:{port}"
     workers = [
-        subprocess.Popen(worker_command(spec, r, world, store, device, timeout_s))  # noqa: S603
+        subprocess.Popen(worker_command(spec, r, world, store, device, timeout_s))
         for r in range(1, world)
     ]
     try:

@@ -26,7 +26,8 @@ from replica.tp.sharded import TpCausalLM
 class TpRunner(ModelRunner):
     """The leader's runner: each forward is published to the workers, then run here too."""
 
-    def __init__(self, model: TpCausalLM, cache: PagedKVCache, attention_backend: str, group: TpGroup) -> None:
+    def __init__(self, model: TpCausalLM, cache: PagedKVCache, attention_backend: str,
+                 group: TpGroup) -> None:
         super().__init__(model, cache, attention_backend)  # type: ignore[arg-type]
         self.group = group
 

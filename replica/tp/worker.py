@@ -12,9 +12,9 @@ from pathlib import Path
 
 import torch
 
-from replica.model.weights import TORCH_DTYPES, dtype_name
 from replica.engine.runner import ModelRunner
 from replica.model.layout import Shard
+from replica.model.weights import TORCH_DTYPES
 from replica.tp.group import TpGroup
 from replica.tp.rank import RankSpec, build_rank, rank_device, share_cpu_threads
 from replica.tp.runner import serve_worker
