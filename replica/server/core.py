@@ -38,6 +38,13 @@ from transfer.core import Deadline
 
 log = logging.getLogger(__name__)
 
+# Calls that move KV pages or weights between replicas, or compute layer by layer: they would move
+# (or run) rank 0's shard only, so a tensor-parallel replica refuses them (replica/tp/README.md).
+TP_REFUSED: frozenset[type[m.Call]] = frozenset({
+    m.Migrate, m.Immigrate, m.MigratePartial, m.ImmigratePartial, m.MigratingPrefill, m.PipelinedPrefill,
+    m.ZagPrefill, m.Relay, m.LoadParams, m.SendParams, m.RecvParams, m.Broadcast,
+})
+
 EngineHandler = Callable[[Engine, Any], Any]
 ServiceHandler = Callable[[Any, CallContext], Any]
 
@@ -121,6 +128,12 @@ class ReplicaCore:
     def run(self, call: m.Call, ctx: CallContext) -> Any:
         """Run any call on this thread (an ENGINE-lane one waits for its work item)."""
         ctx.check_started_in_time()
+        if self.config.tp > 1 and type(call) in TP_REFUSED:
+            raise FailedPrecondition(
+                f"{type(call).__name__} is not supported by a tensor-parallel replica "
+                f"(--tp {self.config.tp}): "
+                "KV and weight transfers move one rank's shard, and per-rank transfers are not built yet"
+            )
         handler = self._service_calls.get(type(call))
         if handler is not None:
             return handler(call, ctx)

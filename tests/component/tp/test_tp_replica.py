@@ -1,6 +1,6 @@
 """`pdcluster replica --tp 2`: rank 0 serves gRPC and drives rank 1; Info says tp_size 2 and a
-greedy request decodes transformers' tokens through Prefill and Decode; stopping the replica ends
-its worker too."""
+greedy request decodes transformers' tokens through Prefill and Decode; KV migration (which would
+move rank 0's shard only) is refused with FAILED_PRECONDITION; stopping the replica ends its worker."""
 
 from __future__ import annotations
 
@@ -46,6 +46,13 @@ def _greedy(stub: pb_grpc.TextGenerationServiceStub) -> list[int]:
     return tokens
 
 
+def _check_migration_refused(stub: pb_grpc.TextGenerationServiceStub) -> None:
+    with pytest.raises(grpc.RpcError) as refused:
+        stub.Migrate(pb.MigrateRequest(batch=batch(2, request(2, PROMPT, 1)), src=[0], dst=[1]), timeout=30)
+    assert refused.value.code() is grpc.StatusCode.FAILED_PRECONDITION
+    assert "tensor-parallel replica (--tp 2)" in str(refused.value.details())
+
+
 def test_tp2_replica_serves_transformers_tokens(tiny_model_factory: Callable[..., Path]) -> None:
     model = tiny_model_factory(arch="qwen2", kv_heads=1, seed=21)
     port = free_ports(1)[0]
@@ -57,6 +64,7 @@ def test_tp2_replica_serves_transformers_tokens(tiny_model_factory: Callable[...
             stub = pb_grpc.TextGenerationServiceStub(channel)
             assert _wait_info(stub, process).tp_size == 2
             tokens = _greedy(stub)
+            _check_migration_refused(stub)
         workers = descendants(process.pid)
         assert workers, "rank 0 started no worker process"
     finally:
