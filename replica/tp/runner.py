@@ -12,15 +12,18 @@ count is fixed when the group starts, the same on every rank).
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from typing import Any
 
 from replica.engine.backend import SeqInput
 from replica.engine.runner import ForwardOutput, ModelRunner
-from replica.errors import FailedPrecondition
+from replica.errors import FailedPrecondition, ReplicaError
 from replica.model.attention import PagedKVCache
 from replica.tp.group import Command, Op, TpGroup, TpGroupFailed
 from replica.tp.sharded import TpCausalLM
+
+log = logging.getLogger(__name__)
 
 
 class TpRunner(ModelRunner):
@@ -39,6 +42,8 @@ class TpRunner(ModelRunner):
         try:
             self.group.publish(Command(Op.FORWARD, plain))
             return super().forward(seqs)
+        except ReplicaError:  # refused inputs: every rank refuses them before its first collective
+            raise
         except (RuntimeError, ValueError) as error:  # a collective's error or timeout, a lost store
             self.group.failed = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
             raise TpGroupFailed(f"a rank of the tensor-parallel group failed during a step "
@@ -63,4 +68,7 @@ def serve_worker(group: TpGroup, runner: ModelRunner) -> None:
             return
         if command.op is Op.STOP:
             return
-        runner.forward(command.arg)
+        try:
+            runner.forward(command.arg)
+        except ReplicaError as error:  # the leader refused the same inputs before any collective
+            log.info("step refused on every rank: %s", error)

@@ -4,26 +4,21 @@ Rank 0 runs in a helper process (`tests.helpers.tp_greedy`) that starts the othe
 prompt in two resumed chunks over scattered pages and decodes greedily; its tokens must equal
 transformers' greedy `generate` (float32) on the same tiny checkpoint. Variants cover Llama, Mistral
 (sliding window) and Qwen2 (q/k/v biases), KV heads >= tp and < tp (shared by several ranks),
-replicated biases of row-parallel projections and tied embeddings. A worker killed mid-run fails
+replicated biases of row-parallel projections and tied embeddings. A step every rank refuses (a bad
+page) leaves the group working. A worker killed mid-run fails
 the leader's step with `TpGroupFailed` (a gRPC UNAVAILABLE), not a hang.
 """
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-import torch
 
-transformers = pytest.importorskip("transformers")
+from tests.helpers.tp_reference import reference_tokens, run_leader
 
-PROMPT = [5, 17, 42, 99, 7, 250, 3]
-STEPS = 8
-ROOT = Path(__file__).resolve().parents[3]
+pytest.importorskip("transformers")
 
 # name -> (world, checkpoint overrides)
 DEFAULT = {
@@ -40,26 +35,9 @@ LONG = {
 }
 
 
-def run_leader(model: Path, world: int, *extra: str) -> dict[str, object]:
-    """The helper's JSON line (its last line of output)."""
-    command = [sys.executable, "-m", "tests.helpers.tp_greedy", str(model), str(world), str(STEPS),
-               *map(str, PROMPT), *extra]
-    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=180, check=False)
-    assert done.returncode == 0, done.stderr[-3000:]
-    result = json.loads(done.stdout.strip().splitlines()[-1])
-    assert isinstance(result, dict)
-    return result
-
-
-def reference_tokens(model: Path) -> list[int]:
-    hf = transformers.AutoModelForCausalLM.from_pretrained(model, torch_dtype=torch.float32)
-    out = hf.generate(torch.tensor([PROMPT]), max_new_tokens=STEPS, do_sample=False, min_new_tokens=STEPS)
-    return [int(t) for t in out[0, len(PROMPT):]]
-
-
 def check(tiny_model_factory: Callable[..., Path], world: int, overrides: dict[str, object]) -> None:
     model = tiny_model_factory(**overrides)
-    assert run_leader(model, world) == {"tokens": reference_tokens(model)}
+    assert run_leader(model, world) == {"tokens": reference_tokens(model), "refused": "InvalidArgument"}
 
 
 @pytest.mark.parametrize("name", sorted(DEFAULT))
