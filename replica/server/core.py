@@ -162,9 +162,14 @@ class ReplicaCore:
                              fabric=cluster.kind if cluster is not None else "")
 
     def health(self) -> HealthState:
-        """loading until the model is built; then serving / inactive / loading by weight readiness."""
+        """loading until the model is built; then serving / inactive / loading by weight readiness
+        (UNAVAILABLE once a tensor-parallel group has lost a rank)."""
         if not self.worker.alive:
             raise ShuttingDown("the engine thread is not running")
+        if self.config.tp > 1 and self.shared.engine is not None:
+            from replica.tp.runner import check_group  # imported here: a simulated replica has no torch
+
+            check_group(self.shared.engine.runner)
         return HealthState.LOADING if self.shared.engine is None else self.weights.health()
 
     def discover(self) -> m.Discovery:

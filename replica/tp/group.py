@@ -31,7 +31,11 @@ _POLL = datetime.timedelta(seconds=60)
 
 
 class TpGroupFailed(PeerUnavailable):
-    """A rank of the tensor-parallel group died or missed a collective's deadline."""
+    """A rank of the tensor-parallel group died or missed a collective's deadline (UNAVAILABLE).
+
+    The fault is this replica's own (no peer cause): its group cannot run a step again."""
+
+    cause = None
 
 
 class Op(enum.Enum):

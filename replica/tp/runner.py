@@ -36,8 +36,7 @@ class TpRunner(ModelRunner):
 
     def forward(self, seqs: Sequence[SeqInput]) -> ForwardOutput:
         """Every rank runs the same forward; a dead or late rank fails it with `TpGroupFailed`."""
-        if self.group.failed:
-            raise TpGroupFailed(f"tensor-parallel group is broken: {self.group.failed}")
+        check_group(self)
         plain = [SeqInput(list(s.tokens), list(s.pages), s.start, s.all_logits) for s in seqs]
         try:
             self.group.publish(Command(Op.FORWARD, plain))
@@ -57,6 +56,12 @@ class TpRunner(ModelRunner):
     def resized(self, fraction: float) -> ModelRunner | None:
         """The page count stays: every rank's cache was sized when the group started."""
         return None
+
+
+def check_group(runner: object) -> None:
+    """Raise `TpGroupFailed` if `runner` is a `TpRunner` whose group has failed (Health asks)."""
+    if isinstance(runner, TpRunner) and runner.group.failed:
+        raise TpGroupFailed(f"tensor-parallel group is broken: {runner.group.failed}")
 
 
 def serve_worker(group: TpGroup, runner: ModelRunner) -> None:
