@@ -22,7 +22,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from replica.errors import PeerUnavailable
+from replica.errors import ReplicaError, Status
 from replica.model.layout import Shard
 
 DEFAULT_TIMEOUT_S = 30.0
@@ -30,12 +30,12 @@ DEFAULT_TIMEOUT_S = 30.0
 _POLL = datetime.timedelta(seconds=60)
 
 
-class TpGroupFailed(PeerUnavailable):
+class TpGroupFailed(ReplicaError):
     """A rank of the tensor-parallel group died or missed a collective's deadline (UNAVAILABLE).
 
     The fault is this replica's own (no peer cause): its group cannot run a step again."""
 
-    cause = None
+    status = Status.UNAVAILABLE
 
 
 class Op(enum.Enum):
