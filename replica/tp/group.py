@@ -53,6 +53,17 @@ class Command:
     arg: Any = None
 
 
+def host_store(host: str, world: int, timeout_s: float) -> dist.TCPStore:
+    """The leader's store on a port the OS picks (`store.port`): no race for a free port."""
+    return dist.TCPStore(host, 0, world, is_master=True, timeout=datetime.timedelta(seconds=timeout_s),
+                         wait_for_workers=False)
+
+
+def join_store(host: str, port: int, world: int, timeout_s: float) -> dist.TCPStore:
+    """A worker's client of the leader's store (waits up to `timeout_s` for it)."""
+    return dist.TCPStore(host, port, world, is_master=False, timeout=datetime.timedelta(seconds=timeout_s))
+
+
 def backend_for(device: torch.device) -> str:
     """gloo on the CPU, NCCL on CUDA."""
     return "nccl" if device.type == "cuda" else "gloo"
@@ -61,14 +72,11 @@ def backend_for(device: torch.device) -> str:
 class TpGroup:
     """This process's membership of the group (rank `shard.rank` of `shard.world`)."""
 
-    def __init__(self, shard: Shard, host: str, port: int, device: torch.device,
+    def __init__(self, shard: Shard, store: dist.TCPStore, device: torch.device,
                  timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
-        self.shard = shard
-        timeout = datetime.timedelta(seconds=timeout_s)
-        self.store = dist.TCPStore(host, port, shard.world, is_master=shard.rank == 0, timeout=timeout,
-                                   wait_for_workers=False)
-        dist.init_process_group(backend_for(device), store=self.store, rank=shard.rank,
-                                world_size=shard.world, timeout=timeout)
+        self.shard, self.store = shard, store
+        dist.init_process_group(backend_for(device), store=store, rank=shard.rank, world_size=shard.world,
+                                timeout=datetime.timedelta(seconds=timeout_s))
         self.sent = 0  # commands the leader has published / the worker has read
         self.failed: str | None = None
 

@@ -1,7 +1,7 @@
 """Starting a tensor-parallel group from its leader (rank 0, the process serving gRPC).
 
 ```
- leader: free port ─► spawn `python -m replica.tp.worker --rank r` for r in 1..N-1 ─► TpGroup(rank 0,
+ leader: store (port 0) ─► spawn `python -m replica.tp.worker --rank r` for r in 1..N-1 ─► TpGroup(rank 0,
          hosts the store) ─► build_rank ─► TpRunner           workers: TpGroup(rank r) ─► build_rank ─► loop
 ```
 Joining has the group's deadline too: a worker that never starts fails the leader's start.
@@ -9,7 +9,6 @@ Joining has the group's deadline too: a worker that never starts fails the leade
 
 from __future__ import annotations
 
-import socket
 import subprocess
 import sys
 from dataclasses import dataclass, field
@@ -18,15 +17,9 @@ import torch
 
 from replica.model.layout import Shard
 from replica.model.weights import dtype_name
-from replica.tp.group import DEFAULT_TIMEOUT_S, Command, Op, TpGroup
+from replica.tp.group import DEFAULT_TIMEOUT_S, Command, Op, TpGroup, host_store
 from replica.tp.rank import RankModel, RankSpec, build_rank, share_cpu_threads
 from replica.tp.runner import TpRunner
-
-
-def _free_port(host: str) -> int:
-    with socket.socket() as sock:
-        sock.bind((host, 0))
-        return int(sock.getsockname()[1])
 
 
 def worker_command(spec: RankSpec, rank: int, world: int, store: str, device: torch.device,
@@ -67,14 +60,14 @@ def start_group(spec: RankSpec, world: int, device: torch.device,
                 timeout_s: float = DEFAULT_TIMEOUT_S, host: str = "127.0.0.1") -> Leader:
     """Spawn ranks 1..world-1, join as rank 0 and load this rank's shard."""
     share_cpu_threads(world)
-    port = _free_port(host)
-    store = f"{host}:{port}"
+    store = host_store(host, world, timeout_s)
+    address = f"{host}:{store.port}"
     workers = [
-        subprocess.Popen(worker_command(spec, r, world, store, device, timeout_s))
+        subprocess.Popen(worker_command(spec, r, world, address, device, timeout_s))
         for r in range(1, world)
     ]
     try:
-        group = TpGroup(Shard(0, world), host, port, device, timeout_s)
+        group = TpGroup(Shard(0, world), store, device, timeout_s)
         rank = build_rank(spec, group, device)
     except BaseException:
         for worker in workers:

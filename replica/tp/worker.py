@@ -15,7 +15,7 @@ import torch
 from replica.engine.runner import ModelRunner
 from replica.model.layout import Shard
 from replica.model.weights import TORCH_DTYPES
-from replica.tp.group import TpGroup
+from replica.tp.group import TpGroup, join_store
 from replica.tp.rank import RankSpec, build_rank, rank_device, share_cpu_threads
 from replica.tp.runner import serve_worker
 
@@ -44,7 +44,8 @@ def main(argv: list[str] | None = None) -> None:
     share_cpu_threads(args.world)
     device = rank_device(torch.device(args.device), args.rank)
     host, _, port = args.store.rpartition(":")
-    group = TpGroup(Shard(args.rank, args.world), host, int(port), device, args.timeout)
+    store = join_store(host, int(port), args.world, args.timeout)
+    group = TpGroup(Shard(args.rank, args.world), store, device, args.timeout)
     spec = RankSpec(args.model, TORCH_DTYPES[args.dtype], args.num_blocks, args.block_size,
                     args.attention_backend)
     rank = build_rank(spec, group, device)
