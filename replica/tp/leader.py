@@ -9,6 +9,7 @@ Joining has the group's deadline too: a worker that never starts fails the leade
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 from dataclasses import dataclass, field
@@ -24,8 +25,14 @@ from replica.tp.runner import TpRunner
 
 def worker_command(spec: RankSpec, rank: int, world: int, store: str, device: torch.device,
                    timeout_s: float) -> list[str]:
-    """The command line of worker `rank`."""
+    """The command line of worker `rank`, under `setpriv --pdeathsig TERM` where util-linux has it
+    (the worker dies with its leader even if the leader is killed; an exec wrapper, not a preexec_fn,
+    because the leader serves gRPC and a forked gRPC process may abort before it execs). The signal
+    follows the spawning thread: start the group on one that lives as long as the replica (the
+    engine thread does)."""
+    setpriv = shutil.which("setpriv")
     return [
+        *([setpriv, "--pdeathsig", "TERM", "--"] if setpriv else []),
         sys.executable, "-m", "replica.tp.worker", "--model", str(spec.model_dir),
         "--dtype", dtype_name(spec.dtype), "--device", str(device), "--rank", str(rank),
         "--world", str(world), "--store", store, "--num-blocks", str(spec.num_blocks),
