@@ -3,7 +3,7 @@
 ```
  rank 0 (leader, serves gRPC) ── TCPStore on HOST:PORT (hosted by rank 0) ──► ranks 1..N-1 (workers)
    init_process_group(gloo on CPU | nccl on CUDA, timeout=T): every collective fails after T
-   commands: store key "tp/cmd/<n>" = pickled Command, read by each worker in order
+   commands: store key "tp/cmd/<n>" = pickled Command, read by each worker in order (CommandChannel)
 ```
 Commands go through the store, not a collective, because a worker waits for the next step for as long
 as the replica is idle (no deadline is right for that wait), while the collectives inside a step must
@@ -69,6 +69,38 @@ def backend_for(device: torch.device) -> str:
     return "nccl" if device.type == "cuda" else "gloo"
 
 
+class CommandChannel:
+    """Commands in order over the group's store: the leader sets key n, each worker reads keys in turn
+    and the last of the `readers` to read one deletes it (no step leaves anything behind)."""
+
+    def __init__(self, store: dist.Store, readers: int) -> None:
+        self.store, self.readers = store, readers
+        self.count = 0  # commands published (leader) or read (worker) so far
+
+    def publish(self, command: Command) -> None:
+        """Leader: make `command` the next one every worker reads."""
+        self.store.set(f"tp/cmd/{self.count}", pickle.dumps(command))  # type: ignore[arg-type]
+        self.count += 1
+
+    def receive(self) -> Command:
+        """Worker: the next command, waiting as long as the leader is alive (RuntimeError once it is gone)."""
+        key = f"tp/cmd/{self.count}"
+        while True:
+            try:
+                self.store.wait([key], _POLL)
+                break
+            except dist.DistStoreError as error:  # this poll's timeout (an idle replica), else a failure
+                if "timeout" not in str(error).lower():
+                    raise
+        command = pickle.loads(self.store.get(key))
+        if self.store.add(f"tp/read/{self.count}", 1) == self.readers:
+            self.store.delete_key(key)
+            self.store.delete_key(f"tp/read/{self.count}")
+        self.count += 1
+        assert isinstance(command, Command)
+        return command
+
+
 class TpGroup:
     """This process's membership of the group (rank `shard.rank` of `shard.world`)."""
 
@@ -77,35 +109,13 @@ class TpGroup:
         self.shard, self.store = shard, store
         dist.init_process_group(backend_for(device), store=store, rank=shard.rank, world_size=shard.world,
                                 timeout=datetime.timedelta(seconds=timeout_s))
-        self.sent = 0  # commands the leader has published / the worker has read
+        self.commands = CommandChannel(store, shard.world - 1)
         self.failed: str | None = None
 
     @property
     def is_leader(self) -> bool:
         """Rank 0 drives the group."""
         return self.shard.rank == 0
-
-    def publish(self, command: Command) -> None:
-        """Leader: make `command` the next one every worker reads (and forget the one before last)."""
-        self.store.set(f"tp/cmd/{self.sent}", pickle.dumps(command))  # type: ignore[arg-type]
-        if self.sent >= 2:  # every worker has joined the collectives of command sent-1, so read sent-2
-            self.store.delete_key(f"tp/cmd/{self.sent - 2}")
-        self.sent += 1
-
-    def receive(self) -> Command:
-        """Worker: the next command, waiting as long as the leader is alive (RuntimeError once it is gone)."""
-        key = f"tp/cmd/{self.sent}"
-        while True:
-            try:
-                self.store.wait([key], _POLL)
-                break
-            except dist.DistStoreError as error:  # a timeout of this poll, or the store is gone
-                if "timeout" not in str(error).lower():
-                    raise
-        self.sent += 1
-        command = pickle.loads(self.store.get(key))
-        assert isinstance(command, Command)
-        return command
 
     def close(self) -> None:
         """Leave the process group."""

@@ -53,7 +53,7 @@ class Leader:
     def stop(self) -> None:
         """Tell the workers to leave, wait for them (with a deadline), then leave the group."""
         if not self.group.failed:
-            self.group.publish(Command(Op.STOP))
+            self.group.commands.publish(Command(Op.STOP))
         for worker in self.workers:
             try:
                 worker.wait(timeout=10)

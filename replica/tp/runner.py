@@ -39,7 +39,7 @@ class TpRunner(ModelRunner):
         check_group(self)
         plain = [SeqInput(list(s.tokens), list(s.pages), s.start, s.all_logits) for s in seqs]
         try:
-            self.group.publish(Command(Op.FORWARD, plain))
+            self.group.commands.publish(Command(Op.FORWARD, plain))
             return super().forward(seqs)
         except ReplicaError:  # refused inputs: every rank refuses them before its first collective
             raise
@@ -68,7 +68,7 @@ def serve_worker(group: TpGroup, runner: ModelRunner) -> None:
     """A worker's loop: run each forward the leader publishes until STOP or the leader is gone."""
     while True:
         try:
-            command = group.receive()
+            command = group.commands.receive()
         except RuntimeError:  # the store (hosted by the leader) is gone: the replica has stopped
             return
         if command.op is Op.STOP:
