@@ -40,7 +40,7 @@ def rank_device(base: torch.device, rank: int) -> torch.device:
 
 def share_cpu_threads(world: int) -> None:
     """On the CPU the ranks split the cores (one process per CPU slice), instead of each taking all."""
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // world))  # the cores this process may use
 
 
 @dataclass(frozen=True)

@@ -43,7 +43,7 @@ class TpRunner(ModelRunner):
             return super().forward(seqs)
         except ReplicaError:  # refused inputs: every rank refuses them before its first collective
             raise
-        except (RuntimeError, ValueError) as error:  # a collective's error or timeout, a lost store
+        except RuntimeError as error:  # a collective's error or timeout (DistError), a lost store
             self.group.failed = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
             raise TpGroupFailed(f"a rank of the tensor-parallel group failed during a step "
                                 f"({self.group.failed})") from error
