@@ -53,6 +53,10 @@ class TpRunner(ModelRunner):
         raise FailedPrecondition("layer-by-layer forwards (streamed KV migration, zig-zag) are not "
                                  "supported with --tp > 1")
 
+    def capture_graphs(self, max_batch: int) -> int:
+        """None: a replayed graph would run rank 0's forward without telling the workers."""
+        return 0
+
     def resized(self, fraction: float) -> ModelRunner | None:
         """The page count stays: every rank's cache was sized when the group started."""
         return None
