@@ -36,7 +36,7 @@ class EngineKind(enum.Enum):
 
 @dataclass(frozen=True)
 class ReplicaConfig:
-    """Configuration of one replica process (one device, tensor-parallel degree 1)."""
+    """Configuration of one replica process (rank 0 of a tensor-parallel group of --tp processes)."""
 
     port: int = field(metadata={"help": "gRPC port on --host; 0 picks a free port (printed once ready)"})
     model: Path | None = field(
@@ -46,6 +46,18 @@ class ReplicaConfig:
     )
     host: str = field(default="127.0.0.1", metadata={"help": "address to listen on"})
     rank: int = field(default=0, metadata={"help": "this process's global rank in the rank table"})
+    tp: int = field(
+        default=1,
+        metadata={"help": "tensor-parallel degree: this process is rank 0 of a group of --tp processes "
+                          "(one per device: cuda:i+r, or a slice of the CPU cores) that it starts "
+                          "and drives over torch.distributed (gloo on the CPU, NCCL on CUDA); needs "
+                          "--num-blocks"},
+    )
+    tp_timeout: float = field(
+        default=30.0,
+        metadata={"help": "seconds a tensor-parallel collective may take before the step fails "
+                          "(UNAVAILABLE)"},
+    )
     num_blocks: int | None = field(
         default=None,
         metadata={"help": "KV pages in the cache; unset = sized from free memory x --kv-memory-fraction"},
@@ -275,6 +287,21 @@ class ReplicaConfig:
             raise ValueError("--model is required (a checkpoint folder) unless --engine simulated")
         if self.engine is EngineKind.SIMULATED:
             self._check_simulated()
+        self._check_tp()
+
+    def _check_tp(self) -> None:
+        if self.tp < 1:
+            raise ValueError(f"--tp must be >= 1, got {self.tp}")
+        if self.tp_timeout <= 0:
+            raise ValueError(f"--tp-timeout must be positive, got {self.tp_timeout}")
+        if self.tp == 1:
+            return
+        if self.engine is not EngineKind.TORCH:
+            raise ValueError("--tp > 1 runs the torch engine only")
+        if self.num_blocks is None:
+            raise ValueError("--tp > 1 needs --num-blocks (every rank holds the same pages)")
+        if self.inactive:
+            raise ValueError("--tp > 1 cannot start --inactive yet (each rank loads its shard from --model)")
 
     def _check_simulated(self) -> None:
         if not 0 < self.scale <= 1:

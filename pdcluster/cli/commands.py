@@ -112,6 +112,12 @@ COMMANDS: dict[str, Command] = {
         "pdcluster.bench.grammar:BenchGrammarConfig",
         "pdcluster.bench.grammar:run",
     ),
+    "bench tp": Command(
+        "a tensor-parallel group's decode step against one process on the same model, and the "
+        "collectives' share of it",
+        "pdcluster.bench.tp:BenchTpConfig",
+        "pdcluster.bench.tp:run",
+    ),
     "bench serving": Command(
         "end-to-end serving benchmark (TTFT, TPOT, ITL, goodput)",
         "pdcluster.bench.serving.bench:BenchServingConfig",

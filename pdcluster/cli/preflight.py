@@ -15,6 +15,7 @@ The checks are looked up by the subcommand's name, never by importing every conf
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from pdcluster.discovery.checks import checkpoint_problem, port_problem
@@ -33,9 +34,23 @@ def _ports(host: str, ports: list[tuple[str, int]]) -> str:
     return ""
 
 
+def _tp_problem(model: Path, tp: int) -> str:
+    """Why `--tp` cannot cut this checkpoint's heads, MLP and vocabulary ("" when it can)."""
+    from replica.model.config import ModelConfig, UnsupportedModel  # pure Python, like the check above
+    from replica.model.layout import Shard, WeightLayout
+
+    try:
+        WeightLayout.for_config(ModelConfig.from_dir(model), "float32", Shard(0, tp))
+    except UnsupportedModel as exc:
+        return f"--tp {tp}: {exc}"
+    return ""
+
+
 def _replica(config: ReplicaConfig) -> str:
     weights = not config.inactive and not config.engine_tag  # a simulated engine reads no weights
     model = "" if config.model is None else checkpoint_problem(config.model, weights=weights)
+    if not model and config.model is not None and config.tp > 1:
+        model = _tp_problem(config.model, config.tp)
     return model or _ports(config.host, [("--port", config.port)])
 
 
@@ -48,7 +63,8 @@ def _router_or_up(config: RouterConfig | UpConfig, weights: bool) -> str:
 CHECKS: dict[str, Callable[[Any], str]] = {
     "replica": _replica,
     "router": lambda config: _router_or_up(config, weights=False),
-    "up": lambda config: _router_or_up(config, weights=config.engine == "torch"),
+    "up": lambda config: _router_or_up(config, weights=config.engine == "torch")
+    or (_tp_problem(config.model, config.tp) if config.tp > 1 else ""),
 }
 """The check of each subcommand that has one, by its name in `commands.COMMANDS`."""
 

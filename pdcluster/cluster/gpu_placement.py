@@ -36,10 +36,13 @@ class DeviceSlot:
         return ["--device", self.device, "--gpu-memory-fraction", f"{self.memory_fraction:.6g}"]
 
 
-def place_on_devices(replicas: int, device: str, gpus: int, fraction: float = 0.9) -> tuple[DeviceSlot, ...]:
+def place_on_devices(replicas: int, device: str, gpus: int, fraction: float = 0.9,
+                     tp: int = 1) -> tuple[DeviceSlot, ...]:
     """The device of each of `replicas` replicas for `--device` (cpu | cuda | cuda:N | auto) on a
     machine with `gpus` visible CUDA devices; replicas sharing a GPU split `fraction` evenly.
 
+    With `tp` > 1 a replica's device is the first of `tp` consecutive GPUs its ranks take (rank r on
+    device + r, all on this node); replicas go round-robin over the whole blocks that fit.
     ValueError when `device` asks for a GPU that is not there.
     """
     if replicas < 0 or gpus < 0 or not 0 < fraction <= 1:
@@ -54,11 +57,14 @@ def place_on_devices(replicas: int, device: str, gpus: int, fraction: float = 0.
     if kind != "cuda" and device != "auto":
         raise ValueError(f"--device must be cpu, cuda, cuda:N or auto, got {device!r}")
     if index:
-        if not index.isdigit() or int(index) >= gpus:
+        if not index.isdigit() or int(index) + tp > gpus:
             raise ValueError(f"--device {device}: this machine has {gpus} visible CUDA device(s) "
-                             f"(cuda:0..cuda:{gpus - 1})")
+                             f"(cuda:0..cuda:{gpus - 1}), a replica of --tp {tp} needs {tp} from there")
         ordinals = [int(index)] * replicas
     else:
-        ordinals = [rank % gpus for rank in range(replicas)]
+        if tp > gpus:
+            raise ValueError(f"--tp {tp} needs {tp} CUDA devices per replica; this machine has {gpus}")
+        blocks = gpus // tp
+        ordinals = [(rank % blocks) * tp for rank in range(replicas)]
     sharing = Counter(ordinals)
     return tuple(DeviceSlot(f"cuda:{o}", fraction / sharing[o]) for o in ordinals)

@@ -132,6 +132,10 @@ class UpConfig:
     routing: str = field(default="cache-aware", metadata={"choices": ["cache-aware", "load"], "help": (
         "the router's --routing: cache-aware (a prompt to the replica holding its longest cached "
         "prefix, within --routing-max-load) or load (the least loaded)")})
+    tp: int = field(default=1, metadata={"help": (
+        "torch engine: tensor-parallel degree of every replica (`pdcluster replica --tp`): a group of "
+        "processes on consecutive GPUs (or CPU slices); such replicas refuse KV migration yet, so "
+        "use it with --prefill 0")})
     prefix_cache: bool = field(default=True, metadata={"help": (
         "the replicas' automatic prefix caching (--no-prefix-cache: every prompt computed whole)")})
 
@@ -165,6 +169,9 @@ class UpConfig:
             raise ValueError(f"--dtype must be one of {known}, got {self.dtype!r}")
         if self.dtype and self.engine != "torch":
             raise ValueError("--dtype is for the torch engine; simulated replicas take their card's")
+        if self.tp < 1 or (self.tp > 1 and self.engine != "torch"):
+            raise ValueError(f"--tp must be >= 1, and > 1 only for the torch engine (got {self.tp}, "
+                             f"{self.engine})")
         if self.engine != "torch" and self.device not in ("auto", "cpu"):
             raise ValueError(f"--device {self.device} is for the torch engine; simulated replicas use none")
         if self.inactive and self.engine == "torch" and not (self.model / "config.json").is_file():
@@ -205,6 +212,8 @@ class UpConfig:
             args += ["--dtype", self.dtype]
         if not self.prefix_cache:
             args.append("--no-prefix-cache")
+        if self.tp > 1:
+            args += ["--tp", str(self.tp)]
         if self.disk_gbps:
             args += ["--disk-gbps", str(self.disk_gbps)]
         if self.host_gbps:
@@ -318,7 +327,7 @@ class LocalCluster:
         if c.engine != "torch":
             return ()
         gpus = 0 if c.device == "cpu" else visible_gpu_count()
-        return place_on_devices(len(self.roles()), c.device, gpus, c.gpu_memory_fraction)
+        return place_on_devices(len(self.roles()), c.device, gpus, c.gpu_memory_fraction, c.tp)
 
     def _token_args(self) -> list[str]:
         """`--cluster-token-file FILE` (a --cluster-token is written to an owner-only file in the log

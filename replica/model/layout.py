@@ -8,7 +8,8 @@ regions tile the buffer exactly: region i ends where region i+1 begins.
 
 Tensor parallelism: a `Shard` (rank of world) names this buffer's slice. Column-parallel weights
 (q/k/v, gate/up, embed and lm_head rows) are split along dim 0, row-parallel ones (o, down) along
-dim 1, norms are replicated. TP=1 is the only degree served today; the shapes are already per shard.
+dim 1, norms are replicated; the shapes are per shard. K/V projections are cut in whole KV heads;
+with fewer KV heads than ranks each head is held by `world / kv_heads` ranks (`TensorSpec.parts`).
 """
 
 from __future__ import annotations
@@ -59,6 +60,7 @@ class TensorSpec:
     dtype: str
     offset: int
     split: Split = Split.REPLICATED
+    parts: int = 0  # distinct slices along the split dim (0: one per rank); rank r holds r * parts // world
 
     @property
     def numel(self) -> int:
@@ -152,7 +154,7 @@ class WeightLayout:
         shard = shard or Shard()
         _check_divisible(config, shard)
         builder = _Builder(dtype, shard, alignment)
-        for kind, index, name, entries in _region_entries(config):
+        for kind, index, name, entries in _region_entries(config, shard.world):
             builder.add_region(name, kind, index, entries)
         return cls(
             tuple(builder.regions), builder.cursor, dtype, shard, alignment, config.tie_word_embeddings
@@ -163,47 +165,50 @@ EMBED_NAME = "model.embed_tokens.weight"
 LM_HEAD_NAME = "lm_head.weight"
 NORM_NAME = "model.norm.weight"
 
-# (name, full shape, split)
-_Entry = tuple[str, tuple[int, ...], Split]
+# (name, full shape, split, distinct parts (0: one per rank))
+_Entry = tuple[str, tuple[int, ...], Split, int]
 
 
-def _layer_entries(config: ModelConfig, i: int) -> list[_Entry]:
+def _layer_entries(config: ModelConfig, i: int, world: int) -> list[_Entry]:
     h, q, kv, inter = config.hidden_size, config.q_size, config.kv_size, config.intermediate_size
+    # fewer KV heads than ranks: one head per rank, each held by world / kv_heads ranks
+    kv_parts = config.num_kv_heads if config.num_kv_heads < world else 0
     p = f"model.layers.{i}."
     # q, k, v back to back (and gate, up) so the model can use them as one fused matrix when adjacent.
     entries: list[_Entry] = [
-        (p + "input_layernorm.weight", (h,), Split.REPLICATED),
-        (p + "self_attn.q_proj.weight", (q, h), Split.ROWS),
-        (p + "self_attn.k_proj.weight", (kv, h), Split.ROWS),
-        (p + "self_attn.v_proj.weight", (kv, h), Split.ROWS),
+        (p + "input_layernorm.weight", (h,), Split.REPLICATED, 0),
+        (p + "self_attn.q_proj.weight", (q, h), Split.ROWS, 0),
+        (p + "self_attn.k_proj.weight", (kv, h), Split.ROWS, kv_parts),
+        (p + "self_attn.v_proj.weight", (kv, h), Split.ROWS, kv_parts),
     ]
     if config.qkv_bias:
         entries += [
-            (p + f"self_attn.{n}_proj.bias", (size,), Split.ROWS)
-            for n, size in (("q", q), ("k", kv), ("v", kv))
+            (p + f"self_attn.{n}_proj.bias", (size,), Split.ROWS, parts)
+            for n, size, parts in (("q", q, 0), ("k", kv, kv_parts), ("v", kv, kv_parts))
         ]
-    entries.append((p + "self_attn.o_proj.weight", (h, q), Split.COLUMNS))
+    entries.append((p + "self_attn.o_proj.weight", (h, q), Split.COLUMNS, 0))
     if config.o_bias:
-        entries.append((p + "self_attn.o_proj.bias", (h,), Split.REPLICATED))
+        entries.append((p + "self_attn.o_proj.bias", (h,), Split.REPLICATED, 0))
     entries += [
-        (p + "post_attention_layernorm.weight", (h,), Split.REPLICATED),
-        (p + "mlp.gate_proj.weight", (inter, h), Split.ROWS),
-        (p + "mlp.up_proj.weight", (inter, h), Split.ROWS),
-        (p + "mlp.down_proj.weight", (h, inter), Split.COLUMNS),
+        (p + "post_attention_layernorm.weight", (h,), Split.REPLICATED, 0),
+        (p + "mlp.gate_proj.weight", (inter, h), Split.ROWS, 0),
+        (p + "mlp.up_proj.weight", (inter, h), Split.ROWS, 0),
+        (p + "mlp.down_proj.weight", (h, inter), Split.COLUMNS, 0),
     ]
     if config.mlp_bias:
-        entries += [(p + f"mlp.{n}_proj.bias", (inter,), Split.ROWS) for n in ("gate", "up")]
-        entries.append((p + "mlp.down_proj.bias", (h,), Split.REPLICATED))
+        entries += [(p + f"mlp.{n}_proj.bias", (inter,), Split.ROWS, 0) for n in ("gate", "up")]
+        entries.append((p + "mlp.down_proj.bias", (h,), Split.REPLICATED, 0))
     return entries
 
 
-def _region_entries(config: ModelConfig) -> list[tuple[RegionKind, int, str, list[_Entry]]]:
-    embed: list[_Entry] = [(EMBED_NAME, (config.vocab_size, config.hidden_size), Split.ROWS)]
-    head: list[_Entry] = [(NORM_NAME, (config.hidden_size,), Split.REPLICATED)]
+def _region_entries(config: ModelConfig, world: int) -> list[tuple[RegionKind, int, str, list[_Entry]]]:
+    embed: list[_Entry] = [(EMBED_NAME, (config.vocab_size, config.hidden_size), Split.ROWS, 0)]
+    head: list[_Entry] = [(NORM_NAME, (config.hidden_size,), Split.REPLICATED, 0)]
     if not config.tie_word_embeddings:
-        head.append((LM_HEAD_NAME, (config.vocab_size, config.hidden_size), Split.ROWS))
+        head.append((LM_HEAD_NAME, (config.vocab_size, config.hidden_size), Split.ROWS, 0))
     layers = [
-        (RegionKind.LAYER, i, f"layer.{i}", _layer_entries(config, i)) for i in range(config.num_layers)
+        (RegionKind.LAYER, i, f"layer.{i}", _layer_entries(config, i, world))
+        for i in range(config.num_layers)
     ]
     return [(RegionKind.EMBED, 0, "embed", embed), *layers, (RegionKind.HEAD, 0, "head", head)]
 
@@ -216,16 +221,19 @@ def _check_divisible(config: ModelConfig, shard: Shard) -> None:
         "vocab_size": config.vocab_size,
     }
     bad = [f"{name}={value}" for name, value in dims.items() if value % shard.world]
+    if config.num_kv_heads < shard.world and shard.world % config.num_kv_heads == 0:
+        bad.remove(f"num_key_value_heads={config.num_kv_heads}")  # replicated: whole heads per rank
     if bad:
         raise UnsupportedModel(f"tensor parallel degree {shard.world} does not divide {', '.join(bad)}")
 
 
-def shard_shape(shape: tuple[int, ...], split: Split, world: int) -> tuple[int, ...]:
-    """The per-rank shape of a tensor of full `shape` cut `split` across `world` ranks."""
+def shard_shape(shape: tuple[int, ...], split: Split, world: int, parts: int = 0) -> tuple[int, ...]:
+    """The per-rank shape of a tensor of full `shape` cut `split` into `parts` (0: `world`) slices."""
+    parts = parts or world
     if split is Split.ROWS:
-        return (shape[0] // world, *shape[1:])
+        return (shape[0] // parts, *shape[1:])
     if split is Split.COLUMNS:
-        return (shape[0], shape[1] // world, *shape[2:])
+        return (shape[0], shape[1] // parts, *shape[2:])
     return shape
 
 
@@ -246,10 +254,9 @@ class _Builder:
     def add_region(self, name: str, kind: RegionKind, index: int, entries: list[_Entry]) -> None:
         start = self.cursor
         specs = []
-        for tensor_name, shape, split in entries:
-            spec = TensorSpec(
-                tensor_name, shard_shape(shape, split, self.shard.world), self.dtype, self.cursor, split
-            )
+        for tensor_name, shape, split, parts in entries:
+            per_rank = shard_shape(shape, split, self.shard.world, parts)
+            spec = TensorSpec(tensor_name, per_rank, self.dtype, self.cursor, split, parts)
             specs.append(spec)
             self.cursor = _align(spec.end, self.alignment)
         self.regions.append(Region(name, kind, index, start, self.cursor - start, tuple(specs)))

@@ -161,16 +161,17 @@ def _shard_slice(full: torch.Tensor, spec: TensorSpec, layout: WeightLayout) -> 
     if spec.split is Split.REPLICATED or layout.shard.world == 1:
         return full
     dim = 0 if spec.split is Split.ROWS else 1
-    size = spec.shape[dim]
-    return full.narrow(dim, layout.shard.rank * size, size)
+    size, world = spec.shape[dim], layout.shard.world
+    part = layout.shard.rank * (spec.parts or world) // world  # replicated KV heads: ranks share a part
+    return full.narrow(dim, part * size, size)
 
 
 def _full_shape(spec: TensorSpec, layout: WeightLayout) -> tuple[int, ...]:
-    shape = list(spec.shape)
+    shape, parts = list(spec.shape), spec.parts or layout.shard.world
     if spec.split is Split.ROWS:
-        shape[0] *= layout.shard.world
+        shape[0] *= parts
     elif spec.split is Split.COLUMNS:
-        shape[1] *= layout.shard.world
+        shape[1] *= parts
     return tuple(shape)
 
 

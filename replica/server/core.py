@@ -38,6 +38,13 @@ from transfer.core import Deadline
 
 log = logging.getLogger(__name__)
 
+# Calls that move KV pages or weights between replicas, or compute layer by layer: they would move
+# (or run) rank 0's shard only, so a tensor-parallel replica refuses them (replica/tp/README.md).
+TP_REFUSED: frozenset[type[m.Call]] = frozenset({
+    m.Migrate, m.Immigrate, m.MigratePartial, m.ImmigratePartial, m.MigratingPrefill, m.PipelinedPrefill,
+    m.ZagPrefill, m.Relay, m.LoadParams, m.SendParams, m.RecvParams, m.Broadcast,
+})
+
 EngineHandler = Callable[[Engine, Any], Any]
 ServiceHandler = Callable[[Any, CallContext], Any]
 
@@ -122,6 +129,12 @@ class ReplicaCore:
     def run(self, call: m.Call, ctx: CallContext) -> Any:
         """Run any call on this thread (an ENGINE-lane one waits for its work item)."""
         ctx.check_started_in_time()
+        if self.config.tp > 1 and type(call) in TP_REFUSED:
+            raise FailedPrecondition(
+                f"{type(call).__name__} is not supported by a tensor-parallel replica "
+                f"(--tp {self.config.tp}): "
+                "KV and weight transfers move one rank's shard, and per-rank transfers are not built yet"
+            )
         handler = self._service_calls.get(type(call))
         if handler is not None:
             return handler(call, ctx)
@@ -146,13 +159,18 @@ class ReplicaCore:
         if engine is None:
             raise FailedPrecondition("the model is still loading")
         cluster = self.shared.cluster
-        return m.ReplicaInfo(engine.info(), self.config.rank, tp_size=1,
+        return m.ReplicaInfo(engine.info(), self.config.rank, tp_size=self.config.tp,
                              fabric=cluster.kind if cluster is not None else "")
 
     def health(self) -> HealthState:
-        """loading until the model is built; then serving / inactive / loading by weight readiness."""
+        """loading until the model is built; then serving / inactive / loading by weight readiness
+        (UNAVAILABLE once a tensor-parallel group has lost a rank)."""
         if not self.worker.alive:
             raise ShuttingDown("the engine thread is not running")
+        if self.config.tp > 1 and self.shared.engine is not None:
+            from replica.tp.runner import check_group  # imported here: a simulated replica has no torch
+
+            check_group(self.shared.engine.runner)
         return HealthState.LOADING if self.shared.engine is None else self.weights.health()
 
     def discover(self) -> m.Discovery:

@@ -133,7 +133,10 @@ def _start_services(
 
 def load_and_connect(config: ReplicaConfig, services: _Services) -> None:
     """Load the model on the engine thread, create the fabric (buffers registered), start serving."""
-    engine, params = services.worker.call(lambda: build_engine_and_params(config))
+    build = build_engine_and_params
+    if config.tp > 1:  # a group of processes, one shard each (replica/tp/README.md)
+        from replica.tp.factory import build_tp_engine as build
+    engine, params = services.worker.call(lambda: build(config))
     services.cluster = build_cluster(config, services.port, engine, params.buffer)
     services.core.attach(engine, params, services.cluster)
     services.placement.set_serving(True)

@@ -54,6 +54,16 @@ def test_unsupported_model_is_named_before_any_process_starts(
     assert one_line(capsys).startswith(f"pdcluster replica: model folder {tmp_path}: ")
 
 
+@pytest.mark.parametrize("command", ["replica", "up"])
+def test_a_tp_degree_that_does_not_divide_the_model_is_named_before_any_process_starts(
+    command: str, tiny_llama: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    extra = ["--port", "0", "--num-blocks", "8"] if command == "replica" else ["--prefill", "0"]
+    assert main([command, "--model", str(tiny_llama), "--tp", "3", *extra]) == 2
+    expected = f"pdcluster {command}: --tp 3: tensor parallel degree 3 does not divide "
+    assert one_line(capsys).startswith(expected)
+
+
 def test_ports_in_use(tiny_llama: Path, busy_port: int, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["up", "--model", str(tiny_llama), "--http-port", str(busy_port)]) == 2
     assert one_line(capsys) == f"pdcluster up: port {busy_port} on 127.0.0.1 is already in use (--http-port)"

@@ -145,3 +145,24 @@ def test_up_passes_the_dtype_to_every_replica(tmp_path: Path, monkeypatch: pytes
     cluster = cluster_of(tmp_path, monkeypatch, 1, device="cuda", dtype="float32")
     assert flag(cluster.config.replica_args(), "--dtype") == "float32"  # every replica's common flags
     assert "--dtype" not in UpConfig(model=tmp_path).replica_args()  # unset: each device's default
+
+
+def test_tp_replicas_take_blocks_of_consecutive_gpus() -> None:
+    # 4 GPUs, tp 2: two blocks (cuda:0-1, cuda:2-3); a third replica shares the first block
+    assert devices(place_on_devices(3, "cuda", 4, 0.9, tp=2)) == [
+        ("cuda:0", 0.45), ("cuda:2", 0.9), ("cuda:0", 0.45)]
+    assert devices(place_on_devices(1, "cuda:1", 4, 0.9, tp=3)) == [("cuda:1", 0.9)]
+    with pytest.raises(ValueError, match="--tp 4 needs 4 CUDA devices per replica; this machine has 2"):
+        place_on_devices(1, "cuda", 2, tp=4)
+    with pytest.raises(ValueError, match="a replica of --tp 2 needs 2 from there"):
+        place_on_devices(1, "cuda:3", 4, tp=2)
+    assert devices(place_on_devices(2, "cpu", 0, tp=4)) == [("cpu", None), ("cpu", None)]
+
+
+def test_up_passes_tp_to_every_replica(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    cluster = cluster_of(tmp_path, monkeypatch, 4, device="cuda", prefill=0, decode=2, tp=2)
+    assert flag(cluster.config.replica_args(), "--tp") == "2"
+    assert [flag(a, "--device") for a in argv(cluster)] == ["cuda:0", "cuda:2"]
+    assert "--tp" not in UpConfig(model=tmp_path).replica_args()
+    with pytest.raises(ValueError, match="--tp must be >= 1, and > 1 only for the torch engine"):
+        UpConfig(model=tmp_path, engine="simulated", tp=2)

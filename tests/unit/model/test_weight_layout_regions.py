@@ -110,9 +110,17 @@ def test_tensor_parallel_shard_shapes() -> None:
     assert t["model.layers.0.input_layernorm.weight"].shape == (64,)
 
 
+def test_fewer_kv_heads_than_ranks_share_whole_heads() -> None:
+    # 2 KV heads over 4 ranks: one head per rank, ranks 0-1 hold head 0 and ranks 2-3 head 1
+    layout = WeightLayout.for_config(_config(), "float32", shard=Shard(rank=3, world=4))
+    k = layout.tensors()["model.layers.0.self_attn.k_proj.weight"]
+    assert k.shape == (16, 64) and k.parts == 2
+    assert layout.tensors()["model.layers.0.self_attn.q_proj.weight"].parts == 0
+
+
 def test_tensor_parallel_degree_must_divide() -> None:
     with pytest.raises(UnsupportedModel, match="num_key_value_heads=2"):
-        WeightLayout.for_config(_config(), "float32", shard=Shard(rank=0, world=4))
+        WeightLayout.for_config(_config(), "float32", shard=Shard(rank=0, world=3))
     with pytest.raises(ValueError, match="rank"):
         Shard(rank=2, world=2)
 

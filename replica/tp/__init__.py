@@ -1,0 +1,1 @@
+"""Tensor parallelism applied from outside the plain model (see README.md)."""

@@ -1,0 +1,53 @@
+"""The engine of a tensor-parallel replica (`--tp N`): rank 0's shard, a `TpRunner`, the workers.
+
+Called by the replica server (`replica.server.main`) when `config.tp > 1`; everything else
+(limits, detokenizer, readiness, the parameter store over rank 0's shard) is the engine's usual.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+from pathlib import Path
+
+from replica.config import ReplicaConfig
+from replica.engine.detokenizer import Detokenizer
+from replica.engine.device import DeviceChoice, choose
+from replica.engine.engine import Engine, EngineMeta
+from replica.engine.validation import derive_limits
+from replica.model.config import ModelConfig
+from replica.params.readiness import ParamReadiness
+from replica.params.store import ParamStore
+from replica.tp.leader import start_group
+from replica.tp.rank import RankSpec
+
+log = logging.getLogger(__name__)
+
+
+def _meta(config: ReplicaConfig, choice: DeviceChoice) -> EngineMeta:
+    # no CUDA graphs: a replayed graph would skip the step's broadcast to the workers
+    return EngineMeta(model_id=config.name, dtype=choice.dtype.value, device_type=choice.device.type,
+                      device=str(choice.device), gpu_name=choice.gpu_name,
+                      attention_backend=choice.attention_backend, prefix_cache=config.prefix_cache)
+
+
+def build_tp_engine(config: ReplicaConfig) -> tuple[Engine, ParamStore]:
+    """Start the group (rank 0 here) and make the engine over its runner."""
+    choice = choose(config)
+    meta = _meta(config, choice)
+    assert config.model is not None and config.num_blocks is not None  # ReplicaConfig checked both
+    spec = RankSpec(Path(config.model), choice.torch_dtype, config.num_blocks, config.block_size,
+                    choice.attention_backend)
+    leader = start_group(spec, config.tp, choice.device, config.tp_timeout)
+    atexit.register(leader.stop)
+    model_config = ModelConfig.from_dir(Path(config.model))
+    readiness = ParamReadiness(model_config.num_layers, loaded=True)
+    root = config.model_root or Path(config.model).resolve().parent
+    # rank 0's shard only: LoadParams and weight transfers address this rank's buffer
+    params = ParamStore(leader.rank.layout, leader.rank.buffer, readiness, root, config.disk_gbps,
+                        config.host_gbps)
+    log.info("tensor-parallel group of %d ranks: %d pages of %d tokens per rank", config.tp,
+             config.num_blocks, config.block_size)
+    detok = Detokenizer.from_model_dir(Path(config.model))
+    limits = derive_limits(config, model_config)
+    return Engine(leader.runner, detok, limits, meta, readiness), params

@@ -1,0 +1,84 @@
+"""Starting a tensor-parallel group from its leader (rank 0, the process serving gRPC).
+
+```
+ leader: store (port 0) ─► spawn `python -m replica.tp.worker --rank r` for r in 1..N-1 ─► TpGroup(rank 0,
+         hosts the store) ─► build_rank ─► TpRunner           workers: TpGroup(rank r) ─► build_rank ─► loop
+```
+Joining has the group's deadline too: a worker that never starts fails the leader's start.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass, field
+
+import torch
+
+from replica.model.layout import Shard
+from replica.model.weights import dtype_name
+from replica.tp.group import DEFAULT_TIMEOUT_S, Command, Op, TpGroup, host_store
+from replica.tp.rank import RankModel, RankSpec, build_rank, share_cpu_threads
+from replica.tp.runner import TpRunner
+
+
+def worker_command(spec: RankSpec, rank: int, world: int, store: str, device: torch.device,
+                   timeout_s: float) -> list[str]:
+    """The command line of worker `rank`, under `setpriv --pdeathsig TERM` where util-linux has it
+    (the worker dies with its leader even if the leader is killed; an exec wrapper, not a preexec_fn,
+    because the leader serves gRPC and a forked gRPC process may abort before it execs). The signal
+    follows the spawning thread: start the group on one that lives as long as the replica (the
+    engine thread does)."""
+    setpriv = shutil.which("setpriv")
+    return [
+        *([setpriv, "--pdeathsig", "TERM", "--"] if setpriv else []),
+        sys.executable, "-m", "replica.tp.worker", "--model", str(spec.model_dir),
+        "--dtype", dtype_name(spec.dtype), "--device", str(device), "--rank", str(rank),
+        "--world", str(world), "--store", store, "--num-blocks", str(spec.num_blocks),
+        "--block-size", str(spec.block_size), "--attention-backend", spec.attention_backend,
+        "--timeout", str(timeout_s),
+    ]
+
+
+@dataclass
+class Leader:
+    """Rank 0's side of a running group: its shard, its runner, the worker processes it started."""
+
+    group: TpGroup
+    rank: RankModel
+    runner: TpRunner
+    workers: list[subprocess.Popen[bytes]] = field(default_factory=list)
+
+    def stop(self) -> None:
+        """Tell the workers to leave, wait for them (with a deadline), then leave the group."""
+        if not self.group.failed:
+            self.group.commands.publish(Command(Op.STOP))
+        for worker in self.workers:
+            try:
+                worker.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                worker.kill()
+                worker.wait(timeout=10)
+        self.group.close()
+
+
+def start_group(spec: RankSpec, world: int, device: torch.device,
+                timeout_s: float = DEFAULT_TIMEOUT_S, host: str = "127.0.0.1") -> Leader:
+    """Spawn ranks 1..world-1, join as rank 0 and load this rank's shard."""
+    share_cpu_threads(world)
+    store = host_store(host, world, timeout_s)
+    address = f"{host}:{store.port}"
+    workers = [
+        subprocess.Popen(worker_command(spec, r, world, address, device, timeout_s))
+        for r in range(1, world)
+    ]
+    try:
+        group = TpGroup(Shard(0, world), store, device, timeout_s)
+        rank = build_rank(spec, group, device)
+    except BaseException:
+        for worker in workers:
+            worker.kill()
+        raise
+    runner = TpRunner(rank.model, rank.cache, spec.attention_backend, group)
+    return Leader(group, rank, runner, workers)

@@ -1,0 +1,83 @@
+"""`TpRunner` (rank 0) and `serve_worker` (ranks > 0): one step on every rank of the group.
+
+```
+ engine ─► TpRunner.forward(seqs) ─ publish Command(FORWARD, seqs) ─► workers: receive, forward
+                 │ its own forward                                          │ their forwards
+                 └──────────── all-reduces / all-gather (deadline: the group's timeout) ──┘
+```
+Only whole forwards are broadcast: the layer-by-layer entry points (streamed prefill for KV
+migration, zig-zag scaling) are refused under tensor parallelism, as is resizing the cache (the page
+count is fixed when the group starts, the same on every rank).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+from replica.engine.backend import SeqInput
+from replica.engine.runner import ForwardOutput, ModelRunner
+from replica.errors import FailedPrecondition, ReplicaError
+from replica.model.attention import PagedKVCache
+from replica.tp.group import Command, Op, TpGroup, TpGroupFailed
+from replica.tp.sharded import TpCausalLM
+
+log = logging.getLogger(__name__)
+
+
+class TpRunner(ModelRunner):
+    """The leader's runner: each forward is published to the workers, then run here too."""
+
+    def __init__(self, model: TpCausalLM, cache: PagedKVCache, attention_backend: str,
+                 group: TpGroup) -> None:
+        super().__init__(model, cache, attention_backend)  # type: ignore[arg-type]
+        self.group = group
+
+    def forward(self, seqs: Sequence[SeqInput]) -> ForwardOutput:
+        """Every rank runs the same forward; a dead or late rank fails it with `TpGroupFailed`."""
+        check_group(self)
+        plain = [SeqInput(list(s.tokens), list(s.pages), s.start, s.all_logits) for s in seqs]
+        try:
+            self.group.commands.publish(Command(Op.FORWARD, plain))
+            return super().forward(seqs)
+        except ReplicaError:  # refused inputs: every rank refuses them before its first collective
+            raise
+        except RuntimeError as error:  # a collective's error or timeout (DistError), a lost store
+            self.group.failed = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
+            raise TpGroupFailed(f"a rank of the tensor-parallel group failed during a step "
+                                f"({self.group.failed})") from error
+
+    def embed(self, seqs: Sequence[SeqInput]) -> Any:
+        """Layer-by-layer forwards are not broadcast to the workers."""
+        raise FailedPrecondition("layer-by-layer forwards (streamed KV migration, zig-zag) are not "
+                                 "supported with --tp > 1")
+
+    def capture_graphs(self, max_batch: int) -> int:
+        """None: a replayed graph would run rank 0's forward without telling the workers."""
+        return 0
+
+    def resized(self, fraction: float) -> ModelRunner | None:
+        """The page count stays: every rank's cache was sized when the group started."""
+        return None
+
+
+def check_group(runner: object) -> None:
+    """Raise `TpGroupFailed` if `runner` is a `TpRunner` whose group has failed (Health asks)."""
+    if isinstance(runner, TpRunner) and runner.group.failed:
+        raise TpGroupFailed(f"tensor-parallel group is broken: {runner.group.failed}")
+
+
+def serve_worker(group: TpGroup, runner: ModelRunner) -> None:
+    """A worker's loop: run each forward the leader publishes until STOP or the leader is gone."""
+    while True:
+        try:
+            command = group.commands.receive()
+        except RuntimeError:  # the store (hosted by the leader) is gone: the replica has stopped
+            return
+        if command.op is Op.STOP:
+            return
+        try:
+            runner.forward(command.arg)
+        except ReplicaError as error:  # the leader refused the same inputs before any collective
+            log.info("step refused on every rank: %s", error)

@@ -1,0 +1,61 @@
+"""`python -m replica.tp.worker`: one rank > 0 of a tensor-parallel replica, started by its leader.
+
+It joins the group through the leader's store, loads its shard, and runs each published forward
+until the leader stops it or goes away.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from pathlib import Path
+
+import torch
+
+from replica.engine.runner import ModelRunner
+from replica.model.layout import Shard
+from replica.model.weights import TORCH_DTYPES
+from replica.tp.group import TpGroup, join_store
+from replica.tp.rank import RankSpec, build_rank, rank_device, share_cpu_threads
+from replica.tp.runner import serve_worker
+
+log = logging.getLogger(__name__)
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--model", type=Path, required=True)
+    parser.add_argument("--dtype", choices=sorted(TORCH_DTYPES), default="float32")
+    parser.add_argument("--device", default="cpu", help="the leader's device (rank r takes cuda:index+r)")
+    parser.add_argument("--rank", type=int, required=True)
+    parser.add_argument("--world", type=int, required=True)
+    parser.add_argument("--store", required=True, help="HOST:PORT of the leader's store")
+    parser.add_argument("--num-blocks", type=int, required=True)
+    parser.add_argument("--block-size", type=int, required=True)
+    parser.add_argument("--attention-backend", default="torch")
+    parser.add_argument("--timeout", type=float, required=True, help="seconds every collective may take")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Join, load, serve."""
+    args = _parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format=f"tp rank {args.rank}: %(message)s")
+    share_cpu_threads(args.world)
+    device = rank_device(torch.device(args.device), args.rank)
+    host, _, port = args.store.rpartition(":")
+    store = join_store(host, int(port), args.world, args.timeout)
+    group = TpGroup(Shard(args.rank, args.world), store, device, args.timeout)
+    spec = RankSpec(args.model, TORCH_DTYPES[args.dtype], args.num_blocks, args.block_size,
+                    args.attention_backend)
+    rank = build_rank(spec, group, device)
+    runner = ModelRunner(rank.model, rank.cache, spec.attention_backend)  # type: ignore[arg-type]
+    log.info("joined as rank %d of %d on %s", args.rank, args.world, device)
+    try:
+        serve_worker(group, runner)
+    finally:
+        group.close()
+
+
+if __name__ == "__main__":
+    main()
