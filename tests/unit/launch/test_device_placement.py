@@ -166,3 +166,5 @@ def test_up_passes_tp_to_every_replica(tmp_path: Path, monkeypatch: pytest.Monke
     assert "--tp" not in UpConfig(model=tmp_path).replica_args()
     with pytest.raises(ValueError, match="--tp must be >= 1, and > 1 only for the torch engine"):
         UpConfig(model=tmp_path, engine="simulated", tp=2)
+    with pytest.raises(ValueError, match="cannot move KV or weights yet"):
+        UpConfig(model=tmp_path, prefill=1, decode=1, tp=2)  # a P/D split migrates KV
