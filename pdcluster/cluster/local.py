@@ -31,6 +31,7 @@ from pathlib import Path
 from types import TracebackType
 
 from pdcluster.cluster.engine import ENGINES, EngineSpec
+from pdcluster.cluster.extra_flags import check_router_flag_names
 from pdcluster.cluster.gpu_placement import DeviceSlot, place_on_devices
 from pdcluster.cluster.placement import Placement
 from pdcluster.cluster.processes import (
@@ -146,6 +147,7 @@ class UpConfig:
         bad = [f for f in self.router_flag if "=" not in f or f.startswith("-")]
         if bad:
             raise ValueError(f"--router-flag takes NAME=VALUE (without dashes), got {bad}")
+        check_router_flag_names(self.router_flag)
         if (self.tls_cert is None) != (self.tls_key is None):
             raise ValueError("--tls-cert and --tls-key go together")
         if (self.tls_cert is not None or self.tls_client_ca is not None) and self.tls_ca is None:
