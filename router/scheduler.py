@@ -381,3 +381,5 @@ class ClusterScheduler:
         # a restart lost its connections
         self.links.joined(handle, [h for h in self.replicas.values() if h.state.alive])
         self.settle_roles()
+        if handle.state.lost_role is not None:  # restarted without the weights the router gave it
+            self.scaling.restore(handle.id, handle.state.lost_role)

@@ -26,9 +26,12 @@ from router.scaling.planner import Bounds, Plan, ReplicaSample, Snapshot, plan
 from router.scaling.policies import Policy
 from router.scaling.rates import Rates
 from router.scaling.timeline import Timeline
-from router.states import PREFILL_LIKE
+from router.states import HOLDS_WEIGHTS, PREFILL_LIKE
+from router.types import ReplicaId
+from router.weights import Method
 
 log = logging.getLogger("pdcluster.router")
+_KINDS = {State.PREFILL: Kind.PREFILL, State.DECODE: Kind.DECODE}  # roles a restarted replica gets back
 
 
 class Autoscaler:
@@ -110,10 +113,28 @@ class Autoscaler:
             if delta > 0 and actions:
                 self.up_at[kind] = snapshot.now
         for action in actions:
-            task = asyncio.create_task(self.executor.run(action), name=f"scale-{action_name(action)}")
-            self.tasks.add(task)
-            task.add_done_callback(self.tasks.discard)
+            self._start(action)
         return decided, actions
+
+    def restore(self, replica: ReplicaId, role: State) -> None:
+        """A replica the router had given `role` came back without weights (its process restarted as
+        the inactive replica it was started as): the same member loads them again — p2p from a loaded
+        replica, else from the model root — and takes `role` back, under every policy."""
+        kind = _KINDS.get(role)
+        if kind is None:
+            log.warning("replica %s came back without weights; %s is not restored", replica, role.value)
+            return
+        sources = sorted(h.id for h in self.host.replicas.values() if h.id != replica and h.state.info.loaded
+                         and h.state.role in HOLDS_WEIGHTS and h.id not in self.executor.busy)
+        method = Method.P2P if sources else Method.LOAD_DISK
+        action = Load(method, tuple(sources[:1]), (replica,), kind)
+        self.timeline.write("restore", replica=replica, role=role.value, action=_describe(action))
+        self._start(action)
+
+    def _start(self, action: Action) -> None:
+        task = asyncio.create_task(self.executor.run(action), name=f"scale-{action_name(action)}")
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
 
     def _record(self, decided: Plan, actions: list[Action]) -> None:
         self.timeline.write(
