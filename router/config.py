@@ -106,6 +106,12 @@ class RouterConfig:
         "seconds after a kind of replica scaled up during which it does not scale down"))
     keep_alive: float = field(default=_BOUNDS.keep_alive, metadata=_help(
         "seconds a drained replica keeps its weights (idle) before it is reset to inactive"))
+    ttft_slo: float = field(default=0.0, metadata=_help(
+        "TTFT SLO, seconds (0 = none): prefill scales up, at once between rounds, when the queued prompt "
+        "work per prefill replica predicts a TTFT above it"))
+    surge_window: float = field(default=0.5, metadata=_help(
+        "seconds of arrivals the planner also reads to see a step in load (planned at once when they "
+        "outrun the prefill replicas)"))
     prefill_tokens_per_s: float = field(default=0.0, metadata=_help(
         "one replica's prefill speed until measured, tokens/s (0 = wait for the first prefill)"))
     migration_tokens_per_s: float = field(default=0.0, metadata=_help(
@@ -137,6 +143,8 @@ class RouterConfig:
         self.bounds()  # contradicting bounds → ValueError naming them
         if self.plan_interval <= 0:
             raise ValueError(f"--plan-interval must be > 0, got {self.plan_interval}")
+        if self.surge_window <= 0:
+            raise ValueError(f"--surge-window must be > 0, got {self.surge_window}")
         if self.prefill_tokens_per_s < 0 or self.migration_tokens_per_s < 0:
             raise ValueError("--prefill-tokens-per-s and --migration-tokens-per-s must be >= 0")
         if self.timeline is not None:
@@ -169,7 +177,7 @@ class RouterConfig:
             decode_lower=self.decode_lower, decode_upper=self.decode_upper,
             migration_upper=self.migration_upper, min_prefill=self.min_prefill,
             max_prefill=self.max_prefill, min_decode=self.min_decode, max_decode=self.max_decode,
-            keep_alive=self.keep_alive, cooldown=self.cooldown,
+            keep_alive=self.keep_alive, cooldown=self.cooldown, ttft_slo=self.ttft_slo,
         )
 
     def roles(self) -> list[str]:

@@ -76,7 +76,8 @@ class ClusterScheduler:
         self.requests = Requests(self.metrics, clock, decoder, self.wakeups, config.max_requeues)
         self.heartbeats = Heartbeats(config.heartbeat_timeout)
         self._strategy = strategies.get(config.strategy)
-        self.rates = Rates(config.prefill_tokens_per_s, config.migration_tokens_per_s)
+        self.rates = Rates(config.prefill_tokens_per_s, config.migration_tokens_per_s,
+                           surge_window=config.surge_window)
         self.timeline = Timeline(config.timeline, clock)
         self.links = PeerLinks(config.peer_connect_timeout, self.timeline.write)
         self._moves = Migrations(self, self.replicas, self.requests, self.wakeups, self.metrics, clock,
@@ -109,6 +110,7 @@ class ClusterScheduler:
         """Validate against the replicas' limits, queue, and return the request's event stream."""
         stream = self.requests.submit(request, self.replicas.limits())
         self.rates.arrived(len(request.input_ids), self.clock())
+        self.scaling.poke()  # a step in load is planned for at once, not at the next round
         return stream
 
     def is_healthy(self) -> bool:

@@ -21,7 +21,10 @@ fixed):
   `waiting prefill tokens / (n_prefill · prefill tokens/s)`, kept within [prefill_lower, prefill_upper];
   and enough replicas to keep up with the prompts arriving (`arriving tokens/s / prefill tokens/s`,
   at most `prefill_busy_upper` of each replica's time, at least `prefill_busy_lower` to keep one): a
-  steady load whose queue empties between batches does not look idle;
+  steady load whose queue empties between batches does not look idle; the arrivals are read over
+  the averaging window and over the short surge window, whichever is higher (a step in load shows
+  in the short one first); with a TTFT SLO, no more than `ttft_slo` seconds of queued prompt work
+  per replica;
 - decode load: the fraction of KV pages in use over the decode replicas, within
   [decode_lower, decode_upper];
 - migration load: seconds of KV waiting to be migrated per decode replica,
@@ -74,6 +77,7 @@ class Snapshot:
     waiting_requests: int = 0
     migrating_tokens: int = 0  # prefilled tokens whose KV still waits for (or is on) a migration
     arriving_tokens_per_s: float = 0.0  # prompt tokens submitted per second (running average)
+    surge_tokens_per_s: float = 0.0  # the same over the short surge window (a step in load shows here first)
     prefill_tokens_per_s: float = 0.0  # one prefill replica's measured rate (running average)
     migration_tokens_per_s: float = 0.0  # one decode replica's measured intake (running average)
     prefill_up_at: float | None = None  # when the prefill kind last scaled up
@@ -101,6 +105,7 @@ class Bounds:
     max_decode: int = 8
     keep_alive: float = 10.0
     cooldown: float = 5.0
+    ttft_slo: float = 0.0  # seconds; > 0: no more queued prompt work per prefill replica than this
 
     def __post_init__(self) -> None:
         pairs = (("prefill", self.prefill_lower, self.prefill_upper),
@@ -118,6 +123,8 @@ class Bounds:
                                 ("decode", self.min_decode, self.max_decode)):
             if not 0 <= low <= high:
                 raise ValueError(f"replica counts need 0 <= min_{name} <= max_{name} (got {low}, {high})")
+        if self.ttft_slo < 0:
+            raise ValueError(f"ttft_slo must be >= 0 (0 = none), got {self.ttft_slo}")
         if self.keep_alive < 0 or self.cooldown < 0:
             raise ValueError(f"keep_alive and cooldown must be >= 0 (got {self.keep_alive}, {self.cooldown})")
 
@@ -184,7 +191,10 @@ def _prefill_band(s: Snapshot, b: Bounds) -> tuple[int, int]:
         return current, current
     work = s.waiting_prefill_tokens / s.prefill_tokens_per_s  # seconds of prompt work in the queue
     busy = s.arriving_tokens_per_s / s.prefill_tokens_per_s  # replicas' worth of arriving work
-    low = max(math.ceil(work / b.prefill_upper), math.ceil(busy / b.prefill_busy_upper))
+    surge = s.surge_tokens_per_s / s.prefill_tokens_per_s  # the same over the short window
+    low = max(math.ceil(work / b.prefill_upper), math.ceil(max(busy, surge) / b.prefill_busy_upper))
+    if b.ttft_slo > 0:  # a prompt queued behind `work / n` seconds of prompts misses the SLO
+        low = max(low, math.ceil(work / b.ttft_slo))
     high = max(math.ceil(work / b.prefill_lower), math.ceil(busy / b.prefill_busy_lower))
     return low, high
 
@@ -232,6 +242,7 @@ def _loads(s: Snapshot) -> dict[str, float]:
     return {
         "prefill_backlog_s": _ratio(s.waiting_prefill_tokens, n_prefill * s.prefill_tokens_per_s),
         "prefill_busy": _ratio(s.arriving_tokens_per_s, n_prefill * s.prefill_tokens_per_s),
+        "prefill_surge": _ratio(s.surge_tokens_per_s, n_prefill * s.prefill_tokens_per_s),
         "decode_pages_used": _ratio(used, decode_pages),
         "migration_backlog_s": _ratio(s.migrating_tokens, n_decode * s.migration_tokens_per_s),
         "waiting_requests": float(s.waiting_requests),

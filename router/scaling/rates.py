@@ -1,6 +1,7 @@
 """The speeds the planner reads, measured while serving (pure Python, injected clock).
 
-- arriving prompt tokens per second: a sliding window over submissions;
+- arriving prompt tokens per second: a sliding window over submissions, and a short one (the surge
+  window) in which a step in load shows within a fraction of a second;
 - one replica's prefill tokens per second: a running average over prefill calls (tokens / call time);
 - one decode replica's migration intake, tokens per second: a running average over migrations.
 Until the first measurement, the configured estimates stand in (0 = unknown: the planner then
@@ -58,14 +59,16 @@ class Rates:
     """What the planner needs to know about speeds."""
 
     def __init__(self, prefill_estimate: float = 0.0, migration_estimate: float = 0.0,
-                 window: float = 5.0) -> None:
+                 window: float = 5.0, surge_window: float = 0.5) -> None:
         self.arrivals = WindowRate(window)
+        self.surge = WindowRate(surge_window)
         self.prefill = RunningAverage(prefill_estimate)
         self.migration = RunningAverage(migration_estimate)
 
     def arrived(self, prompt_tokens: int, now: float) -> None:
         """A request with `prompt_tokens` was submitted."""
         self.arrivals.add(prompt_tokens, now)
+        self.surge.add(prompt_tokens, now)
 
     def prefilled(self, tokens: int, seconds: float) -> None:
         """A prefill call of `tokens` prompt tokens took `seconds`."""

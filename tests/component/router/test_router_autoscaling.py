@@ -177,3 +177,23 @@ def test_static_policy_never_plans_and_the_policy_switches_at_run_time(tiny_llam
             await eventually_async(lambda: states(sched)[2] is P)
     run(body())
 
+
+
+def test_an_arrival_that_outruns_the_prefill_replicas_is_planned_for_at_once(tmp_path: Path) -> None:
+    async def body() -> None:
+        timeline = tmp_path / "timeline.jsonl"
+        async with fake_cluster((P, D, INACTIVE), scaling="multicast", max_prefill=2, ttft_slo=1.0,
+                                timeline=timeline, **MANUAL) as (sched, _fakes):
+            # before any prefill is measured, the speed is MANUAL's 100 tokens/s
+            first = asyncio.create_task(collect(sched.submit(request([4] * 20, 2))))  # 40 tokens/s
+            assert sched.scaling.urgent_rounds == 0
+            # 60 more prompt tokens in the 0.5 s surge window: 160 tokens/s > 0.9 x 100
+            second = asyncio.create_task(collect(sched.submit(request([5] * 60, 2))))
+            assert sched.scaling.urgent_rounds == 1  # planned in submit, not at the 1000 s interval
+            await asyncio.gather(*list(sched.scaling.tasks))
+            assert states(sched) == [P, D, P]
+            assert tokens_of(await first) == expected_tokens([4] * 20, 2)
+            assert tokens_of(await second) == expected_tokens([5] * 60, 2)
+        [urgent] = [r for r in read(timeline) if r["kind"] == "plan"]
+        assert str(urgent["reason"]).startswith("arrival surge") and urgent["actions"]
+    run(body())
