@@ -109,6 +109,14 @@ class RouterConfig:
     ttft_slo: float = field(default=0.0, metadata=_help(
         "TTFT SLO, seconds (0 = none): prefill scales up, at once between rounds, when the queued prompt "
         "work per prefill replica predicts a TTFT above it"))
+    tpot_slo: float = field(default=0.0, metadata=_help(
+        "TPOT SLO, seconds (0 = none: decode scales on page use): decode scales on measured TPOT, decode "
+        "batch and migration backlog, down only when the smaller cluster stays under --tpot-lower of it "
+        "for --cooldown seconds"))
+    tpot_lower: float = field(default=_BOUNDS.tpot_lower, metadata=_help(
+        "fraction of --tpot-slo the smaller decode cluster's predicted TPOT must stay under to scale down"))
+    decode_batch_limit: int = field(default=_BOUNDS.decode_batch_limit, metadata=_help(
+        "requests one decode replica may run, for the planner under --tpot-slo"))
     surge_window: float = field(default=0.5, metadata=_help(
         "seconds of arrivals the planner also reads to see a step in load (planned at once when they "
         "outrun the prefill replicas)"))
@@ -178,6 +186,7 @@ class RouterConfig:
             migration_upper=self.migration_upper, min_prefill=self.min_prefill,
             max_prefill=self.max_prefill, min_decode=self.min_decode, max_decode=self.max_decode,
             keep_alive=self.keep_alive, cooldown=self.cooldown, ttft_slo=self.ttft_slo,
+            tpot_slo=self.tpot_slo, tpot_lower=self.tpot_lower, decode_batch_limit=self.decode_batch_limit,
         )
 
     def roles(self) -> list[str]:

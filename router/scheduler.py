@@ -188,8 +188,10 @@ class ClusterScheduler:
                                        self.config.max_inbound_migrations, chosen)
 
     def step_done(self, replica: ReplicaHandle, result: StepResult) -> None:
-        """A decode step on `replica` answered (the prefix index drops what it evicted)."""
+        """A decode step on `replica` answered (the prefix index drops what it evicted; the
+        planner's TPOT is the interval between steps)."""
         self.prefix.stepped(replica.id, result)
+        self.rates.stepped(replica.id, self.clock())
 
     def new_batch_id(self) -> BatchId:
         """An unused batch id."""

@@ -56,6 +56,7 @@ class Autoscaler:
         self.rounds = 0
         self.up_at: dict[Kind, float] = {}  # when each kind last scaled up (the planner's cooldown)
         self.urgent_rounds = 0
+        self.calm_since: float | None = None  # since when decode rounds allowed one replica fewer
         self._last_urgent = -math.inf
         self._task: asyncio.Task[None] | None = None
 
@@ -103,13 +104,15 @@ class Autoscaler:
             surge_tokens_per_s=self.rates.surge.rate(now),
             prefill_tokens_per_s=self.rates.prefill.value, migration_tokens_per_s=self.rates.migration.value,
             prefill_up_at=self.up_at.get(Kind.PREFILL), decode_up_at=self.up_at.get(Kind.DECODE),
+            decode_calm_since=self.calm_since,
         )
 
     def _sample(self, h: ReplicaHandle) -> ReplicaSample:
         s = h.state
         idle_since = s.since if s.role is State.IDLE else None
         busy = 1 if h.id in self.executor.busy else 0
-        return ReplicaSample(h.id, s.role, s.used_blocks, s.info.num_blocks_total, busy, idle_since)
+        return ReplicaSample(h.id, s.role, s.used_blocks, s.info.num_blocks_total, busy, idle_since,
+                             batch=len(s.held), tpot=self.rates.tpot(h.id))
 
     def poke(self) -> None:
         """The queue or the arrivals changed: plan now if the snapshot says prefill is urgent
@@ -138,6 +141,9 @@ class Autoscaler:
         for kind, delta in ((Kind.PREFILL, decided.prefill.delta), (Kind.DECODE, decided.decode.delta)):
             if delta > 0 and actions:
                 self.up_at[kind] = snapshot.now
+        # the calm clock: runs while rounds allow one decode replica fewer, restarts after a scale-down
+        calm = decided.decode_calm and not (decided.decode.delta < 0 and actions)
+        self.calm_since = (self.calm_since if self.calm_since is not None else snapshot.now) if calm else None
         for action in actions:
             self._start(action)
         return decided, actions

@@ -26,7 +26,9 @@ fixed):
   in the short one first); with a TTFT SLO, no more than `ttft_slo` seconds of queued prompt work
   per replica;
 - decode load: the fraction of KV pages in use over the decode replicas, within
-  [decode_lower, decode_upper];
+  [decode_lower, decode_upper]; with a TPOT SLO (`tpot_slo`) instead the measured TPOT, the decode
+  batch and the migration backlog, pages bounding it from above only, and a scale-down only after
+  the load allowed it for `cooldown` seconds (`decode_band`);
 - migration load: seconds of KV waiting to be migrated per decode replica,
   `migrating tokens / (n_decode · migration tokens/s)`, at most migration_upper.
 """
@@ -65,6 +67,8 @@ class ReplicaSample:
     total_pages: int
     transfers: int = 0  # weight transfers or other scaling actions in flight on it
     idle_since: float | None = None  # when it became IDLE (keep-alive clock)
+    batch: int = 0  # requests it holds (decode: its running batch and what is arriving)
+    tpot: float = 0.0  # its measured seconds per decode step (running average; 0 = not measured)
 
 
 @dataclass(frozen=True)
@@ -82,6 +86,7 @@ class Snapshot:
     migration_tokens_per_s: float = 0.0  # one decode replica's measured intake (running average)
     prefill_up_at: float | None = None  # when the prefill kind last scaled up
     decode_up_at: float | None = None  # when the decode kind last scaled up
+    decode_calm_since: float | None = None  # since when every round allowed one decode replica fewer
 
     def count(self, kind: frozenset[State]) -> int:
         """Replicas in any of these states."""
@@ -106,6 +111,9 @@ class Bounds:
     keep_alive: float = 10.0
     cooldown: float = 5.0
     ttft_slo: float = 0.0  # seconds; > 0: no more queued prompt work per prefill replica than this
+    tpot_slo: float = 0.0  # seconds; > 0: decode is planned on TPOT, batch and migration (decode_band)
+    tpot_lower: float = 0.5  # scale decode down only when the smaller cluster's TPOT is under this x SLO
+    decode_batch_limit: int = 256  # requests one decode replica may run (the batch term's limit)
 
     def __post_init__(self) -> None:
         pairs = (("prefill", self.prefill_lower, self.prefill_upper),
@@ -123,8 +131,12 @@ class Bounds:
                                 ("decode", self.min_decode, self.max_decode)):
             if not 0 <= low <= high:
                 raise ValueError(f"replica counts need 0 <= min_{name} <= max_{name} (got {low}, {high})")
-        if self.ttft_slo < 0:
-            raise ValueError(f"ttft_slo must be >= 0 (0 = none), got {self.ttft_slo}")
+        if self.ttft_slo < 0 or self.tpot_slo < 0:
+            raise ValueError(f"ttft_slo and tpot_slo must be >= 0 (0 = none), got {self.ttft_slo}, "
+                             f"{self.tpot_slo}")
+        if not 0 < self.tpot_lower < 1 or self.decode_batch_limit < 1:
+            raise ValueError(f"tpot_lower must be in (0, 1) and decode_batch_limit >= 1 (got "
+                             f"{self.tpot_lower}, {self.decode_batch_limit})")
         if self.keep_alive < 0 or self.cooldown < 0:
             raise ValueError(f"keep_alive and cooldown must be >= 0 (got {self.keep_alive}, {self.cooldown})")
 
@@ -152,6 +164,7 @@ class Plan:
     decode: KindPlan
     expire: tuple[ReplicaId, ...] = ()
     loads: dict[str, float] = field(default_factory=dict)
+    decode_calm: bool = False  # the decode load allowed one replica fewer (the calm clock runs on)
 
     @property
     def idle(self) -> bool:
@@ -163,14 +176,19 @@ def plan(snapshot: Snapshot, bounds: Bounds) -> Plan:
     """Decide how many prefill and decode replicas to add or remove (see the module docstring)."""
     n_prefill, n_decode = snapshot.count(PREFILL_LIKE), snapshot.count(DECODE_LIKE)
     p_low, p_high = _prefill_band(snapshot, bounds)
-    d_low, d_high = _decode_band(snapshot, bounds)
+    slo = bounds.tpot_slo > 0
+    d_low, d_high = decode_band(snapshot, bounds) if slo else _decode_band(snapshot, bounds)
     prefill = _decide(n_prefill, p_low, p_high, bounds.min_prefill, bounds.max_prefill)
     decode = _decide(n_decode, d_low, d_high, bounds.min_decode, bounds.max_decode)
+    calm = decode.delta < 0
+    if slo and calm and not calmed(snapshot, bounds):  # hysteresis in time as well as in load
+        decode = dataclasses.replace(decode, delta=0)
     prefill = _hold(prefill, snapshot, PREFILL_LIKE, PREFILL_SERVES, snapshot.prefill_up_at,
                     bounds.min_prefill, bounds.cooldown)
     decode = _hold(decode, snapshot, DECODE_LIKE, DECODE_SERVES, snapshot.decode_up_at,
                    bounds.min_decode, bounds.cooldown)
-    return Plan(prefill, decode, _expired(snapshot, bounds, prefill, decode), _loads(snapshot))
+    loads = {**_loads(snapshot), **(decode_loads(snapshot) if slo else {})}
+    return Plan(prefill, decode, _expired(snapshot, bounds, prefill, decode), loads, calm)
 
 
 def _hold(decided: KindPlan, s: Snapshot, kind: frozenset[State], serves: frozenset[State],
@@ -211,6 +229,46 @@ def _decode_band(s: Snapshot, b: Bounds) -> tuple[int, int]:
         low = max(low, math.ceil(s.migrating_tokens / b.migration_upper / s.migration_tokens_per_s))
         high = max(high, low)
     return low, high
+
+
+def decode_band(s: Snapshot, b: Bounds) -> tuple[int, int]:
+    """The decode band under a TPOT SLO. Low (must have): TPOT within the SLO (`n · TPOT / SLO`,
+    TPOT the batch-weighted mean over the decode replicas running a batch), the decode batch within
+    `decode_batch_limit` per replica, the migration backlog within `migration_upper`, KV pages within
+    `decode_upper`. High (may keep): the same with TPOT under `tpot_lower` of the SLO, the batch under
+    half its limit, the migration backlog under a quarter of its bound; page use no longer says
+    "scale down" (a GPU's pool is mostly empty), it only bounds the count from above."""
+    serving = [r for r in s.replicas if r.state in DECODE_LIKE]
+    pages = max((r.total_pages for r in serving), default=0) or max((r.total_pages for r in s.replicas),
+                                                                     default=0)
+    used = sum(r.used_pages for r in serving)
+    need_pages = math.ceil(used / b.decode_upper / pages) if pages > 0 else 0
+    tpot, busy = _tpot(serving), sum(1 for r in serving if r.batch > 0)
+    batch = sum(r.batch for r in serving)
+    migration = s.migrating_tokens / s.migration_tokens_per_s if s.migration_tokens_per_s > 0 else 0.0
+    low = max(need_pages, math.ceil(busy * tpot / b.tpot_slo), math.ceil(batch / b.decode_batch_limit),
+              math.ceil(migration / b.migration_upper))
+    high = max(low, math.ceil(busy * tpot / (b.tpot_slo * b.tpot_lower)),
+               math.ceil(2 * batch / b.decode_batch_limit), math.ceil(4 * migration / b.migration_upper))
+    return low, high
+
+
+def _tpot(replicas: Sequence[ReplicaSample]) -> float:
+    """Batch-weighted mean measured TPOT of the replicas running a batch (0 when none does)."""
+    running = [r for r in replicas if r.batch > 0 and r.tpot > 0]
+    weight = sum(r.batch for r in running)
+    return sum(r.tpot * r.batch for r in running) / weight if weight else 0.0
+
+
+def calmed(s: Snapshot, b: Bounds) -> bool:
+    """Decode may shrink: every round for `cooldown` seconds allowed one replica fewer."""
+    return s.decode_calm_since is not None and s.now - s.decode_calm_since >= b.cooldown
+
+
+def decode_loads(s: Snapshot) -> dict[str, float]:
+    """The decode measures behind an SLO decision (written to the timeline)."""
+    serving = [r for r in s.replicas if r.state in DECODE_LIKE]
+    return {"decode_tpot_s": _tpot(serving), "decode_batch": float(sum(r.batch for r in serving))}
 
 
 def _decide(current: int, low: int, high: int, minimum: int, maximum: int) -> KindPlan:

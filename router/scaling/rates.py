@@ -3,7 +3,9 @@
 - arriving prompt tokens per second: a sliding window over submissions, and a short one (the surge
   window) in which a step in load shows within a fraction of a second;
 - one replica's prefill tokens per second: a running average over prefill calls (tokens / call time);
-- one decode replica's migration intake, tokens per second: a running average over migrations.
+- one decode replica's migration intake, tokens per second: a running average over migrations;
+- each decode replica's seconds per decode step (its requests' TPOT): a running average over the
+  intervals between its step results (a gap over STEP_GAP_S is idleness, not a step).
 Until the first measurement, the configured estimates stand in (0 = unknown: the planner then
 keeps the prefill count as it is).
 """
@@ -11,6 +13,8 @@ keeps the prefill count as it is).
 from __future__ import annotations
 
 from collections import deque
+
+STEP_GAP_S = 1.0  # a longer interval between two step results is a pause of the batch, not a step
 
 
 class WindowRate:
@@ -64,6 +68,8 @@ class Rates:
         self.surge = WindowRate(surge_window)
         self.prefill = RunningAverage(prefill_estimate)
         self.migration = RunningAverage(migration_estimate)
+        self.steps: dict[int, RunningAverage] = {}  # replica id → seconds per decode step
+        self._last_step: dict[int, float] = {}
 
     def arrived(self, prompt_tokens: int, now: float) -> None:
         """A request with `prompt_tokens` was submitted."""
@@ -79,3 +85,15 @@ class Rates:
         """A migration moved the KV of `tokens` tokens in `seconds`."""
         if tokens > 0 and seconds > 0:
             self.migration.add(tokens / seconds)
+
+    def stepped(self, replica: int, now: float) -> None:
+        """A decode step result of `replica` arrived at `now`."""
+        last = self._last_step.get(replica)
+        self._last_step[replica] = now
+        if last is not None and 0 < now - last <= STEP_GAP_S:
+            self.steps.setdefault(replica, RunningAverage()).add(now - last)
+
+    def tpot(self, replica: int) -> float:
+        """`replica`'s measured seconds per decode step (0 = not measured)."""
+        average = self.steps.get(replica)
+        return average.value if average is not None else 0.0

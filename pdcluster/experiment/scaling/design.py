@@ -118,7 +118,8 @@ class Design:
         prefill, decode = self.peak
         return ["--max-prefill", str(prefill), "--max-decode", str(decode), "--keep-alive",
                 f"{self.keep_alive:g}", "--cooldown", f"{self.cooldown:g}",
-                "--ttft-slo", f"{self.slo_ttft_ms / 1000:g}", *self.router_args]
+                "--ttft-slo", f"{self.slo_ttft_ms / 1000:g}", "--tpot-slo", f"{self.slo_tpot_ms / 1000:g}",
+                *self.router_args]
 
 
 def cluster_of(system: str) -> str:

@@ -197,3 +197,31 @@ def test_an_arrival_that_outruns_the_prefill_replicas_is_planned_for_at_once(tmp
         [urgent] = [r for r in read(timeline) if r["kind"] == "plan"]
         assert str(urgent["reason"]).startswith("arrival surge") and urgent["actions"]
     run(body())
+
+
+def test_a_decode_bound_burst_scales_decode_up_once_and_back_after_it(tmp_path: Path) -> None:
+    """Short prompts, long outputs, decode steps over the TPOT SLO: decode scales up once, stays up
+    through the burst (no down and up again), and goes back to one replica once the burst is over."""
+    async def body() -> None:
+        timeline = tmp_path / "timeline.jsonl"
+        async with fake_cluster((P, D, INACTIVE), scaling="multicast", tpot_slo=0.03, max_prefill=1,
+                                max_decode=2, plan_interval=0.1, cooldown=0.5, keep_alive=100.0,
+                                prefill_tokens_per_s=1e6, migration_tokens_per_s=1e6,
+                                timeline=timeline) as (sched, fakes):
+            for fake in fakes[1:]:
+                fake.step_delay = 0.05  # 50 ms per decode step against a 30 ms SLO
+            prompts = [[wave + 1, i + 1] for wave in range(4) for i in range(3)]
+            tasks = []
+            for wave in range(4):
+                tasks += [asyncio.create_task(collect(sched.submit(request(p, 30))))
+                          for p in prompts[3 * wave:3 * wave + 3]]
+                await asyncio.sleep(0.6)
+            results = await asyncio.gather(*tasks)
+            assert [tokens_of(r) for r in results] == [expected_tokens(p, 30) for p in prompts]
+            assert states(sched) == [P, D, D]  # still up when the burst ends
+            await eventually_async(lambda: states(sched).count(D) == 1, timeout=10.0)
+        plans = [r for r in read(timeline) if r["kind"] == "plan" and r["actions"]]
+        actions = [(a["action"], a.get("kind")) for r in plans for a in r["actions"]]
+        assert actions == [("load", "decode"), ("drain", None)]
+        assert float(plans[0]["loads"]["decode_tpot_s"]) > 0.03
+    run(body())

@@ -66,5 +66,5 @@ def test_a_scale_up_in_flight_or_the_maximum_quiets_it() -> None:
 
 
 def test_the_slo_must_not_be_negative() -> None:
-    with pytest.raises(ValueError, match="ttft_slo must be >= 0"):
+    with pytest.raises(ValueError, match="ttft_slo and tpot_slo must be >= 0"):
         Bounds(ttft_slo=-1.0)
