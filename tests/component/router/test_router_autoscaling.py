@@ -225,3 +225,18 @@ def test_a_decode_bound_burst_scales_decode_up_once_and_back_after_it(tmp_path: 
         assert actions == [("load", "decode"), ("drain", None)]
         assert float(plans[0]["loads"]["decode_tpot_s"]) > 0.03
     run(body())
+
+
+def test_a_host_cache_miss_loads_from_disk_instead() -> None:
+    async def body() -> None:
+        async with fake_cluster((P, D, INACTIVE), scaling="host-cache", max_prefill=2, model=Path("/m/tiny"),
+                                **MANUAL) as (sched, fakes):
+            assert not fakes[2].weights.host_copy  # the node's host cache does not hold the model
+            burst(sched, 10_000)
+            [load] = await finish_round(sched)
+            assert load.method is Method.LOAD_HOST  # type: ignore[attr-defined]
+            assert states(sched) == [P, D, P]
+            assert fakes[2].calls.count("LoadParams") == 2  # the miss, then from the model root
+            events = await collect(sched.submit(request([7, 8], 3)))
+            assert tokens_of(events) == expected_tokens([7, 8], 3)
+    run(body())
