@@ -191,7 +191,7 @@ class ClusterScheduler:
         """A decode step on `replica` answered (the prefix index drops what it evicted; the
         planner's TPOT is the interval between steps)."""
         self.prefix.stepped(replica.id, result)
-        self.rates.stepped(replica.id, self.clock())
+        self.rates.stepped(replica.id, self.clock(), continuing=result.batch is not None)
 
     def new_batch_id(self) -> BatchId:
         """An unused batch id."""

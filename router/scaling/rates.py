@@ -86,10 +86,12 @@ class Rates:
         if tokens > 0 and seconds > 0:
             self.migration.add(tokens / seconds)
 
-    def stepped(self, replica: int, now: float) -> None:
-        """A decode step result of `replica` arrived at `now`."""
-        last = self._last_step.get(replica)
-        self._last_step[replica] = now
+    def stepped(self, replica: int, now: float, continuing: bool = True) -> None:
+        """A decode step result of `replica` arrived at `now`; `continuing`: its batch goes on (else
+        the next step starts a new batch after a pause, and its interval is no step time)."""
+        last = self._last_step.pop(replica, None)
+        if continuing:
+            self._last_step[replica] = now
         if last is not None and 0 < now - last <= STEP_GAP_S:
             self.steps.setdefault(replica, RunningAverage()).add(now - last)
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 
 from router.scaling.planner import Bounds, Direction, ReplicaSample, Snapshot, decode_band, plan
+from router.scaling.rates import Rates
 from router.states import State
 from router.types import ReplicaId
 
@@ -65,3 +66,25 @@ def test_without_a_tpot_slo_decode_is_planned_on_pages_as_before() -> None:
     pages_only = Bounds(max_decode=3)
     s = snap(decode(1, batch=8, tpot=0.5, used=100), decode(2, batch=8, tpot=0.5, used=100))
     assert plan(s, pages_only).decode.direction is Direction.DOWN  # 10 % of pages < 0.45
+
+
+def test_tpot_is_measured_between_steps_of_a_running_batch_only() -> None:
+    rates = Rates()
+    for t in (10.00, 10.02, 10.04):  # a running batch: 20 ms steps
+        rates.stepped(1, t)
+    assert rates.tpot(1) == pytest.approx(0.02)
+    rates.stepped(1, 10.06, continuing=False)  # the batch ended
+    rates.stepped(1, 10.50)  # a new batch 0.44 s later: a pause, not a step
+    rates.stepped(1, 10.52)
+    assert rates.tpot(1) == pytest.approx(0.02)
+    rates.stepped(2, 0.0)
+    rates.stepped(2, 5.0)  # longer than STEP_GAP_S: idle
+    assert rates.tpot(2) == 0.0
+
+
+def test_the_surge_window_sees_a_step_in_load_the_average_does_not() -> None:
+    rates = Rates(window=5.0, surge_window=0.5)
+    for i in range(5):
+        rates.arrived(1000, 100.0 + 0.1 * i)
+    assert rates.surge.rate(100.45) == pytest.approx(10_000.0)
+    assert rates.arrivals.rate(100.45) == pytest.approx(1_000.0)
