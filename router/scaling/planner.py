@@ -22,9 +22,9 @@ fixed):
   and enough replicas to keep up with the prompts arriving (`arriving tokens/s / prefill tokens/s`,
   at most `prefill_busy_upper` of each replica's time, at least `prefill_busy_lower` to keep one): a
   steady load whose queue empties between batches does not look idle; the arrivals over the short
-  surge window count beyond the replicas' whole capacity (a step in load shows there first, and a
-  Poisson clump of a quiet load rarely passes it); with a TTFT SLO, no more than `ttft_slo` seconds
-  of queued prompt work per replica;
+  surge window count beyond the replicas' whole capacity while prompts wait (a step in load shows
+  there first; a Poisson clump of a quiet load that the replicas absorb does not); with a TTFT
+  SLO, no more than `ttft_slo` seconds of queued prompt work per replica;
 - decode load: the fraction of KV pages in use over the decode replicas, within
   [decode_lower, decode_upper]; with a TPOT SLO (`tpot_slo`) instead the measured TPOT, the decode
   batch and the migration backlog, pages bounding it from above only, and a scale-down only after
@@ -209,7 +209,8 @@ def _prefill_band(s: Snapshot, b: Bounds) -> tuple[int, int]:
         return current, current
     work = s.waiting_prefill_tokens / s.prefill_tokens_per_s  # seconds of prompt work in the queue
     busy = s.arriving_tokens_per_s / s.prefill_tokens_per_s  # replicas' worth of arriving work
-    surge = s.surge_tokens_per_s / s.prefill_tokens_per_s  # the same over the short window
+    # the same over the short window, while prompts wait (else the replicas are keeping up)
+    surge = s.surge_tokens_per_s / s.prefill_tokens_per_s if s.waiting_prefill_tokens else 0.0
     # the short window is noisier: it counts only beyond the replicas' whole capacity (a queue grows)
     low = max(math.ceil(work / b.prefill_upper), math.ceil(busy / b.prefill_busy_upper), math.ceil(surge))
     if b.ttft_slo > 0:  # a prompt queued behind `work / n` seconds of prompts misses the SLO

@@ -11,8 +11,8 @@ loading) are too few for what is queued or arriving:
 - *predicted TTFT*: a prompt arriving now waits for the queued prompt work spread over the prefill
   replicas, `waiting prefill tokens / (n · measured prefill tokens/s)`; urgent above the TTFT SLO
   (`ttft_slo`), or above the planner's upper bound `prefill_upper` when no SLO is given;
-- *arrival surge*: the prompt tokens arriving over the short surge window outrun the prefill
-  replicas' whole measured speed (a queue grows; the 5 s average's `prefill_busy_upper` is for
+- *arrival surge*: prompts wait and the prompt tokens arriving over the short surge window outrun
+  the prefill replicas' whole measured speed (a queue grows; the 5 s average's `prefill_busy_upper` is for
   steady loads, where a short window's Poisson clumps would pass it too often).
 Both are exactly the terms that make `planner.plan` scale prefill up, so an urgent round is never a
 no-op, and a scale-up in flight (its replicas count as prefill) quiets the trigger.
@@ -46,7 +46,7 @@ def urgency(s: Snapshot, b: Bounds) -> str | None:
     if ttft > limit:
         name = "TTFT SLO" if b.ttft_slo > 0 else "prefill upper bound"
         return f"predicted TTFT {ttft:.3f} s > {name} {limit:g} s ({n} prefill)"
-    if s.surge_tokens_per_s > n * s.prefill_tokens_per_s:
+    if s.waiting_prefill_tokens and s.surge_tokens_per_s > n * s.prefill_tokens_per_s:
         speed = s.prefill_tokens_per_s
         return f"arrival surge {s.surge_tokens_per_s:.0f} tokens/s > {n} prefill x {speed:.0f}"
     return None

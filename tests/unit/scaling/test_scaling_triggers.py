@@ -49,12 +49,15 @@ def test_without_an_slo_the_planners_upper_bound_is_the_limit() -> None:
 
 
 def test_an_arrival_surge_beyond_the_replicas_is_urgent_before_any_queue_builds() -> None:
-    s = snap(P, D, N, N, surge_tokens_per_s=12_000, arriving_tokens_per_s=3_000)  # > 10 k
+    s = snap(P, D, N, N, surge_tokens_per_s=12_000, arriving_tokens_per_s=3_000,
+             waiting_prefill_tokens=2_000)  # > 10 k, 0.2 s queued: far from the SLO yet
     reason = urgency(s, SLO)
     assert reason is not None and reason.startswith("arrival surge 12000 tokens/s")
     decided = plan(s, SLO)
     assert decided.prefill.direction is Direction.UP and decided.loads["prefill_surge"] == pytest.approx(1.2)
-    assert urgency(snap(P, D, N, N, surge_tokens_per_s=9_500), SLO) is None  # a clump within capacity
+    assert urgency(snap(P, D, N, N, surge_tokens_per_s=9_500, waiting_prefill_tokens=2_000), SLO) is None
+    absorbed = snap(P, D, N, N, surge_tokens_per_s=12_000)  # a clump, but nothing waits: keeping up
+    assert urgency(absorbed, SLO) is None and plan(absorbed, SLO).prefill.delta == 0
 
 
 def test_a_scale_up_in_flight_or_the_maximum_quiets_it() -> None:
