@@ -238,7 +238,7 @@ def decode_band(s: Snapshot, b: Bounds) -> tuple[int, int]:
     TPOT the batch-weighted mean over the decode replicas running a batch), the decode batch within
     `decode_batch_limit` per replica, the migration backlog within `migration_upper`, KV pages within
     `decode_upper`. High (may keep): the same with TPOT under `tpot_lower` of the SLO, the batch under
-    half its limit, the migration backlog under a quarter of its bound; page use no longer says
+    half its limit, the migration backlog under half its bound; page use no longer says
     "scale down" (a GPU's pool is mostly empty), it only bounds the count from above."""
     serving = [r for r in s.replicas if r.state in DECODE_LIKE]
     pages = max((r.total_pages for r in serving), default=0) or max((r.total_pages for r in s.replicas),
@@ -251,7 +251,7 @@ def decode_band(s: Snapshot, b: Bounds) -> tuple[int, int]:
     low = max(need_pages, math.ceil(busy * tpot / b.tpot_slo), math.ceil(batch / b.decode_batch_limit),
               math.ceil(migration / b.migration_upper))
     high = max(low, math.ceil(busy * tpot / (b.tpot_slo * b.tpot_lower)),
-               math.ceil(2 * batch / b.decode_batch_limit), math.ceil(4 * migration / b.migration_upper))
+               math.ceil(2 * batch / b.decode_batch_limit), math.ceil(2 * migration / b.migration_upper))
     return low, high
 
 
