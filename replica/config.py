@@ -202,6 +202,13 @@ class ReplicaConfig:
         metadata={"help": "keep the checkpoint (--model) in host memory from the start, so "
                           "LoadParams LOAD_FROM_HOST_MEM works before any ResetStatus (host-cache baseline)"},
     )
+    host_cache_bytes: int = field(
+        default=0,
+        metadata={"help": "bytes of host memory this node keeps weight copies in (least recently used "
+                          "evicted; a model larger than this is never kept, so LoadParams from host "
+                          "memory misses); 0 = unlimited. Simulated: full-size bytes (scaled like the "
+                          "weights)"},
+    )
     allow_set_status_ready: bool = field(
         default=False,
         metadata={"help": "let SetStatusReady mark the weights loaded without moving them (tests, mocks)"},
@@ -267,6 +274,8 @@ class ReplicaConfig:
             raise ValueError(f"--gpu-memory-fraction must be in (0, 1], got {self.gpu_memory_fraction}")
         if self.max_batch_prefill_tokens <= 0:
             raise ValueError(f"--max-batch-prefill-tokens must be > 0, not {self.max_batch_prefill_tokens}")
+        if self.host_cache_bytes < 0:
+            raise ValueError(f"--host-cache-bytes must be >= 0 (0 = unlimited), got {self.host_cache_bytes}")
         if self.disk_gbps < 0 or self.host_gbps < 0:
             raise ValueError(f"--disk-gbps and --host-gbps must be >= 0 ({self.disk_gbps}, {self.host_gbps})")
         if self.torch_threads < 0:

@@ -115,6 +115,20 @@ class RouterConfig:
         "seconds after a kind of replica scaled up during which it does not scale down"))
     keep_alive: float = field(default=_BOUNDS.keep_alive, metadata=_help(
         "seconds a drained replica keeps its weights (idle) before it is reset to inactive"))
+    ttft_slo: float = field(default=0.0, metadata=_help(
+        "TTFT SLO, seconds (0 = none): prefill scales up, at once between rounds, when the queued prompt "
+        "work per prefill replica predicts a TTFT above it"))
+    tpot_slo: float = field(default=0.0, metadata=_help(
+        "TPOT SLO, seconds (0 = none: decode scales on page use): decode scales on measured TPOT, decode "
+        "batch and migration backlog, down only when the smaller cluster stays under --tpot-lower of it "
+        "for --cooldown seconds"))
+    tpot_lower: float = field(default=_BOUNDS.tpot_lower, metadata=_help(
+        "fraction of --tpot-slo the smaller decode cluster's predicted TPOT must stay under to scale down"))
+    decode_batch_limit: int = field(default=_BOUNDS.decode_batch_limit, metadata=_help(
+        "requests one decode replica may run, for the planner under --tpot-slo"))
+    surge_window: float = field(default=0.5, metadata=_help(
+        "seconds of arrivals the planner also reads to see a step in load (planned at once when they "
+        "outrun the prefill replicas)"))
     prefill_tokens_per_s: float = field(default=0.0, metadata=_help(
         "one replica's prefill speed until measured, tokens/s (0 = wait for the first prefill)"))
     migration_tokens_per_s: float = field(default=0.0, metadata=_help(
@@ -150,6 +164,8 @@ class RouterConfig:
         self.bounds()  # contradicting bounds → ValueError naming them
         if self.plan_interval <= 0:
             raise ValueError(f"--plan-interval must be > 0, got {self.plan_interval}")
+        if self.surge_window <= 0:
+            raise ValueError(f"--surge-window must be > 0, got {self.surge_window}")
         if self.prefill_tokens_per_s < 0 or self.migration_tokens_per_s < 0:
             raise ValueError("--prefill-tokens-per-s and --migration-tokens-per-s must be >= 0")
         if self.timeline is not None:
@@ -187,7 +203,8 @@ class RouterConfig:
             decode_lower=self.decode_lower, decode_upper=self.decode_upper,
             migration_upper=self.migration_upper, min_prefill=self.min_prefill,
             max_prefill=self.max_prefill, min_decode=self.min_decode, max_decode=self.max_decode,
-            keep_alive=self.keep_alive, cooldown=self.cooldown,
+            keep_alive=self.keep_alive, cooldown=self.cooldown, ttft_slo=self.ttft_slo,
+            tpot_slo=self.tpot_slo, tpot_lower=self.tpot_lower, decode_batch_limit=self.decode_batch_limit,
         )
 
     def roles(self) -> list[str]:

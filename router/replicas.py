@@ -79,6 +79,7 @@ class ReplicaState:
     inbound: int = 0
     outbound: int = 0
     last_role: State | None = None  # the state it had when it was declared dead
+    lost_role: State | None = None  # the serving role a revival without weights lost (to load it back)
     page_sync: bool = False  # it refused pages the router counted free: check its count first
     since: float = 0.0  # when it entered its state (set by the observer; the keep-alive counts from it)
     observer: Observer | None = None
@@ -117,15 +118,17 @@ class ReplicaState:
     def revive(self, others: Iterable[State]) -> State:
         """A dead replica answers again: the state it had (settled: a mutation or a load it was in the
         middle of is over), decode if it was prefill and another replica has taken that role, and
-        inactive if its weights are not loaded (its `info` is fresh)."""
+        inactive if its weights are not loaded (its `info` is fresh; `lost_role` then keeps the serving
+        role it had, which the router gives it back by loading its weights again)."""
         if self._role is not State.DEAD:
             raise TransitionError(f"replica {self.id} is {self._role.value}, not dead")
         last = self.last_role or State.DECODE
         role = _REVIVED.get(last, last)
         if role is State.PREFILL and State.PREFILL in set(others):
             role = State.DECODE
-        if role in _SERVING_ROLES and not self.info.loaded:
-            role = State.INACTIVE
+        self.lost_role = None
+        if role in _SERVING_ROLES and not self.info.loaded:  # restarted: `lost_role` says what it was
+            role, self.lost_role = State.INACTIVE, role
         if role is State.IDLE and not self.info.loaded:
             role = State.INACTIVE
         self.move(role, Trigger.ANSWERED)

@@ -76,7 +76,8 @@ class ClusterScheduler:
         self.requests = Requests(self.metrics, clock, decoder, self.wakeups, config.max_requeues)
         self.heartbeats = Heartbeats(config.heartbeat_timeout)
         self._strategy = strategies.get(config.strategy)
-        self.rates = Rates(config.prefill_tokens_per_s, config.migration_tokens_per_s)
+        self.rates = Rates(config.prefill_tokens_per_s, config.migration_tokens_per_s,
+                           surge_window=config.surge_window)
         self.timeline = Timeline(config.timeline, clock)
         self.links = PeerLinks(config.peer_connect_timeout, self.timeline.write)
         self._moves = Migrations(self, self.replicas, self.requests, self.wakeups, self.metrics, clock,
@@ -110,6 +111,7 @@ class ClusterScheduler:
         """Validate against the replicas' limits, queue, and return the request's event stream."""
         stream = self.requests.submit(request, self.replicas.limits())
         self.rates.arrived(len(request.input_ids), self.clock())
+        self.scaling.poke()  # a step in load is planned for at once, not at the next round
         return stream
 
     def is_healthy(self) -> bool:
@@ -191,8 +193,10 @@ class ClusterScheduler:
         self.prefix.migrated(replica.state, live.members.values(), live.cached.evicted_page_hashes)
 
     def step_done(self, replica: ReplicaHandle, result: StepResult) -> None:
-        """A decode step on `replica` answered (the prefix index drops what it evicted)."""
+        """A decode step on `replica` answered (the prefix index drops what it evicted; the
+        planner's TPOT is the interval between steps)."""
         self.prefix.stepped(replica.id, result)
+        self.rates.stepped(replica.id, self.clock(), continuing=result.batch is not None)
 
     def new_batch_id(self) -> BatchId:
         """An unused batch id."""
@@ -386,3 +390,5 @@ class ClusterScheduler:
         # a restart lost its connections
         self.links.joined(handle, [h for h in self.replicas.values() if h.state.alive])
         self.settle_roles()
+        if handle.state.lost_role is not None:  # restarted without the weights the router gave it
+            self.scaling.restore(handle.id, handle.state.lost_role)

@@ -134,8 +134,20 @@ async def _load_disk(_sources: Sequence[Member], targets: Sequence[Member], mode
     await _all(*(t.client.load_params(from_host=False, model=model) for t in targets))
 
 
-async def _load_host(_sources: Sequence[Member], targets: Sequence[Member], _model: str) -> None:
-    await _all(*(t.client.load_params(from_host=True) for t in targets))
+async def _load_host(_sources: Sequence[Member], targets: Sequence[Member], model: str) -> None:
+    await _all(*(_host_or_disk(t, model) for t in targets))
+
+
+async def _host_or_disk(target: Member, model: str) -> None:
+    """LoadParams from host memory; on a host-cache miss (FAILED_PRECONDITION: the node's host cache
+    does not hold the model, `--host-cache-bytes`) from the model root, as ServerlessLLM does."""
+    try:
+        await target.client.load_params(from_host=True)
+    except ReplicaCallError as exc:
+        if exc.code != "FAILED_PRECONDITION" or "host cache miss" not in exc.details:
+            raise
+        log.info("replica %s: host cache miss, loading %s from disk", target.rank, model)
+        await target.client.load_params(from_host=False, model=model)
 
 
 _RUN = {Method.P2P: _p2p, Method.CHAIN: _chain, Method.TANZ: _tanz, Method.LOAD_DISK: _load_disk,

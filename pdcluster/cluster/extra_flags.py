@@ -80,3 +80,16 @@ def parse_flags(values: Mapping[str, object], fields: set[str], own: frozenset[s
 def flag_args(flags: Flags) -> list[str]:
     """The command-line arguments of `flags`."""
     return [arg for _, args in flags for arg in args]
+
+
+def check_router_flag_names(flags: list[str]) -> None:
+    """`pdcluster up --router-flag NAME=VALUE`'s names checked as the cluster file's `[router] flags`:
+    a flag of `pdcluster router` that the launch does not set itself (ValueError naming it)."""
+    fields = router_fields()
+
+    def error(name: str, message: str) -> Exception:
+        return ValueError(f"--router-flag {name}: {message}")
+
+    for flag in flags:
+        name, _, value = flag.partition("=")
+        parse_flags({name: value}, fields, ROUTER_OWN, error)

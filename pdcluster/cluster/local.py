@@ -31,6 +31,7 @@ from pathlib import Path
 from types import TracebackType
 
 from pdcluster.cluster.engine import ENGINES, EngineSpec
+from pdcluster.cluster.extra_flags import check_router_flag_names
 from pdcluster.cluster.gpu_placement import DeviceSlot, place_on_devices
 from pdcluster.cluster.placement import Placement
 from pdcluster.cluster.processes import (
@@ -96,6 +97,9 @@ class UpConfig:
         "emulated host-memory bandwidth of LoadParams from host memory, Gbit/s (0 = unpaced)")})
     host_cache: bool = field(default=False, metadata={"help": (
         "inactive replicas keep the checkpoint in host memory from the start (the host-cache baseline)")})
+    host_cache_bytes: int = field(default=0, metadata={"help": (
+        "bytes of host memory each replica's node keeps weight copies in, least recently used evicted "
+        "(a model larger than this misses and loads from disk); 0 = unlimited")})
     tls_cert: Path | None = field(default=None, metadata={"help": (
         "PEM certificate of --host for every process: TLS on every gRPC port and HTTPS "
         "(`pdcluster make-certs DIR --host HOST`)")})
@@ -150,6 +154,7 @@ class UpConfig:
         bad = [f for f in self.router_flag if "=" not in f or f.startswith("-")]
         if bad:
             raise ValueError(f"--router-flag takes NAME=VALUE (without dashes), got {bad}")
+        check_router_flag_names(self.router_flag)
         if (self.tls_cert is None) != (self.tls_key is None):
             raise ValueError("--tls-cert and --tls-key go together")
         if (self.tls_cert is not None or self.tls_client_ca is not None) and self.tls_ca is None:
@@ -162,6 +167,8 @@ class UpConfig:
         if self.fabric == "cuda-ipc" and self.link_gbps:
             raise ValueError("--fabric cuda-ipc joins replicas on one host, but --link-gbps makes every "
                              "replica its own node: use --fabric tcp or auto")
+        if self.host_cache_bytes < 0:
+            raise ValueError(f"--host-cache-bytes must be >= 0 (0 = unlimited), got {self.host_cache_bytes}")
         if not 0 < self.gpu_memory_fraction <= 1:
             raise ValueError(f"--gpu-memory-fraction must be in (0, 1], got {self.gpu_memory_fraction}")
         if self.dtype and self.dtype not in {d.value for d in DType}:
@@ -221,6 +228,8 @@ class UpConfig:
             args += ["--disk-gbps", str(self.disk_gbps)]
         if self.host_gbps:
             args += ["--host-gbps", str(self.host_gbps)]
+        if self.host_cache_bytes:
+            args += ["--host-cache-bytes", str(self.host_cache_bytes)]
         return args
 
 

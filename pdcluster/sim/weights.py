@@ -176,7 +176,8 @@ class VirtualWeights:
         method = "LoadParams"
         self._guard(method)
         if from_host and self.params.host_copy is None:
-            raise self._error(method, FailedPrecondition("no host-memory copy of the weights"))
+            raise self._error(method, FailedPrecondition(
+                "host cache miss: no host-memory copy of the weights"))
         self._check(method, lambda: self.params.begin_fill(method))
         self.blocking = True
         try:

@@ -67,7 +67,8 @@ def build_engine_and_params(config: ReplicaConfig, device: str | None = None) ->
         layout, buffer, model = loaded.layout, loaded.buffer, loaded.model
     readiness = ParamReadiness(model_config.num_layers, loaded=not config.inactive)
     root = config.model_root or Path(model_dir).resolve().parent
-    params = ParamStore(layout, buffer, readiness, root, config.disk_gbps, config.host_gbps)
+    params = ParamStore(layout, buffer, readiness, root, config.disk_gbps, config.host_gbps,
+                        host_cache_bytes=config.host_cache_bytes, model_name=Path(model_dir).name)
     if config.host_cache:
         params.warm_host_copy(Path(model_dir))
     limits = derive_limits(config, model_config)

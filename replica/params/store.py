@@ -14,8 +14,10 @@ Host-memory copy (what LOAD_FROM_HOST_MEM reads): taken when ResetStatus unloads
 process's life (refreshed by the next unload of a complete buffer). Before any such unload there is
 none and LOAD_FROM_HOST_MEM is FAILED_PRECONDITION, unless `warm_host_copy` filled it from the
 checkpoint at start (`--host-cache`: the node keeps the checkpoint in host memory, the host-cache
-baseline of scaling experiments). Loading never copies, so it stays as fast as a raw read of the
-checkpoint.
+baseline of scaling experiments). Copies are kept by model name in a `HostCache` of at most
+`--host-cache-bytes` (0 = unlimited), least recently used evicted first: a model larger than it is
+never kept, and LOAD_FROM_HOST_MEM of a model not held is a miss (FAILED_PRECONDITION). Loading
+never copies, so it stays as fast as a raw read of the checkpoint.
 
 The bytes themselves come through a `WeightIO`: a Hugging Face checkpoint read into a torch tensor
 (`checkpoint.CheckpointIO`, the default), or a simulated GPU's weight buffer of a model card's
@@ -37,6 +39,7 @@ from typing import Any, Protocol
 
 from replica.errors import FailedPrecondition, InvalidArgument, NotFound, PermissionDenied
 from replica.model.layout import Region, WeightLayout
+from replica.params.host_cache import HostCache
 from replica.params.readiness import ParamReadiness
 from transfer.core import Deadline
 from transfer.tcp.ratelimit import LinkPacer
@@ -76,12 +79,14 @@ class ParamStore:
     def __init__(
         self, layout: WeightLayout, buffer: Any, readiness: ParamReadiness, model_root: Path,
         disk_gbps: float = 0.0, host_gbps: float = 0.0, io: WeightIO | None = None,
+        host_cache_bytes: int = 0, model_name: str = "",
     ) -> None:
         self.layout = layout
         self.buffer = buffer
         self.readiness = readiness
         self.model_root = Path(model_root)
-        self.host_copy: Any = None
+        self.host_cache = HostCache(host_cache_bytes)  # the node's copies by model name (LRU)
+        self.model_name = model_name  # what the buffer holds, or last held (the host copy's key)
         self.disk_gbps = disk_gbps
         self.host_gbps = host_gbps
         self.io = io if io is not None else _checkpoint_io()
@@ -129,6 +134,7 @@ class ParamStore:
         """Fill the buffer from the checkpoint at `path` (already resolved)."""
         self.io.check_layout(path, self.layout)
         self.begin_fill("LoadParams from disk")
+        self.model_name = path.name
         start = time.perf_counter()
         pace = _pacer(self.disk_gbps)
         with _progress(self.layout, f"loading {path.name}") as advance:
@@ -142,13 +148,23 @@ class ParamStore:
             self.io.load(path, self.layout, self.buffer, landed)
         _log_speed("loaded from disk", self.layout.total_bytes, start)
 
-    def load_from_host(self) -> None:
-        """Fill the buffer from the host-memory copy, region by region."""
-        copy = self.host_copy
+    @property
+    def host_copy(self) -> Any:
+        """The host-memory copy of this replica's model, or None."""
+        return self.host_cache.peek(self.model_name)
+
+    def load_from_host(self, model_name: str = "") -> None:
+        """Fill the buffer from the host-memory copy of `model_name` (default: this replica's model),
+        region by region; FAILED_PRECONDITION on a miss (never cached, evicted, or too big)."""
+        name = model_name or self.model_name
+        copy = self.host_cache.get(name)
         if copy is None:
             raise FailedPrecondition(
-                "no host-memory copy of the weights (ResetStatus of a loaded replica keeps one)"
+                f"host cache miss: no host-memory copy of {name or 'the weights'} (held: "
+                f"{self.host_cache.names()}; ResetStatus of a loaded replica keeps one when it fits "
+                f"--host-cache-bytes)"
             )
+        self.model_name = name
         self.begin_fill("LoadParams from host memory")
         start = time.perf_counter()
         pace = _pacer(self.host_gbps)
@@ -165,17 +181,25 @@ class ParamStore:
     def warm_host_copy(self, path: Path) -> None:
         """Read the checkpoint at `path` into the host-memory copy (not into the buffer, not paced)."""
         self.io.check_layout(path, self.layout)
+        self.model_name = self.model_name or path.name
+        if not self.host_cache.fits(self.layout.total_bytes):
+            log.info("host cache: %s (%.1f MB) does not fit --host-cache-bytes %d", path.name,
+                     self.layout.total_bytes / 1e6, self.host_cache.capacity)
+            return
         copy = self.io.empty_copy(self.buffer)
         self.io.load(path, self.layout, copy, lambda _name: None)
-        self.host_copy = copy
+        self.host_cache.put(self.model_name, copy, self.layout.total_bytes)
         log.info("host cache: %.1f MB of %s kept in host memory", self.layout.total_bytes / 1e6, path.name)
 
     def unload(self) -> None:
-        """ResetStatus: keep the bytes as the host copy when complete, then mark nothing loaded."""
-        if self.readiness.complete:
-            if self.host_copy is None:
-                self.host_copy = self.io.empty_copy(self.buffer)
-            self.io.copy(self.host_copy, self.buffer, 0, self.layout.total_bytes)
+        """ResetStatus: keep the bytes as the host copy (when complete and it fits the host cache,
+        evicting least recently used copies), then mark nothing loaded."""
+        nbytes = self.layout.total_bytes
+        if self.readiness.complete and self.host_cache.fits(nbytes):
+            copy = self.host_cache.peek(self.model_name)
+            copy = copy if copy is not None else self.io.empty_copy(self.buffer)
+            self.io.copy(copy, self.buffer, 0, nbytes)
+            self.host_cache.put(self.model_name, copy, nbytes)
         self.readiness.reset()
 
 

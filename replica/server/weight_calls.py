@@ -118,7 +118,7 @@ class WeightCalls:
             path = state.params.resolve(call.model_name, call.model_path or None)
             state.ops.run_blocking("LoadParams(disk)", lambda: state.params.load_from_disk(path))
         elif call.case == LoadCase.HOST_MEM:
-            state.ops.run_blocking("LoadParams(host)", state.params.load_from_host)
+            state.ops.run_blocking("LoadParams(host)", lambda: state.params.load_from_host(call.model_name))
         else:
             raise InvalidArgument(f"unknown load_case {call.case}")
 

@@ -5,7 +5,10 @@
    snapshot (states, pages, busy replicas, queue, rates) ─► planner.plan ─► actions.choose
    ─► one task per action (Executor.run) ─► timeline: the round, its loads, its actions
 ```
-Rounds never overlap, and an action's replicas are left alone until it ends. `set_policy` switches
+Between rounds, `poke` (every arrival) plans at once when `triggers.urgency` says the prefill replicas
+are too few for what is queued or arriving; the round's record names its reason. Rounds never
+overlap (each runs synchronously on the event loop), and an action's replicas are left alone until
+it ends. `set_policy` switches
 the policy at run time (actions in flight finish; `static` stops planning).
 """
 
@@ -14,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 from collections.abc import Callable
 from dataclasses import asdict
 
@@ -26,9 +30,14 @@ from router.scaling.planner import Bounds, Plan, ReplicaSample, Snapshot, plan
 from router.scaling.policies import Policy
 from router.scaling.rates import Rates
 from router.scaling.timeline import Timeline
-from router.states import PREFILL_LIKE
+from router.scaling.triggers import urgency
+from router.states import HOLDS_WEIGHTS, PREFILL_LIKE
+from router.types import ReplicaId
+from router.weights import Method
 
 log = logging.getLogger("pdcluster.router")
+URGENT_GAP_S = 0.05  # urgent rounds at most this often (each arrival of a burst would plan again)
+_KINDS = {State.PREFILL: Kind.PREFILL, State.DECODE: Kind.DECODE}  # roles a restarted replica gets back
 
 
 class Autoscaler:
@@ -46,6 +55,9 @@ class Autoscaler:
         self.tasks: set[asyncio.Task[bool]] = set()
         self.rounds = 0
         self.up_at: dict[Kind, float] = {}  # when each kind last scaled up (the planner's cooldown)
+        self.urgent_rounds = 0
+        self.calm_since: float | None = None  # since when decode rounds allowed one replica fewer
+        self._last_urgent = -math.inf
         self._task: asyncio.Task[None] | None = None
 
     def set_policy(self, name: str) -> str:
@@ -89,36 +101,77 @@ class Autoscaler:
             now=now, replicas=tuple(self._sample(h) for h in live), waiting_prefill_tokens=waiting_tokens,
             waiting_requests=waiting_requests, migrating_tokens=migrating,
             arriving_tokens_per_s=self.rates.arrivals.rate(now),
+            surge_tokens_per_s=self.rates.surge.rate(now),
             prefill_tokens_per_s=self.rates.prefill.value, migration_tokens_per_s=self.rates.migration.value,
             prefill_up_at=self.up_at.get(Kind.PREFILL), decode_up_at=self.up_at.get(Kind.DECODE),
+            decode_calm_since=self.calm_since,
         )
 
     def _sample(self, h: ReplicaHandle) -> ReplicaSample:
         s = h.state
         idle_since = s.since if s.role is State.IDLE else None
         busy = 1 if h.id in self.executor.busy else 0
-        return ReplicaSample(h.id, s.role, s.used_blocks, s.info.num_blocks_total, busy, idle_since)
+        return ReplicaSample(h.id, s.role, s.used_blocks, s.info.num_blocks_total, busy, idle_since,
+                             batch=len(s.held), tpot=self.rates.tpot(h.id))
 
-    def round(self) -> tuple[Plan, list[Action]]:
-        """One planning round: decide, start the actions, write the round to the timeline."""
+    def poke(self) -> None:
+        """The queue or the arrivals changed: plan now if the snapshot says prefill is urgent
+        (`triggers.urgency`), at most once per URGENT_GAP_S (a scale-up in flight quiets it)."""
+        now = self.host.clock()
+        if not self.policy.plans or now - self._last_urgent < URGENT_GAP_S:
+            return
+        reason = urgency(self.snapshot(), self.bounds)
+        if reason is None:
+            return
+        self._last_urgent = now
+        self.urgent_rounds += 1
+        try:
+            self.round(reason)
+        except Exception:
+            log.exception("urgent scaling round failed")
+
+    def round(self, reason: str = "interval") -> tuple[Plan, list[Action]]:
+        """One planning round: decide, start the actions, write the round (and why it ran) to the
+        timeline."""
         snapshot = self.snapshot()
         decided = plan(snapshot, self.bounds)
         actions = choose(decided, snapshot, self.policy.caps)
         self.rounds += 1
-        self._record(decided, actions)
+        self._record(decided, actions, reason)
         for kind, delta in ((Kind.PREFILL, decided.prefill.delta), (Kind.DECODE, decided.decode.delta)):
             if delta > 0 and actions:
                 self.up_at[kind] = snapshot.now
+        # the calm clock: runs while rounds allow one decode replica fewer, restarts after a scale-down
+        calm = decided.decode_calm and not (decided.decode.delta < 0 and actions)
+        self.calm_since = (self.calm_since if self.calm_since is not None else snapshot.now) if calm else None
         for action in actions:
-            task = asyncio.create_task(self.executor.run(action), name=f"scale-{action_name(action)}")
-            self.tasks.add(task)
-            task.add_done_callback(self.tasks.discard)
+            self._start(action)
         return decided, actions
 
-    def _record(self, decided: Plan, actions: list[Action]) -> None:
+    def restore(self, replica: ReplicaId, role: State) -> None:
+        """A replica the router had given `role` came back without weights (its process restarted as
+        the inactive replica it was started as): the same member loads them again — p2p from a loaded
+        replica, else from the model root — and takes `role` back, under every policy."""
+        kind = _KINDS.get(role)
+        if kind is None:
+            log.warning("replica %s came back without weights; %s is not restored", replica, role.value)
+            return
+        sources = sorted(h.id for h in self.host.replicas.values() if h.id != replica and h.state.info.loaded
+                         and h.state.role in HOLDS_WEIGHTS and h.id not in self.executor.busy)
+        method = Method.P2P if sources else Method.LOAD_DISK
+        action = Load(method, tuple(sources[:1]), (replica,), kind)
+        self.timeline.write("restore", replica=replica, role=role.value, action=_describe(action))
+        self._start(action)
+
+    def _start(self, action: Action) -> None:
+        task = asyncio.create_task(self.executor.run(action), name=f"scale-{action_name(action)}")
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
+
+    def _record(self, decided: Plan, actions: list[Action], reason: str) -> None:
         self.timeline.write(
-            "plan", policy=self.policy.name, loads=decided.loads, prefill=asdict(decided.prefill),
-            decode=asdict(decided.decode), expire=list(decided.expire),
+            "plan", policy=self.policy.name, reason=reason, loads=decided.loads,
+            prefill=asdict(decided.prefill), decode=asdict(decided.decode), expire=list(decided.expire),
             actions=[_describe(a) for a in actions],
         )
         for action in actions:

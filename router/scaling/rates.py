@@ -1,8 +1,11 @@
 """The speeds the planner reads, measured while serving (pure Python, injected clock).
 
-- arriving prompt tokens per second: a sliding window over submissions;
+- arriving prompt tokens per second: a sliding window over submissions, and a short one (the surge
+  window) in which a step in load shows within a fraction of a second;
 - one replica's prefill tokens per second: a running average over prefill calls (tokens / call time);
-- one decode replica's migration intake, tokens per second: a running average over migrations.
+- one decode replica's migration intake, tokens per second: a running average over migrations;
+- each decode replica's seconds per decode step (its requests' TPOT): a running average over the
+  intervals between its step results (a gap over STEP_GAP_S is idleness, not a step).
 Until the first measurement, the configured estimates stand in (0 = unknown: the planner then
 keeps the prefill count as it is).
 """
@@ -10,6 +13,8 @@ keeps the prefill count as it is).
 from __future__ import annotations
 
 from collections import deque
+
+STEP_GAP_S = 1.0  # a longer interval between two step results is a pause of the batch, not a step
 
 
 class WindowRate:
@@ -58,14 +63,18 @@ class Rates:
     """What the planner needs to know about speeds."""
 
     def __init__(self, prefill_estimate: float = 0.0, migration_estimate: float = 0.0,
-                 window: float = 5.0) -> None:
+                 window: float = 5.0, surge_window: float = 0.5) -> None:
         self.arrivals = WindowRate(window)
+        self.surge = WindowRate(surge_window)
         self.prefill = RunningAverage(prefill_estimate)
         self.migration = RunningAverage(migration_estimate)
+        self.steps: dict[int, RunningAverage] = {}  # replica id → seconds per decode step
+        self._last_step: dict[int, float] = {}
 
     def arrived(self, prompt_tokens: int, now: float) -> None:
         """A request with `prompt_tokens` was submitted."""
         self.arrivals.add(prompt_tokens, now)
+        self.surge.add(prompt_tokens, now)
 
     def prefilled(self, tokens: int, seconds: float) -> None:
         """A prefill call of `tokens` prompt tokens took `seconds`."""
@@ -76,3 +85,17 @@ class Rates:
         """A migration moved the KV of `tokens` tokens in `seconds`."""
         if tokens > 0 and seconds > 0:
             self.migration.add(tokens / seconds)
+
+    def stepped(self, replica: int, now: float, continuing: bool = True) -> None:
+        """A decode step result of `replica` arrived at `now`; `continuing`: its batch goes on (else
+        the next step starts a new batch after a pause, and its interval is no step time)."""
+        last = self._last_step.pop(replica, None)
+        if continuing:
+            self._last_step[replica] = now
+        if last is not None and 0 < now - last <= STEP_GAP_S:
+            self.steps.setdefault(replica, RunningAverage()).add(now - last)
+
+    def tpot(self, replica: int) -> float:
+        """`replica`'s measured seconds per decode step (0 = not measured)."""
+        average = self.steps.get(replica)
+        return average.value if average is not None else 0.0

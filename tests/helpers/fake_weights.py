@@ -80,7 +80,8 @@ class FakeWeights:
 
     async def load_from_host(self) -> None:
         """LoadParams(LOAD_FROM_HOST_MEM)."""
-        await self._blocking_fill("LoadParams(host)", lambda: self.host_copy, "no host-memory copy")
+        await self._blocking_fill("LoadParams(host)", lambda: self.host_copy,
+                                  "host cache miss: no host-memory copy")
 
     async def load_from_disk(self, name: str) -> None:
         """LoadParams(LOAD_FROM_DISK) of a checkpoint under the model root (any name here)."""

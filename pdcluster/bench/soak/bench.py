@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from pdcluster.bench.serving.sender import model_vocab_size, probe
 from pdcluster.bench.soak.churn import Admin, ChurnLog, Kill, admin_loop, kill_loop
 from pdcluster.bench.soak.plot import plot
 from pdcluster.bench.soak.sampler import Samples, free_pages, sample_loop
@@ -108,7 +109,9 @@ def soak(config: BenchSoakConfig, cluster: LocalCluster) -> dict[str, Any]:
 async def _traffic(config: BenchSoakConfig, cluster: LocalCluster, admin: Admin, churn: ChurnLog,
                    outcomes: list[Outcome], samples: Samples, until: float, rank: int) -> None:
     model = cluster.config.model.name
-    tasks = [client_loop(cluster.http_url, model, config.seed * 1000 + i, until, outcomes)
+    # the served model's vocabulary (the router's /info, else the checkpoint's config.json)
+    vocab = (await asyncio.to_thread(probe, cluster.http_url, 1, model_vocab_size(config.model))).vocab_size
+    tasks = [client_loop(cluster.http_url, model, vocab, config.seed * 1000 + i, until, outcomes)
              for i in range(config.clients)]
     tasks.append(admin_loop(admin, churn, config.seed, until, rank, drain_every=config.drain_every))
     tasks.append(sample_loop(cluster, samples, until, config.sample_every))

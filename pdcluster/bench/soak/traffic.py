@@ -65,8 +65,17 @@ def _sampling(rng: random.Random) -> dict[str, Any]:
     return out
 
 
-def plan(rng: random.Random, model: str) -> Planned:
-    """One random request of the mix."""
+def prompt_ids(rng: random.Random, vocab_size: int) -> list[int]:
+    """A token-id prompt inside the served vocabulary (ids 3..499 where it is that large: past the
+    usual special tokens)."""
+    if vocab_size <= 0:
+        raise ValueError(f"the served vocabulary size must be > 0, got {vocab_size}")
+    low, high = (3, min(vocab_size, 500)) if vocab_size > 3 else (0, vocab_size)
+    return [rng.randrange(low, high) for _ in range(rng.randint(1, 120))]
+
+
+def plan(rng: random.Random, model: str, vocab_size: int) -> Planned:
+    """One random request of the mix (token-id prompts drawn below `vocab_size`)."""
     kind = rng.choice(KINDS)
     stream = rng.random() < 0.7
     length = rng.choice([1, 2, rng.randint(3, 40)])  # often done at or right after the prefill
@@ -75,7 +84,7 @@ def plan(rng: random.Random, model: str) -> Planned:
     if kind in ("completion", "chat"):
         body: dict[str, Any] = {"model": model, "max_tokens": length, "stream": stream, **_sampling(rng)}
         if kind == "completion":
-            body["prompt"] = [rng.randrange(3, 500) for _ in range(rng.randint(1, 120))]
+            body["prompt"] = prompt_ids(rng, vocab_size)
         else:
             body["messages"] = [{"role": "user", "content": "tell me " * rng.randint(1, 25)}]
         path = "/v1/completions" if kind == "completion" else "/v1/chat/completions"
@@ -123,13 +132,13 @@ async def send(client: httpx.AsyncClient, req: Planned) -> tuple[str, str]:
         return ("finished", "") if finished else ("failed", "the stream ended without a finish")
 
 
-async def client_loop(url: str, model: str, seed: int, until: float, out: list[Outcome],
+async def client_loop(url: str, model: str, vocab_size: int, seed: int, until: float, out: list[Outcome],
                       pause: float = 0.5) -> None:
     """Send random requests one after another (a random pause between them) until `until` (monotonic)."""
     rng = random.Random(seed)
     async with httpx.AsyncClient(base_url=url, timeout=180) as client:
         while time.monotonic() < until:
-            req = plan(rng, model)
+            req = plan(rng, model, vocab_size)
             start = time.monotonic()
             try:
                 outcome, detail = await send(client, req)

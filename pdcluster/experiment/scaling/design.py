@@ -113,10 +113,13 @@ class Design:
         return 1 + math.ceil(extra / 2), 1 + extra // 2
 
     def planner_args(self) -> list[str]:
-        """Router flags of the scaled cluster's planner: it may grow to the peak's shape."""
+        """Router flags of the scaled cluster's planner: it may grow to the peak's shape, and plans
+        against the run's SLOs."""
         prefill, decode = self.peak
         return ["--max-prefill", str(prefill), "--max-decode", str(decode), "--keep-alive",
-                f"{self.keep_alive:g}", "--cooldown", f"{self.cooldown:g}", *self.router_args]
+                f"{self.keep_alive:g}", "--cooldown", f"{self.cooldown:g}",
+                "--ttft-slo", f"{self.slo_ttft_ms / 1000:g}", "--tpot-slo", f"{self.slo_tpot_ms / 1000:g}",
+                *self.router_args]
 
 
 def cluster_of(system: str) -> str:

@@ -36,7 +36,9 @@ def system_figures(cell: CellResult, phases: tuple[tuple[float, float], ...]) ->
     burst, burst_end = metrics.burst_window(phases)
     new = metrics.new_replicas(timeline)
     loading = {"loading_prefill", "loading_decode", "new_prefill"}
-    started = metrics.first_change(timeline, new, loading, begin + burst)
+    # any replica loading weights after the burst started was scaled up (one that began serving may
+    # have been drained and expired before the burst, and be the one loaded again)
+    started = metrics.first_change(timeline, metrics.every_replica(timeline), loading, begin + burst)
     first_load = metrics.first_change(timeline, new, loading, begin)
     serving = metrics.first_change(timeline, new, metrics.SERVING, begin + burst)
     token = metrics.first_token_by(requests, new, burst)

@@ -72,6 +72,11 @@ def new_replicas(timeline: Iterable[Record]) -> set[int]:
             if r.get("kind") == "replica" and r.get("state") == "inactive"}
 
 
+def every_replica(timeline: Iterable[Record]) -> set[int]:
+    """Every replica that joined the router."""
+    return {int(r["replica"]) for r in timeline if r.get("kind") == "replica"}
+
+
 def first_change(timeline: Iterable[Record], replicas: set[int], states: Iterable[str], after: float
                  ) -> float | None:
     """Wall time of the first change of one of `replicas` into one of `states` at or after `after`."""

@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import logging
+import math
 import mmap
 from pathlib import Path
 
@@ -80,7 +81,8 @@ def build_simulated(config: ReplicaConfig, clock: StepClock | None = None) -> tu
     model = config.model
     root = config.model_root or (Path(model).resolve().parent if model is not None else Path.cwd())
     params = ParamStore(layout, buffer, readiness, root, config.disk_gbps * scale, config.host_gbps * scale,
-                        io=CardIO())
+                        io=CardIO(), host_cache_bytes=math.ceil(config.host_cache_bytes * scale),
+                        model_name=Path(model).name if model is not None else "")
     if config.host_cache:
         params.warm_host_copy(Path(model or "."))  # the card is the checkpoint: nothing is read
     detok = Detokenizer.from_model_dir(model) if model is not None else Detokenizer(None)

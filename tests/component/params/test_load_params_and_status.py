@@ -109,6 +109,18 @@ def test_host_cache_serves_load_from_host_memory_at_the_emulated_rate(model: Pat
     assert took >= seconds - MAX_LAG_S, f"{store.layout.total_bytes} bytes in {took:.3f} s at {GBPS} Gbit/s"
 
 
+def test_a_host_cache_smaller_than_the_model_misses_and_disk_still_loads(model: Path, tmp_path: Path) -> None:
+    small = {"host_cache": True, "host_cache_bytes": 1024}  # far smaller than the model
+    with weights_cluster(model, tmp_path, 1, inactive=[0], **small) as (replica,):
+        with pytest.raises(grpc.RpcError) as error:
+            _load(replica, pb.LOAD_FROM_HOST_MEM)
+        assert error.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert "host cache miss" in str(error.value.details())
+        _load(replica, pb.LOAD_FROM_DISK, model_name=model.name)
+        assert replica.health() == "serving"
+        assert replica.weights.params.host_cache.names() == []  # ResetStatus would not keep it either
+
+
 def test_load_from_disk_is_paced_region_by_region(model: Path, tmp_path: Path) -> None:
     with weights_cluster(model, tmp_path, 1, inactive=[0], disk_gbps=GBPS) as (replica,):
         store = replica.weights.params

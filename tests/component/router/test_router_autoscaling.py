@@ -180,3 +180,66 @@ def test_static_policy_never_plans_and_the_policy_switches_at_run_time(tiny_llam
             await eventually_async(lambda: states(sched)[2] is P)
     run(body())
 
+
+
+def test_an_arrival_that_outruns_the_prefill_replicas_is_planned_for_at_once(tmp_path: Path) -> None:
+    async def body() -> None:
+        timeline = tmp_path / "timeline.jsonl"
+        async with fake_cluster((P, D, INACTIVE), scaling="multicast", max_prefill=2, ttft_slo=1.0,
+                                timeline=timeline, **MANUAL) as (sched, _fakes):
+            # before any prefill is measured, the speed is MANUAL's 100 tokens/s
+            first = asyncio.create_task(collect(sched.submit(request([4] * 20, 2))))  # 40 tokens/s
+            assert sched.scaling.urgent_rounds == 0
+            # 60 more prompt tokens in the 0.5 s surge window: 160 tokens/s > 100
+            second = asyncio.create_task(collect(sched.submit(request([5] * 60, 2))))
+            assert sched.scaling.urgent_rounds == 1  # planned in submit, not at the 1000 s interval
+            await asyncio.gather(*list(sched.scaling.tasks))
+            assert states(sched) == [P, D, P]
+            assert tokens_of(await first) == expected_tokens([4] * 20, 2)
+            assert tokens_of(await second) == expected_tokens([5] * 60, 2)
+        [urgent] = [r for r in read(timeline) if r["kind"] == "plan"]
+        assert str(urgent["reason"]).startswith("arrival surge") and urgent["actions"]
+    run(body())
+
+
+def test_a_decode_bound_burst_scales_decode_up_once_and_back_after_it(tmp_path: Path) -> None:
+    """Short prompts, long outputs, decode steps over the TPOT SLO: decode scales up once, stays up
+    through the burst (no down and up again), and goes back to one replica once the burst is over."""
+    async def body() -> None:
+        timeline = tmp_path / "timeline.jsonl"
+        async with fake_cluster((P, D, INACTIVE), scaling="multicast", tpot_slo=0.03, max_prefill=1,
+                                max_decode=2, plan_interval=0.1, cooldown=0.5, keep_alive=100.0,
+                                prefill_tokens_per_s=1e6, migration_tokens_per_s=1e6,
+                                timeline=timeline) as (sched, fakes):
+            for fake in fakes[1:]:
+                fake.step_delay = 0.05  # 50 ms per decode step against a 30 ms SLO
+            prompts = [[wave + 1, i + 1] for wave in range(4) for i in range(3)]
+            tasks = []
+            for wave in range(4):
+                tasks += [asyncio.create_task(collect(sched.submit(request(p, 30))))
+                          for p in prompts[3 * wave:3 * wave + 3]]
+                await asyncio.sleep(0.6)
+            results = await asyncio.gather(*tasks)
+            assert [tokens_of(r) for r in results] == [expected_tokens(p, 30) for p in prompts]
+            assert states(sched) == [P, D, D]  # still up when the burst ends
+            await eventually_async(lambda: states(sched).count(D) == 1, timeout=10.0)
+        plans = [r for r in read(timeline) if r["kind"] == "plan" and r["actions"]]
+        actions = [(a["action"], a.get("kind")) for r in plans for a in r["actions"]]
+        assert actions == [("load", "decode"), ("drain", None)]
+        assert float(plans[0]["loads"]["decode_tpot_s"]) > 0.03
+    run(body())
+
+
+def test_a_host_cache_miss_loads_from_disk_instead() -> None:
+    async def body() -> None:
+        async with fake_cluster((P, D, INACTIVE), scaling="host-cache", max_prefill=2, model=Path("/m/tiny"),
+                                **MANUAL) as (sched, fakes):
+            assert not fakes[2].weights.host_copy  # the node's host cache does not hold the model
+            burst(sched, 10_000)
+            [load] = await finish_round(sched)
+            assert load.method is Method.LOAD_HOST  # type: ignore[attr-defined]
+            assert states(sched) == [P, D, P]
+            assert fakes[2].calls.count("LoadParams") == 2  # the miss, then from the model root
+            events = await collect(sched.submit(request([7, 8], 3)))
+            assert tokens_of(events) == expected_tokens([7, 8], 3)
+    run(body())

@@ -177,7 +177,8 @@ def test_the_generated_experiment_has_a_cell_per_system(tmp_path: Path) -> None:
     live = cells["burst.full.live@nics__burst__r0"]
     assert live.cluster is not None and live.cluster.roles() == ["prefill", "decode"] + ["inactive"] * 3
     assert live.cluster.router_args == ("--max-prefill", "3", "--max-decode", "2", "--keep-alive", "5",
-                                        "--cooldown", "5", "--heartbeat-timeout", "30")
+                                        "--cooldown", "5", "--ttft-slo", "0.9", "--tpot-slo", "0.09",
+                                        "--heartbeat-timeout", "30")
     assert live.cluster.replica_args == ("--disk-gbps", "0.5", "--host-gbps", "2")
     host = cells["burst-host-cache.full.host-cache@nics__burst__r0"].cluster
     assert host is not None and host.replica_args[-1] == "--host-cache"

@@ -25,6 +25,7 @@ def test_roles_by_rank_and_validation(tmp_path: Path) -> None:
     ({"strategy": "teleport"}, "unknown migration strategy 'teleport'"),
     ({"router_flag": ["--min-prefill=2"]}, "NAME=VALUE"),
     ({"router_flag": ["min-prefill"]}, "NAME=VALUE"),
+    ({"host_cache_bytes": -1}, "--host-cache-bytes must be >= 0"),
 ])
 def test_bad_flags_are_refused_at_start(tmp_path: Path, fields: dict[str, object], message: str) -> None:
     with pytest.raises(ValueError, match=message):
@@ -42,6 +43,8 @@ def test_scaling_and_emulated_devices_reach_the_processes(tmp_path: Path) -> Non
     assert config.router_args() == ["--scaling", "live", "--routing", "cache-aware", "--min-prefill", "1",
                                     "--keep-alive", "2.5"]
     assert config.replica_args() == ["--disk-gbps", "16.0", "--host-gbps", "200.0"]
+    small = UpConfig(model=tmp_path, host_cache=True, host_cache_bytes=10**9, log_dir=tmp_path)
+    assert small.replica_args()[-2:] == ["--host-cache-bytes", "1000000000"]
     plain = UpConfig(model=tmp_path, routing="load", prefix_cache=False, log_dir=tmp_path)
     assert plain.router_args()[2:4] == ["--routing", "load"] and "--no-prefix-cache" in plain.replica_args()
     table = load_rank_table(LocalCluster(config)._fabric_args([7001, 7002])[1])
