@@ -58,7 +58,9 @@ class BenchEngineConfig:
     input_len: int = field(default=128, metadata={"help": "prompt tokens of every request"})
     output_len: int = field(default=64, metadata={"help": "new tokens of every request"})
     rounds: int = field(default=3, metadata={"help": "timed rounds per side, alternating"})
-    torch_threads: int = field(default=1, metadata={"help": "torch intra-op threads here (0 = torch's default)"})
+    torch_threads: int = field(
+        default=1, metadata={"help": "torch intra-op threads here (0 = torch's default)"}
+    )
     seed: int = field(default=0, metadata={"help": "seed of the prompts"})
 
     def __post_init__(self) -> None:
@@ -70,11 +72,20 @@ class VllmPeer:
     """vLLM's offline engine in its own interpreter, measured one round per request."""
 
     def __init__(self, config: BenchEngineConfig, model: Path) -> None:
-        args = [str(config.vllm_python), str(PEER_SCRIPT), str(model), str(config.batch),
-                str(config.input_len), str(config.output_len), str(config.seed)]
+        args = [
+            str(config.vllm_python),
+            str(PEER_SCRIPT),
+            str(model),
+            str(config.batch),
+            str(config.input_len),
+            str(config.output_len),
+            str(config.seed),
+        ]
         env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2")}
         env.pop("PYTHONPATH", None)  # pdcluster's tree must not shadow vLLM's packages
-        self.process = subprocess.Popen(args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+        self.process = subprocess.Popen(
+            args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env
+        )
         self._expect("ready")
 
     def _expect(self, what: str) -> str:
@@ -86,7 +97,9 @@ class VllmPeer:
         line = self.process.stdout.readline() if ready else ""
         if not line:
             self.close()
-            raise RuntimeError(f"the vLLM peer gave no {what} (exit {self.process.poll()}); see its stderr above")
+            raise RuntimeError(
+                f"the vLLM peer gave no {what} (exit {self.process.poll()}); see its stderr above"
+            )
         return line.strip()
 
     def round(self, config: BenchEngineConfig) -> dict[str, float]:
@@ -146,7 +159,7 @@ def measure(config: BenchEngineConfig, model: Path) -> dict[str, list[dict[str, 
 
 def report(config: BenchEngineConfig, runs: dict[str, list[dict[str, float]]], model: str) -> dict[str, Any]:
     """The JSON report: every round, median and best of each side, the ratios, the goal."""
-    sides = {
+    sides: dict[str, dict[str, Any]] = {
         name: {
             "rounds": rounds,
             "decode_tokens_per_s_median": median(r["decode_tokens_per_s"] for r in rounds),
@@ -166,7 +179,8 @@ def report(config: BenchEngineConfig, runs: dict[str, list[dict[str, float]]], m
         out["decode_ratio_median"] = ours["decode_tokens_per_s_median"] / theirs["decode_tokens_per_s_median"]
         out["decode_ratio_best"] = ours["decode_tokens_per_s_best"] / theirs["decode_tokens_per_s_best"]
         out["decode_ratio_per_round"] = [
-            a["decode_tokens_per_s"] / b["decode_tokens_per_s"] for a, b in zip(runs["pdcluster"], runs["vllm"])
+            a["decode_tokens_per_s"] / b["decode_tokens_per_s"]
+            for a, b in zip(runs["pdcluster"], runs["vllm"], strict=True)
         ]
         out["meets_goal"] = out["decode_ratio_median"] >= GOAL
     return out
@@ -189,11 +203,16 @@ def run(config: BenchEngineConfig) -> int:
         out = report(config, measure(config, model), name)
     for side, figures in out["sides"].items():
         rates = ", ".join(f"{r['decode_tokens_per_s']:.0f}" for r in figures["rounds"])
-        print(f"{side:<10} decode {figures['decode_tokens_per_s_median']:8.1f} tok/s median (rounds: {rates}); "
-              f"prefill {figures['prefill_tokens_per_s_median']:8.1f} tok/s median")
+        print(
+            f"{side:<10} decode {figures['decode_tokens_per_s_median']:8.1f} tok/s median (rounds: {rates}); "
+            f"prefill {figures['prefill_tokens_per_s_median']:8.1f} tok/s median"
+        )
     if "decode_ratio_median" in out:
-        print(f"pdcluster / vLLM decode: {out['decode_ratio_median']:.3f} median, {out['decode_ratio_best']:.3f} best; "
-              f"goal >= {GOAL}: {'met' if out['meets_goal'] else 'NOT met'}")
+        print(
+            f"pdcluster / vLLM decode: {out['decode_ratio_median']:.3f} median, "
+            f"{out['decode_ratio_best']:.3f} best; "
+            f"goal >= {GOAL}: {'met' if out['meets_goal'] else 'NOT met'}"
+        )
     if config.json is not None:
         config.json.parent.mkdir(parents=True, exist_ok=True)
         config.json.write_text(json.dumps(out, indent=2))

@@ -121,7 +121,8 @@ def build_baseline(
     seed: int = 0,
     max_batch_size: int = 0,
 ) -> BaselineRound:
-    """An in-process engine for one batch of random prompts, cut into prefill batches as the router cuts them."""
+    """An in-process engine for one batch of random prompts, cut into prefill batches as the router
+    cuts them."""
     from replica.config import ReplicaConfig
     from replica.engine.factory import build_engine
     from replica.engine.types import RequestId, RequestSpec, StoppingParams

@@ -16,11 +16,13 @@ import torch
 import torch.nn.functional as F
 
 # torch builds without oneDNN (or without this op) fall back to F.linear everywhere
-_POINTWISE = getattr(torch.ops.mkldnn, "_linear_pointwise", None) if torch.backends.mkldnn.is_available() else None
+_POINTWISE = (
+    getattr(torch.ops.mkldnn, "_linear_pointwise", None) if torch.backends.mkldnn.is_available() else None
+)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """`x @ weight.T + bias`, as `F.linear`."""
     if _POINTWISE is not None and x.dtype == torch.float32 and x.device.type == "cpu":
-        return _POINTWISE(x, weight, bias, "none", [], "")  # type: ignore[no-any-return]
+        return _POINTWISE(x, weight, bias, "none", [], "")
     return F.linear(x, weight, bias)
