@@ -2,7 +2,7 @@
 
 One batch of `--batch` requests (`--input-len` random prompt tokens, exactly `--output-len` new
 tokens, greedy, EOS ignored, float32, `--torch-threads` torch threads) is prefilled and decoded to the
-end on pdcluster's engine in this process (`engine_baseline.py`'s measurement: prefill batches cut as
+end on pdcluster's engine in this process, prefix caching off (`engine_baseline.py`'s measurement: prefill batches cut as
 the router cuts them, then decode steps of the merged batch). With `--peer vllm` the same prompts
 (same seed) run on vLLM's offline `LLM` in its own venv (`--vllm-python`), as a long-lived subprocess
 (`vllm_peer.py`: float32, enforce_eager, prefix caching off); its decode rate is
@@ -131,7 +131,10 @@ def _pdcluster_side(config: BenchEngineConfig, model: Path) -> Any:
     """A function running one timed round on an in-process engine built once (warmed up)."""
     from pdcluster.bench.engine_baseline import build_baseline
 
-    return build_baseline(model, config.batch, config.input_len, config.output_len, seed=config.seed)
+    # prefix caching off, as on vLLM's side: every round computes its whole prompts
+    return build_baseline(
+        model, config.batch, config.input_len, config.output_len, seed=config.seed, prefix_cache=False
+    )
 
 
 def measure(config: BenchEngineConfig, model: Path) -> dict[str, list[dict[str, float]]]:

@@ -120,16 +120,22 @@ def build_baseline(
     block_size: int = 16,
     seed: int = 0,
     max_batch_size: int = 0,
+    prefix_cache: bool = True,
 ) -> BaselineRound:
     """An in-process engine for one batch of random prompts, cut into prefill batches as the router
-    cuts them."""
+    cuts them. Every run sends the same prompts: `prefix_cache=False` keeps a later run from finding
+    them cached (a prefill figure that computes every prompt token)."""
     from replica.config import ReplicaConfig
     from replica.engine.factory import build_engine
     from replica.engine.types import RequestId, RequestSpec, StoppingParams
 
     pages_per_request = -(-(input_len + output_len) // block_size)
     config = ReplicaConfig(
-        model=model, port=0, num_blocks=batch_size * pages_per_request + 8, block_size=block_size
+        model=model,
+        port=0,
+        num_blocks=batch_size * pages_per_request + 8,
+        block_size=block_size,
+        prefix_cache=prefix_cache,
     )
     engine = build_engine(config)
     rng = random.Random(seed)
