@@ -3,8 +3,8 @@
 One batch of `--batch` requests (`--input-len` random prompt tokens, exactly `--output-len` new
 tokens, greedy, EOS ignored, float32, `--torch-threads` torch threads) is prefilled and decoded to the
 end on pdcluster's engine in this process, prefix caching off (`engine_baseline.py`'s measurement:
-prefill batches cut as the router cuts them, then decode steps of the merged batch). With `--peer vllm` the same prompts
-(same seed) run on vLLM's offline `LLM` in its own venv (`--vllm-python`), as a long-lived subprocess
+prefill batches cut as the router cuts them, then decode steps of the merged batch). With
+`--peer vllm` the same prompts (same seed) run on vLLM's offline `LLM` in its own venv (`--vllm-python`), as a long-lived subprocess
 (`vllm_peer.py`: float32, enforce_eager, prefix caching off); its decode rate is
 (output_len - 1) x batch tokens over the difference between `generate` with `output_len` new tokens
 and with one. After a warm-up of each, the two sides alternate for `--rounds` rounds so that load
