@@ -1,17 +1,17 @@
 """`pdcluster bench engine`: the engine's offline batch decode in this process, beside vLLM-CPU.
 
 One batch of `--batch` requests (`--input-len` random prompt tokens, exactly `--output-len` new
-tokens, greedy, EOS ignored, float32, `--torch-threads` torch threads) is prefilled and decoded to the
-end on pdcluster's engine in this process, prefix caching off (`engine_baseline.py`'s measurement:
-prefill batches cut as the router cuts them, then decode steps of the merged batch). With
-`--peer vllm` the same prompts (same seed) run on vLLM's offline `LLM` in its own venv (`--vllm-python`), as a long-lived subprocess
-(`vllm_peer.py`: float32, enforce_eager, prefix caching off); its decode rate is
-(output_len - 1) x batch tokens over the difference between `generate` with `output_len` new tokens
-and with one. After a warm-up of each, the two sides alternate for `--rounds` rounds so that load
-from other work on the machine falls on both alike; each round, the median and the best are
-reported with the ratio pdcluster / vLLM of decode tokens/s (issue 25: goal >= 1.1). Without the
-vLLM interpreter the benchmark says so and measures pdcluster alone. Unset `--model` builds the 54 M
-Llama of PEERS.md (`--quick`: the 2-layer tiny one).
+tokens, greedy, EOS ignored, float32, `--torch-threads` torch threads) is prefilled and decoded to
+the end on pdcluster's engine in this process, prefix caching off (`engine_baseline.py`'s
+measurement: prefill batches cut as the router cuts them, then decode steps of the merged batch).
+With `--peer vllm` the same prompts (same seed) run on vLLM's offline `LLM` in its own venv
+(`--vllm-python`), as a long-lived subprocess (`vllm_peer.py`: float32, enforce_eager, prefix
+caching off); its decode rate is (output_len - 1) x batch tokens over the difference between
+`generate` with `output_len` new tokens and with one. After a warm-up of each, the two sides
+alternate for `--rounds` rounds so that load from other work on the machine falls on both alike;
+each round, the median and the best are reported with the ratio pdcluster / vLLM of decode
+tokens/s (issue 25: goal >= 1.1). Without the vLLM interpreter the benchmark says so and measures
+pdcluster alone. Unset `--model` builds the 54 M Llama of PEERS.md (`--quick`: the 2-layer tiny one).
 """
 
 from __future__ import annotations
