@@ -18,6 +18,7 @@ one is read in place, as it is at this call.
 
 from __future__ import annotations
 
+import threading
 import weakref
 from collections.abc import Iterable
 
@@ -30,11 +31,22 @@ _POINTWISE = getattr(torch.ops.mkldnn, "_linear_pointwise", None) if _ONEDNN els
 _REORDER = getattr(torch.ops.mkldnn, "_reorder_linear_weight", None) if _ONEDNN else None
 # id(plain weight) -> its packed copy; an entry leaves with its weight (weakref.finalize)
 _PACKS: dict[int, torch.Tensor] = {}
+_THREAD = threading.local()
+
+
+def _own_thread_count() -> None:
+    """oneDNN sizes its OpenMP team from the calling thread's own OpenMP setting, which a thread
+    started after `torch.set_num_threads` (the engine thread) does not inherit: it would run on as
+    many threads as the machine has cores. Set it once per thread to torch's count."""
+    if not getattr(_THREAD, "ready", False):
+        torch.set_num_threads(torch.get_num_threads())
+        _THREAD.ready = True
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """`x @ weight.T + bias`, as `F.linear`."""
     if _POINTWISE is not None and x.dtype == torch.float32 and x.device.type == "cpu":
+        _own_thread_count()
         packed = _PACKS.get(id(weight))
         return _POINTWISE(x, weight if packed is None else packed, bias, "none", [], "")
     return F.linear(x, weight, bias)
@@ -54,6 +66,7 @@ def pack(weights: Iterable[torch.Tensor], rows: int = 32) -> int:
     """Packed copies of the packable `weights` (tuned for `rows`-row inputs; any row count works);
     returns the bytes they take."""
     total = 0
+    _own_thread_count()
     for weight in weights:
         if not packable(weight) or id(weight) in _PACKS:
             continue
