@@ -85,6 +85,11 @@ class ReplicaConfig:
         default=True,
         metadata={"help": "CUDA: capture decode steps as CUDA graphs at bucketed batch sizes at Warmup"},
     )
+    cpu_packed_weights: bool = field(
+        default=True,
+        metadata={"help": "CPU float32: keep a copy of the linear weights in oneDNN's blocked layout "
+                          "(faster matmuls, the same results; twice the weights' memory)"},
+    )
     prefix_cache: bool = field(
         default=True,
         metadata={"help": "automatic prefix caching: full KV pages kept by their chained hash after their "

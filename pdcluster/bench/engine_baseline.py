@@ -82,18 +82,60 @@ def run_engine_baseline(
     max_batch_size: int = 0,
 ) -> BaselineResult:
     """Prefill one batch and decode it to the end on an in-process engine; the best of `repeats` runs."""
-    import torch
+    if threads:
+        import torch
 
+        torch.set_num_threads(threads)  # as many as one replica of the cluster gets
+    round_ = build_baseline(model, batch_size, input_len, output_len, block_size, seed, max_batch_size)
+    runs = [round_.measure() for _ in range(max(1, repeats))]
+    # The best run is the ceiling: the others lost time to whatever else shares the CPU.
+    prefill_s, decode_s, tokens, steps = min(runs, key=lambda run: run[1] / max(run[2], 1))
+    return BaselineResult(batch_size, input_len, output_len, prefill_s, decode_s, tokens, steps)
+
+
+class BaselineRound:
+    """An engine built and warmed up once; each call prefills and decodes the batch again."""
+
+    def __init__(self, engine: Any, batches: list[tuple[Any, ...]], input_len: int) -> None:
+        self.engine, self.batches, self.input_len = engine, batches, input_len
+        self.next_id = 2  # batch id 1 was the warm-up's
+
+    def measure(self) -> tuple[float, float, int, int]:
+        """(prefill seconds, decode seconds, decode tokens, decode steps) of one run."""
+        first, self.next_id = self.next_id, self.next_id + len(self.batches)
+        return _measure(self.engine, self.batches, first)
+
+    def __call__(self) -> dict[str, float]:
+        """One run as rates: decode tokens/s and prefill tokens/s."""
+        prefill_s, decode_s, tokens, _ = self.measure()
+        prompt_tokens = sum(len(batch) for batch in self.batches) * self.input_len
+        return {"decode_tokens_per_s": tokens / decode_s, "prefill_tokens_per_s": prompt_tokens / prefill_s}
+
+
+def build_baseline(
+    model: Path,
+    batch_size: int,
+    input_len: int,
+    output_len: int,
+    block_size: int = 16,
+    seed: int = 0,
+    max_batch_size: int = 0,
+    prefix_cache: bool = True,
+) -> BaselineRound:
+    """An in-process engine for one batch of random prompts, cut into prefill batches as the router
+    cuts them. Every run sends the same prompts: `prefix_cache=False` keeps a later run from finding
+    them cached (a prefill figure that computes every prompt token)."""
     from replica.config import ReplicaConfig
     from replica.engine.factory import build_engine
-
-    if threads:
-        torch.set_num_threads(threads)  # as many as one replica of the cluster gets
     from replica.engine.types import RequestId, RequestSpec, StoppingParams
 
     pages_per_request = -(-(input_len + output_len) // block_size)
     config = ReplicaConfig(
-        model=model, port=0, num_blocks=batch_size * pages_per_request + 8, block_size=block_size
+        model=model,
+        port=0,
+        num_blocks=batch_size * pages_per_request + 8,
+        block_size=block_size,
+        prefix_cache=prefix_cache,
     )
     engine = build_engine(config)
     rng = random.Random(seed)
@@ -110,11 +152,7 @@ def run_engine_baseline(
     budget = min(engine.limits.max_prefill_tokens, router_default("max_batch_prefill_tokens"))
     per_batch = max_batch_size or router_default("max_batch_size")
     groups = prefill_groups([input_len] * batch_size, budget, per_batch)
-    batches = [tuple(requests[i] for i in group) for group in groups]
-    runs = [_measure(engine, batches, 2 + r * len(batches)) for r in range(max(1, repeats))]
-    # The best run is the ceiling: the others lost time to whatever else shares the CPU.
-    prefill_s, decode_s, tokens, steps = min(runs, key=lambda run: run[1] / max(run[2], 1))
-    return BaselineResult(batch_size, input_len, output_len, prefill_s, decode_s, tokens, steps)
+    return BaselineRound(engine, [tuple(requests[i] for i in group) for group in groups], input_len)
 
 
 def _measure(engine: Any, batches: list[tuple[Any, ...]], first_id: int) -> tuple[float, float, int, int]:

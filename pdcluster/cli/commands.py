@@ -82,6 +82,11 @@ COMMANDS: dict[str, Command] = {
         "pdcluster.bench.replica:BenchReplicaConfig",
         "pdcluster.bench.replica:run",
     ),
+    "bench engine": Command(
+        "offline batch decode tokens/s of the engine in-process, beside vLLM-CPU's offline LLM (--peer vllm)",
+        "pdcluster.bench.engine:BenchEngineConfig",
+        "pdcluster.bench.engine:run",
+    ),
     "bench transfer": Command(
         "transfer-layer GB/s against raw sockets and gloo ceilings",
         "pdcluster.bench.transfer:BenchTransferConfig",

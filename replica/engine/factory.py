@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 from replica.config import ReplicaConfig
+from replica.engine import packing
 from replica.engine.detokenizer import Detokenizer
 from replica.engine.device import TORCH_DTYPES, DeviceChoice, choose
 from replica.engine.engine import Engine, EngineMeta
@@ -66,6 +67,8 @@ def build_engine_and_params(config: ReplicaConfig, device: str | None = None) ->
         loaded = load_model(model_dir, dtype, str(where))
         layout, buffer, model = loaded.layout, loaded.buffer, loaded.model
     readiness = ParamReadiness(model_config.num_layers, loaded=not config.inactive)
+    if config.cpu_packed_weights:
+        packing.track(model, readiness)  # before the KV pages are sized: the packs take memory too
     root = config.model_root or Path(model_dir).resolve().parent
     params = ParamStore(layout, buffer, readiness, root, config.disk_gbps, config.host_gbps,
                         host_cache_bytes=config.host_cache_bytes, model_name=Path(model_dir).name)

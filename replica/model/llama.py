@@ -26,6 +26,7 @@ from torch import nn
 from replica.model.attention import ForwardContext
 from replica.model.config import ModelConfig, UnsupportedModel
 from replica.model.layout import EMBED_NAME, LM_HEAD_NAME, NORM_NAME, WeightLayout
+from replica.model.linear import linear
 from replica.model.rope import rotate
 from replica.model.weights import (
     RegionCallback,
@@ -103,13 +104,13 @@ class Projection(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """The output of the first (or fused) matrix."""
         weight, bias = self._pairs[0]
-        return F.linear(x, weight, bias)
+        return linear(x, weight, bias)
 
     def parts(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """One output per HF matrix, in order."""
         if self.fused:
             return self(x).split_with_sizes(self.sizes, dim=-1)
-        return tuple(F.linear(x, w, b) for w, b in self._pairs)
+        return tuple(linear(x, w, b) for w, b in self._pairs)
 
 
 class Attention(nn.Module):
@@ -200,7 +201,7 @@ class CausalLM(nn.Module):
     @torch.no_grad()
     def head(self, hidden: torch.Tensor) -> torch.Tensor:
         """(m, hidden) -> (m, vocab) float32 logits, final norm applied."""
-        return F.linear(self.norm(hidden), self.lm_head).float()
+        return linear(self.norm(hidden), self.lm_head).float()
 
     @torch.no_grad()
     def forward(self, token_ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:

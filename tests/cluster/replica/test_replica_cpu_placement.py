@@ -43,6 +43,8 @@ def test_engine_thread_alone_on_its_core(tiny_model_factory: Callable[..., Path]
             cached = stub.PrefillV2(pb.PrefillV2Request(batch=batch), timeout=DEADLINE).batch
             response = stub.DecodeV2(pb.DecodeV2Request(batches=[cached]), timeout=DEADLINE)
             assert len(response.generations) == 1
+        # still alone after forwards: oneDNN's matmuls take the engine thread's one torch thread
+        assert _thread_cores(replica.process.pid).count(engine) == 1
         assert replica.stop() == 0
 
 

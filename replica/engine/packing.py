@@ -1,0 +1,42 @@
+"""Packed float32 CPU weights for a loaded model, kept only while its weights are complete.
+
+`replica.model.linear.pack` copies each linear weight into oneDNN's blocked layout once (same
+results, faster calls; the plain buffer stays the model, for transfers and for layers still
+arriving). A copy is right only while the plain bytes are those it was made from: every write to the
+buffer starts with `ParamReadiness.reset` (`ParamStore.begin_fill`), so `track` drops the packs on
+any change that leaves the weights incomplete and packs again once every region has landed.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from replica.model import linear
+from replica.model.llama import CausalLM, Projection
+from replica.params.readiness import ParamReadiness, Readiness
+
+log = logging.getLogger(__name__)
+
+
+def linear_weights(model: CausalLM) -> list[torch.Tensor]:
+    """Every matrix the model's forward passes to `linear` (projections and the LM head)."""
+    weights = [w for m in model.modules() if isinstance(m, Projection) for w, _ in m._pairs]
+    return [*weights, model.lm_head]
+
+
+def track(model: CausalLM, readiness: ParamReadiness) -> None:
+    """Pack `model`'s weights now if complete, and follow `readiness` from now on."""
+    weights = linear_weights(model)
+    if not any(linear.packable(w) for w in weights):
+        return  # another device or dtype: nothing to pack, nothing to follow
+
+    def follow(state: Readiness) -> None:
+        if not state.complete:
+            linear.unpack(weights)
+        elif not linear.is_packed(weights[0]):
+            log.info("packed linear weights: %.1f MB", linear.pack(weights) / 1e6)
+
+    follow(readiness.snapshot())
+    readiness.subscribe(follow)
