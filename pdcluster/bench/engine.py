@@ -27,8 +27,9 @@ from pathlib import Path
 from statistics import median
 from typing import Any
 
+from pdcluster.bench.models import model_or_built
+
 GOAL = 1.10  # pdcluster decode tokens/s over vLLM's
-BIG_MODEL = {"layers": 8, "hidden": 768, "heads": 12, "kv_heads": 4, "intermediate": 2048, "vocab": 4096}
 PEER_SCRIPT = Path(__file__).with_name("vllm_peer.py")
 PEER_START_S = 900.0  # vLLM's start (spawned processes, profile run) takes minutes on shared cores
 
@@ -196,13 +197,7 @@ def run(config: BenchEngineConfig) -> int:
 
         torch.set_num_threads(config.torch_threads)
     with tempfile.TemporaryDirectory(prefix="bench-engine-") as tmp:
-        model, name = config.model, str(config.model)
-        if model is None:
-            from pdcluster.tools.tiny_model import TinyModelConfig, make_tiny_model
-
-            shape: dict[str, Any] = {} if config.quick else BIG_MODEL
-            name = "tiny llama (2 layers)" if config.quick else "54 M llama " + json.dumps(shape)
-            model = make_tiny_model(TinyModelConfig(out=Path(tmp) / "model", arch="llama", **shape))
+        model, name = model_or_built(config.model, config.quick, Path(tmp))
         out = report(config, measure(config, model), name)
     for side, figures in out["sides"].items():
         rates = ", ".join(f"{r['decode_tokens_per_s']:.0f}" for r in figures["rounds"])

@@ -26,6 +26,8 @@ from pathlib import Path
 from statistics import median
 from typing import Any
 
+from pdcluster.bench.models import model_or_built
+
 GOAL = 1.10  # constrained step time / free step time
 SCHEMA: dict[str, Any] = {
     "type": "object",
@@ -48,7 +50,6 @@ SCHEMA: dict[str, Any] = {
 }
 VARIANTS = ("free", "constrained", "mixed")
 # the 54 M-parameter Llama of PEERS.md
-BIG_MODEL = {"layers": 8, "hidden": 768, "heads": 12, "kv_heads": 4, "intermediate": 2048, "vocab": 4096}
 
 
 @dataclass(frozen=True)
@@ -197,14 +198,7 @@ def run(config: BenchGrammarConfig) -> int:
 
         torch.set_num_threads(config.torch_threads)
     with tempfile.TemporaryDirectory(prefix="bench-grammar-") as tmp:
-        model = config.model
-        name = str(model)
-        if model is None:
-            from pdcluster.tools.tiny_model import TinyModelConfig, make_tiny_model
-
-            shape: dict[str, Any] = {} if config.quick else BIG_MODEL
-            name = "tiny llama (2 layers)" if config.quick else "54 M llama " + json.dumps(shape)
-            model = make_tiny_model(TinyModelConfig(out=Path(tmp) / "model", arch="llama", **shape))
+        model, name = model_or_built(config.model, config.quick, Path(tmp))
         out = report(config, measure(config, model), name)
     for variant in VARIANTS:
         step = out["step_ms"][variant]

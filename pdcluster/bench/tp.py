@@ -23,7 +23,7 @@ from pathlib import Path
 from statistics import median
 from typing import Any
 
-from pdcluster.bench.grammar import BIG_MODEL
+from pdcluster.bench.models import model_or_built
 
 COLLECTIVES = ("all_reduce", "allreduce", "all_gather", "allgather")
 
@@ -143,13 +143,7 @@ def report(config: BenchTpConfig, measured: dict[str, Any], name: str) -> dict[s
 def run(config: BenchTpConfig) -> int:
     """Build (or take) the model, measure, print, write JSON."""
     with tempfile.TemporaryDirectory(prefix="bench-tp-") as tmp:
-        model, name = config.model, str(config.model)
-        if model is None:
-            from pdcluster.tools.tiny_model import TinyModelConfig, make_tiny_model
-
-            shape: dict[str, Any] = {} if config.quick else BIG_MODEL
-            name = "tiny llama (2 layers)" if config.quick else "54 M llama " + json.dumps(shape)
-            model = make_tiny_model(TinyModelConfig(out=Path(tmp) / "model", arch="llama", **shape))
+        model, name = model_or_built(config.model, config.quick, Path(tmp))
         out = report(config, measure(config, model), name)
     for variant, step in out["step_ms"].items():
         print(f"{variant:<16} {step['best']:8.2f} ms/step best, {step['median']:8.2f} median")
