@@ -63,6 +63,8 @@ class BenchEngineConfig:
         default=1, metadata={"help": "torch intra-op threads here (0 = torch's default)"}
     )
     seed: int = field(default=0, metadata={"help": "seed of the prompts"})
+    cpu_onednn: bool = field(default=False, metadata={"help": (
+        "pdcluster's engine with the replica's --cpu-onednn (oneDNN linears and packed weights)")})
 
     def __post_init__(self) -> None:
         if min(self.batch, self.input_len, self.rounds) <= 0 or self.output_len < 2:
@@ -134,7 +136,8 @@ def _pdcluster_side(config: BenchEngineConfig, model: Path) -> Any:
 
     # prefix caching off, as on vLLM's side: every round computes its whole prompts
     return build_baseline(
-        model, config.batch, config.input_len, config.output_len, seed=config.seed, prefix_cache=False
+        model, config.batch, config.input_len, config.output_len, seed=config.seed, prefix_cache=False,
+        cpu_onednn=config.cpu_onednn,
     )
 
 

@@ -121,6 +121,7 @@ def build_baseline(
     seed: int = 0,
     max_batch_size: int = 0,
     prefix_cache: bool = True,
+    cpu_onednn: bool = False,
 ) -> BaselineRound:
     """An in-process engine for one batch of random prompts, cut into prefill batches as the router
     cuts them. Every run sends the same prompts: `prefix_cache=False` keeps a later run from finding
@@ -136,6 +137,7 @@ def build_baseline(
         num_blocks=batch_size * pages_per_request + 8,
         block_size=block_size,
         prefix_cache=prefix_cache,
+        cpu_onednn=cpu_onednn,
     )
     engine = build_engine(config)
     rng = random.Random(seed)

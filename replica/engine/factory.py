@@ -25,6 +25,7 @@ from replica.engine.memory import available_memory_bytes, blocks_for_memory, cud
 from replica.engine.runner import ModelRunner
 from replica.engine.validation import Limits, derive_limits
 from replica.engine.warmup import MAX_GRAPH_BATCH, profile_inputs, profile_lengths
+from replica.model import linear
 from replica.model.attention import PagedKVCache
 from replica.model.config import ModelConfig
 from replica.model.layout import WeightLayout
@@ -67,7 +68,8 @@ def build_engine_and_params(config: ReplicaConfig, device: str | None = None) ->
         loaded = load_model(model_dir, dtype, str(where))
         layout, buffer, model = loaded.layout, loaded.buffer, loaded.model
     readiness = ParamReadiness(model_config.num_layers, loaded=not config.inactive)
-    if config.cpu_packed_weights:
+    linear.use_onednn(config.cpu_onednn)
+    if config.cpu_onednn and config.cpu_packed_weights:
         packing.track(model, readiness)  # before the KV pages are sized: the packs take memory too
     root = config.model_root or Path(model_dir).resolve().parent
     params = ParamStore(layout, buffer, readiness, root, config.disk_gbps, config.host_gbps,

@@ -1,4 +1,9 @@
-"""`linear(x, weight, bias)`: the model's matmuls, through oneDNN for float32 on the CPU.
+"""`linear(x, weight, bias)`: the model's matmuls, through oneDNN for float32 on the CPU when a replica
+asks for it (`--cpu-onednn`, `use_onednn`), else `F.linear`.
+
+Off by default: a replica's resident memory grew by 65-185 MiB a minute under `bench soak` with
+oneDNN on (new batch shapes keep adding to its state; the thread-count setting below is not the
+cause), and not without it.
 
 torch's `F.linear` on a float32 CPU tensor calls MKL's sgemm. On the project's machines (AMD EPYC,
 AVX-512) oneDNN's inner-product primitive — what vLLM's CPU build runs its linears through — is
@@ -29,6 +34,8 @@ import torch.nn.functional as F
 _ONEDNN = torch.backends.mkldnn.is_available()
 _POINTWISE = getattr(torch.ops.mkldnn, "_linear_pointwise", None) if _ONEDNN else None
 _REORDER = getattr(torch.ops.mkldnn, "_reorder_linear_weight", None) if _ONEDNN else None
+# off until a replica asks (`--cpu-onednn`): oneDNN's memory grows with every new batch shape
+_ENABLED = [False]
 # id(plain weight) -> its packed copy; an entry leaves with its weight (weakref.finalize)
 _PACKS: dict[int, torch.Tensor] = {}
 _THREAD = threading.local()
@@ -43,9 +50,14 @@ def _own_thread_count() -> None:
         _THREAD.ready = True
 
 
+def use_onednn(on: bool) -> None:
+    """Route float32 CPU linears through oneDNN (`--cpu-onednn`) or through `F.linear` (the default)."""
+    _ENABLED[0] = on
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """`x @ weight.T + bias`, as `F.linear`."""
-    if _POINTWISE is not None and x.dtype == torch.float32 and x.device.type == "cpu":
+    if _ENABLED[0] and _POINTWISE is not None and x.dtype == torch.float32 and x.device.type == "cpu":
         _own_thread_count()
         packed = _PACKS.get(id(weight))
         return _POINTWISE(x, weight if packed is None else packed, bias, "none", [], "")

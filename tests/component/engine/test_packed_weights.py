@@ -28,7 +28,8 @@ def _logits(engine: object, tokens: list[int]) -> torch.Tensor:
 
 def _engine(model: Path, packed: bool, inactive: bool = False) -> tuple[object, object]:
     config = ReplicaConfig(
-        model=model, port=0, num_blocks=4, block_size=16, cpu_packed_weights=packed, inactive=inactive
+        model=model, port=0, num_blocks=4, block_size=16, cpu_onednn=True, cpu_packed_weights=packed,
+        inactive=inactive,
     )
     return build_engine_and_params(config, "cpu")
 

@@ -4,11 +4,22 @@ itself for other dtypes."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import pytest
 import torch
 import torch.nn.functional as F
 
+from replica.model import linear as linear_module
 from replica.model.linear import linear
+
+
+@pytest.fixture(autouse=True)
+def onednn() -> Iterator[None]:
+    """These tests are of the oneDNN path (`--cpu-onednn`); the default is `F.linear`."""
+    linear_module.use_onednn(True)
+    yield
+    linear_module.use_onednn(False)
 
 
 @pytest.mark.parametrize("rows", [0, 1, 7, 33])
