@@ -31,6 +31,19 @@ ARCHS: dict[str, dict[str, Any]] = {
 }
 
 
+def _count_forwards(engine: Engine, monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The tokens each forward of `engine` feeds, appended as they run."""
+    fed: list[int] = []
+    forward = engine.runner.forward
+
+    def counting(inputs: list[SeqInput]) -> Any:
+        fed.append(sum(len(i.tokens) for i in inputs))
+        return forward(inputs)
+
+    monkeypatch.setattr(engine.runner, "forward", counting)
+    return fed
+
+
 def _generate(engine: Engine, specs: Sequence[RequestSpec], batch_id: int) -> dict[int, list[int]]:
     tokens: dict[int, list[int]] = {int(s.id): [] for s in specs}
     result = engine.prefill(BatchSpec(BatchId(batch_id), tuple(specs)))
@@ -57,14 +70,7 @@ def test_chunked_prefill_equals_unchunked_and_transformers(
         prefix_cache=prefix_cache,
     )
     engine = build_engine(config)
-    fed: list[int] = []
-    forward = engine.runner.forward
-
-    def counting(inputs: list[SeqInput]) -> Any:
-        fed.append(sum(len(i.tokens) for i in inputs))
-        return forward(inputs)
-
-    monkeypatch.setattr(engine.runner, "forward", counting)
+    fed = _count_forwards(engine, monkeypatch)
     gen = torch.Generator().manual_seed(3)
     prompts = [
         torch.randint(3, engine.limits.vocab_size, (n,), generator=gen).tolist() for n in (45, 1, 17, 30)
@@ -132,14 +138,7 @@ def test_one_chunk_per_call_interleaves_with_another_batchs_decode_steps(
 
     path = tiny_model_factory(arch="llama")
     engine = build_engine(ReplicaConfig(model=path, port=0, num_blocks=64, block_size=4))
-    fed: list[int] = []
-    forward = engine.runner.forward
-
-    def counting(inputs: list[SeqInput]) -> Any:
-        fed.append(sum(len(i.tokens) for i in inputs))
-        return forward(inputs)
-
-    monkeypatch.setattr(engine.runner, "forward", counting)
+    fed = _count_forwards(engine, monkeypatch)
     gen = torch.Generator().manual_seed(5)
     vocab = engine.limits.vocab_size
     long_prompt, short, fresh = (torch.randint(3, vocab, (n,), generator=gen).tolist() for n in (45, 6, 40))
