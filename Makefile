@@ -59,7 +59,7 @@ lint: $(STAMP)
 
 # Every tier but `hosts`, `gpu` and the benchmarks' own short runs (`long`); CI runs those after this.
 test: $(STAMP) proto-check
-	$(BIN)/pytest -q -m "not hosts and not long and not gpu" $(PYTEST_ARGS)
+	$(BIN)/pytest -q -m "not hosts and not long and not gpu" --durations=25 $(PYTEST_ARGS)
 
 # No set-up: a GPU node may have no venv and no registry (the venv's pytest if there is one, else $(PYTHON)'s).
 test-gpu:
@@ -86,7 +86,7 @@ wheelhouse: $(STAMP)
 	$(BIN)/pdcluster wheelhouse --python $(PY) --out $(WHEELHOUSE) $(if $(EXTRAS),--extra $(EXTRAS)) \
 		$(if $(LEAVE_OUT),--leave-out $(LEAVE_OUT))
 
-# the soak's and bench scaling's short runs (a few minutes)
+# the slow tier: the soak's and bench scaling's short runs, the fault matrix, whole launch cycles (minutes)
 test-long: $(STAMP)
 	$(BIN)/pytest -q -m long $(PYTEST_ARGS)
 

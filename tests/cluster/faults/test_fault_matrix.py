@@ -33,6 +33,9 @@ from pdcluster.cluster.local import LocalCluster, UpConfig
 from protos import router_pb2 as pb
 from tests.helpers.fault_matrix import Admin, Flight, descendants, heal, pages_back, wait_for
 
+# The slow tier (`make test-long`, run by CI): the whole matrix takes about a minute on 2 cores.
+pytestmark = pytest.mark.long
+
 TOKEN = "faults-token"
 HEARTBEAT_TIMEOUT = 3.0
 TRANSFER_TIMEOUT = 20.0

@@ -59,6 +59,7 @@ def wait_for(check: Callable[[], bool], timeout: float, what: str) -> None:
         time.sleep(0.2)
 
 
+@pytest.mark.long  # over a minute on 2 cores: the slow tier (`make test-long`, run by CI)
 def test_local_launch_status_restart_and_down(
     tiny_model_factory: Callable[..., Path], tmp_path: Path
 ) -> None:
