@@ -38,11 +38,12 @@ from transfer.core import Deadline
 
 log = logging.getLogger(__name__)
 
-# Calls that move KV pages or weights between replicas, or compute layer by layer: they would move
-# (or run) rank 0's shard only, so a tensor-parallel replica refuses them (replica/tp/README.md).
+# Calls that move weights between replicas, or compute layer by layer: they would move (or run) rank
+# 0's shard only, so a tensor-parallel replica refuses them (replica/tp/README.md). Migrate / Immigrate
+# and their partial halves move every rank's shard (replica/tp/kvmove.py).
 TP_REFUSED: frozenset[type[m.Call]] = frozenset({
-    m.Migrate, m.Immigrate, m.MigratePartial, m.ImmigratePartial, m.MigratingPrefill, m.PipelinedPrefill,
-    m.ZagPrefill, m.Relay, m.LoadParams, m.SendParams, m.RecvParams, m.Broadcast,
+    m.MigratingPrefill, m.PipelinedPrefill, m.ZagPrefill, m.Relay, m.LoadParams, m.SendParams, m.RecvParams,
+    m.Broadcast,
 })
 
 EngineHandler = Callable[[Engine, Any], Any]
@@ -133,7 +134,8 @@ class ReplicaCore:
             raise FailedPrecondition(
                 f"{type(call).__name__} is not supported by a tensor-parallel replica "
                 f"(--tp {self.config.tp}): "
-                "KV and weight transfers move one rank's shard, and per-rank transfers are not built yet"
+                "weight transfers and layer-by-layer prefills would move or run one rank's shard only "
+                "(per-rank Migrate / Immigrate and their partial halves work)"
             )
         handler = self._service_calls.get(type(call))
         if handler is not None:

@@ -18,7 +18,7 @@ from replica.engine.validation import derive_limits
 from replica.model.config import ModelConfig
 from replica.params.readiness import ParamReadiness
 from replica.params.store import ParamStore
-from replica.tp.leader import start_group
+from replica.tp.leader import Endpoints, start_group
 from replica.tp.rank import RankSpec
 
 log = logging.getLogger(__name__)
@@ -38,7 +38,8 @@ def build_tp_engine(config: ReplicaConfig) -> tuple[Engine, ParamStore]:
     assert config.model is not None and config.num_blocks is not None  # ReplicaConfig checked both
     spec = RankSpec(Path(config.model), choice.torch_dtype, config.num_blocks, config.block_size,
                     choice.attention_backend)
-    leader = start_group(spec, config.tp, choice.device, config.tp_timeout)
+    endpoints = Endpoints.of(Path(config.cluster) if config.cluster else None, config.rank, config.tp)
+    leader = start_group(spec, config.tp, choice.device, config.tp_timeout, endpoints=endpoints)
     atexit.register(leader.stop)
     model_config = ModelConfig.from_dir(Path(config.model))
     readiness = ParamReadiness(model_config.num_layers, loaded=True)

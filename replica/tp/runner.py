@@ -21,6 +21,7 @@ from replica.engine.runner import ForwardOutput, ModelRunner
 from replica.errors import FailedPrecondition, ReplicaError
 from replica.model.attention import PagedKVCache
 from replica.tp.group import Command, Op, TpGroup, TpGroupFailed
+from replica.tp.kvmove import ShardEndpoint, ShardMover
 from replica.tp.sharded import TpCausalLM
 
 log = logging.getLogger(__name__)
@@ -33,6 +34,9 @@ class TpRunner(ModelRunner):
                  group: TpGroup) -> None:
         super().__init__(model, cache, attention_backend)  # type: ignore[arg-type]
         self.group = group
+        self.tp_size = group.shard.world
+        # set by the leader when every rank has a fabric endpoint (per-rank KV migration, kvmove.py)
+        self.shard_mover: ShardMover | None = None
 
     def forward(self, seqs: Sequence[SeqInput]) -> ForwardOutput:
         """Every rank runs the same forward; a dead or late rank fails it with `TpGroupFailed`."""
@@ -68,8 +72,9 @@ def check_group(runner: object) -> None:
         raise TpGroupFailed(f"tensor-parallel group is broken: {runner.group.failed}")
 
 
-def serve_worker(group: TpGroup, runner: ModelRunner) -> None:
-    """A worker's loop: run each forward the leader publishes until STOP or the leader is gone."""
+def serve_worker(group: TpGroup, runner: ModelRunner, endpoint: ShardEndpoint | None = None) -> None:
+    """A worker's loop: run each forward the leader publishes until STOP or the leader is gone; a
+    migration's shard job goes to `endpoint` (on a thread of its own: steps go on meanwhile)."""
     while True:
         try:
             command = group.commands.receive()
@@ -77,6 +82,12 @@ def serve_worker(group: TpGroup, runner: ModelRunner) -> None:
             return
         if command.op is Op.STOP:
             return
+        if command.op is Op.MOVE_KV:
+            if endpoint is None:  # the leader publishes jobs only when every rank has an endpoint
+                log.error("a KV migration job came to a rank without a fabric endpoint")
+            else:
+                endpoint.run(command.arg)
+            continue
         try:
             runner.forward(command.arg)
         except ReplicaError as error:  # the leader refused the same inputs before any collective

@@ -12,12 +12,18 @@ from pathlib import Path
 
 import torch
 
+from replica.cluster import ReplicaCluster, kv_layout_of, needs_staging
 from replica.engine.runner import ModelRunner
 from replica.model.layout import Shard
 from replica.model.weights import TORCH_DTYPES
 from replica.tp.group import TpGroup, join_store
-from replica.tp.rank import RankSpec, build_rank, rank_device, share_cpu_threads
+from replica.tp.kvmove import SHARD_STREAM, ShardEndpoint
+from replica.tp.rank import RankModel, RankSpec, build_rank, rank_device, share_cpu_threads
 from replica.tp.runner import serve_worker
+from transfer.buffers import device_type
+from transfer.fabric import FabricKind
+from transfer.ranktable import load_rank_table
+from transfer.staged.device import TorchDevices
 
 log = logging.getLogger(__name__)
 
@@ -34,7 +40,25 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--block-size", type=int, required=True)
     parser.add_argument("--attention-backend", default="torch")
     parser.add_argument("--timeout", type=float, required=True, help="seconds every collective may take")
+    parser.add_argument("--cluster", type=Path, default=None,
+                        help="the rank table: this rank's fabric endpoint is entry --transfer-rank")
+    parser.add_argument("--transfer-rank", type=int, default=None, help="this rank's global rank")
     return parser
+
+
+def _endpoint(args: argparse.Namespace, rank: RankModel, host: str, port: int) -> ShardEndpoint | None:
+    """This rank's fabric endpoint for per-rank KV migration (none without a rank table)."""
+    if args.cluster is None or args.transfer_rank is None:
+        return None
+    cache = rank.cache
+    staging = TorchDevices() if needs_staging(FabricKind.TCP, [device_type(cache.tensor)]) else None
+    cluster = ReplicaCluster.start(FabricKind.TCP, load_rank_table(args.cluster), args.transfer_rank, "",
+                                   staging)
+    layout = kv_layout_of(cache, args.world)
+    cluster.register_kv(cache.tensor, layout)
+    for stream in (SHARD_STREAM, SHARD_STREAM + 1):
+        cluster.fabric.set_layout(stream, layout.descriptor())
+    return ShardEndpoint(cluster, join_store(host, port, args.world, args.timeout), args.rank)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -50,10 +74,13 @@ def main(argv: list[str] | None = None) -> None:
                     args.attention_backend)
     rank = build_rank(spec, group, device)
     runner = ModelRunner(rank.model, rank.cache, spec.attention_backend)  # type: ignore[arg-type]
+    endpoint = _endpoint(args, rank, host, int(port))
     log.info("joined as rank %d of %d on %s", args.rank, args.world, device)
     try:
-        serve_worker(group, runner)
+        serve_worker(group, runner, endpoint)
     finally:
+        if endpoint is not None:
+            endpoint.close()
         group.close()
 
 

@@ -1,0 +1,156 @@
+"""Per-rank KV migration between `pdcluster replica --tp 2` processes: tp_rank i sends its shard
+to tp_rank i of the receiver over its own fabric endpoint (global rank of the group's rank 0 + i).
+
+One rank table: A = ranks 0-1 (tp 2), B = ranks 2-3 (tp 2), C = rank 4 (tp 1). A prefills, the
+batch's KV moves A → B (Migrate ‖ Immigrate), B decodes: every token equals transformers' greedy
+one (rank 1's shard holds half the KV heads, so a shard that did not move changes the tokens).
+Every page is free again on both sides afterwards. A tp 2 ↔ tp 1 migration fails
+FAILED_PRECONDITION on both sides, naming both sizes.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import grpc
+import pytest
+
+from pdcluster.cluster.processes import pdcluster_argv
+from protos import generate_pb2 as pb
+from protos import generate_pb2_grpc as pb_grpc
+from tests.helpers.migration_cluster import (
+    decode_to_end,
+    first_tokens,
+    make_batch,
+    pair,
+    random_prompts,
+    reference,
+    write_rank_table,
+)
+from transfer.ports import free_ports
+
+pytest.importorskip("transformers")
+ROOT = Path(__file__).resolve().parents[3]
+TIMEOUT = 60.0
+LENGTHS = [1, 7, 9, 17]  # pages of 4 tokens: partial, multi-page prompts
+MAX_NEW = [4, 3, 5, 2]
+
+
+class Proc:
+    """One replica process: its rank, stub and free-page count."""
+
+    def __init__(self, rank: int, stub: pb_grpc.TextGenerationServiceStub) -> None:
+        self.rank, self.stub = rank, stub
+
+    def check_all_free(self) -> None:
+        """Every page is free (a sender frees its pages on its engine thread after answering: wait)."""
+        deadline = time.monotonic() + 10
+        while True:
+            info = self.stub.Info(pb.InfoRequest(), timeout=TIMEOUT)
+            held = info.num_blocks_total - info.num_blocks_free
+            if held == 0:
+                return
+            assert time.monotonic() < deadline, f"rank {self.rank}: {held} pages still held"
+            time.sleep(0.05)
+
+
+def _start(model: Path, table: Path, rank: int, tp: int) -> tuple[subprocess.Popen[str], int]:
+    port = free_ports(1)[0]
+    argv = pdcluster_argv("replica", "--model", str(model), "--port", str(port), "--tp", str(tp),
+                          "--num-blocks", "48", "--block-size", "4", "--tp-timeout", "20",
+                          "--cluster", str(table), "--rank", str(rank))
+    process = subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    return process, port
+
+
+def _ready(stub: pb_grpc.TextGenerationServiceStub, process: subprocess.Popen[str]) -> None:
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        assert process.poll() is None, process.stderr.read() if process.stderr else ""
+        try:
+            stub.Info(pb.InfoRequest(), timeout=5)
+            return
+        except grpc.RpcError:
+            time.sleep(0.3)
+    raise AssertionError("a replica did not answer Info within 120 s")
+
+
+@pytest.fixture(scope="module")
+def model(tiny_model_factory: Callable[..., Path]) -> Path:
+    return tiny_model_factory(arch="llama", kv_heads=2, seed=31)
+
+
+@pytest.fixture(scope="module")
+def replicas(model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[Proc]]:
+    table = write_rank_table(tmp_path_factory.mktemp("tpmig") / "ranks.json", 5)
+    started = [(rank, *_start(model, table, rank, tp)) for rank, tp in ((0, 2), (2, 2), (4, 1))]
+    channels = [grpc.insecure_channel(f"127.0.0.1:{port}") for _, _, port in started]
+    try:
+        procs = []
+        for (rank, process, _), channel in zip(started, channels, strict=True):
+            stub = pb_grpc.TextGenerationServiceStub(channel)
+            _ready(stub, process)
+            procs.append(Proc(rank, stub))
+        yield procs
+    finally:
+        for channel in channels:
+            channel.close()
+        for _, process, _ in started:
+            process.terminate()
+        for _, process, _ in started:
+            process.wait(timeout=60)
+
+
+def _move(a: Proc, b: Proc, batch: pb.Batch) -> tuple[pb.CachedBatch, pb.ImmigrateResponse]:
+    sent, got = pair(
+        lambda: a.stub.Migrate(pb.MigrateRequest(batch=batch, src=[a.rank], dst=[b.rank]), timeout=TIMEOUT),
+        lambda: b.stub.Immigrate(pb.ImmigrateRequest(batch=batch, src=[a.rank], dst=[b.rank, b.rank + 1]),
+                                 timeout=TIMEOUT),
+    )
+    return sent.batch, got
+
+
+def test_tp2_to_tp2_migration_decodes_transformers_tokens(model: Path, replicas: list[Proc]) -> None:
+    a, b, _ = replicas
+    prompts = random_prompts(256, LENGTHS, seed=9)
+    batch = make_batch(1, prompts, MAX_NEW)
+    first = a.stub.PrefillV2(pb.PrefillV2Request(batch=batch), timeout=TIMEOUT)
+    _, got = _move(a, b, batch)
+    tokens = first_tokens(first.generations)
+    last = [tokens[r][0] for r in got.batch.request_ids]
+    decoded = decode_to_end(b, got.batch, tokens, last)
+    assert [decoded[i] for i in range(len(prompts))] == reference(model, prompts, MAX_NEW)
+    for proc in (a, b):
+        proc.check_all_free()
+
+
+def _errors(*calls: Callable[[], object]) -> list[grpc.RpcError]:
+    """Run the calls concurrently; each must fail: their errors."""
+    with ThreadPoolExecutor(len(calls)) as pool:
+        futures = [pool.submit(call) for call in calls]
+    errors = [future.exception(timeout=0) for future in futures]
+    assert all(isinstance(e, grpc.RpcError) for e in errors), errors
+    return errors  # type: ignore[return-value]
+
+
+@pytest.mark.parametrize("direction", ["tp2->tp1", "tp1->tp2"])
+def test_migration_between_different_tp_is_refused(replicas: list[Proc], direction: str) -> None:
+    a, _, c = replicas
+    src, dst = (a, c) if direction == "tp2->tp1" else (c, a)
+    batch = make_batch(5, random_prompts(256, [6], seed=3), [2], first_id=50)
+    src.stub.PrefillV2(pb.PrefillV2Request(batch=batch), timeout=TIMEOUT)
+    errors = _errors(
+        lambda: src.stub.Migrate(pb.MigrateRequest(batch=batch, src=[src.rank], dst=[dst.rank]),
+                                 timeout=TIMEOUT),
+        lambda: dst.stub.Immigrate(pb.ImmigrateRequest(batch=batch, src=[src.rank], dst=[dst.rank]),
+                                   timeout=TIMEOUT),
+    )
+    for error in errors:
+        assert error.code() is grpc.StatusCode.FAILED_PRECONDITION, error
+        assert "tp 1 vs tp 2" in str(error.details()), error.details()
+    for proc in (a, c):
+        proc.check_all_free()
