@@ -137,8 +137,8 @@ class Migrations:
         `after_reply` schedules the log line (the caller runs it once the answer went out). Once
         `cancelled` is set the transfer is aborted and the pages freed (nobody takes the answer).
         """
-        self.check_peer(route.peer)
         self.check_group()
+        self.check_peer(route.peer)
         layers = layer_range(route.half, route.split, self.engine.runner.num_layers)
         deadline = self.deadline(call_remaining)
         start = time.perf_counter()
@@ -235,8 +235,8 @@ class Migrations:
     ) -> ImmigratedBatch:
         """Admit the batch (sharing the prompt pages cached here), receive every layer of the rest of
         its prompt KV from `peer`, adopt it (decode-ready)."""
-        self.check_peer(peer)
         self.check_group()
+        self.check_peer(peer)
         deadline = self.deadline(call_remaining)
         layers = range(self.engine.runner.num_layers)
         start = time.perf_counter()

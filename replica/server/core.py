@@ -26,7 +26,14 @@ from replica.engine.engine import Engine
 from replica.engine.types import HealthState
 from replica.engine.warmup import warmup
 from replica.engine.worker import EngineWorker
-from replica.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument, ReplicaError, ShuttingDown
+from replica.errors import (
+    DeadlineExceeded,
+    FailedPrecondition,
+    InvalidArgument,
+    ReplicaError,
+    ShuttingDown,
+    Unimplemented,
+)
 from replica.links import PeerLink, connect_peers
 from replica.params.store import ParamStore
 from replica.server import messages as m
@@ -42,9 +49,11 @@ log = logging.getLogger(__name__)
 # 0's shard only, so a tensor-parallel replica refuses them (replica/tp/README.md). Migrate / Immigrate
 # and their partial halves move every rank's shard (replica/tp/kvmove.py).
 TP_REFUSED: frozenset[type[m.Call]] = frozenset({
-    m.MigratingPrefill, m.PipelinedPrefill, m.ZagPrefill, m.Relay, m.LoadParams, m.SendParams, m.RecvParams,
-    m.Broadcast,
+    m.PipelinedPrefill, m.ZagPrefill, m.Relay, m.LoadParams, m.SendParams, m.RecvParams, m.Broadcast,
 })
+# ... and, with UNIMPLEMENTED (the router's `progressive` strategy then prefills normally and migrates
+# the batch whole, per rank): PrefillV2 MIGRATE / MIGRATE_PROGRESSIVE, whose forward runs layer by layer.
+TP_UNIMPLEMENTED: frozenset[type[m.Call]] = frozenset({m.MigratingPrefill})
 
 EngineHandler = Callable[[Engine, Any], Any]
 ServiceHandler = Callable[[Any, CallContext], Any]
@@ -130,6 +139,12 @@ class ReplicaCore:
     def run(self, call: m.Call, ctx: CallContext) -> Any:
         """Run any call on this thread (an ENGINE-lane one waits for its work item)."""
         ctx.check_started_in_time()
+        if self.config.tp > 1 and type(call) in TP_UNIMPLEMENTED:
+            raise Unimplemented(
+                f"{type(call).__name__} is not implemented by a tensor-parallel replica "
+                f"(--tp {self.config.tp}): its layer-by-layer forward is not broadcast to the group's "
+                "ranks; prefill normally, then Migrate / Immigrate (per rank)"
+            )
         if self.config.tp > 1 and type(call) in TP_REFUSED:
             raise FailedPrecondition(
                 f"{type(call).__name__} is not supported by a tensor-parallel replica "

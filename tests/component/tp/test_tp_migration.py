@@ -1,9 +1,10 @@
 """Per-rank KV migration between `pdcluster replica --tp 2` processes: tp_rank i sends its shard
 to tp_rank i of the receiver over its own fabric endpoint (global rank of the group's rank 0 + i).
 
-One rank table: A = ranks 0-1 (tp 2), B = ranks 2-3 (tp 2), C = rank 4 (tp 1). A prefills, the
-batch's KV moves A → B (Migrate ‖ Immigrate), B decodes: every token equals transformers' greedy
-one (rank 1's shard holds half the KV heads, so a shard that did not move changes the tokens).
+One rank table: A = ranks 0-1, B = ranks 2-3, E = ranks 4-5 (tp 2), C = rank 6 (tp 1). A prefills,
+the batch's KV moves A → B (Migrate ‖ Immigrate), B decodes: every token equals transformers' greedy
+one (rank 1's shard holds half the KV heads, so a shard that did not move changes the tokens). The
+partial halves: layers [0, 1) from A and [1, L) from E into one batch on B.
 Every page is free again on both sides afterwards. A tp 2 ↔ tp 1 migration fails
 FAILED_PRECONDITION on both sides, naming both sizes.
 """
@@ -86,8 +87,8 @@ def model(tiny_model_factory: Callable[..., Path]) -> Path:
 
 @pytest.fixture(scope="module")
 def replicas(model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[Proc]]:
-    table = write_rank_table(tmp_path_factory.mktemp("tpmig") / "ranks.json", 5)
-    started = [(rank, *_start(model, table, rank, tp)) for rank, tp in ((0, 2), (2, 2), (4, 1))]
+    table = write_rank_table(tmp_path_factory.mktemp("tpmig") / "ranks.json", 7)
+    started = [(rank, *_start(model, table, rank, tp)) for rank, tp in ((0, 2), (2, 2), (4, 2), (6, 1))]
     channels = [grpc.insecure_channel(f"127.0.0.1:{port}") for _, _, port in started]
     try:
         procs = []
@@ -115,7 +116,7 @@ def _move(a: Proc, b: Proc, batch: pb.Batch) -> tuple[pb.CachedBatch, pb.Immigra
 
 
 def test_tp2_to_tp2_migration_decodes_transformers_tokens(model: Path, replicas: list[Proc]) -> None:
-    a, b, _ = replicas
+    a, b, _, _ = replicas
     prompts = random_prompts(256, LENGTHS, seed=9)
     batch = make_batch(1, prompts, MAX_NEW)
     first = a.stub.PrefillV2(pb.PrefillV2Request(batch=batch), timeout=TIMEOUT)
@@ -125,6 +126,37 @@ def test_tp2_to_tp2_migration_decodes_transformers_tokens(model: Path, replicas:
     decoded = decode_to_end(b, got.batch, tokens, last)
     assert [decoded[i] for i in range(len(prompts))] == reference(model, prompts, MAX_NEW)
     for proc in (a, b):
+        proc.check_all_free()
+
+
+def test_tp2_partial_halves_from_two_senders_decode_transformers_tokens(
+    model: Path, replicas: list[Proc]
+) -> None:
+    a, b, e, _ = replicas
+    prompts = random_prompts(256, LENGTHS, seed=11)
+    batch = make_batch(31, prompts, MAX_NEW, first_id=10)
+    first = a.stub.PrefillV2(pb.PrefillV2Request(batch=batch), timeout=TIMEOUT)
+    e.stub.PrefillV2(pb.PrefillV2Request(batch=batch), timeout=TIMEOUT)
+
+    def half(sender: Proc, case: pb.PartialCase) -> Callable[[], pb.MigrateResponse]:
+        request = pb.MigratePartialRequest(batch=batch, fst_or_snd=case, num_layer=1, src=[sender.rank],
+                                           dst=[b.rank])
+        return lambda: sender.stub.MigratePartial(request, timeout=TIMEOUT)
+
+    def receive(sender: Proc, case: pb.PartialCase) -> Callable[[], pb.ImmigrateResponse]:
+        request = pb.ImmigratePartialRequest(batch=batch, fst_or_snd=case, num_layer=1, src=[sender.rank],
+                                             dst=[b.rank])
+        return lambda: b.stub.ImmigratePartial(request, timeout=TIMEOUT)
+
+    (_, second), _ = pair(
+        lambda: pair(half(e, pb.PARTIAL_CASE_SECOND), receive(e, pb.PARTIAL_CASE_SECOND)),
+        lambda: pair(half(a, pb.PARTIAL_CASE_FIRST), receive(a, pb.PARTIAL_CASE_FIRST)),
+    )
+    tokens = first_tokens(first.generations)
+    last = [tokens[r][0] for r in second.batch.request_ids]
+    decoded = decode_to_end(b, second.batch, tokens, last)
+    assert [decoded[10 + i] for i in range(len(prompts))] == reference(model, prompts, MAX_NEW)
+    for proc in (a, b, e):
         proc.check_all_free()
 
 
@@ -139,7 +171,7 @@ def _errors(*calls: Callable[[], object]) -> list[grpc.RpcError]:
 
 @pytest.mark.parametrize("direction", ["tp2->tp1", "tp1->tp2"])
 def test_migration_between_different_tp_is_refused(replicas: list[Proc], direction: str) -> None:
-    a, _, c = replicas
+    a, _, _, c = replicas
     src, dst = (a, c) if direction == "tp2->tp1" else (c, a)
     batch = make_batch(5, random_prompts(256, [6], seed=3), [2], first_id=50)
     src.stub.PrefillV2(pb.PrefillV2Request(batch=batch), timeout=TIMEOUT)
