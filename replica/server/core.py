@@ -45,12 +45,10 @@ from transfer.core import Deadline
 
 log = logging.getLogger(__name__)
 
-# Calls that move weights between replicas, or compute layer by layer: they would move (or run) rank
-# 0's shard only, so a tensor-parallel replica refuses them (replica/tp/README.md). Migrate / Immigrate
-# and their partial halves move every rank's shard (replica/tp/kvmove.py).
-TP_REFUSED: frozenset[type[m.Call]] = frozenset({
-    m.PipelinedPrefill, m.ZagPrefill, m.Relay, m.LoadParams, m.SendParams, m.RecvParams, m.Broadcast,
-})
+# Calls that compute layer by layer (zig-zag scaling): they would run rank 0's shard only, so a
+# tensor-parallel replica refuses them (replica/tp/README.md). KV migrations and weight operations run
+# on every rank (replica/tp/kvmove.py, replica/tp/weights.py).
+TP_REFUSED: frozenset[type[m.Call]] = frozenset({m.PipelinedPrefill, m.ZagPrefill, m.Relay})
 # ... and, with UNIMPLEMENTED (the router's `progressive` strategy then prefills normally and migrates
 # the batch whole, per rank): PrefillV2 MIGRATE / MIGRATE_PROGRESSIVE, whose forward runs layer by layer.
 TP_UNIMPLEMENTED: frozenset[type[m.Call]] = frozenset({m.MigratingPrefill})
@@ -149,8 +147,7 @@ class ReplicaCore:
             raise FailedPrecondition(
                 f"{type(call).__name__} is not supported by a tensor-parallel replica "
                 f"(--tp {self.config.tp}): "
-                "weight transfers and layer-by-layer prefills would move or run one rank's shard only "
-                "(per-rank Migrate / Immigrate and their partial halves work)"
+                "layer-by-layer (zig-zag) prefills would run one rank's shard only"
             )
         handler = self._service_calls.get(type(call))
         if handler is not None:

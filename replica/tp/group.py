@@ -44,6 +44,7 @@ class Op(enum.Enum):
 
     FORWARD = "forward"  # one forward of the given sequences
     MOVE_KV = "move_kv"  # this rank's part of a KV migration (`kvmove.ShardJob`), on a thread
+    WEIGHTS = "weights"  # this rank's part of a weight operation (`weights.WeightJob`), on a thread
     STOP = "stop"  # leave the loop
 
 

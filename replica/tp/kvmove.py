@@ -6,14 +6,14 @@
    ShardMover.start(job) ─ publish ─────────────────►   ShardEndpoint.run(job) on a thread:
    its own shard over the replica's fabric               send_regions / recv_regions over its own
    ShardMover.wait(pending): every worker's result ◄──   fabric (global rank R + r), p2p confirmed;
-     store "tp/kv/<job>/<r>" = "ok" | "<kind>|why"       result under "tp/kv/<job>/<r>"
+     store "tp/done/<job>/<r>" = "ok" | "<kind>|why"     result under "tp/done/<job>/<r>"
 ```
 Ranks of a group are contiguous global ranks of the rank table (tp_rank r of the replica with
 `--rank R` is global rank R + r, listening on its entry's transfer address), so tp_rank r's peer
 is the peer replica's rank + r. Every rank's pages have the same size and ids (the group's page
 table), so the regions rank 0 computed are every rank's. A worker's own transfer is a confirmed
 p2p run (tag: the migration's nonce), so both workers of a pair learn the pair's outcome; rank 0
-waits for its workers' results (deadline: the migration's, plus a grace for the report).
+waits for its workers' results (`results.py`; deadline: the migration's, plus a grace for the report).
 """
 
 from __future__ import annotations
@@ -30,20 +30,18 @@ from typing import Any, TypeVar
 import torch.distributed as dist
 
 from replica.cluster import KV_BUFFER, ReplicaCluster
-from replica.errors import FailedPrecondition, PeerTimeout, PeerUnavailable, ReplicaError
+from replica.errors import ReplicaError
 from replica.tp.group import Command, Op, TpGroup
+from replica.tp.results import await_results, report
 from transfer.collectives import TransferOptions, recv_regions, send_regions
 from transfer.core import Deadline
-from transfer.errors import LayoutMismatch, PeerGone, TransferError
-from transfer.errors import PeerTimeout as TransferTimeout
+from transfer.errors import TransferError
 
 log = logging.getLogger(__name__)
 
 SHARD_STREAM = 16
 """Streams of the workers' KV transfers: 16 when the sender's global rank is the lower, else 17
 (transfers both ways between one pair must not share a stream: their confirmations would cross)."""
-_REPORT_GRACE_S = 2.0  # a worker's result may arrive this long after the migration's deadline
-_POLL_S = 0.002
 _jobs = itertools.count()
 T = TypeVar("T")
 Region = tuple[int, int]
@@ -97,20 +95,8 @@ class ShardMover:
 
     def wait(self, job: ShardJob, deadline: Deadline) -> None:
         """Every worker's result (within the deadline and a grace); raise the first failure."""
-        keys = [_result_key(job.job, r) for r in range(1, self.world)]
-        late = Deadline.after(deadline.remaining() + _REPORT_GRACE_S)
-        store = self.group.store
-        while not store.check(keys):  # polls: a blocking wait would hold the
-            if late.expired():  # client's lock, and the engine thread publishes steps through it
-                raise PeerTimeout(f"KV migration: a tensor-parallel rank did not report its shard's "
-                                  f"{job.direction.value} in time")
-            time.sleep(_POLL_S)
-        results = [store.get(key).decode() for key in keys]
-        for key in keys:
-            store.delete_key(key)
-        for rank, result in enumerate(results, start=1):
-            if result != "ok":
-                raise _as_error(rank, result)
+        what = f"KV migration ({job.direction.value})"
+        await_results(self.group.store, job.job, self.world, deadline, what)
 
 
 def with_shards(regions: Runs, start: Callable[[list[Region]], None]) -> Runs:
@@ -142,30 +128,6 @@ def settled(mover: ShardMover | None, jobs: list[ShardJob], deadline: Deadline, 
     return result
 
 
-def _result_key(job: str, rank: int) -> str:
-    return f"tp/kv/{job}/{rank}"
-
-
-def _as_error(rank: int, result: str) -> ReplicaError:
-    """The replica error of a worker's failed part."""
-    kind, _, why = result.partition("|")
-    message = f"KV migration: tensor-parallel rank {rank}'s shard: {why}"
-    errors: dict[str, type[ReplicaError]] = {"timeout": PeerTimeout, "gone": PeerUnavailable,
-                                             "layout": FailedPrecondition}
-    return errors.get(kind, ReplicaError)(message)
-
-
-def _kind(exc: BaseException) -> str:
-    """The result kind of a worker's failure (rank 0 maps it back to a status)."""
-    if isinstance(exc, TransferTimeout):
-        return "timeout"
-    if isinstance(exc, LayoutMismatch):
-        return "layout"
-    if isinstance(exc, PeerGone):
-        return "gone"
-    return "error"
-
-
 class ShardEndpoint:
     """A worker's side: its own fabric (global rank R + r) over its KV pages, and a store client
     of its own for results (the command loop's client blocks in its wait for the next step)."""
@@ -178,13 +140,13 @@ class ShardEndpoint:
         threading.Thread(target=self._move, args=(job,), name=f"tp-kv-{job.job}", daemon=True).start()
 
     def _move(self, job: ShardJob) -> None:
-        result = "ok"
+        error: BaseException | None = None
         try:
             self._transfer(job)
         except (TransferError, ValueError, KeyError) as exc:
             log.warning("shard %s of migration %s failed: %s", job.direction.value, job.job, exc)
-            result = f"{_kind(exc)}|{type(exc).__name__}: {exc}"
-        self.results.set(_result_key(job.job, self.tp_rank), result)
+            error = exc
+        report(self.results, job.job, self.tp_rank, error)
 
     def _transfer(self, job: ShardJob) -> None:
         fabric, me = self.cluster.fabric, self.cluster.rank

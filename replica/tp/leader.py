@@ -24,6 +24,7 @@ from replica.tp.group import DEFAULT_TIMEOUT_S, Command, Op, TpGroup, host_store
 from replica.tp.kvmove import ShardMover
 from replica.tp.rank import RankModel, RankSpec, build_rank, share_cpu_threads
 from replica.tp.runner import TpRunner
+from replica.tp.weights import GroupReadiness, GroupWeights
 from transfer.ranktable import load_rank_table
 
 log = logging.getLogger(__name__)
@@ -71,6 +72,7 @@ def worker_command(spec: RankSpec, rank: int, world: int, store: str, device: to
         "--world", str(world), "--store", store, "--num-blocks", str(spec.num_blocks),
         "--block-size", str(spec.block_size), "--attention-backend", spec.attention_backend,
         "--timeout", str(timeout_s), *(endpoints.args(rank) if endpoints is not None else []),
+        *(["--inactive"] if spec.inactive else []),
     ]
 
 
@@ -118,4 +120,7 @@ def start_group(spec: RankSpec, world: int, device: torch.device,
     runner = TpRunner(rank.model, rank.cache, spec.attention_backend, group)
     if endpoints is not None:
         runner.shard_mover = ShardMover(group)
+        regions = [(region.kind, region.index) for region in rank.layout.regions]
+        readiness = GroupReadiness(rank.model.config.num_layers, not spec.inactive, store, world, regions)
+        runner.group_weights = GroupWeights(group, readiness)
     return Leader(group, rank, runner, workers)

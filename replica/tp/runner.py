@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from replica.engine.backend import SeqInput
@@ -23,6 +24,7 @@ from replica.model.attention import PagedKVCache
 from replica.tp.group import Command, Op, TpGroup, TpGroupFailed
 from replica.tp.kvmove import ShardEndpoint, ShardMover
 from replica.tp.sharded import TpCausalLM
+from replica.tp.weights import GroupWeights, WeightEndpoint
 
 log = logging.getLogger(__name__)
 
@@ -37,6 +39,7 @@ class TpRunner(ModelRunner):
         self.tp_size = group.shard.world
         # set by the leader when every rank has a fabric endpoint (per-rank KV migration, kvmove.py)
         self.shard_mover: ShardMover | None = None
+        self.group_weights: GroupWeights | None = None  # likewise: per-rank weight operations
 
     def forward(self, seqs: Sequence[SeqInput]) -> ForwardOutput:
         """Every rank runs the same forward; a dead or late rank fails it with `TpGroupFailed`."""
@@ -72,7 +75,25 @@ def check_group(runner: object) -> None:
         raise TpGroupFailed(f"tensor-parallel group is broken: {runner.group.failed}")
 
 
-def serve_worker(group: TpGroup, runner: ModelRunner, endpoint: ShardEndpoint | None = None) -> None:
+@dataclass(frozen=True)
+class Endpoint:
+    """A worker's fabric endpoint: its KV shard's and its weights' side of rank 0's jobs."""
+
+    kv: ShardEndpoint
+    weights: WeightEndpoint
+
+
+def _dispatch(command: Command, endpoint: Endpoint | None) -> None:
+    """A job of rank 0 to this rank's endpoint (it runs on a thread of its own)."""
+    if endpoint is None:  # the leader publishes jobs only when every rank has an endpoint
+        log.error("a %s job came to a rank without a fabric endpoint", command.op.value)
+    elif command.op is Op.MOVE_KV:
+        endpoint.kv.run(command.arg)
+    else:
+        endpoint.weights.run(command.arg)
+
+
+def serve_worker(group: TpGroup, runner: ModelRunner, endpoint: Endpoint | None = None) -> None:
     """A worker's loop: run each forward the leader publishes until STOP or the leader is gone; a
     migration's shard job goes to `endpoint` (on a thread of its own: steps go on meanwhile)."""
     while True:
@@ -82,11 +103,8 @@ def serve_worker(group: TpGroup, runner: ModelRunner, endpoint: ShardEndpoint | 
             return
         if command.op is Op.STOP:
             return
-        if command.op is Op.MOVE_KV:
-            if endpoint is None:  # the leader publishes jobs only when every rank has an endpoint
-                log.error("a KV migration job came to a rank without a fabric endpoint")
-            else:
-                endpoint.run(command.arg)
+        if command.op in (Op.MOVE_KV, Op.WEIGHTS):
+            _dispatch(command, endpoint)
             continue
         try:
             runner.forward(command.arg)

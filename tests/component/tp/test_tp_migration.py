@@ -11,8 +11,6 @@ FAILED_PRECONDITION on both sides, naming both sizes.
 
 from __future__ import annotations
 
-import subprocess
-import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -21,9 +19,7 @@ from typing import Any, cast
 import grpc
 import pytest
 
-from pdcluster.cluster.processes import pdcluster_argv
 from protos import generate_pb2 as pb
-from protos import generate_pb2_grpc as pb_grpc
 from tests.helpers.migration_cluster import (
     decode_to_end,
     first_tokens,
@@ -31,54 +27,12 @@ from tests.helpers.migration_cluster import (
     pair,
     random_prompts,
     reference,
-    write_rank_table,
 )
-from transfer.ports import free_ports
+from tests.helpers.tp_replicas import TIMEOUT, Group, Proc, tp_replicas
 
 pytest.importorskip("transformers")
-ROOT = Path(__file__).resolve().parents[3]
-TIMEOUT = 60.0
 LENGTHS = [1, 7, 9, 17]  # pages of 4 tokens: partial, multi-page prompts
 MAX_NEW = [4, 3, 5, 2]
-
-
-class Proc:
-    """One replica process: its rank, stub and free-page count."""
-
-    def __init__(self, rank: int, stub: pb_grpc.TextGenerationServiceStub) -> None:
-        self.rank, self.stub = rank, stub
-
-    def check_all_free(self) -> None:
-        """Every page is free (a sender frees its pages on its engine thread after answering: wait)."""
-        deadline = time.monotonic() + 10
-        while True:
-            info = self.stub.Info(pb.InfoRequest(), timeout=TIMEOUT)
-            held = info.num_blocks_total - info.num_blocks_free
-            if held == 0:
-                return
-            assert time.monotonic() < deadline, f"rank {self.rank}: {held} pages still held"
-            time.sleep(0.05)
-
-
-def _start(model: Path, table: Path, rank: int, tp: int) -> tuple[subprocess.Popen[str], int]:
-    port = free_ports(1)[0]
-    argv = pdcluster_argv("replica", "--model", str(model), "--port", str(port), "--tp", str(tp),
-                          "--num-blocks", "48", "--block-size", "4", "--tp-timeout", "20",
-                          "--cluster", str(table), "--rank", str(rank))
-    process = subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    return process, port
-
-
-def _ready(stub: pb_grpc.TextGenerationServiceStub, process: subprocess.Popen[str]) -> None:
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        assert process.poll() is None, process.stderr.read() if process.stderr else ""
-        try:
-            stub.Info(pb.InfoRequest(), timeout=5)
-            return
-        except grpc.RpcError:
-            time.sleep(0.3)
-    raise AssertionError("a replica did not answer Info within 120 s")
 
 
 @pytest.fixture(scope="module")
@@ -88,23 +42,9 @@ def model(tiny_model_factory: Callable[..., Path]) -> Path:
 
 @pytest.fixture(scope="module")
 def replicas(model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[Proc]]:
-    table = write_rank_table(tmp_path_factory.mktemp("tpmig") / "ranks.json", 7)
-    started = [(rank, *_start(model, table, rank, tp)) for rank, tp in ((0, 2), (2, 2), (4, 2), (6, 1))]
-    channels = [grpc.insecure_channel(f"127.0.0.1:{port}") for _, _, port in started]
-    try:
-        procs = []
-        for (rank, process, _), channel in zip(started, channels, strict=True):
-            stub = pb_grpc.TextGenerationServiceStub(channel)
-            _ready(stub, process)
-            procs.append(Proc(rank, stub))
+    groups = [Group(0, 2), Group(2, 2), Group(4, 2), Group(6, 1)]
+    with tp_replicas(model, tmp_path_factory.mktemp("tpmig"), groups) as procs:
         yield procs
-    finally:
-        for channel in channels:
-            channel.close()
-        for _, process, _ in started:
-            process.terminate()
-        for _, process, _ in started:
-            process.wait(timeout=60)
 
 
 def _move(a: Proc, b: Proc, batch: pb.Batch) -> tuple[pb.CachedBatch, pb.ImmigrateResponse]:
