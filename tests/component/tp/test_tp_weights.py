@@ -5,11 +5,13 @@ RdmaBroadcast with the seeds' lists (src_ranks [0, 1], dst_ranks [2, 3, 4, 5]) r
 0 → 2 → 4 and 1 → 3 → 5 at once, each rank over its own fabric endpoint. Both groups then serve
 and generate exactly what transformers generates (a rank whose shard did not arrive holds zeros).
 Then B is unloaded and reloads from disk (LoadParams: each rank reads its own slices), and NvlBroadcast
-(the blocking chain, lists of the groups' rank 0s only: [0] -> [4]) fills C again.
+(the blocking chain, lists of the groups' rank 0s only: [0] -> [4]) fills C again. Last, p2p
+(SendParams / RecvParams: rank 0 → 2 and 1 → 3) and TanzBroadcast (a lane set per tp_rank).
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -61,8 +63,8 @@ def test_chain_multicast_into_two_inactive_tp2_groups(model: Path, replicas: lis
     _, b, c = replicas
     assert _state(b) == _state(c) == ("inactive", False, 0, False)
     request = pb.BroadcastRequest(src_ranks=[0, 1], dst_ranks=[2, 3, 4, 5])
-    _all([lambda p=p: p.stub.RdmaBroadcast(request, timeout=TIMEOUT) for p in replicas])
-    _all([lambda p=p: p.stub.WaitRdmaDone(pb.WaitRdmaDoneRequest(), timeout=TIMEOUT) for p in replicas])
+    _all([functools.partial(p.stub.RdmaBroadcast, request, timeout=TIMEOUT) for p in replicas])
+    _all([functools.partial(p.stub.WaitRdmaDone, pb.WaitRdmaDoneRequest(), timeout=TIMEOUT) for p in replicas])
     _check_serves(model, [b, c], 3)
 
 
@@ -74,5 +76,19 @@ def test_load_from_disk_and_blocking_chain_per_rank(model: Path, replicas: list[
     b.stub.LoadParams(pb.LoadParamsRequest(load_case=pb.LOAD_FROM_DISK, model_path=str(model)),
                       timeout=TIMEOUT)
     request = pb.BroadcastRequest(src_ranks=[0], dst_ranks=[4])  # the groups' rank 0s: chains 0→4, 1→5
-    _all([lambda p=p: p.stub.NvlBroadcast(request, timeout=TIMEOUT) for p in (a, c)])
+    _all([functools.partial(p.stub.NvlBroadcast, request, timeout=TIMEOUT) for p in (a, c)])
     _check_serves(model, [b, c], 4)
+
+
+def test_p2p_and_tanz_per_rank(model: Path, replicas: list[Proc]) -> None:
+    a, b, c = replicas
+    for proc in (b, c):
+        proc.stub.ResetStatus(pb.ResetStatusRequest(), timeout=TIMEOUT)
+    # p2p A -> B: rank 0 -> 2 and rank 1 -> 3 (the peer's rank 0 names its group)
+    _all([lambda: a.stub.SendParams(pb.SendParamsRequest(dst=2), timeout=TIMEOUT),
+          lambda: b.stub.RecvParams(pb.RecvParamsRequest(src=0), timeout=TIMEOUT)])
+    _all([functools.partial(p.stub.WaitRdmaDone, pb.WaitRdmaDoneRequest(), timeout=TIMEOUT) for p in (a, b)])
+    # Tanz from A into C: a lane set per tp_rank ([0] -> [4], [1] -> [5])
+    tanz = pb.BroadcastRequest(src_ranks=[0, 1], dst_ranks=[4, 5])
+    _all([functools.partial(p.stub.TanzBroadcast, tanz, timeout=TIMEOUT) for p in (a, c)])
+    _check_serves(model, [b, c], 5)
