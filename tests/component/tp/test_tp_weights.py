@@ -64,7 +64,8 @@ def test_chain_multicast_into_two_inactive_tp2_groups(model: Path, replicas: lis
     assert _state(b) == _state(c) == ("inactive", False, 0, False)
     request = pb.BroadcastRequest(src_ranks=[0, 1], dst_ranks=[2, 3, 4, 5])
     _all([functools.partial(p.stub.RdmaBroadcast, request, timeout=TIMEOUT) for p in replicas])
-    _all([functools.partial(p.stub.WaitRdmaDone, pb.WaitRdmaDoneRequest(), timeout=TIMEOUT) for p in replicas])
+    _all([functools.partial(p.stub.WaitRdmaDone, pb.WaitRdmaDoneRequest(), timeout=TIMEOUT)
+          for p in replicas])
     _check_serves(model, [b, c], 3)
 
 
