@@ -25,7 +25,6 @@ class Status(enum.Enum):
     DEADLINE_EXCEEDED = "DEADLINE_EXCEEDED"
     UNAVAILABLE = "UNAVAILABLE"
     PERMISSION_DENIED = "PERMISSION_DENIED"
-    UNIMPLEMENTED = "UNIMPLEMENTED"
     INTERNAL = "INTERNAL"
 
 
@@ -68,12 +67,6 @@ class FailedPrecondition(ReplicaError):
     """Weights not loaded, wrong role, or an operation out of order."""
 
     status = Status.FAILED_PRECONDITION
-
-
-class Unimplemented(ReplicaError):
-    """This replica does not run this kind of call (a caller may fall back to another way)."""
-
-    status = Status.UNIMPLEMENTED
 
 
 class PeerTimeout(ReplicaError):

@@ -32,7 +32,6 @@ from replica.errors import (
     InvalidArgument,
     ReplicaError,
     ShuttingDown,
-    Unimplemented,
 )
 from replica.links import PeerLink, connect_peers
 from replica.params.store import ParamStore
@@ -49,9 +48,7 @@ log = logging.getLogger(__name__)
 # tensor-parallel replica refuses them (replica/tp/README.md). KV migrations and weight operations run
 # on every rank (replica/tp/kvmove.py, replica/tp/weights.py).
 TP_REFUSED: frozenset[type[m.Call]] = frozenset({m.PipelinedPrefill, m.ZagPrefill, m.Relay})
-# ... and, with UNIMPLEMENTED (the router's `progressive` strategy then prefills normally and migrates
-# the batch whole, per rank): PrefillV2 MIGRATE / MIGRATE_PROGRESSIVE, whose forward runs layer by layer.
-TP_UNIMPLEMENTED: frozenset[type[m.Call]] = frozenset({m.MigratingPrefill})
+
 
 EngineHandler = Callable[[Engine, Any], Any]
 ServiceHandler = Callable[[Any, CallContext], Any]
@@ -137,12 +134,6 @@ class ReplicaCore:
     def run(self, call: m.Call, ctx: CallContext) -> Any:
         """Run any call on this thread (an ENGINE-lane one waits for its work item)."""
         ctx.check_started_in_time()
-        if self.config.tp > 1 and type(call) in TP_UNIMPLEMENTED:
-            raise Unimplemented(
-                f"{type(call).__name__} is not implemented by a tensor-parallel replica "
-                f"(--tp {self.config.tp}): its layer-by-layer forward is not broadcast to the group's "
-                "ranks; prefill normally, then Migrate / Immigrate (per rank)"
-            )
         if self.config.tp > 1 and type(call) in TP_REFUSED:
             raise FailedPrecondition(
                 f"{type(call).__name__} is not supported by a tensor-parallel replica "

@@ -3,6 +3,7 @@ for the per-rank migration and weight tests: start them, wait until they answer,
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import subprocess
 import time
@@ -33,10 +34,16 @@ class Group:
 
 @dataclass
 class Proc:
-    """One replica process: its rank and stub."""
+    """One replica process: its rank, stub and gRPC address."""
 
     rank: int
     stub: pb_grpc.TextGenerationServiceStub
+    address: str = ""
+
+    async def pages(self) -> tuple[int, int]:
+        """(total, free) KV pages, from Info (`router_core.pages_back` waits on it)."""
+        info = await asyncio.to_thread(self.stub.Info, pb.InfoRequest(), timeout=TIMEOUT)
+        return int(info.num_blocks_total), int(info.num_blocks_free)
 
     def check_all_free(self) -> None:
         """Every page is free (a sender frees its pages on its engine thread after answering: wait)."""
@@ -80,10 +87,10 @@ def tp_replicas(model: Path, tmp: Path, groups: Sequence[Group]) -> Iterator[lis
     channels = [grpc.insecure_channel(f"127.0.0.1:{port}") for _, port in started]
     try:
         procs = []
-        for group, (process, _), channel in zip(groups, started, channels, strict=True):
+        for group, (process, port), channel in zip(groups, started, channels, strict=True):
             stub = pb_grpc.TextGenerationServiceStub(channel)
             _ready(stub, process)
-            procs.append(Proc(group.rank, stub))
+            procs.append(Proc(group.rank, stub, f"127.0.0.1:{port}"))
         yield procs
     finally:
         for channel in channels:

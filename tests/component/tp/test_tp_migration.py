@@ -6,11 +6,12 @@ the batch's KV moves A → B (Migrate ‖ Immigrate), B decodes: every token equ
 one (rank 1's shard holds half the KV heads, so a shard that did not move changes the tokens). The
 partial halves: layers [0, 1) from A and [1, L) from E into one batch on B.
 Every page is free again on both sides afterwards. A tp 2 ↔ tp 1 migration fails
-FAILED_PRECONDITION on both sides, naming both sizes.
+FAILED_PRECONDITION on both sides, naming both sizes. Last, every router strategy over A and B.
 """
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -20,6 +21,10 @@ import grpc
 import pytest
 
 from protos import generate_pb2 as pb
+from router import strategies
+from router.main import kv_bytes_per_token
+from router.replicas import State
+from router.tokenizer import Tokenizer
 from tests.helpers.migration_cluster import (
     decode_to_end,
     first_tokens,
@@ -28,6 +33,9 @@ from tests.helpers.migration_cluster import (
     random_prompts,
     reference,
 )
+from tests.helpers.recording_client import recording_connect
+from tests.helpers.router_core import collect, config, greedy, pages_back, run, scheduler, tokens_of
+from tests.helpers.router_core import request as route_request
 from tests.helpers.tp_replicas import TIMEOUT, Group, Proc, tp_replicas
 
 pytest.importorskip("transformers")
@@ -127,3 +135,32 @@ def test_migration_between_different_tp_is_refused(replicas: list[Proc], directi
         assert "tp 1 vs tp 2" in str(error.details()), error.details()
     for proc in (a, c):
         proc.check_all_free()
+
+
+@pytest.mark.parametrize("strategy", strategies.names())
+def test_every_router_strategy_over_tp2_groups(strategy: str, model: Path, replicas: list[Proc]) -> None:
+    """The router over A (prefill) and B (decode): transformers' tokens and every page back. `full`
+    migrates per rank; `progressive`'s migrating prefill runs whole forwards on a tp replica and
+    sends per rank after the forward; `mutate`, `recompute`, `colocated` move no KV."""
+    want, (a, b) = greedy(model), replicas[:2]
+
+    async def body() -> None:
+        cfg = config(strategy, model=model)
+        calls: dict[str, list[str]] = {}
+        sched = scheduler(cfg, kv_bytes_per_token(model, "float32"), decoder=Tokenizer.from_model_dir(model),
+                          connect=recording_connect(cfg, calls))
+        try:
+            for proc, role in ((a, State.PREFILL), (b, State.DECODE)):
+                await sched.add_replica(proc.address, role)
+            await sched.start()
+            prompts = [[5 + i] * (3 + i) for i in range(4)]
+            results = await asyncio.gather(*(collect(sched.submit(route_request(p, 5 + i)))
+                                             for i, p in enumerate(prompts)))
+            for i, (p, events) in enumerate(zip(prompts, results, strict=True)):
+                assert tokens_of(events) == want(p, 5 + i), events
+            await pages_back([a, b])
+        finally:
+            await sched.stop()
+        if strategy in ("full", "progressive"):  # the KV moved (Migrate, or the migrating prefill)
+            assert "Immigrate" in calls[b.address], calls
+    run(body())
