@@ -5,9 +5,10 @@
                  │ its own forward                                          │ their forwards
                  └──────────── all-reduces / all-gather (deadline: the group's timeout) ──┘
 ```
-Only whole forwards are broadcast: the layer-by-layer entry points (streamed prefill for KV
-migration, zig-zag scaling) are refused under tensor parallelism, as is resizing the cache (the page
-count is fixed when the group starts, the same on every rank).
+Only whole forwards are broadcast: the layer-by-layer entry points (zig-zag scaling) are refused
+under tensor parallelism (a migrating prefill runs whole forwards instead), as is resizing the cache
+(the page count is fixed when the group starts, the same on every rank). A migration's or weight
+operation's job (MOVE_KV, WEIGHTS) goes to the worker's `Endpoint`, which runs it on a thread.
 """
 
 from __future__ import annotations
@@ -57,8 +58,7 @@ class TpRunner(ModelRunner):
 
     def embed(self, seqs: Sequence[SeqInput]) -> Any:
         """Layer-by-layer forwards are not broadcast to the workers."""
-        raise FailedPrecondition("layer-by-layer forwards (streamed KV migration, zig-zag) are not "
-                                 "supported with --tp > 1")
+        raise FailedPrecondition("layer-by-layer forwards (zig-zag scaling) are not supported with --tp > 1")
 
     def capture_graphs(self, max_batch: int) -> int:
         """None: a replayed graph would run rank 0's forward without telling the workers."""
