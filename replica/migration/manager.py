@@ -205,7 +205,8 @@ class Migrations:
         if mover is None:
             raise FailedPrecondition(
                 f"KV migration of a tensor-parallel replica (--tp {tp}) needs every rank of its group in "
-                f"the rank table (--cluster): ranks {self.cluster.rank}..{self.cluster.rank + tp - 1}")
+                f"the rank table (--cluster): ranks {self.cluster.rank + 1}..{self.cluster.rank + tp - 1} "
+                f"with tp_group {self.cluster.rank}")
         if streamed:
             raise FailedPrecondition(f"streamed KV migration (MIGRATE_PROGRESSIVE) is not supported with "
                                      f"--tp {tp}")

@@ -129,7 +129,7 @@ class WeightCalls:
         group: GroupWeights | None = getattr(engine.runner, "group_weights", None) if engine else None
         if group is None:
             raise FailedPrecondition(f"weight operations of a --tp {self.tp} replica need every rank of its "
-                                     "group in the rank table (--cluster)")
+                                     "group in the rank table (--cluster; its entries' tp_group this rank)")
         job = WeightJob.of(op, deadline, sources, dests, path)
         return _then(prepare, lambda: group.run(job, own, fills))
 

@@ -45,8 +45,9 @@ def build_tp_engine(config: ReplicaConfig) -> tuple[Engine, ParamStore]:
     weights = leader.runner.group_weights  # set when every rank has a fabric endpoint
     if weights is None and config.inactive:
         leader.stop()
+        first, last = config.rank + 1, config.rank + config.tp - 1
         raise ValueError(f"--inactive --tp {config.tp} needs every rank of the group in the rank table "
-                         f"(ranks {config.rank}..{config.rank + config.tp - 1}): the weights come to each")
+                         f"(ranks {first}..{last} with tp_group {config.rank}): the weights come to each")
     readiness = weights.readiness if weights is not None else ParamReadiness(model_config.num_layers)
     root = config.model_root or Path(config.model).resolve().parent
     # rank 0's shard: the workers run their parts of weight operations themselves (weights.py)

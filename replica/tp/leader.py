@@ -32,23 +32,26 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class Endpoints:
-    """Where the group's ranks listen for per-rank KV migration: rank r is global rank
-    `base_rank + r` of the rank table in `cluster` (contiguous, as the seeds' groups are)."""
+    """Where the group's ranks listen for per-rank KV migration and weights: rank r is global rank
+    `base_rank + r` of the rank table in `cluster` (contiguous, as the seeds' groups are), an entry
+    whose `tp_group` is `base_rank` (so another replica's rank is never taken for a worker's)."""
 
     cluster: Path
     base_rank: int
 
     @classmethod
     def of(cls, cluster: Path | None, base_rank: int, world: int) -> Endpoints | None:
-        """The group's endpoints when the table lists every rank of the group, else None (then a
-        migration is refused: see `replica.migration.manager`)."""
+        """The group's endpoints when the table lists every rank of the group (`tp_group`), else None
+        (then migrations and weight operations are refused: `replica.migration.manager`)."""
         if cluster is None:
             return None
         table = load_rank_table(cluster)
-        missing = [base_rank + r for r in range(1, world) if base_rank + r not in table]
+        ranks = [base_rank + r for r in range(1, world)]
+        missing = [r for r in ranks if r not in table or table[r].tp_group != base_rank]
         if missing:
-            log.warning("the rank table %s lists no ranks %s for tp ranks 1..%d of rank %d: KV migration "
-                        "is refused", cluster, missing, world - 1, base_rank)
+            log.warning("the rank table %s lists no ranks %s with tp_group %d (this group's tp ranks 1..%d): "
+                        "KV migrations and weight operations are refused", cluster, missing, base_rank,
+                        world - 1)
             return None
         return cls(cluster, base_rank)
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import subprocess
 import time
 from collections.abc import Iterator, Sequence
@@ -16,7 +17,6 @@ import grpc
 from pdcluster.cluster.processes import pdcluster_argv
 from protos import generate_pb2 as pb
 from protos import generate_pb2_grpc as pb_grpc
-from tests.helpers.inproc_cluster import write_rank_table
 from transfer.ports import free_ports
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -79,10 +79,21 @@ def _ready(stub: pb_grpc.TextGenerationServiceStub, process: subprocess.Popen[st
     raise AssertionError("a replica did not answer Info within 120 s")
 
 
+def _rank_table(path: Path, groups: Sequence[Group]) -> Path:
+    """A loopback rank table of every group's ranks, contiguous, each worker rank's `tp_group` its
+    group's rank 0."""
+    ports = iter(free_ports(sum(g.tp for g in groups)))
+    records = [{"rank": g.rank + r, "host": "127.0.0.1", "node": "n0", "device": "cpu",
+                "transfer_address": f"127.0.0.1:{next(ports)}", **({"tp_group": g.rank} if r else {})}
+               for g in groups for r in range(g.tp)]
+    path.write_text(json.dumps({"ranks": records}))
+    return path
+
+
 @contextlib.contextmanager
 def tp_replicas(model: Path, tmp: Path, groups: Sequence[Group]) -> Iterator[list[Proc]]:
     """The groups' processes (started at once, so they load in parallel), in `groups` order."""
-    table = write_rank_table(tmp / "ranks.json", sum(g.tp for g in groups))
+    table = _rank_table(tmp / "ranks.json", groups)
     started = [_start(model, table, group) for group in groups]
     channels = [grpc.insecure_channel(f"127.0.0.1:{port}") for _, port in started]
     try:

@@ -4,12 +4,16 @@ once every rank has it), and the workers' results mapped back to statuses."""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 import torch.distributed as dist
 
 from replica.errors import FailedPrecondition, InvalidArgument, PeerTimeout, PeerUnavailable
 from replica.model.layout import RegionKind
 from replica.tp import results
+from replica.tp.leader import Endpoints
 from replica.tp.results import await_results, report
 from replica.tp.weights import (
     GroupReadiness,
@@ -81,3 +85,17 @@ def test_worker_results_map_to_statuses(monkeypatch: pytest.MonkeyPatch) -> None
         await_results(store, "never", 2, Deadline(0.0), "x")
 
 
+
+
+def test_endpoints_only_for_ranks_the_table_puts_in_the_group(tmp_path: Path) -> None:
+    def table(tp_group: dict[str, int]) -> Path:
+        records = [{"rank": r, "host": "h", "node": "n", "device": "cpu", "transfer_address": f"h:{r + 1}",
+                    **(tp_group if r == 1 else {})} for r in range(3)]
+        path = tmp_path / f"ranks{len(tp_group)}.json"
+        path.write_text(json.dumps({"ranks": records}))
+        return path
+
+    assert Endpoints.of(table({"tp_group": 0}), 0, 2) == Endpoints(table({"tp_group": 0}), 0)
+    assert Endpoints.of(table({}), 0, 2) is None  # rank 1 is another replica (`pdcluster up`'s tables)
+    assert Endpoints.of(table({"tp_group": 0}), 1, 2) is None  # rank 2 names no group
+    assert Endpoints.of(None, 0, 2) is None
