@@ -10,7 +10,14 @@ import time
 
 import torch.distributed as dist
 
-from replica.errors import FailedPrecondition, PeerTimeout, PeerUnavailable, ReplicaError
+from replica.errors import (
+    FailedPrecondition,
+    InvalidArgument,
+    PeerTimeout,
+    PeerUnavailable,
+    ReplicaError,
+    Status,
+)
 from transfer.core import Deadline
 from transfer.errors import FabricClosed, LayoutMismatch, PeerGone
 from transfer.errors import PeerTimeout as TransferTimeout
@@ -18,7 +25,10 @@ from transfer.errors import PeerTimeout as TransferTimeout
 REPORT_GRACE_S = 2.0  # a worker's result may arrive this long after the job's deadline
 _POLL_S = 0.002
 _KINDS: dict[str, type[ReplicaError]] = {"timeout": PeerTimeout, "gone": PeerUnavailable,
-                                         "layout": FailedPrecondition, "precondition": FailedPrecondition}
+                                         "layout": FailedPrecondition, "precondition": FailedPrecondition,
+                                         "invalid": InvalidArgument}
+_STATUS_KINDS = {Status.DEADLINE_EXCEEDED: "timeout", Status.UNAVAILABLE: "gone",
+                 Status.FAILED_PRECONDITION: "precondition", Status.INVALID_ARGUMENT: "invalid"}
 
 
 def result_key(job: str, rank: int) -> str:
@@ -32,10 +42,10 @@ def kind_of(exc: BaseException) -> str:
         return "timeout"
     if isinstance(exc, LayoutMismatch):
         return "layout"
-    if isinstance(exc, PeerGone | FabricClosed | PeerUnavailable):
+    if isinstance(exc, PeerGone | FabricClosed):
         return "gone"
-    if isinstance(exc, FailedPrecondition):
-        return "precondition"
+    if isinstance(exc, ReplicaError):  # a worker's mover maps transfer errors to these already
+        return _STATUS_KINDS.get(exc.status, "error")
     return "error"
 
 

@@ -77,7 +77,9 @@ def test_worker_results_map_to_statuses(monkeypatch: pytest.MonkeyPatch) -> None
     store = _store()
     report(store, "ok", 1, None)
     await_results(store, "ok", 2, Deadline.after(1), "x")
-    for error, status in ((PeerGone("gone"), PeerUnavailable), (LayoutMismatch("tp"), FailedPrecondition)):
+    cases = ((PeerGone("gone"), PeerUnavailable), (LayoutMismatch("tp"), FailedPrecondition),
+             (PeerTimeout("late"), PeerTimeout))  # the last: a worker's mover already mapped it
+    for error, status in cases:
         report(store, "bad", 1, error)
         with pytest.raises(status, match="tensor-parallel rank 1"):
             await_results(store, "bad", 2, Deadline.after(1), "x")
