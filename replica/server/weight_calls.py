@@ -55,6 +55,8 @@ from replica.zigzag.naive_pp import naive_pp_prefill
 from replica.zigzag.outcome import Relayed, ZagOutcome
 from transfer.core import Deadline, Stream
 
+_LOAD_WAIT_S = 3600.0  # how long a --tp N LoadParams without a call deadline waits for the other ranks
+
 
 @dataclass
 class WeightState:
@@ -139,8 +141,10 @@ class WeightCalls:
         state = self._state()
         if call.case == LoadCase.DISK:
             path = state.params.resolve(call.model_name, call.model_path or None)
-            run = self._per_rank(WeightOp.LOAD_DISK, lambda: state.params.load_from_disk(path),
-                                 self._transfer_deadline(), True, path=str(path))
+            remaining = ctx.remaining()  # a load is no transfer: the call's deadline, else a long one
+            deadline = Deadline.after(_LOAD_WAIT_S if remaining is None else remaining)
+            load = functools.partial(state.params.load_from_disk, path)
+            run = self._per_rank(WeightOp.LOAD_DISK, load, deadline, True, path=str(path))
             state.ops.run_blocking("LoadParams(disk)", run)
         elif call.case == LoadCase.HOST_MEM and self.tp > 1:
             raise FailedPrecondition(f"LOAD_FROM_HOST_MEM: a --tp {self.tp} replica keeps no host-memory "
