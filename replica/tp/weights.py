@@ -27,6 +27,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
+from replica.cancellation import Cancellation
 from replica.errors import InvalidArgument, ReplicaError
 from replica.model.layout import RegionKind
 from replica.params.readiness import ParamReadiness
@@ -39,6 +40,7 @@ from transfer.errors import TransferError
 
 log = logging.getLogger(__name__)
 _jobs = itertools.count()
+_ABORT_POLL_S = 0.05
 Region = tuple[RegionKind, int]
 
 
@@ -69,6 +71,14 @@ class WeightJob:
         """A new job (a fresh id) with the time left until `deadline`."""
         return cls(f"{time.time_ns()}-{next(_jobs)}", op, tuple(sources), tuple(dests), path,
                    deadline.remaining())
+
+
+@dataclass(frozen=True)
+class WeightAbort:
+    """Rank 0's part of weight job `job` failed: fail the workers' parts now (not at their deadline)."""
+
+    job: str
+    reason: str
 
 
 def group_ranks(ranks: Sequence[int], tp: int) -> list[int]:
@@ -164,7 +174,9 @@ class GroupWeights:
         try:
             try:
                 own()
-            except BaseException:
+            except BaseException as exc:
+                reason = f"rank 0's part failed: {type(exc).__name__}: {exc}"
+                self.group.commands.publish(Command(Op.WEIGHTS, WeightAbort(job.job, reason)))
                 self._quietly(job, deadline)
                 raise
             await_results(self.group.store, job.job, self.world, deadline, f"weights ({job.op.value})")
@@ -203,27 +215,61 @@ class WeightEndpoint:
         self.params, self.mover, self.results = params, mover, results
         self.tp, self.tp_rank = tp, tp_rank
         self._lock = threading.Lock()  # one weight operation at a time (rank 0's guard holds too)
+        self._cancels: dict[str, Cancellation] = {}  # job id -> its cancellation, until it reported
+        self._jobs: dict[str, WeightJob] = {}  # likewise: the job
+        self._cancels_lock = threading.Lock()
 
-    def run(self, job: WeightJob) -> None:
-        """This rank's part of `job`, on a thread of its own (steps go on meanwhile), then report."""
-        threading.Thread(target=self._run, args=(job,), name=f"tp-weights-{job.job}", daemon=True).start()
+    def run(self, job: WeightJob | WeightAbort) -> None:
+        """This rank's part of `job`, on a thread of its own (steps go on meanwhile), then report; a
+        `WeightAbort` fails a running part at once (its transfers aborted)."""
+        if isinstance(job, WeightAbort):
+            with self._cancels_lock:
+                running = self._cancels.get(job.job)
+            if running is not None:  # else reported already
+                running.set()
+                threading.Thread(target=self._keep_aborting, args=(job,), daemon=True).start()
+            return
+        with self._cancels_lock:
+            cancel = self._cancels.setdefault(job.job, Cancellation())
+            self._jobs[job.job] = job
+        threading.Thread(target=self._run, args=(job, cancel), name=f"tp-weights-{job.job}",
+                         daemon=True).start()
 
-    def _run(self, job: WeightJob) -> None:
+    def _run(self, job: WeightJob, cancel: Cancellation) -> None:
         error: BaseException | None = None
         with self._lock:
             readiness = self.params.readiness
             assert isinstance(readiness, ReportingReadiness)
             readiness.job = job.job
             try:
-                self._part(job, Deadline.after(job.seconds))
+                self._part(job, Deadline.after(job.seconds), cancel)
             except (ReplicaError, TransferError, ValueError, KeyError, OSError) as exc:
                 log.warning("weights (%s) failed on this rank: %s", job.op.value, exc)
                 error = exc
             finally:
                 readiness.job = ""
+        with self._cancels_lock:
+            self._cancels.pop(job.job, None)
+            self._jobs.pop(job.job, None)
         report(self.results, job.job, self.tp_rank, error)
 
-    def _part(self, job: WeightJob, deadline: Deadline) -> None:
+    def _keep_aborting(self, abort: WeightAbort) -> None:
+        """Reset the part's streams with its peers until it ends: a part whose data failed goes on
+        to the confirmation (a new receive), which a peer that never came would never answer."""
+        with self._cancels_lock:
+            job = self._jobs.get(abort.job)
+        if job is None:
+            return
+        src, dst = rank_lists(job.sources, job.dests, self.tp, self.tp_rank)
+        until = Deadline.after(job.seconds)
+        while not until.expired():
+            with self._cancels_lock:
+                if abort.job not in self._jobs:
+                    return
+            self.mover.abort([*src, *dst], abort.reason)
+            time.sleep(_ABORT_POLL_S)
+
+    def _part(self, job: WeightJob, deadline: Deadline, cancel: Cancellation) -> None:
         src, dst = rank_lists(job.sources, job.dests, self.tp, self.tp_rank)
         me, mover = self.mover.rank, self.mover
         fills = job.op in (WeightOp.LOAD_DISK, WeightOp.RECV) or (
@@ -232,11 +278,13 @@ class WeightEndpoint:
             self.params.readiness.reset()
         if job.op is WeightOp.LOAD_DISK:
             self.params.load_from_disk(Path(job.path))
+        elif cancel.is_set():  # rank 0 failed before this part started
+            raise ReplicaError(f"weights ({job.op.value}): aborted by rank 0")
         elif job.op is WeightOp.SEND:
-            mover.send_to(dst[0], deadline)
+            mover.send_to(dst[0], deadline, cancel)
         elif job.op is WeightOp.RECV:
-            mover.recv_from(src[0], deadline)
+            mover.recv_from(src[0], deadline, cancel)
         elif job.op is WeightOp.CHAIN:
-            mover.chain([src[0], *dst], deadline)
+            mover.chain([src[0], *dst], deadline, cancel)
         else:
-            mover.tanz(src, dst, deadline)
+            mover.tanz(src, dst, deadline, cancel)
