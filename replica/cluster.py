@@ -319,7 +319,7 @@ def build_cluster(
                                    TorchDevices() if staged else None, **fabric_options)
     cluster.table = table
     try:
-        cluster.register_kv(cache.tensor, kv_layout_of(cache))
+        cluster.register_kv(cache.tensor, kv_layout_of(cache, getattr(config, "tp", 1)))
         cluster.register_weights(weights)
     except BaseException:
         cluster.close()

@@ -320,8 +320,9 @@ class ReplicaConfig:
             raise ValueError("--tp > 1 runs the torch engine only")
         if self.num_blocks is None:
             raise ValueError("--tp > 1 needs --num-blocks (every rank holds the same pages)")
-        if self.inactive:
-            raise ValueError("--tp > 1 cannot start --inactive yet (each rank loads its shard from --model)")
+        if self.inactive and self.cluster is None:
+            raise ValueError("--tp > 1 --inactive needs --cluster: the weights come to every rank over its "
+                             "own fabric endpoint (the group's ranks in the rank table)")
 
     def _check_simulated(self) -> None:
         if not 0 < self.scale <= 1:

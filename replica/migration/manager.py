@@ -48,6 +48,7 @@ from replica.migration.plan import (
     total_bytes,
     with_skips,
 )
+from replica.tp.kvmove import Direction, ShardMover, settled, with_shards
 from transfer.core import Deadline
 from transfer.errors import TransferError
 
@@ -117,6 +118,11 @@ class Migrations:
             raise InvalidArgument(f"rank {peer} is not a peer in the rank table (this: {self.cluster.rank})")
         return peer
 
+    def check_group(self) -> None:
+        """Under --tp N: FailedPrecondition unless every rank has a fabric endpoint. (A peer of
+        another tp size fails the KV stream's handshake: the layouts differ, `wire.as_replica_error`.)"""
+        self.mover()
+
     # ----------------------------------------------------------------------------- sender
     def migrate(
         self,
@@ -131,6 +137,7 @@ class Migrations:
         `after_reply` schedules the log line (the caller runs it once the answer went out). Once
         `cancelled` is set the transfer is aborted and the pages freed (nobody takes the answer).
         """
+        self.check_group()
         self.check_peer(route.peer)
         layers = layer_range(route.half, route.split, self.engine.runner.num_layers)
         deadline = self.deadline(call_remaining)
@@ -170,15 +177,40 @@ class Migrations:
         nbytes = total_bytes(geometry, seqs, layers)
         nonce = secrets.randbits(63)
         header = Header(int(batch.id), nonce, layers, nbytes, streamed, len(seqs), chunk_tokens)
+        mover, jobs = self.mover(streamed), []
+        if mover is not None:  # the workers move their shards once the have fixed the pages
+            regions = with_shards(regions, lambda r: jobs.append(
+                mover.start(Direction.SEND, peer, r, nonce, deadline)))
         release = self.gates.acquire(peer, deadline.remaining(), cancelled)
         fabric = self.cluster.fabric
         try:
             with aborting(cancelled, lambda: wire.abort_sender(fabric, peer, "the caller cancelled")):
-                return wire.send_kv(fabric, peer, header, regions, deadline)
+                skips = settled(mover, jobs, deadline, lambda: wire.send_kv(fabric, peer, header, regions,
+                                                                             deadline))
+            return skips
         except TransferError as exc:
             raise wire.as_replica_error(exc) from exc
         finally:
             release()
+
+    def mover(self, streamed: bool = False) -> ShardMover | None:
+        """Rank 0's `ShardMover` of a tensor-parallel replica (None at tp 1). FailedPrecondition when
+        its ranks have no fabric endpoints, or for streamed runs (layer-by-layer forwards are not
+        broadcast to the workers)."""
+        runner = self.engine.runner
+        tp = getattr(runner, "tp_size", 1)
+        if tp == 1:
+            return None
+        mover: ShardMover | None = getattr(runner, "shard_mover", None)
+        if mover is None:
+            raise FailedPrecondition(
+                f"KV migration of a tensor-parallel replica (--tp {tp}) needs every rank of its group in "
+                f"the rank table (--cluster): ranks {self.cluster.rank + 1}..{self.cluster.rank + tp - 1} "
+                f"with tp_group {self.cluster.rank}")
+        if streamed:
+            raise FailedPrecondition(f"streamed KV migration (MIGRATE_PROGRESSIVE) is not supported with "
+                                     f"--tp {tp}")
+        return mover
 
     def _all_layers(self, batch: Batch, layers: range) -> wire.Runs:
         """The runs of a batch whose every layer is in its pages: one run over all of them."""
@@ -204,6 +236,7 @@ class Migrations:
     ) -> ImmigratedBatch:
         """Admit the batch (sharing the prompt pages cached here), receive every layer of the rest of
         its prompt KV from `peer`, adopt it (decode-ready)."""
+        self.check_group()
         self.check_peer(peer)
         deadline = self.deadline(call_remaining)
         layers = range(self.engine.runner.num_layers)
@@ -250,7 +283,12 @@ class Migrations:
                     raise FailedPrecondition(reason)
                 skips = skipped_pages(batch, self.engine.block_size)
                 kept = receiver_runs(batch, geometry, with_skips(seqs, skips), layers, header)
-                wire.recv_kv(fabric, peer, header, skips, kept, deadline)
+                mover = self.mover()
+                flat = [region for run in kept for region in run]
+                jobs = [] if mover is None else [mover.start(Direction.RECV, peer, flat, header.nonce,
+                                                             deadline)]
+                settled(mover, jobs, deadline, lambda: wire.recv_kv(fabric, peer, header, skips, kept,
+                                                                     deadline))
             finally:
                 self.turns.release(peer)
         except TransferError as exc:

@@ -61,6 +61,7 @@ class PartialImmigrations:
     ) -> ImmigratedBatch:
         """Create the batch, receive layers [0, split) from `peer`, hand the batch to SECOND."""
         m = self.m
+        m.check_group()
         m.check_peer(peer)
         layers = layer_range(LayerHalf.FIRST, split, m.engine.runner.num_layers)
         deadline = m.deadline(call_remaining)
@@ -102,6 +103,7 @@ class PartialImmigrations:
     ) -> ImmigratedBatch:
         """Wait for FIRST's batch, receive layers [split, L) into it from `peer`, adopt it."""
         m = self.m
+        m.check_group()
         m.check_peer(peer)
         layers = layer_range(LayerHalf.SECOND, split, m.engine.runner.num_layers)
         deadline = m.deadline(call_remaining)

@@ -11,7 +11,9 @@ The receiver runs Immigrate concurrently, the same call in both cases: the heade
 the KV comes as one run per layer (PROGRESSIVE) or one run for all layers (MIGRATE). The forward
 goes layer by layer through the runner's own `run_layers`, the same layer code a normal prefill
 runs (on a fully loaded replica only); a layer's KV is handed to the fabric as soon as that layer
-returns, while later layers compute.
+returns, while later layers compute. A tensor-parallel replica (`--tp N`) runs whole forwards (its
+workers follow whole forwards only) and sends after the forward, per rank, for both cases: the
+header says so (not streamed), so the receiver's Immigrate is the same.
 
 Outcome: the response carries the generations (first tokens) and, when a request is still running,
 the batch as it would have been cached (`id`, requests, `max_tokens`) — for the router to pair it
@@ -81,7 +83,10 @@ class MigratingPrefill:
         """The whole PrefillV2 MIGRATE / MIGRATE_PROGRESSIVE call (`cancelled`: the caller is gone,
         the transfer is aborted and the pages freed)."""
         m = self.m
+        m.check_group()
         m.check_peer(peer)
+        # a tensor-parallel group runs whole forwards only: its KV goes after the forward (per rank)
+        progressive = progressive and not _whole_forwards(m.engine.runner)
         deadline = m.deadline(call_remaining)
         events: queue.SimpleQueue[_Event] = queue.SimpleQueue()
         item = m.worker.submit(lambda: self._forward(spec, events, progressive))
@@ -127,14 +132,20 @@ class MigratingPrefill:
         chunkable = [not r.spec.prefill_logprobs for r in requests]
         budget = engine.limits.prefill_chunk_tokens
         schedule = chunk_schedule([r.prompt_len for r in requests], chunkable, budget)
+        whole = _whole_forwards(runner)
         with runner.inference():
             for ends in schedule[:-1]:
                 seqs = [SeqInput(r.tokens[r.num_cached : end], r.pages, r.num_cached)
                         for r, end in zip(requests, ends, strict=True) if end > r.num_cached]
-                MigratingPrefill._run_layers(runner, seqs, events)
+                if whole:
+                    runner.forward(seqs)
+                else:
+                    MigratingPrefill._run_layers(runner, seqs, events)
                 for r, end in zip(requests, ends, strict=True):
                     r.num_cached = max(r.num_cached, end)
             seqs = Engine.seq_inputs(requests, with_prompt_logprobs=True)
+            if whole:
+                return runner.forward(seqs)
             hidden, ctx = MigratingPrefill._run_layers(runner, seqs, events)
             return runner.logits(hidden, ctx, seqs)
 
@@ -194,6 +205,11 @@ class MigratingPrefill:
         _result(item, deadline)  # every layer is in the pages once the forward returned
         layers = range(self.m.engine.runner.num_layers)
         yield from runs(self.m.geometry(), with_skips(seq_pages(batch), skips), layers, streamed=False)
+
+
+def _whole_forwards(runner: object) -> bool:
+    """A tensor-parallel runner broadcasts whole forwards only (not layer by layer)."""
+    return int(getattr(runner, "tp_size", 1)) > 1
 
 
 def _next(events: queue.SimpleQueue[_Event], deadline: Deadline) -> _Event:

@@ -27,6 +27,7 @@ region lengths, so their messages match.
 from __future__ import annotations
 
 import itertools
+import re
 import threading
 from collections.abc import Callable, Iterable, Sequence
 
@@ -58,7 +59,9 @@ def as_replica_error(exc: TransferError) -> ReplicaError:
     if isinstance(exc, TransferTimeout):
         return PeerTimeout(f"KV migration: {exc}")
     if isinstance(exc, LayoutMismatch):
-        return FailedPrecondition(f"KV migration: the peer's KV cache layout differs: {exc}")
+        sizes = sorted(set(re.findall(r'"tp_size":(\d+)', str(exc))), key=int)
+        differ = f" (tensor-parallel sizes differ: tp {' vs tp '.join(sizes)})" if len(sizes) > 1 else ""
+        return FailedPrecondition(f"KV migration: the peer's KV cache layout differs{differ}: {exc}")
     if isinstance(exc, PeerGone):
         return PeerUnavailable(f"KV migration: {exc}")
     return ReplicaError(f"KV migration: {type(exc).__name__}: {exc}")

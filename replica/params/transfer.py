@@ -93,8 +93,8 @@ class WeightMover:
         self._check_peer(peer)
         self.store.begin_fill(f"receiving weights from rank {peer}")
 
-    def send_to(self, peer: int, deadline: Deadline) -> None:
-        """p2p: send every region to `peer` (after `prepare_send`)."""
+    def send_to(self, peer: int, deadline: Deadline, cancelled: threading.Event | None = None) -> None:
+        """p2p: send every region to `peer` (after `prepare_send`); `cancelled` aborts it at once."""
         self._run(
             lambda: send_regions(
                 self.fabric,
@@ -107,10 +107,12 @@ class WeightMover:
             ),
             f"sending weights to rank {peer}",
             [peer],
+            cancelled,
         )
 
-    def recv_from(self, peer: int, deadline: Deadline) -> None:
-        """p2p: receive every region from `peer`, marking each ready as it lands (after `prepare_recv`)."""
+    def recv_from(self, peer: int, deadline: Deadline, cancelled: threading.Event | None = None) -> None:
+        """p2p: receive every region from `peer`, marking each ready as it lands (after `prepare_recv`);
+        `cancelled` aborts it at once."""
         self._run(
             lambda: recv_regions(
                 self.fabric,
@@ -124,6 +126,7 @@ class WeightMover:
             ),
             f"receiving weights from rank {peer}",
             [peer],
+            cancelled,
         )
 
     def prepare_chain(self, chain: Sequence[int]) -> None:
@@ -235,6 +238,10 @@ class WeightMover:
             seconds,
             nbytes / seconds / 1e9,
         )
+
+    def abort(self, members: Sequence[int], reason: str) -> None:
+        """Fail every transfer of this rank's part with `members` at once, confirmations included."""
+        self._abort(members, reason)
 
     def _abort(self, members: Sequence[int], reason: str) -> None:
         """Fail every transfer of this rank's part at once (the peers see the reset and fail too)."""

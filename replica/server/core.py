@@ -26,7 +26,13 @@ from replica.engine.engine import Engine
 from replica.engine.types import HealthState
 from replica.engine.warmup import warmup
 from replica.engine.worker import EngineWorker
-from replica.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument, ReplicaError, ShuttingDown
+from replica.errors import (
+    DeadlineExceeded,
+    FailedPrecondition,
+    InvalidArgument,
+    ReplicaError,
+    ShuttingDown,
+)
 from replica.links import PeerLink, connect_peers
 from replica.params.store import ParamStore
 from replica.server import messages as m
@@ -38,12 +44,11 @@ from transfer.core import Deadline
 
 log = logging.getLogger(__name__)
 
-# Calls that move KV pages or weights between replicas, or compute layer by layer: they would move
-# (or run) rank 0's shard only, so a tensor-parallel replica refuses them (replica/tp/README.md).
-TP_REFUSED: frozenset[type[m.Call]] = frozenset({
-    m.Migrate, m.Immigrate, m.MigratePartial, m.ImmigratePartial, m.MigratingPrefill, m.PipelinedPrefill,
-    m.ZagPrefill, m.Relay, m.LoadParams, m.SendParams, m.RecvParams, m.Broadcast,
-})
+# Calls that compute layer by layer (zig-zag scaling): they would run rank 0's shard only, so a
+# tensor-parallel replica refuses them (replica/tp/README.md). KV migrations and weight operations run
+# on every rank (replica/tp/kvmove.py, replica/tp/weights.py).
+TP_REFUSED: frozenset[type[m.Call]] = frozenset({m.PipelinedPrefill, m.ZagPrefill, m.Relay})
+
 
 EngineHandler = Callable[[Engine, Any], Any]
 ServiceHandler = Callable[[Any, CallContext], Any]
@@ -133,7 +138,7 @@ class ReplicaCore:
             raise FailedPrecondition(
                 f"{type(call).__name__} is not supported by a tensor-parallel replica "
                 f"(--tp {self.config.tp}): "
-                "KV and weight transfers move one rank's shard, and per-rank transfers are not built yet"
+                "layer-by-layer (zig-zag) prefills would run one rank's shard only"
             )
         handler = self._service_calls.get(type(call))
         if handler is not None:

@@ -6,8 +6,10 @@
  ImmigratePartial FIRST/SECOND ─► PartialImmigrations.first / .second (one batch, two senders)
  MigratingPrefill ──────────────► MigratingPrefill.run (prefill here, KV to pipe_peer)
 ```
-`src`/`dst`/`pipe_peer` are global ranks indexed by TP rank; a replica is TP degree 1, so each list
-names exactly one peer (a list of another length is INVALID_ARGUMENT). A sender's `src`, when given,
+`src`/`dst`/`pipe_peer` are global ranks indexed by TP rank: one rank (the group's rank 0; its
+other ranks follow it in the rank table) or, under `--tp N`, the group's N contiguous ranks (another
+list is INVALID_ARGUMENT). Under `--tp N` tp_rank r moves its own shard with the peer's rank + r
+(`replica/tp/kvmove.py`). A sender's `src`, when given,
 must name this replica (and a receiver's `dst`). Every side gets the call's cancellation: a
 receiver stops waiting and a sender aborts its transfer (its pages freed) once the caller is gone.
 """
@@ -69,38 +71,44 @@ class MigrationCalls:
             return parts
 
     def _me(self, ranks: Sequence[int], field: str) -> None:
-        """`field` (this side's list) is empty or names this replica."""
+        """`field` (this side's list) is empty or names this replica: its rank, or its group's ranks."""
         cluster = self.shared.cluster
         mine = cluster.rank if cluster is not None else self.shared.config.rank
-        if ranks and list(ranks) != [mine]:
-            raise InvalidArgument(f"{field} {list(ranks)} should name this replica, rank {mine}")
+        group = [mine + r for r in range(self.shared.config.tp)]
+        if ranks and list(ranks) not in ([mine], group):
+            raise InvalidArgument(f"{field} {list(ranks)} should name this replica, rank {mine} "
+                                  f"(or its group's ranks {group})")
+
+    def _one(self, ranks: Sequence[int], field: str) -> int:
+        """The peer's rank 0 (its group's other ranks follow it in the table)."""
+        return _one(ranks, field, self.shared.config.tp)
 
     def migrate(self, call: Migrate, ctx: CallContext) -> CachedBatchInfo:
         """Sender: move every layer of the batch's KV to `dst[0]`, then free it here."""
         parts = self._parts()
         self._me(call.src, "src")
-        route = Route(_one(call.dst, "dst"))
+        route = Route(self._one(call.dst, "dst"))
         return parts.full.migrate(call.batch, route, ctx.remaining(), ctx.after, ctx.cancellation)
 
     def immigrate(self, call: Immigrate, ctx: CallContext) -> ImmigratedBatch:
         """Receiver: admit the batch, receive every layer from `src[0]`, return it decode-ready."""
         parts = self._parts()
         self._me(call.dst, "dst")
-        peer = _one(call.src, "src")
+        peer = self._one(call.src, "src")
         return parts.full.immigrate(call.batch, peer, ctx.remaining(), ctx.cancellation, ctx.after)
 
     def migrate_partial(self, call: MigratePartial, ctx: CallContext) -> CachedBatchInfo:
         """Sender of one half: layers [0, num_layer) (FIRST) or [num_layer, L) (SECOND); frees the batch."""
         parts = self._parts()
         self._me(call.src, "src")
-        route = _checked(Route(_one(call.dst, "dst"), _half(call.half), call.num_layer), parts)
+        route = _checked(Route(self._one(call.dst, "dst"), _half(call.half), call.num_layer), parts)
         return parts.full.migrate(call.batch, route, ctx.remaining(), ctx.after, ctx.cancellation)
 
     def immigrate_partial(self, call: ImmigratePartial, ctx: CallContext) -> ImmigratedBatch:
         """Receiver of one half; SECOND waits for FIRST's batch and returns it decode-ready."""
         parts = self._parts()
         self._me(call.dst, "dst")
-        route = _checked(Route(_one(call.src, "src"), _half(call.half), call.num_layer), parts)
+        route = _checked(Route(self._one(call.src, "src"), _half(call.half), call.num_layer), parts)
         receive = parts.partial.first if route.half is LayerHalf.FIRST else parts.partial.second
         return receive(call.batch, route.peer, route.split, ctx.remaining(), ctx.cancellation)
 
@@ -112,11 +120,12 @@ class MigrationCalls:
         return parts.prefill.run(call.batch, peer, progressive, ctx.remaining(), ctx.cancellation)
 
 
-def _one(ranks: Sequence[int], field: str) -> int:
-    """The single peer of a TP-degree-1 list."""
-    if len(ranks) != 1:
-        raise InvalidArgument(f"{field} must name exactly one rank (TP degree 1), got {list(ranks)}")
-    return int(ranks[0])
+def _one(ranks: Sequence[int], field: str, tp: int = 1) -> int:
+    """The peer's rank 0: a one-rank list, or (tp > 1) its group's `tp` contiguous ranks."""
+    if ranks and (len(ranks) == 1 or list(ranks) == [ranks[0] + r for r in range(tp)]):
+        return int(ranks[0])
+    raise InvalidArgument(f"{field} must name one rank, or the {tp} contiguous ranks of a tensor-parallel "
+                          f"group (--tp {tp}), got {list(ranks)}")
 
 
 def _half(case: int) -> LayerHalf:

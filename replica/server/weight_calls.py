@@ -18,8 +18,10 @@ its transfers, so the guard is free again at once (`WeightMover` takes the cance
 
 from __future__ import annotations
 
+import functools
 import json
 import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -46,11 +48,14 @@ from replica.server.messages import (
     ZagPrefill,
 )
 from replica.server.shared import ServerState
+from replica.tp.weights import GroupWeights, WeightJob, WeightOp, rank_lists, tp_chain
 from replica.zigzag.activation import ActivationLink
 from replica.zigzag.manager import ZigzagManager
 from replica.zigzag.naive_pp import naive_pp_prefill
 from replica.zigzag.outcome import Relayed, ZagOutcome
 from transfer.core import Deadline, Stream
+
+_LOAD_WAIT_S = 3600.0  # how long a --tp N LoadParams without a call deadline waits for the other ranks
 
 
 @dataclass
@@ -110,13 +115,40 @@ class WeightCalls:
             return HealthState.SERVING
         return HealthState.INACTIVE if ready.empty else HealthState.LOADING
 
+    @property
+    def tp(self) -> int:
+        """The replica's tensor-parallel size."""
+        return self.shared.config.tp
+
+    def _per_rank(self, op: WeightOp, own: Callable[[], None], deadline: Deadline, fills: bool,
+                  sources: Sequence[int] = (), dests: Sequence[int] = (), path: str = "",
+                  prepare: Callable[[], None] = lambda: None) -> Callable[[], None]:
+        """`prepare` (rank 0's checks), then `own` (rank 0's part) at tp 1; under --tp N the
+        operation on every rank (`replica/tp/weights.py`), published once `prepare` passed."""
+        if self.tp == 1:
+            return _then(prepare, own)
+        engine = self.shared.engine
+        group: GroupWeights | None = getattr(engine.runner, "group_weights", None) if engine else None
+        if group is None:
+            raise FailedPrecondition(f"weight operations of a --tp {self.tp} replica need every rank of its "
+                                     "group in the rank table (--cluster; its entries' tp_group this rank)")
+        job = WeightJob.of(op, deadline, sources, dests, path)
+        return _then(prepare, lambda: group.run(job, own, fills))
+
     # ------------------------------------------------------------------------------ loading
     def load_params(self, call: LoadParams, ctx: CallContext) -> None:
         """LoadParams from disk (under the model root) or from the host-memory copy."""
         state = self._state()
         if call.case == LoadCase.DISK:
             path = state.params.resolve(call.model_name, call.model_path or None)
-            state.ops.run_blocking("LoadParams(disk)", lambda: state.params.load_from_disk(path))
+            remaining = ctx.remaining()  # a load is no transfer: the call's deadline, else a long one
+            deadline = Deadline.after(_LOAD_WAIT_S if remaining is None else remaining)
+            load = functools.partial(state.params.load_from_disk, path)
+            run = self._per_rank(WeightOp.LOAD_DISK, load, deadline, True, path=str(path))
+            state.ops.run_blocking("LoadParams(disk)", run)
+        elif call.case == LoadCase.HOST_MEM and self.tp > 1:
+            raise FailedPrecondition(f"LOAD_FROM_HOST_MEM: a --tp {self.tp} replica keeps no host-memory "
+                                     "copies (load from disk)")
         elif call.case == LoadCase.HOST_MEM:
             state.ops.run_blocking("LoadParams(host)", lambda: state.params.load_from_host(call.model_name))
         else:
@@ -126,42 +158,43 @@ class WeightCalls:
     def send_params(self, call: SendParams, ctx: CallContext) -> None:
         """SendParams: p2p to `dst` in the background."""
         mover, deadline = self._mover(), self._transfer_deadline()
-        self._state().ops.start_background(
-            "SendParams", lambda: mover.prepare_send(call.dst), lambda: mover.send_to(call.dst, deadline)
-        )
+        run = self._per_rank(WeightOp.SEND, lambda: mover.send_to(call.dst, deadline), deadline, False,
+                             dests=[call.dst])
+        self._state().ops.start_background("SendParams", lambda: mover.prepare_send(call.dst), run)
 
     def recv_params(self, call: RecvParams, ctx: CallContext) -> None:
         """RecvParams: p2p from `src` in the background."""
         mover, deadline = self._mover(), self._transfer_deadline()
-        self._state().ops.start_background(
-            "RecvParams", lambda: mover.prepare_recv(call.src), lambda: mover.recv_from(call.src, deadline)
-        )
+        run = self._per_rank(WeightOp.RECV, lambda: mover.recv_from(call.src, deadline), deadline, True,
+                             sources=[call.src])
+        self._state().ops.start_background("RecvParams", lambda: mover.prepare_recv(call.src), run)
 
     def broadcast(self, call: Broadcast, ctx: CallContext) -> None:
         """RdmaBroadcast (background chain), NvlBroadcast (blocking chain), TanzBroadcast (blocking)."""
         mover, sources, dests = self._mover(), list(call.src_ranks), list(call.dst_ranks)
-        ops = self._state().ops
+        ops, op = self._state().ops, WeightOp.TANZ if call.kind is BroadcastKind.TANZ else WeightOp.CHAIN
         if call.kind is BroadcastKind.RDMA:
-            chain, deadline = chain_of(sources, dests), self._transfer_deadline()
-            ops.start_background(
-                call.kind.value, lambda: mover.prepare_chain(chain), lambda: mover.chain(chain, deadline)
-            )
+            chain, deadline = self._chain(sources, dests), self._transfer_deadline()
+            run = self._per_rank(op, lambda: mover.chain(chain, deadline), deadline, mover.rank != chain[0],
+                                 sources, dests)
+            ops.start_background(call.kind.value, lambda: mover.prepare_chain(chain), run)
             return
         deadline, cancelled = self._transfer_deadline(ctx), ctx.cancellation
         if call.kind is BroadcastKind.NVL:
-            chain = chain_of(sources, dests)
-
-            def run() -> None:
-                mover.prepare_chain(chain)
-                mover.chain(chain, deadline, cancelled)
-
+            chain = self._chain(sources, dests)
+            prepare = functools.partial(mover.prepare_chain, chain)
+            own = functools.partial(mover.chain, chain, deadline, cancelled)
+            fills = mover.rank != chain[0]
         else:
-
-            def run() -> None:
-                mover.prepare_tanz(sources, dests)
-                mover.tanz(sources, dests, deadline, cancelled)
-
+            src, dst = (sources, dests) if self.tp == 1 else rank_lists(sources, dests, self.tp, 0)
+            prepare = functools.partial(mover.prepare_tanz, src, dst)
+            own, fills = functools.partial(mover.tanz, src, dst, deadline, cancelled), mover.rank not in src
+        run = self._per_rank(op, own, deadline, fills, sources, dests, prepare=prepare)
         ops.run_blocking(call.kind.value, run)
+
+    def _chain(self, sources: Sequence[int], dests: Sequence[int]) -> list[int]:
+        """This rank's chain: the seeds' `[src[t]] + dst[t::tp]` for tp_rank 0 of a --tp N group."""
+        return chain_of(sources, dests) if self.tp == 1 else tp_chain(sources, dests, self.tp, 0)
 
     def wait_rdma_done(self, ctx: CallContext) -> None:
         """WaitRdmaDone: join the background operation, raise its error."""
@@ -232,3 +265,13 @@ class WeightCalls:
         remaining = ctx.remaining()
         timeout = math.inf if remaining is None else remaining  # the link caps it at --transfer-timeout
         return start, link.receive(call.pipe_peer[0], engine.runner.empty_activation(tokens), timeout)
+
+
+def _then(first: Callable[[], None], second: Callable[[], None]) -> Callable[[], None]:
+    """`first`, then `second`."""
+
+    def both() -> None:
+        first()
+        second()
+
+    return both

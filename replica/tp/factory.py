@@ -18,7 +18,7 @@ from replica.engine.validation import derive_limits
 from replica.model.config import ModelConfig
 from replica.params.readiness import ParamReadiness
 from replica.params.store import ParamStore
-from replica.tp.leader import start_group
+from replica.tp.leader import Endpoints, start_group
 from replica.tp.rank import RankSpec
 
 log = logging.getLogger(__name__)
@@ -37,13 +37,20 @@ def build_tp_engine(config: ReplicaConfig) -> tuple[Engine, ParamStore]:
     meta = _meta(config, choice)
     assert config.model is not None and config.num_blocks is not None  # ReplicaConfig checked both
     spec = RankSpec(Path(config.model), choice.torch_dtype, config.num_blocks, config.block_size,
-                    choice.attention_backend)
-    leader = start_group(spec, config.tp, choice.device, config.tp_timeout)
+                    choice.attention_backend, config.inactive)
+    endpoints = Endpoints.of(Path(config.cluster) if config.cluster else None, config.rank, config.tp)
+    leader = start_group(spec, config.tp, choice.device, config.tp_timeout, endpoints=endpoints)
     atexit.register(leader.stop)
     model_config = ModelConfig.from_dir(Path(config.model))
-    readiness = ParamReadiness(model_config.num_layers, loaded=True)
+    weights = leader.runner.group_weights  # set when every rank has a fabric endpoint
+    if weights is None and config.inactive:
+        leader.stop()
+        first, last = config.rank + 1, config.rank + config.tp - 1
+        raise ValueError(f"--inactive --tp {config.tp} needs every rank of the group in the rank table "
+                         f"(ranks {first}..{last} with tp_group {config.rank}): the weights come to each")
+    readiness = weights.readiness if weights is not None else ParamReadiness(model_config.num_layers)
     root = config.model_root or Path(config.model).resolve().parent
-    # rank 0's shard only: LoadParams and weight transfers address this rank's buffer
+    # rank 0's shard: the workers run their parts of weight operations themselves (weights.py)
     params = ParamStore(leader.rank.layout, leader.rank.buffer, readiness, root, config.disk_gbps,
                         config.host_gbps)
     log.info("tensor-parallel group of %d ranks: %d pages of %d tokens per rank", config.tp,

@@ -16,6 +16,7 @@ from __future__ import annotations
 import datetime
 import enum
 import pickle
+import threading
 from dataclasses import dataclass
 from typing import Any
 
@@ -42,6 +43,8 @@ class Op(enum.Enum):
     """What the leader asks the workers to do."""
 
     FORWARD = "forward"  # one forward of the given sequences
+    MOVE_KV = "move_kv"  # this rank's part of a KV migration (`kvmove.ShardJob`), on a thread
+    WEIGHTS = "weights"  # this rank's part of a weight operation (`weights.WeightJob`), on a thread
     STOP = "stop"  # leave the loop
 
 
@@ -76,11 +79,13 @@ class CommandChannel:
     def __init__(self, store: dist.Store, readers: int) -> None:
         self.store, self.readers = store, readers
         self.count = 0  # commands published (leader) or read (worker) so far
+        self._lock = threading.Lock()  # steps (engine thread) and migrations (call threads) publish
 
     def publish(self, command: Command) -> None:
         """Leader: make `command` the next one every worker reads."""
-        self.store.set(f"tp/cmd/{self.count}", pickle.dumps(command))  # type: ignore[arg-type]
-        self.count += 1
+        with self._lock:
+            self.store.set(f"tp/cmd/{self.count}", pickle.dumps(command))  # type: ignore[arg-type]
+            self.count += 1
 
     def receive(self) -> Command:
         """Worker: the next command, waiting as long as the leader is alive (RuntimeError once it is gone)."""

@@ -9,22 +9,59 @@ Joining has the group's deadline too: a worker that never starts fails the leade
 
 from __future__ import annotations
 
+import logging
 import shutil
 import subprocess
 import sys
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
 from replica.model.layout import Shard
 from replica.model.weights import dtype_name
 from replica.tp.group import DEFAULT_TIMEOUT_S, Command, Op, TpGroup, host_store
+from replica.tp.kvmove import ShardMover
 from replica.tp.rank import RankModel, RankSpec, build_rank, share_cpu_threads
 from replica.tp.runner import TpRunner
+from replica.tp.weights import GroupReadiness, GroupWeights
+from transfer.ranktable import load_rank_table
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Endpoints:
+    """Where the group's ranks listen for per-rank KV migration and weights: rank r is global rank
+    `base_rank + r` of the rank table in `cluster` (contiguous, as the seeds' groups are), an entry
+    whose `tp_group` is `base_rank` (so another replica's rank is never taken for a worker's)."""
+
+    cluster: Path
+    base_rank: int
+
+    @classmethod
+    def of(cls, cluster: Path | None, base_rank: int, world: int) -> Endpoints | None:
+        """The group's endpoints when the table lists every rank of the group (`tp_group`), else None
+        (then migrations and weight operations are refused: `replica.migration.manager`)."""
+        if cluster is None:
+            return None
+        table = load_rank_table(cluster)
+        ranks = [base_rank + r for r in range(1, world)]
+        missing = [r for r in ranks if r not in table or table[r].tp_group != base_rank]
+        if missing:
+            log.warning("the rank table %s lists no ranks %s with tp_group %d (this group's tp ranks 1..%d): "
+                        "KV migrations and weight operations are refused", cluster, missing, base_rank,
+                        world - 1)
+            return None
+        return cls(cluster, base_rank)
+
+    def args(self, rank: int) -> list[str]:
+        """Worker `rank`'s command-line arguments naming its endpoint."""
+        return ["--cluster", str(self.cluster), "--transfer-rank", str(self.base_rank + rank)]
 
 
 def worker_command(spec: RankSpec, rank: int, world: int, store: str, device: torch.device,
-                   timeout_s: float) -> list[str]:
+                   timeout_s: float, endpoints: Endpoints | None = None) -> list[str]:
     """The command line of worker `rank`, under `setpriv --pdeathsig TERM` where util-linux has it
     (the worker dies with its leader even if the leader is killed; an exec wrapper, not a preexec_fn,
     because the leader serves gRPC and a forked gRPC process may abort before it execs). The signal
@@ -37,7 +74,8 @@ def worker_command(spec: RankSpec, rank: int, world: int, store: str, device: to
         "--dtype", dtype_name(spec.dtype), "--device", str(device), "--rank", str(rank),
         "--world", str(world), "--store", store, "--num-blocks", str(spec.num_blocks),
         "--block-size", str(spec.block_size), "--attention-backend", spec.attention_backend,
-        "--timeout", str(timeout_s),
+        "--timeout", str(timeout_s), *(endpoints.args(rank) if endpoints is not None else []),
+        *(["--inactive"] if spec.inactive else []),
     ]
 
 
@@ -64,13 +102,15 @@ class Leader:
 
 
 def start_group(spec: RankSpec, world: int, device: torch.device,
-                timeout_s: float = DEFAULT_TIMEOUT_S, host: str = "127.0.0.1") -> Leader:
-    """Spawn ranks 1..world-1, join as rank 0 and load this rank's shard."""
+                timeout_s: float = DEFAULT_TIMEOUT_S, host: str = "127.0.0.1",
+                endpoints: Endpoints | None = None) -> Leader:
+    """Spawn ranks 1..world-1, join as rank 0 and load this rank's shard; with `endpoints` every
+    worker opens its fabric endpoint and the runner moves KV per rank (`runner.shard_mover`)."""
     share_cpu_threads(world)
     store = host_store(host, world, timeout_s)
     address = f"{host}:{store.port}"
     workers = [
-        subprocess.Popen(worker_command(spec, r, world, address, device, timeout_s))
+        subprocess.Popen(worker_command(spec, r, world, address, device, timeout_s, endpoints))
         for r in range(1, world)
     ]
     try:
@@ -81,4 +121,9 @@ def start_group(spec: RankSpec, world: int, device: torch.device,
             worker.kill()
         raise
     runner = TpRunner(rank.model, rank.cache, spec.attention_backend, group)
+    if endpoints is not None:
+        runner.shard_mover = ShardMover(group)
+        regions = [(region.kind, region.index) for region in rank.layout.regions]
+        readiness = GroupReadiness(rank.model.config.num_layers, not spec.inactive, store, world, regions)
+        runner.group_weights = GroupWeights(group, readiness)
     return Leader(group, rank, runner, workers)

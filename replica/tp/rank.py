@@ -29,6 +29,7 @@ class RankSpec:
     num_blocks: int
     block_size: int
     attention_backend: str = "torch"
+    inactive: bool = False  # start without weights (zeros): they come by LoadParams or a multicast
 
 
 def rank_device(base: torch.device, rank: int) -> torch.device:
@@ -54,13 +55,16 @@ class RankModel:
 
 
 def build_rank(spec: RankSpec, group: TpGroup, device: torch.device) -> RankModel:
-    """Load this rank's shard onto `device` and allocate its own pages."""
+    """Load this rank's shard onto `device` (none when `spec.inactive`) and allocate its own pages."""
     config = ModelConfig.from_dir(spec.model_dir)
     shard: Shard = group.shard
     layout = rank_layout(config, spec.dtype, shard)
     buffer = allocate_buffer(layout, str(device))
     model = build_rank_model(config, buffer, spec.dtype, shard)
-    load_weights(spec.model_dir, layout, buffer)
+    if spec.inactive:
+        buffer.zero_()
+    else:
+        load_weights(spec.model_dir, layout, buffer)
     cache = PagedKVCache.for_model(rank_config(config, shard), spec.num_blocks, spec.block_size, spec.dtype,
                                    str(device))
     return RankModel(layout, buffer, model, cache)

@@ -5,15 +5,17 @@
                  │ its own forward                                          │ their forwards
                  └──────────── all-reduces / all-gather (deadline: the group's timeout) ──┘
 ```
-Only whole forwards are broadcast: the layer-by-layer entry points (streamed prefill for KV
-migration, zig-zag scaling) are refused under tensor parallelism, as is resizing the cache (the page
-count is fixed when the group starts, the same on every rank).
+Only whole forwards are broadcast: the layer-by-layer entry points (zig-zag scaling) are refused
+under tensor parallelism (a migrating prefill runs whole forwards instead), as is resizing the cache
+(the page count is fixed when the group starts, the same on every rank). A migration's or weight
+operation's job (MOVE_KV, WEIGHTS) goes to the worker's `Endpoint`, which runs it on a thread.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from replica.engine.backend import SeqInput
@@ -21,7 +23,9 @@ from replica.engine.runner import ForwardOutput, ModelRunner
 from replica.errors import FailedPrecondition, ReplicaError
 from replica.model.attention import PagedKVCache
 from replica.tp.group import Command, Op, TpGroup, TpGroupFailed
+from replica.tp.kvmove import ShardEndpoint, ShardMover
 from replica.tp.sharded import TpCausalLM
+from replica.tp.weights import GroupWeights, WeightEndpoint
 
 log = logging.getLogger(__name__)
 
@@ -33,6 +37,10 @@ class TpRunner(ModelRunner):
                  group: TpGroup) -> None:
         super().__init__(model, cache, attention_backend)  # type: ignore[arg-type]
         self.group = group
+        self.tp_size = group.shard.world
+        # set by the leader when every rank has a fabric endpoint (per-rank KV migration, kvmove.py)
+        self.shard_mover: ShardMover | None = None
+        self.group_weights: GroupWeights | None = None  # likewise: per-rank weight operations
 
     def forward(self, seqs: Sequence[SeqInput]) -> ForwardOutput:
         """Every rank runs the same forward; a dead or late rank fails it with `TpGroupFailed`."""
@@ -50,8 +58,7 @@ class TpRunner(ModelRunner):
 
     def embed(self, seqs: Sequence[SeqInput]) -> Any:
         """Layer-by-layer forwards are not broadcast to the workers."""
-        raise FailedPrecondition("layer-by-layer forwards (streamed KV migration, zig-zag) are not "
-                                 "supported with --tp > 1")
+        raise FailedPrecondition("layer-by-layer forwards (zig-zag scaling) are not supported with --tp > 1")
 
     def capture_graphs(self, max_batch: int) -> int:
         """None: a replayed graph would run rank 0's forward without telling the workers."""
@@ -68,8 +75,27 @@ def check_group(runner: object) -> None:
         raise TpGroupFailed(f"tensor-parallel group is broken: {runner.group.failed}")
 
 
-def serve_worker(group: TpGroup, runner: ModelRunner) -> None:
-    """A worker's loop: run each forward the leader publishes until STOP or the leader is gone."""
+@dataclass(frozen=True)
+class Endpoint:
+    """A worker's fabric endpoint: its KV shard's and its weights' side of rank 0's jobs."""
+
+    kv: ShardEndpoint
+    weights: WeightEndpoint
+
+
+def _dispatch(command: Command, endpoint: Endpoint | None) -> None:
+    """A job of rank 0 to this rank's endpoint (it runs on a thread of its own)."""
+    if endpoint is None:  # the leader publishes jobs only when every rank has an endpoint
+        log.error("a %s job came to a rank without a fabric endpoint", command.op.value)
+    elif command.op is Op.MOVE_KV:
+        endpoint.kv.run(command.arg)
+    else:
+        endpoint.weights.run(command.arg)
+
+
+def serve_worker(group: TpGroup, runner: ModelRunner, endpoint: Endpoint | None = None) -> None:
+    """A worker's loop: run each forward the leader publishes until STOP or the leader is gone; a
+    migration's shard job goes to `endpoint` (on a thread of its own: steps go on meanwhile)."""
     while True:
         try:
             command = group.commands.receive()
@@ -77,6 +103,9 @@ def serve_worker(group: TpGroup, runner: ModelRunner) -> None:
             return
         if command.op is Op.STOP:
             return
+        if command.op in (Op.MOVE_KV, Op.WEIGHTS):
+            _dispatch(command, endpoint)
+            continue
         try:
             runner.forward(command.arg)
         except ReplicaError as error:  # the leader refused the same inputs before any collective

@@ -7,17 +7,28 @@ until the leader stops it or goes away.
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 from pathlib import Path
 
 import torch
 
+from replica.cluster import WEIGHT_BUFFER, ReplicaCluster, kv_layout_of, needs_staging
 from replica.engine.runner import ModelRunner
 from replica.model.layout import Shard
 from replica.model.weights import TORCH_DTYPES
+from replica.params.store import ParamStore
+from replica.params.transfer import WeightMover
 from replica.tp.group import TpGroup, join_store
-from replica.tp.rank import RankSpec, build_rank, rank_device, share_cpu_threads
-from replica.tp.runner import serve_worker
+from replica.tp.kvmove import SHARD_STREAM, ShardEndpoint
+from replica.tp.rank import RankModel, RankSpec, build_rank, rank_device, share_cpu_threads
+from replica.tp.runner import Endpoint, serve_worker
+from replica.tp.weights import ReportingReadiness, WeightEndpoint
+from transfer.buffers import device_type
+from transfer.core import Stream
+from transfer.fabric import FabricKind
+from transfer.ranktable import load_rank_table
+from transfer.staged.device import TorchDevices
 
 log = logging.getLogger(__name__)
 
@@ -34,7 +45,34 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--block-size", type=int, required=True)
     parser.add_argument("--attention-backend", default="torch")
     parser.add_argument("--timeout", type=float, required=True, help="seconds every collective may take")
+    parser.add_argument("--cluster", type=Path, default=None,
+                        help="the rank table: this rank's fabric endpoint is entry --transfer-rank")
+    parser.add_argument("--transfer-rank", type=int, default=None, help="this rank's global rank")
+    parser.add_argument("--inactive", action="store_true", help="start without weights")
     return parser
+
+
+def _endpoint(args: argparse.Namespace, rank: RankModel, host: str, port: int) -> Endpoint | None:
+    """This rank's fabric endpoint for per-rank KV migration and weights (none without a rank table)."""
+    if args.cluster is None or args.transfer_rank is None:
+        return None
+    cache = rank.cache
+    devices = [device_type(cache.tensor), device_type(rank.buffer)]
+    staging = TorchDevices() if needs_staging(FabricKind.TCP, devices) else None
+    cluster = ReplicaCluster.start(FabricKind.TCP, load_rank_table(args.cluster), args.transfer_rank, "",
+                                   staging)
+    layout = kv_layout_of(cache, args.world)
+    cluster.register_kv(cache.tensor, layout)
+    for stream in (SHARD_STREAM, SHARD_STREAM + 1):
+        cluster.fabric.set_layout(stream, layout.descriptor())
+    cluster.register_weights(rank.buffer)
+    cluster.fabric.set_layout(Stream.PARAMS, "weights:" + json.dumps(rank.layout.signature()))
+    results = join_store(host, port, args.world, args.timeout)
+    readiness = ReportingReadiness(rank.model.config.num_layers, results, args.rank)
+    params = ParamStore(rank.layout, rank.buffer, readiness, Path(args.model).resolve().parent)
+    weights = WeightEndpoint(params, WeightMover(cluster.fabric, params, WEIGHT_BUFFER), results,
+                             args.world, args.rank)
+    return Endpoint(ShardEndpoint(cluster, results, args.rank), weights)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -47,13 +85,16 @@ def main(argv: list[str] | None = None) -> None:
     store = join_store(host, int(port), args.world, args.timeout)
     group = TpGroup(Shard(args.rank, args.world), store, device, args.timeout)
     spec = RankSpec(args.model, TORCH_DTYPES[args.dtype], args.num_blocks, args.block_size,
-                    args.attention_backend)
+                    args.attention_backend, args.inactive)
     rank = build_rank(spec, group, device)
     runner = ModelRunner(rank.model, rank.cache, spec.attention_backend)  # type: ignore[arg-type]
+    endpoint = _endpoint(args, rank, host, int(port))
     log.info("joined as rank %d of %d on %s", args.rank, args.world, device)
     try:
-        serve_worker(group, runner)
+        serve_worker(group, runner, endpoint)
     finally:
+        if endpoint is not None:
+            endpoint.kv.close()
         group.close()
 
 

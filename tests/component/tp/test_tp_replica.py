@@ -1,8 +1,8 @@
 """`pdcluster replica --tp 2`: rank 0 serves gRPC and drives rank 1; Info says tp_size 2 and a
-greedy request decodes transformers' tokens through Prefill and Decode; KV migration (which would
-move rank 0's shard only) is refused with FAILED_PRECONDITION; once the worker is killed the next
-step fails UNAVAILABLE (this replica's own fault: no peer cause) and so does Health; stopping the
-replica ends its worker."""
+greedy request decodes transformers' tokens through Prefill and Decode; without its ranks in a
+rank table a migration (or migrating prefill) is refused with FAILED_PRECONDITION; once the worker
+is killed the next step fails UNAVAILABLE (this replica's own fault: no peer cause) and so does
+Health; stopping the replica ends its worker."""
 
 from __future__ import annotations
 
@@ -52,10 +52,18 @@ def _greedy(stub: pb_grpc.TextGenerationServiceStub) -> list[int]:
 
 
 def _check_migration_refused(stub: pb_grpc.TextGenerationServiceStub) -> None:
-    with pytest.raises(grpc.RpcError) as refused:
-        stub.Migrate(pb.MigrateRequest(batch=batch(2, request(2, PROMPT, 1)), src=[0], dst=[1]), timeout=30)
-    assert refused.value.code() is grpc.StatusCode.FAILED_PRECONDITION
-    assert "tensor-parallel replica (--tp 2)" in str(refused.value.details())
+    # a replica whose group's ranks are not in a rank table (no --cluster) has no per-rank endpoints
+    calls = [
+        lambda: stub.PrefillV2(pb.PrefillV2Request(batch=batch(2, request(2, PROMPT, 1)), pipe_peer=[2],
+                                                   forward_case=pb.MIGRATE_PROGRESSIVE), timeout=30),
+        lambda: stub.Migrate(pb.MigrateRequest(batch=batch(2, request(2, PROMPT, 1)), src=[0], dst=[2]),
+                             timeout=30),
+    ]
+    for call in calls:
+        with pytest.raises(grpc.RpcError) as refused:
+            call()
+        assert refused.value.code() is grpc.StatusCode.FAILED_PRECONDITION
+        assert "every rank of its group in the rank table" in str(refused.value.details())
 
 
 def _tp_workers(pid: int) -> list[int]:
