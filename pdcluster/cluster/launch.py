@@ -88,6 +88,9 @@ class LaunchConfig:
     wheelhouse: Path | None = field(default=None, metadata={"help": (
         "a `pdcluster wheelhouse` folder: copied to every node and installed there (pip --no-index) "
         "before discovery; unset = launch.wheelhouse")})
+    tp: int = field(default=0, metadata={"help": (
+        "ranks of every replica's tensor-parallel group (consecutive CUDA devices of one node, or "
+        "slices of a CPU worker's cores) of nodes without a tp of their own; 0 = launch.tp")})
 
     def __post_init__(self) -> None:
         self.file = Path(self.file)
@@ -95,6 +98,8 @@ class LaunchConfig:
             raise ValueError(f"--gpu-memory-fraction must be in (0, 1], got {self.gpu_memory_fraction}")
         if self.wheelhouse is not None:
             self.wheelhouse = Path(self.wheelhouse)
+        if self.tp < 0:
+            raise ValueError(f"--tp must be >= 1 (0 = the cluster file's), got {self.tp}")
 
 
 class LaunchError(RuntimeError):
@@ -121,6 +126,8 @@ def load(config: LaunchConfig) -> tuple[ClusterFile, Via]:
         changes["gpu_memory_fraction"] = config.gpu_memory_fraction
     if config.wheelhouse is not None:
         changes["wheelhouse"] = config.wheelhouse.resolve()
+    if config.tp:
+        changes["tp"] = config.tp
     if changes:
         cluster = with_launch(cluster, **changes)
     if cluster.launch.wheelhouse is not None:
@@ -369,7 +376,7 @@ class Launch:
 
     def _replica_records(self) -> tuple[ReplicaRecord, ...]:
         procs: list[Proc | None] = [*self.replicas] or [None] * len(self.placements)
-        return tuple(ReplicaRecord(p.rank, p.role, p.node.name, p.address, p.device, p.nic,
+        return tuple(ReplicaRecord(p.rank, p.role, p.node.name, p.address, p.device_label, p.nic,
                                    str(r.log) if r else "", _state(r), len(r.restarts) if r else 0)
                      for p, r in zip(self.placements, procs, strict=True))
 
@@ -446,8 +453,9 @@ def _describe(inv: Inventory) -> str:
 
 def _describe_placement(p: Placement) -> str:
     cores = f" cores={','.join(map(str, p.engine_cpus))}" if p.engine_cpus else ""
-    return (f"rank {p.rank} {p.role} on {p.node.name}: {p.device} nic={p.nic or '-'} grpc={p.address} "
-            f"transfer={p.node.transfer_host}:{p.transfer_port}{cores}")
+    group = f" tp={p.tp} ranks={p.rank}-{p.rank + p.tp - 1}" if p.tp > 1 else ""
+    return (f"rank {p.rank} {p.role} on {p.node.name}: {p.device_label} nic={p.nic or '-'} grpc={p.address} "
+            f"transfer={p.node.transfer_host}:{p.transfer_port}{group}{cores}")
 
 
 def _progress(text: str) -> None:
