@@ -297,7 +297,8 @@ class LocalCluster:
         threads = c.torch_threads or (1 if self.placement else shared)
         # Fixed gRPC ports (not --port 0): a restarted replica comes back where the router looks for it.
         n = len(self.roles())
-        drawn = free_ports(2 * n, c.host)  # drawn together: a gRPC and a transfer port never coincide
+        # drawn together: a gRPC and a transfer port never coincide; a transfer port per rank of a tp group
+        drawn = free_ports(n + n * c.tp, c.host)
         ports, fabric = drawn[:n], self._fabric_args(drawn[n:])
         security = c.tls_args() + self._token_args()
         engine = c.engine_spec()
@@ -327,7 +328,8 @@ class LocalCluster:
         its device from `self.devices`, set by `place_devices`)."""
         c = self.config
         args = ["replica", "--model", str(self.model_dir), "--host", c.host, "--port", str(port),
-                "--rank", str(rank), *common, *(self.devices[rank].replica_args() if self.devices else [])]
+                "--rank", str(rank * c.tp), *common,  # a tp group holds ranks rank*tp .. rank*tp + tp - 1
+                *(self.devices[rank].replica_args() if self.devices else [])]
         if role == "inactive":
             args += ["--inactive", *(["--host-cache"] if c.host_cache else [])]
         return args + self._engine_args(role, rank - c.prefill)
@@ -356,12 +358,15 @@ class LocalCluster:
         return ["--cluster-token-file", str(path.resolve())]
 
     def _fabric_args(self, ports: list[int]) -> list[str]:
-        """`--cluster RANKS --fabric tcp`: this machine's rank table (replica i's transfer port: ports[i])."""
+        """`--cluster RANKS --fabric tcp`: this machine's rank table (rank i's transfer port: ports[i]).
+        Under `--tp N` replica k is the group of global ranks k*N .. k*N + N - 1, an entry each."""
         from transfer.ranktable import RankTable
 
+        tp = self.config.tp
         table = RankTable.local(ports, self.config.host)
-        if self.config.link_gbps:  # every replica its own node behind an emulated NIC
-            table = RankTable(tuple(dataclasses.replace(e, node=f"n{e.rank}", link_gbps=self.config.link_gbps)
+        if self.config.link_gbps:  # every replica (its group's ranks together) its own node behind a NIC
+            gbps = self.config.link_gbps
+            table = RankTable(tuple(dataclasses.replace(e, node=f"n{e.rank // tp}", link_gbps=gbps)
                                     for e in table.entries))
         if needs_store(self.config.fabric):  # nccl/rdma meet through a store that outlives every replica
             from transfer.store import serve_store
