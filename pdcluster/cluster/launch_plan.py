@@ -33,7 +33,6 @@ from pdcluster.cluster.extra_flags import flag_args
 from pdcluster.discovery.inventory import Inventory
 from transfer.ranktable import RankTable
 
-PORTS_PER_REPLICA = 2  # gRPC, transfer (and one more transfer port per further rank of a tp group)
 AUTO_DEVICE_BOUND = 16  # ports drawn for a node whose device count only discovery knows
 
 

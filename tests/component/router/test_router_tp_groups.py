@@ -1,7 +1,7 @@
 """The router's view of tensor-parallel groups, over fake tp2 replicas: a group is one replica whose
 global ranks are `rank` .. `rank + tp - 1`; Migrate/Immigrate name one rank per tp_rank on each side
-(full and progressive), a chain multicast into two inactive groups names every rank of every group
-(groups contiguous), a decode group is preferred over one of another size, and ListReplicas and
+(full and progressive), a chain or Tanz multicast into two inactive groups names every rank of every
+group (groups contiguous), a decode group is preferred over one of another size, and ListReplicas and
 /metrics show the group's size."""
 
 from __future__ import annotations
@@ -48,20 +48,23 @@ def test_kv_moves_name_one_rank_per_tp_rank(strategy: Strategy) -> None:
     run(body(), timeout=30)
 
 
-def test_chain_multicast_into_two_groups_names_every_rank() -> None:
+@pytest.mark.parametrize(("method", "sources"), [(Method.CHAIN, 1), (Method.TANZ, 2)])
+def test_multicast_into_two_groups_names_every_rank(method: Method, sources: int) -> None:
     async def body() -> None:
         fabric = FakeFabric()
-        fakes = [FakeReplica(0, fabric, tp=2), FakeReplica(2, fabric, tp=2, loaded=False),
-                 FakeReplica(4, fabric, tp=2, loaded=False)]
+        fakes = [FakeReplica(2 * i, fabric, tp=2, loaded=i < sources) for i in range(sources + 2)]
+        roles = [State.DECODE] * sources + [State.INACTIVE] * 2
         sched = scheduler(config(Strategy.FULL))
         try:
-            for fake, role in zip(fakes, (State.DECODE, State.INACTIVE, State.INACTIVE), strict=True):
+            for fake, role in zip(fakes, roles, strict=True):
                 await sched.add_replica(await fake.start(), role)
             await sched.start()
             ids = [h.id for h in sched.replicas.values()]
-            await control.activate(sched, ids[1:], State.DECODE, Method.CHAIN)
-            # tp_rank t's chain: [src_ranks[t]] + dst_ranks[t::2] = (0, 2, 4) and (1, 3, 5)
-            assert {f.rank_lists[0] for f in fakes} == {("RdmaBroadcast", (0, 1), (2, 3, 4, 5))}
+            await control.activate(sched, ids[sources:], State.DECODE, method, ids[:sources])
+            # chain: tp_rank t's chain is [src_ranks[t]] + dst_ranks[t::2] = (0, 2, 4) and (1, 3, 5)
+            src = tuple(range(2 * sources))
+            call = "RdmaBroadcast" if method is Method.CHAIN else "TanzBroadcast"
+            assert {f.rank_lists[0] for f in fakes} == {(call, src, tuple(range(len(src), len(src) + 4)))}
             assert all(sched.replicas[i].state.role in (State.PREFILL, State.DECODE) for i in ids)
         finally:
             await sched.stop()
