@@ -130,9 +130,28 @@ def load(config: LaunchConfig) -> tuple[ClusterFile, Via]:
         changes["tp"] = config.tp
     if changes:
         cluster = with_launch(cluster, **changes)
+    check_tp_cuts(cluster)
     if cluster.launch.wheelhouse is not None:
         read_manifest(cluster.launch.wheelhouse)  # not a wheelhouse: refused before anything starts
     return cluster, Via(config.via) if config.via else cluster.launch.via
+
+
+def check_tp_cuts(cluster: ClusterFile) -> None:
+    """Every `tp` of the file cuts the checkpoint's heads, MLP and vocabulary evenly, checked on its
+    config.json here (the router reads the checkpoint here too) before any node is reached; a
+    checkpoint missing here is left to the nodes' discovery to name."""
+    from replica.model.config import ModelConfig, UnsupportedModel
+    from replica.model.layout import Shard, WeightLayout
+
+    path = cluster.model.path
+    for node in cluster.nodes:
+        tp = cluster.tp_of(node)
+        if tp == 1 or not (path / "config.json").is_file():
+            continue
+        try:
+            WeightLayout.for_config(ModelConfig.from_dir(path), "float32", Shard(0, tp))
+        except UnsupportedModel as exc:
+            raise cluster.error(cluster.tp_where(node), f"tp {tp} on {node.name}: {exc}") from None
 
 
 class Launch:

@@ -5,6 +5,7 @@ tp_rank, `--tp N` on its command line, and groups that do not fit refused naming
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from pathlib import Path, PurePosixPath
 
 import pytest
@@ -97,3 +98,14 @@ def test_the_command_line_tp_overrides_the_launch_default(tmp_path: Path) -> Non
         place(cluster, inventories(tmp_path, cluster))
     with pytest.raises(ValueError, match="--tp must be >= 1"):
         LaunchConfig(path, tp=-1)
+
+
+def test_a_tp_that_does_not_cut_the_checkpoint_is_refused_before_any_node_is_reached(
+    tmp_path: Path, tiny_model_factory: Callable[..., Path]
+) -> None:
+    text = MIXED.replace('path = "/models/m"', f'path = "{tiny_model_factory()}"')
+    path = tp_file(tmp_path, text.replace("devices = [0]", "devices = [0]\ntp = 1"))
+    load(LaunchConfig(path, tp=2))  # 4 heads, 2 KV heads: cut in two
+    with pytest.raises(ClusterFileError, match=r"c.toml:\d+: tp 3 on dgx: tensor parallel degree 3 does "
+                                               r"not divide num_attention_heads=4"):
+        load(LaunchConfig(path, tp=3))
