@@ -18,7 +18,9 @@ unless it says so):
 - `nic`: the network interface closest to the device (or holding the transfer address), "" unknown;
 - `rdma_device`: that NIC's RDMA device ("mlx5_0"), "" when it has none;
 - `numa_node`: the device's (or CPU worker's cores') NUMA node, null when unknown;
-- `nic_gbps`: the NIC's line rate as the cluster file gives it (0: not given; not paced).
+- `nic_gbps`: the NIC's line rate as the cluster file gives it (0: not given; not paced);
+- `tp_group`: the global rank of the tensor-parallel group the rank belongs to (its rank 0), for
+  the ranks R+1..R+N-1 of a `--tp N` replica at rank R (absent: a group of one).
 
 A top-level `"store": "HOST:PORT"` (optional; tables without it stay valid) names the rendezvous
 store every rank reaches (`transfer/store.py`): where the nccl and rdma fabrics exchange set-up data.
@@ -36,7 +38,7 @@ from typing import Any
 from transfer.core import Rank
 
 _REQUIRED = ("rank", "host", "node", "device", "transfer_address")
-_OPTIONAL = ("grpc_port", "link_gbps", "nic", "rdma_device", "numa_node", "nic_gbps")
+_OPTIONAL = ("grpc_port", "link_gbps", "nic", "rdma_device", "numa_node", "nic_gbps", "tp_group")
 
 
 class RankTableError(ValueError):
@@ -58,6 +60,10 @@ class RankEntry:
     rdma_device: str = ""
     numa_node: int | None = None
     nic_gbps: float = 0.0
+    tp_group: int | None = None
+    """The global rank of the tensor-parallel group this rank belongs to (its rank 0, the process
+    serving gRPC); None: a group of one, or not said. A `--tp N` replica at rank R gives its ranks
+    R+1..R+N-1 fabric endpoints of their own only when their entries say `tp_group` R."""
 
     @property
     def transfer_host(self) -> str:
@@ -117,7 +123,7 @@ class RankTable:
 
     def to_json(self) -> str:
         """The JSON form `load_rank_table` reads back."""
-        ranks = [asdict(entry) for entry in self.entries]
+        ranks = [_record(entry) for entry in self.entries]
         return json.dumps({"store": self.store, "ranks": ranks} if self.store else {"ranks": ranks}, indent=1)
 
     @classmethod
@@ -133,6 +139,14 @@ class RankTable:
                 RankEntry(Rank(i), host, node, "cpu", f"{host}:{port}") for i, port in enumerate(ports)
             )
         )
+
+
+def _record(entry: RankEntry) -> dict[str, Any]:
+    """The entry's file form (`tp_group` only when set: tables without groups read as before)."""
+    record = asdict(entry)
+    if record["tp_group"] is None:
+        del record["tp_group"]
+    return record
 
 
 def _entry(record: Mapping[str, Any]) -> RankEntry:
@@ -159,6 +173,7 @@ def _entry(record: Mapping[str, Any]) -> RankEntry:
         rdma_device=str(record.get("rdma_device", "")),
         numa_node=_numa_node(record.get("numa_node")),
         nic_gbps=float(record.get("nic_gbps", 0.0)),
+        tp_group=_optional_rank("tp_group", record.get("tp_group")),
     )
 
 
@@ -169,10 +184,14 @@ def _check_address(what: str, address: str) -> None:
 
 
 def _numa_node(value: Any) -> int | None:
+    return _optional_rank("numa_node", value)
+
+
+def _optional_rank(what: str, value: Any) -> int | None:
     if value is None:
         return None
     if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-        raise RankTableError(f"numa_node {value!r} is not a non-negative integer or null")
+        raise RankTableError(f"{what} {value!r} is not a non-negative integer or null")
     return value
 
 

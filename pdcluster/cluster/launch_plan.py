@@ -286,12 +286,13 @@ def rank_table(placements: list[Placement], store: str = "") -> RankTable:
 
 def _rank_records(p: Placement) -> list[dict[str, object]]:
     """One rank-table entry per rank of the replica's group (rank 0 holds the gRPC port; the group's
-    NIC is rank 0's)."""
+    NIC is rank 0's; ranks 1.. say `tp_group` = rank 0's rank, which gives them fabric endpoints of
+    their own, `replica/tp`)."""
     ports = (p.transfer_port, *p.group_ports)
     return [{"rank": p.rank + r, "host": p.node.address, "node": p.node.name, "device": device,
              "transfer_address": f"{p.node.transfer_host}:{ports[r]}", "grpc_port": p.port if r == 0 else 0,
              "nic": p.nic, "rdma_device": p.rdma_device, "numa_node": p.numa_node,
-             "nic_gbps": p.node.nic_gbps}
+             "nic_gbps": p.node.nic_gbps, **({"tp_group": p.rank} if r else {})}
             for r, device in enumerate(p.rank_devices)]
 
 

@@ -364,6 +364,8 @@ class LocalCluster:
 
         tp = self.config.tp
         table = RankTable.local(ports, self.config.host)
+        if tp > 1:  # ranks 1.. of each group name it (their own fabric endpoints, `replica/tp`)
+            table = RankTable(tuple(dataclasses.replace(e, tp_group=_tp_group(e.rank, tp)) for e in table))
         if self.config.link_gbps:  # every replica (its group's ranks together) its own node behind a NIC
             gbps = self.config.link_gbps
             table = RankTable(tuple(dataclasses.replace(e, node=f"n{e.rank // tp}", link_gbps=gbps)
@@ -446,3 +448,9 @@ class LocalCluster:
 def run(config: UpConfig) -> int:
     """Entry point of `pdcluster up`: start, print the ready line, run until Ctrl-C / SIGTERM."""
     return supervise("pdcluster up", LocalCluster(config))
+
+
+def _tp_group(rank: int, tp: int) -> int | None:
+    """The `tp_group` of global rank `rank` when every replica is a group of `tp` ranks: its rank 0's
+    rank for ranks 1.. of a group, None for a rank 0."""
+    return rank - rank % tp if rank % tp else None

@@ -52,6 +52,7 @@ def test_groups_take_consecutive_devices_and_one_rank_each(tmp_path: Path) -> No
     assert [(e.device, e.grpc_port, e.transfer_address) for e in (table[0], table[1])] == [
         ("cuda:0", 7000, "192.168.0.1:7001"), ("cuda:1", 0, "192.168.0.1:7002")]
     assert (table[10].device, table[10].grpc_port, table[10].transfer_address) == ("cpu", 0, "10.0.0.3:7202")
+    assert [table[r].tp_group for r in (0, 1, 2, 3, 8, 9, 10)] == [None, 0, None, 2, None, None, 9]
     commands = Commands(cluster, "run1", ("pdcluster",), PurePosixPath("/w"))
     args = commands.replica_args(dgx[1])
     assert args[args.index("--rank") + 1] == "2" and args[args.index("--tp") + 1] == "2"

@@ -85,6 +85,7 @@ def test_up_tp_gives_each_group_consecutive_ranks(tmp_path: Path) -> None:
     config = UpConfig(model=tmp_path, prefill=0, decode=2, tp=2, link_gbps=1.0, log_dir=tmp_path)
     cluster = LocalCluster(config)
     table = load_rank_table(cluster._fabric_args([7001, 7002, 7003, 7004])[1])
-    assert [(e.rank, e.node) for e in table] == [(0, "n0"), (1, "n0"), (2, "n1"), (3, "n1")]
+    assert [(e.rank, e.node, e.tp_group) for e in table] == [(0, "n0", None), (1, "n0", 0), (2, "n1", None),
+                                                              (3, "n1", 2)]
     args = cluster.replica_argv(1, "decode", 5000, [])
     assert args[args.index("--rank") + 1] == "2"  # replica 1: ranks 2 and 3
