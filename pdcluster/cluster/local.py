@@ -233,6 +233,12 @@ class UpConfig:
         return args
 
 
+def _tp_group(rank: int, tp: int) -> int | None:
+    """The `tp_group` of global rank `rank` when every replica is a group of `tp` ranks: its rank 0's
+    rank for ranks 1.. of a group, None for a rank 0."""
+    return rank - rank % tp if rank % tp else None
+
+
 class LocalCluster:
     """Start replicas and a router as subprocesses; `stop()` ends every one of them."""
 
@@ -449,8 +455,3 @@ def run(config: UpConfig) -> int:
     """Entry point of `pdcluster up`: start, print the ready line, run until Ctrl-C / SIGTERM."""
     return supervise("pdcluster up", LocalCluster(config))
 
-
-def _tp_group(rank: int, tp: int) -> int | None:
-    """The `tp_group` of global rank `rank` when every replica is a group of `tp` ranks: its rank 0's
-    rank for ranks 1.. of a group, None for a rank 0."""
-    return rank - rank % tp if rank % tp else None
