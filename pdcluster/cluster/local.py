@@ -454,4 +454,3 @@ class LocalCluster:
 def run(config: UpConfig) -> int:
     """Entry point of `pdcluster up`: start, print the ready line, run until Ctrl-C / SIGTERM."""
     return supervise("pdcluster up", LocalCluster(config))
-
