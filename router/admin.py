@@ -111,7 +111,7 @@ def replica_status(hub: ClusterScheduler, h: ReplicaHandle) -> pb.ReplicaStatus:
         router_used_blocks=s.used_blocks, requests=len(s.held), inbound_migrations=s.inbound,
         outbound_migrations=s.outbound, registered=s.registered,
         last_heartbeat_age_s=-1.0 if age is None else age, state=s.role.value,
-        state_age_s=max(0.0, hub.clock() - s.since),
+        state_age_s=max(0.0, hub.clock() - s.since), tp_size=s.info.tp_size, ranks=list(s.info.ranks),
     )
 
 

@@ -237,7 +237,7 @@ def _info(msg: pb.InfoResponse) -> ReplicaInfo:
         num_layers_loaded=msg.num_layers_loaded, embed_ready=msg.embed_ready,
         lm_head_ready=msg.lm_head_ready, num_cached_batches=msg.num_cached_batches,
         device_type=msg.device_type, fabric=msg.fabric, prefix_cache=msg.prefix_cache,
-        cached_page_hashes=tuple(msg.cached_page_hashes),
+        cached_page_hashes=tuple(msg.cached_page_hashes), tp_size=max(1, msg.tp_size),
     )
 
 

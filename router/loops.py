@@ -248,7 +248,7 @@ class ReplicaWorker:
         self.h.state.hold(pages)
         for m in members:
             m.state.prefilling(self.h.id, from_queue)
-        pipe_peer = (peer.rank,) if peer is not None else ()
+        pipe_peer = peer.ranks if peer is not None else ()
         start = time.monotonic()
         try:
             result = await self.h.client.prefill(spec, case, pipe_peer, resume)

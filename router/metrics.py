@@ -50,6 +50,8 @@ class RouterMetrics:
                                   ["replica"], registry=r)
         self.replica_used = Gauge("pdcluster_replica_router_used_blocks", "KV pages the router accounts "
                                   "to the replica's batches", ["replica"], registry=r)
+        self.replica_tp = Gauge("pdcluster_replica_tp_size", "Ranks of the replica's tensor-parallel group "
+                                "(one replica whatever its size)", ["replica"], registry=r)
         self.replicas_in_state = Gauge("pdcluster_replicas", "Replicas in each state", ["state"], registry=r)
         self.prefix_prompt_tokens = Counter("pdcluster_prefix_cache_prompt_tokens", "Prompt tokens prefilled",
                                             ["replica"], registry=r)
@@ -98,6 +100,7 @@ class RouterMetrics:
                 self.replica_state.labels(rid, rep.address, role.value).set(1 if rep.role is role else 0)
             self.replica_free.labels(rid).set(rep.info.num_blocks_free)
             self.replica_used.labels(rid).set(rep.used_blocks)
+            self.replica_tp.labels(rid).set(rep.info.tp_size)
 
     def count_states(self, states: Iterable[State]) -> None:
         """Refresh the per-state replica counts."""

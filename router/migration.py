@@ -164,8 +164,8 @@ class Migrations:
     async def transfer_kv(self, src: ReplicaHandle, dst: ReplicaHandle, live: LiveBatch) -> CachedBatch:
         """Migrate on `src` ‖ Immigrate on `dst`; the batch as cached on `dst`, or `MigrationFailed`."""
         spec = live.spec()
-        migrate = asyncio.ensure_future(src.client.migrate(spec, [src.rank], [dst.rank]))
-        immigrate = asyncio.ensure_future(dst.client.immigrate(spec, [src.rank], [dst.rank]))
+        migrate = asyncio.ensure_future(src.client.migrate(spec, src.ranks, dst.ranks))
+        immigrate = asyncio.ensure_future(dst.client.immigrate(spec, src.ranks, dst.ranks))
         # A sender that is gone will send no header: stop the receiver's wait (it frees its pages on
         # the cancel) instead of letting it run to its deadline with the batch's requests waiting.
         migrate.add_done_callback(lambda done: _cancel_if_gone(done, immigrate))
@@ -183,10 +183,10 @@ class Migrations:
         (MigratePartial ‖ ImmigratePartial for each half); the decode-ready batch, or `MigrationFailed`."""
         spec = live.spec()
         calls = [
-            first.client.migrate_partial(spec, True, split, [first.rank], [dst.rank]),
-            dst.client.immigrate_partial(spec, True, split, [first.rank], [dst.rank]),
-            second.client.migrate_partial(spec, False, split, [second.rank], [dst.rank]),
-            dst.client.immigrate_partial(spec, False, split, [second.rank], [dst.rank]),
+            first.client.migrate_partial(spec, True, split, first.ranks, dst.ranks),
+            dst.client.immigrate_partial(spec, True, split, first.ranks, dst.ranks),
+            second.client.migrate_partial(spec, False, split, second.ranks, dst.ranks),
+            dst.client.immigrate_partial(spec, False, split, second.ranks, dst.ranks),
         ]
         tasks = [asyncio.ensure_future(c) for c in calls]
         for sender, receiver in ((tasks[0], tasks[1]), (tasks[2], tasks[3])):

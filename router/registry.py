@@ -50,8 +50,13 @@ class ReplicaHandle:
 
     @property
     def rank(self) -> int:
-        """Its global rank (for Migrate src/dst)."""
+        """Its global rank (rank 0 of its tensor-parallel group)."""
         return self.state.info.rank
+
+    @property
+    def ranks(self) -> tuple[int, ...]:
+        """Its group's global ranks, one per tp_rank (Migrate src/dst, broadcasts, pipe_peer)."""
+        return self.state.info.ranks
 
     @property
     def alive(self) -> bool:
@@ -193,7 +198,11 @@ class Replicas(Mapping[ReplicaId, ReplicaHandle]):
     def receivers(self, src: ReplicaHandle) -> list[ReplicaState]:
         """The replicas in State.DECODE but `src` (candidates for a migration from it). The index is
         kept as replicas move, so a hand-off looks at these only, not at every replica."""
-        return [s for rid, s in self._decode.items() if rid != src.id]
+        found = [s for rid, s in self._decode.items() if rid != src.id]
+        # KV moves shard i to tp_rank i: only a group of the same size can take it (with none, the
+        # replica refuses the move naming both sizes)
+        same = [s for s in found if s.info.tp_size == src.state.info.tp_size]
+        return same or found
 
     def settle_roles(self) -> ReplicaHandle | None:
         """Keep a prefill replica in a disaggregated cluster: an empty decode replica takes the role,

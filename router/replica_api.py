@@ -32,6 +32,11 @@ class ReplicaApi(Protocol):
         """Model and cache facts."""
         ...
 
+    async def health(self) -> str:
+        """'serving', 'loading' or 'inactive'; `ReplicaUnavailable` when it cannot serve (a
+        tensor-parallel group that lost a rank answers Info but not Health)."""
+        ...
+
     async def prefill(
         self, batch: BatchSpec, case: PrefillCase = PrefillCase.NORMAL, pipe_peer: Sequence[int] = (),
         resume: int | None = None, chunk_tokens: int = 0,

@@ -376,8 +376,11 @@ class ClusterScheduler:
 
     async def _revive(self, handle: ReplicaHandle) -> None:
         """A dead polled replica answers again (restarted, or its death was a glitch): free whatever it
-        still holds (the router forgot it), give it back its role and restart its loop."""
+        still holds (the router forgot it), give it back its role and restart its loop. One whose
+        Health fails stays dead: a tensor-parallel group that lost a rank still answers Info (rank 0
+        lives) but every step fails, for good, until it is restarted."""
         try:
+            await handle.client.health()
             await handle.client.clear_cache()
         except ReplicaCallError:
             return

@@ -306,6 +306,13 @@ class ReplicaInfo:
     fabric: str = ""  # the fabric moving its KV and weights ("tcp", "cuda-ipc", "nccl", "rdma"; "": unknown)
     prefix_cache: bool = False  # automatic prefix caching is on
     cached_page_hashes: tuple[int, ...] = ()  # PageHash of every full page it caches or holds
+    tp_size: int = 1  # ranks of its tensor-parallel group (0 from an old replica reads as 1)
+
+    @property
+    def ranks(self) -> tuple[int, ...]:
+        """Its group's global ranks, one per tp_rank: `rank` .. `rank + tp_size - 1` (a group's ranks
+        are consecutive in the rank table, as `pdcluster launch` numbers them)."""
+        return tuple(range(self.rank, self.rank + max(1, self.tp_size)))
 
     @property
     def loaded(self) -> bool:

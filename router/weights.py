@@ -55,7 +55,12 @@ class Member(Protocol):
 
     @property
     def rank(self) -> int:
-        """Its global rank."""
+        """Its global rank (rank 0 of its tensor-parallel group)."""
+        ...
+
+    @property
+    def ranks(self) -> tuple[int, ...]:
+        """Its group's global ranks, one per tp_rank."""
         ...
 
     @property
@@ -113,10 +118,12 @@ async def _send_each(src: Member, targets: list[Member]) -> None:
 
 
 async def _chain(sources: Sequence[Member], targets: Sequence[Member], _model: str) -> None:
-    """Chain multicast source → t1 → t2 …: every member starts its part, then all join."""
+    """Chain multicast source → t1 → t2 …: every member starts its part, then all join. Every rank of
+    every group is named (the groups contiguous): tp_rank t's chain is `[src_ranks[t]] +
+    dst_ranks[t::tp]`, shard t of the source down rank t of each target."""
     source = sources[0]
     members = [source, *targets]
-    src_ranks, dst_ranks = [source.rank], [t.rank for t in targets]
+    src_ranks, dst_ranks = list(source.ranks), _group_ranks(targets)
     await _all(*(m.client.rdma_broadcast(src_ranks, dst_ranks) for m in members))
     await _all(*(m.client.wait_rdma_done() for m in members))
 
@@ -126,8 +133,13 @@ async def _tanz(sources: Sequence[Member], targets: Sequence[Member], _model: st
     if len(targets) % len(sources):
         raise ValueError(f"Tanz needs the targets ({len(targets)}) in equal lanes of the sources "
                          f"({len(sources)})")
-    src_ranks, dst_ranks = [s.rank for s in sources], [t.rank for t in targets]
+    src_ranks, dst_ranks = _group_ranks(sources), _group_ranks(targets)
     await _all(*(m.client.tanz_broadcast(src_ranks, dst_ranks) for m in [*sources, *targets]))
+
+
+def _group_ranks(members: Sequence[Member]) -> list[int]:
+    """The members' global ranks, each tensor-parallel group's contiguous (the broadcasts' order)."""
+    return [rank for m in members for rank in m.ranks]
 
 
 async def _load_disk(_sources: Sequence[Member], targets: Sequence[Member], model: str) -> None:

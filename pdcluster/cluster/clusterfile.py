@@ -110,6 +110,7 @@ class NodeSpec:
     env: tuple[tuple[str, str], ...] = ()  # set for every replica on this node
     pdcluster: str = ""  # the pdcluster command on this node; default: the launch's
     gpu_memory_fraction: float | None = None  # its replicas' share of their GPU; None: the launch's
+    tp: int = 0  # ranks of each of its replicas' tensor-parallel groups; 0: the launch's `tp`
 
     @property
     def transfer_host(self) -> str:
@@ -163,6 +164,7 @@ class LaunchSpec:
     device: LaunchDevice = LaunchDevice.AUTO
     gpu_memory_fraction: float = 0.9  # the share of its GPU each CUDA replica may take
     wheelhouse: Path | None = None  # `pdcluster wheelhouse` folder installed on every node first
+    tp: int = 1  # every replica a tensor-parallel group of this many ranks (a node's `tp` overrides)
 
 
 @dataclass(frozen=True)
@@ -192,6 +194,14 @@ class ClusterFile:
         """An error about the value at `where` (e.g. ("nodes", 2, "devices")), naming its line."""
         return ClusterFileError(f"{self.path}:{line_of(self.lines, where)}: {message}")
 
+    def tp_of(self, node: NodeSpec) -> int:
+        """The tensor-parallel degree of `node`'s replicas: its own `tp`, else the launch's."""
+        return node.tp or self.launch.tp
+
+    def tp_where(self, node: NodeSpec) -> Path_:
+        """The line that sets `node`'s `tp` (for errors about a group that does not fit)."""
+        return ("nodes", node.index, "tp") if node.tp else ("launch", "tp")
+
 
 _TOP = {"model", "router", "launch", "ssh", "nodes", "tls", "cluster"}
 _TLS = {"certs", "mutual", "router_name", "client"}
@@ -200,10 +210,10 @@ _MODEL = {"path", "root"}
 _ROUTER = {"host", "http_port", "admin_port", "admin_token", "strategy", "scaling", "flags"}
 _LAUNCH = {"via", "fabric", "log_dir", "pdcluster", "workdir", "ready_timeout_s", "num_blocks",
            "torch_threads", "max_restarts", "restart_window_s", "fanout", "replica_flags", "device",
-           "gpu_memory_fraction", "wheelhouse"}
+           "gpu_memory_fraction", "wheelhouse", "tp"}
 _SSH = {"config", "identity", "options", "connect_timeout_s"}
 _NODE = {"name", "address", "ssh_user", "ssh_port", "transfer_address", "nic_gbps", "devices", "role",
-         "cpu_replicas", "env", "pdcluster", "gpu_memory_fraction", *ROLES}
+         "cpu_replicas", "env", "pdcluster", "gpu_memory_fraction", "tp", *ROLES}
 
 
 class _Table:
@@ -355,6 +365,7 @@ def _launch(t: _Table, folder: Path, path: Path) -> LaunchSpec:
         device=t.choice("device", LaunchDevice, LaunchDevice.AUTO),
         gpu_memory_fraction=t.get("gpu_memory_fraction", float, 0.9, _fraction),
         wheelhouse=_under(folder, wheelhouse) if wheelhouse else None,
+        tp=t.get("tp", int, 1, _at_least(1)),
     )
 
 
@@ -423,6 +434,7 @@ def _node(t: _Table, index: int) -> NodeSpec:
         pdcluster=t.get("pdcluster", str, ""),
         gpu_memory_fraction=t.get("gpu_memory_fraction", float, 0.9, _fraction)
         if "gpu_memory_fraction" in t.values else None,
+        tp=t.get("tp", int, 0, _at_least(1)),
     )
     if "cpu_replicas" in t.values and devices.mode is DeviceMode.LIST:
         raise t.error(("cpu_replicas",), f"{t.name('cpu_replicas')} is for CPU nodes; this one lists CUDA "
@@ -464,6 +476,7 @@ def _check_nodes(cluster: ClusterFile) -> None:
                                 f"fabric {fabric.value} needs CUDA devices but {node.name} has devices = "
                                 '"cpu" (use fabric = "tcp")')
         _check_device(cluster, node, device)
+        _check_tp(cluster, node)
 
 
 def _check_device(cluster: ClusterFile, node: NodeSpec, device: LaunchDevice) -> None:
@@ -474,6 +487,21 @@ def _check_device(cluster: ClusterFile, node: NodeSpec, device: LaunchDevice) ->
     if device is LaunchDevice.CUDA and node.devices.mode is DeviceMode.CPU:
         raise cluster.error(("nodes", node.index, "devices"),
                             f"{node.name} has devices = \"cpu\" but the launch's device is \"cuda\"")
+
+
+def _check_tp(cluster: ClusterFile, node: NodeSpec) -> None:
+    """A node listing its CUDA devices has room for its tensor-parallel groups (each group's ranks on
+    consecutive devices of the node: a group never spans nodes); `auto` and CPU nodes are checked
+    once discovery has answered (`launch_plan.place`)."""
+    tp = cluster.tp_of(node)
+    if tp == 1 or node.devices.mode is not DeviceMode.LIST:
+        return
+    groups = sum(n for _, n in node.counts) if not node.role else 1
+    have = len(node.devices.ordinals)
+    if groups * tp > have:
+        raise cluster.error(cluster.tp_where(node),
+                            f"{node.name} asks for {groups} replica(s) of tp {tp} ({groups * tp} CUDA "
+                            f"devices, a group's ranks on one node) but lists {have}")
 
 
 def with_fabric(cluster: ClusterFile, fabric: Fabric) -> ClusterFile:

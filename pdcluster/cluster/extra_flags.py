@@ -29,7 +29,7 @@ _SECURITY = frozenset({"tls_cert", "tls_key", "tls_ca", "tls_client_ca", "cluste
 ROUTER_OWN = frozenset({"model", "replica", "role", "host", "http_port", "admin_port", "strategy", "scaling",
                         "admin_token", *_SECURITY})
 REPLICA_OWN = frozenset({"model", "port", "host", "rank", "num_blocks", "torch_threads", "engine_cpus",
-                         "fabric", "cluster", "inactive", "model_root", "role", "router", *_SECURITY})
+                         "fabric", "cluster", "inactive", "model_root", "role", "router", "tp", *_SECURITY})
 
 
 def router_fields() -> set[str]:

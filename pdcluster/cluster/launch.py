@@ -88,6 +88,9 @@ class LaunchConfig:
     wheelhouse: Path | None = field(default=None, metadata={"help": (
         "a `pdcluster wheelhouse` folder: copied to every node and installed there (pip --no-index) "
         "before discovery; unset = launch.wheelhouse")})
+    tp: int = field(default=0, metadata={"help": (
+        "ranks of every replica's tensor-parallel group (consecutive CUDA devices of one node, or "
+        "slices of a CPU worker's cores) of nodes without a tp of their own; 0 = launch.tp")})
 
     def __post_init__(self) -> None:
         self.file = Path(self.file)
@@ -95,6 +98,8 @@ class LaunchConfig:
             raise ValueError(f"--gpu-memory-fraction must be in (0, 1], got {self.gpu_memory_fraction}")
         if self.wheelhouse is not None:
             self.wheelhouse = Path(self.wheelhouse)
+        if self.tp < 0:
+            raise ValueError(f"--tp must be >= 1 (0 = the cluster file's), got {self.tp}")
 
 
 class LaunchError(RuntimeError):
@@ -121,11 +126,32 @@ def load(config: LaunchConfig) -> tuple[ClusterFile, Via]:
         changes["gpu_memory_fraction"] = config.gpu_memory_fraction
     if config.wheelhouse is not None:
         changes["wheelhouse"] = config.wheelhouse.resolve()
+    if config.tp:
+        changes["tp"] = config.tp
     if changes:
         cluster = with_launch(cluster, **changes)
+    check_tp_cuts(cluster)
     if cluster.launch.wheelhouse is not None:
         read_manifest(cluster.launch.wheelhouse)  # not a wheelhouse: refused before anything starts
     return cluster, Via(config.via) if config.via else cluster.launch.via
+
+
+def check_tp_cuts(cluster: ClusterFile) -> None:
+    """Every `tp` of the file cuts the checkpoint's heads, MLP and vocabulary evenly, checked on its
+    config.json here (the router reads the checkpoint here too) before any node is reached; a
+    checkpoint missing here is left to the nodes' discovery to name."""
+    from replica.model.config import ModelConfig, UnsupportedModel
+    from replica.model.layout import Shard, WeightLayout
+
+    path = cluster.model.path
+    for node in cluster.nodes:
+        tp = cluster.tp_of(node)
+        if tp == 1 or not (path / "config.json").is_file():
+            continue
+        try:
+            WeightLayout.for_config(ModelConfig.from_dir(path), "float32", Shard(0, tp))
+        except UnsupportedModel as exc:
+            raise cluster.error(cluster.tp_where(node), f"tp {tp} on {node.name}: {exc}") from None
 
 
 class Launch:
@@ -369,7 +395,7 @@ class Launch:
 
     def _replica_records(self) -> tuple[ReplicaRecord, ...]:
         procs: list[Proc | None] = [*self.replicas] or [None] * len(self.placements)
-        return tuple(ReplicaRecord(p.rank, p.role, p.node.name, p.address, p.device, p.nic,
+        return tuple(ReplicaRecord(p.rank, p.role, p.node.name, p.address, p.device_label, p.nic,
                                    str(r.log) if r else "", _state(r), len(r.restarts) if r else 0)
                      for p, r in zip(self.placements, procs, strict=True))
 
@@ -446,8 +472,9 @@ def _describe(inv: Inventory) -> str:
 
 def _describe_placement(p: Placement) -> str:
     cores = f" cores={','.join(map(str, p.engine_cpus))}" if p.engine_cpus else ""
-    return (f"rank {p.rank} {p.role} on {p.node.name}: {p.device} nic={p.nic or '-'} grpc={p.address} "
-            f"transfer={p.node.transfer_host}:{p.transfer_port}{cores}")
+    group = f" tp={p.tp} ranks={p.rank}-{p.rank + p.tp - 1}" if p.tp > 1 else ""
+    return (f"rank {p.rank} {p.role} on {p.node.name}: {p.device_label} nic={p.nic or '-'} grpc={p.address} "
+            f"transfer={p.node.transfer_host}:{p.transfer_port}{group}{cores}")
 
 
 def _progress(text: str) -> None:

@@ -6,6 +6,11 @@ every command line (probe, stage, replica, stop, router), for each way of reachi
                                              ──rank_table()──► RankTable (JSON, staged on every node)
  Placement ──replica_script()──► bash script ──wrap(via, node)──► ssh -tt … | srun … | bash -c …
 ```
+A replica of `tp` N is a tensor-parallel group (`replica/tp`): rank 0 serves gRPC and starts the
+others on the same node, so the group takes N consecutive CUDA devices of one node's list (or N
+slices of one CPU worker's cores) and N consecutive global ranks of the rank table (`rank` ..
+`rank + N - 1`, one entry per tp_rank, each with its own transfer port: the seeds' `src_ranks` /
+`dst_ranks` name one rank per tp_rank).
 Nothing here starts a process or reads the environment: every piece is unit-tested as data.
 """
 
@@ -28,7 +33,6 @@ from pdcluster.cluster.extra_flags import flag_args
 from pdcluster.discovery.inventory import Inventory
 from transfer.ranktable import RankTable
 
-PORTS_PER_REPLICA = 2  # gRPC, transfer
 AUTO_DEVICE_BOUND = 16  # ports drawn for a node whose device count only discovery knows
 
 
@@ -47,6 +51,29 @@ class Placement:
     rdma_device: str = ""
     numa_node: int | None = None
     shared_devices: tuple[int, ...] = ()  # the node's CUDA devices every replica there sees (cuda-ipc)
+    group_ordinals: tuple[int, ...] = ()  # a CUDA tp group's devices, rank 0's first (() under tp 1)
+    group_ports: tuple[int, ...] = ()  # transfer ports of a tp group's ranks 1 .. tp - 1
+
+    @property
+    def tp(self) -> int:
+        """Ranks of its tensor-parallel group (global ranks `rank` .. `rank + tp - 1`)."""
+        return 1 + len(self.group_ports)
+
+    @property
+    def rank_devices(self) -> tuple[str, ...]:
+        """The device of each rank of its group, tp_rank order ("cpu": every rank a slice of the cores)."""
+        if self.ordinal is None or not self.group_ordinals:
+            return (self.device,) * self.tp
+        return tuple(f"cuda:{o}" for o in self.group_ordinals)
+
+    @property
+    def device_label(self) -> str:
+        """Its device(s) as `status` shows them: "cuda:0", "cuda:0,1" (a tp group), "cpu", "cpu/2"."""
+        if self.tp == 1:
+            return self.device
+        if self.ordinal is None:
+            return f"cpu/{self.tp}"
+        return "cuda:" + ",".join(map(str, self.group_ordinals))
 
     @property
     def address(self) -> str:
@@ -64,7 +91,7 @@ class Placement:
         the node's other replicas (`shared_devices`), or none for a CPU worker."""
         if self.ordinal is None:
             return ""
-        return ",".join(map(str, self.shared_devices or (self.ordinal,)))
+        return ",".join(map(str, self.shared_devices or self.group_ordinals or (self.ordinal,)))
 
     @property
     def torch_device(self) -> str:
@@ -79,15 +106,20 @@ class Placement:
         return f"replica-{self.rank}-{self.role}"
 
 
-def ports_wanted(node: NodeSpec) -> int:
-    """How many ports to draw on `node` before its device count is known."""
+def ports_per_replica(tp: int) -> int:
+    """Ports of one replica of `tp` ranks: its gRPC port and a transfer port per rank."""
+    return 1 + tp
+
+
+def ports_wanted(node: NodeSpec, tp: int = 1) -> int:
+    """How many ports to draw on `node` (its replicas of `tp` ranks) before its device count is known."""
     if node.devices.mode is DeviceMode.LIST:
         slots = len(node.devices.ordinals)
     elif node.role and node.devices.mode is DeviceMode.AUTO:
         slots = max(AUTO_DEVICE_BOUND, node.cpu_replicas)
     else:
         slots = max(node.cpu_replicas, sum(n for _, n in node.counts))
-    return PORTS_PER_REPLICA * slots
+    return ports_per_replica(tp) * slots
 
 
 @dataclass(frozen=True)
@@ -97,9 +129,11 @@ class _Slot:
     nic: str
     rdma_device: str
     numa_node: int | None
+    ordinals: tuple[int, ...] = ()  # a CUDA tp group's devices, rank 0's first
 
 
 def _gpu_slots(cluster: ClusterFile, node: NodeSpec, inv: Inventory) -> list[_Slot]:
+    """One slot per tp group: consecutive devices of the node's list (discovery's order under auto)."""
     found = {g.index: g for g in inv.gpus}
     wanted = node.devices.ordinals if node.devices.mode is DeviceMode.LIST else tuple(sorted(found))
     missing = [o for o in wanted if o not in found]
@@ -107,8 +141,10 @@ def _gpu_slots(cluster: ClusterFile, node: NodeSpec, inv: Inventory) -> list[_Sl
         raise cluster.error(("nodes", node.index, "devices"),
                             f"{node.name} lists CUDA device {missing[0]} but discovery found "
                             f"{_found(inv)}")
-    return [_Slot(found[o].device, (), found[o].nic or inv.transfer_nic, found[o].rdma_device,
-                  found[o].numa_node) for o in wanted]
+    tp = cluster.tp_of(node)
+    groups = [wanted[i:i + tp] for i in range(0, len(wanted) - tp + 1, tp)]
+    return [_Slot(found[g[0]].device, (), found[g[0]].nic or inv.transfer_nic, found[g[0]].rdma_device,
+                  found[g[0]].numa_node, g if tp > 1 else ()) for g in groups]
 
 
 def _found(inv: Inventory) -> str:
@@ -126,6 +162,7 @@ def cpu_sets(cores: tuple[int, ...], numa: dict[int, tuple[int, ...]], n: int) -
 
 def _cpu_slots(cluster: ClusterFile, node: NodeSpec, inv: Inventory) -> list[_Slot]:
     n = node.cpu_replicas
+    _check_cpu_tp(cluster, node, len(inv.cpus.cores) // n)
     if n == 1:  # one worker: all the node's cores, no placement
         return [_Slot("cpu", (), inv.transfer_nic, "", _one_numa(inv, inv.cpus.cores))]
     try:
@@ -135,17 +172,32 @@ def _cpu_slots(cluster: ClusterFile, node: NodeSpec, inv: Inventory) -> list[_Sl
     return [_Slot("cpu", cores, inv.transfer_nic, "", _one_numa(inv, cores)) for cores in sets]
 
 
+def _check_cpu_tp(cluster: ClusterFile, node: NodeSpec, cores: int) -> None:
+    """A CPU worker's tp group splits its cores between its ranks (`replica.tp.rank.share_cpu_threads`):
+    at least one core per rank."""
+    tp = cluster.tp_of(node)
+    if 0 < cores < tp:
+        raise cluster.error(cluster.tp_where(node),
+                            f"{node.name}: a replica of tp {tp} needs a core per rank, but each of its "
+                            f"{node.cpu_replicas} CPU worker(s) has {cores}")
+
+
 def _one_numa(inv: Inventory, cores: tuple[int, ...]) -> int | None:
     nodes = {inv.cpus.numa_of(c) for c in cores}
     return nodes.pop() if len(nodes) == 1 else None
 
 
+def _on_gpus(cluster: ClusterFile, node: NodeSpec, inv: Inventory) -> bool:
+    """Whether `node`'s replicas run on its CUDA devices (else on CPU workers)."""
+    mode = node.devices.mode
+    return cluster.launch.device is not LaunchDevice.CPU and (
+        mode is DeviceMode.LIST or (mode is DeviceMode.AUTO and bool(inv.gpus)))
+
+
 def _slots(cluster: ClusterFile, node: NodeSpec, inv: Inventory) -> list[_Slot]:
-    mode, device = node.devices.mode, cluster.launch.device
-    if device is LaunchDevice.CPU:
-        return _cpu_slots(cluster, node, inv)
-    if mode is DeviceMode.LIST or (mode is DeviceMode.AUTO and inv.gpus):
+    if _on_gpus(cluster, node, inv):
         return _gpu_slots(cluster, node, inv)
+    device = cluster.launch.device
     if device is LaunchDevice.CUDA:
         raise cluster.error(("launch", "device"), f"the launch's device is cuda, but discovery found no "
                                                   f"CUDA device on {node.name}")
@@ -171,20 +223,43 @@ def place(cluster: ClusterFile, inventories: dict[int, Inventory]) -> list[Place
             raise cluster.error(("model", "path"), f"on {node.name}: {inv.model_problem}")
         slots = _slots(cluster, node, inv)
         roles = node.roles(len(slots))
-        if len(roles) > len(slots):
-            kind = "CUDA device(s)" if slots and slots[0].device != "cpu" else "CPU worker(s)"
-            raise cluster.error(("nodes", node.index), f"{node.name} asks for {len(roles)} replicas but has "
-                                                       f"{len(slots)} {kind}")
+        _check_fit(cluster, node, inv, len(roles), len(slots))
         _check_fabric(cluster, node, inv, slots[:len(roles)])
-        if len(inv.ports) < PORTS_PER_REPLICA * len(roles):
+        tp = cluster.tp_of(node)
+        wanted = ports_per_replica(tp) * len(roles)
+        if len(inv.ports) < wanted:
             raise cluster.error(("nodes", node.index), f"{node.name} drew {len(inv.ports)} free ports, "
-                                                       f"{PORTS_PER_REPLICA * len(roles)} needed")
-        here = [Placement(len(placements) + local, role, node, slot.device, inv.ports[2 * local],
-                          inv.ports[2 * local + 1], slot.engine_cpus, slot.nic, slot.rdma_device,
-                          slot.numa_node)
+                                                       f"{wanted} needed")
+        first = sum(p.tp for p in placements)
+        here = [_placement(first + local * tp, role, node, slot, inv.ports, local, tp)
                 for local, (role, slot) in enumerate(zip(roles, slots, strict=False))]
         placements += _share_devices(here) if shares_devices(cluster.launch.fabric) else here
     return placements
+
+
+def _placement(rank: int, role: str, node: NodeSpec, slot: _Slot, ports: tuple[int, ...], local: int,
+               tp: int) -> Placement:
+    """The `local`-th replica of a node: its ports are the node's drawn ports from `local` * (1 + tp)
+    on (gRPC, then a transfer port per rank)."""
+    mine = ports[ports_per_replica(tp) * local:ports_per_replica(tp) * (local + 1)]
+    return Placement(rank, role, node, slot.device, mine[0], mine[1], slot.engine_cpus, slot.nic,
+                     slot.rdma_device, slot.numa_node, group_ordinals=slot.ordinals, group_ports=mine[2:])
+
+
+def _check_fit(cluster: ClusterFile, node: NodeSpec, inv: Inventory, replicas: int, slots: int) -> None:
+    """The node has a slot (a tp group's devices, or a CPU worker) for each replica it asks for."""
+    if replicas <= slots and slots:
+        return
+    tp, replicas = cluster.tp_of(node), max(replicas, 1)  # `role = ...` on a node where no group fits
+    if not _on_gpus(cluster, node, inv):
+        raise cluster.error(("nodes", node.index), f"{node.name} asks for {replicas} replicas but has "
+                                                   f"{slots} CPU worker(s)")
+    if tp == 1:
+        raise cluster.error(("nodes", node.index), f"{node.name} asks for {replicas} replicas but has "
+                                                   f"{slots} CUDA device(s)")
+    raise cluster.error(cluster.tp_where(node),
+                        f"{node.name} asks for {replicas} replica(s) of tp {tp} ({replicas * tp} CUDA "
+                        f"devices, a group's ranks on one node) but has {len(inv.gpus)}")
 
 
 def shares_devices(fabric: Fabric) -> bool:
@@ -194,19 +269,31 @@ def shares_devices(fabric: Fabric) -> bool:
 
 
 def _share_devices(placements: list[Placement]) -> list[Placement]:
-    """One node's placements, each seeing every CUDA device the node's replicas use."""
-    shared = tuple(sorted({p.ordinal for p in placements if p.ordinal is not None}))
+    """One node's placements, each seeing every CUDA device the node's replicas use; a tp group's
+    devices stay adjacent in rank order (its rank r runs on the visible device after rank 0's + r)."""
+    if all(p.tp == 1 for p in placements):
+        shared = tuple(sorted({p.ordinal for p in placements if p.ordinal is not None}))
+    else:
+        shared = tuple(o for p in placements for o in (p.group_ordinals or (p.ordinal,)) if o is not None)
     return [replace(p, shared_devices=shared) if p.ordinal is not None else p for p in placements]
 
 
 def rank_table(placements: list[Placement], store: str = "") -> RankTable:
     """The rank table every replica reads (the same format as `pdcluster up`'s); `store`: the
     rendezvous store's "HOST:PORT" (nccl, rdma, auto: the launch serves it)."""
-    return RankTable.from_records((
-        {"rank": p.rank, "host": p.node.address, "node": p.node.name, "device": p.device,
-         "transfer_address": f"{p.node.transfer_host}:{p.transfer_port}", "grpc_port": p.port,
-         "nic": p.nic, "rdma_device": p.rdma_device, "numa_node": p.numa_node, "nic_gbps": p.node.nic_gbps}
-        for p in placements), store)
+    return RankTable.from_records((record for p in placements for record in _rank_records(p)), store)
+
+
+def _rank_records(p: Placement) -> list[dict[str, object]]:
+    """One rank-table entry per rank of the replica's group (rank 0 holds the gRPC port; the group's
+    NIC is rank 0's; ranks 1.. say `tp_group` = rank 0's rank, which gives them fabric endpoints of
+    their own, `replica/tp`)."""
+    ports = (p.transfer_port, *p.group_ports)
+    return [{"rank": p.rank + r, "host": p.node.address, "node": p.node.name, "device": device,
+             "transfer_address": f"{p.node.transfer_host}:{ports[r]}", "grpc_port": p.port if r == 0 else 0,
+             "nic": p.nic, "rdma_device": p.rdma_device, "numa_node": p.numa_node,
+             "nic_gbps": p.node.nic_gbps, **({"tp_group": p.rank} if r else {})}
+            for r, device in enumerate(p.rank_devices)]
 
 
 # --- commands -----------------------------------------------------------------------------------
@@ -231,7 +318,8 @@ class Commands:
 
     def probe_script(self, node: NodeSpec) -> str:
         """Discovery on `node`: its devices, free ports, the NIC of its transfer address, the model."""
-        args = ["devices", "--json", "--ports", str(ports_wanted(node)), "--bind", node.transfer_host,
+        tp = self.cluster.tp_of(node)
+        args = ["devices", "--json", "--ports", str(ports_wanted(node, tp)), "--bind", node.transfer_host,
                 "--check-model", str(self.cluster.model.path)]
         return f"cd {_q(self.workdir)} || exit 1\nexec {shlex.join([*self.command_of(node), *args])}"
 
@@ -271,6 +359,8 @@ class Commands:
         if model.root is not None:
             args += ["--model-root", str(model.root)]
         args += self.device_args(p)
+        if p.tp > 1:
+            args += ["--tp", str(p.tp)]
         threads = launch.torch_threads or len(p.engine_cpus)
         if threads:
             args += ["--torch-threads", str(threads)]

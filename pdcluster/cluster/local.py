@@ -233,6 +233,12 @@ class UpConfig:
         return args
 
 
+def _tp_group(rank: int, tp: int) -> int | None:
+    """The `tp_group` of global rank `rank` when every replica is a group of `tp` ranks: its rank 0's
+    rank for ranks 1.. of a group, None for a rank 0."""
+    return rank - rank % tp if rank % tp else None
+
+
 class LocalCluster:
     """Start replicas and a router as subprocesses; `stop()` ends every one of them."""
 
@@ -297,7 +303,8 @@ class LocalCluster:
         threads = c.torch_threads or (1 if self.placement else shared)
         # Fixed gRPC ports (not --port 0): a restarted replica comes back where the router looks for it.
         n = len(self.roles())
-        drawn = free_ports(2 * n, c.host)  # drawn together: a gRPC and a transfer port never coincide
+        # drawn together: a gRPC and a transfer port never coincide; a transfer port per rank of a tp group
+        drawn = free_ports(n + n * c.tp, c.host)
         ports, fabric = drawn[:n], self._fabric_args(drawn[n:])
         security = c.tls_args() + self._token_args()
         engine = c.engine_spec()
@@ -327,7 +334,8 @@ class LocalCluster:
         its device from `self.devices`, set by `place_devices`)."""
         c = self.config
         args = ["replica", "--model", str(self.model_dir), "--host", c.host, "--port", str(port),
-                "--rank", str(rank), *common, *(self.devices[rank].replica_args() if self.devices else [])]
+                "--rank", str(rank * c.tp), *common,  # a tp group holds ranks rank*tp .. rank*tp + tp - 1
+                *(self.devices[rank].replica_args() if self.devices else [])]
         if role == "inactive":
             args += ["--inactive", *(["--host-cache"] if c.host_cache else [])]
         return args + self._engine_args(role, rank - c.prefill)
@@ -356,12 +364,17 @@ class LocalCluster:
         return ["--cluster-token-file", str(path.resolve())]
 
     def _fabric_args(self, ports: list[int]) -> list[str]:
-        """`--cluster RANKS --fabric tcp`: this machine's rank table (replica i's transfer port: ports[i])."""
+        """`--cluster RANKS --fabric tcp`: this machine's rank table (rank i's transfer port: ports[i]).
+        Under `--tp N` replica k is the group of global ranks k*N .. k*N + N - 1, an entry each."""
         from transfer.ranktable import RankTable
 
+        tp = self.config.tp
         table = RankTable.local(ports, self.config.host)
-        if self.config.link_gbps:  # every replica its own node behind an emulated NIC
-            table = RankTable(tuple(dataclasses.replace(e, node=f"n{e.rank}", link_gbps=self.config.link_gbps)
+        if tp > 1:  # ranks 1.. of each group name it (their own fabric endpoints, `replica/tp`)
+            table = RankTable(tuple(dataclasses.replace(e, tp_group=_tp_group(e.rank, tp)) for e in table))
+        if self.config.link_gbps:  # every replica (its group's ranks together) its own node behind a NIC
+            gbps = self.config.link_gbps
+            table = RankTable(tuple(dataclasses.replace(e, node=f"n{e.rank // tp}", link_gbps=gbps)
                                     for e in table.entries))
         if needs_store(self.config.fabric):  # nccl/rdma meet through a store that outlives every replica
             from transfer.store import serve_store

@@ -83,6 +83,11 @@ class VirtualReplica:
         """Info: answered at once, beside the engine's queue (as the replica's server does)."""
         return convert.info(self.engine.info(), self.rank)
 
+    async def health(self) -> str:
+        """Health: "serving" once every weight region is there, else "inactive" (a virtual replica
+        never breaks)."""
+        return "serving" if (await self.info()).loaded else "inactive"
+
     async def prefill(self, batch: BatchSpec, case: PrefillCase = PrefillCase.NORMAL,
                       pipe_peer: Sequence[int] = (), resume: int | None = None,
                       chunk_tokens: int = 0) -> StepResult:

@@ -175,10 +175,16 @@ def _load(kind: Kind, free: dict[ReplicaId, ReplicaSample], need: dict[Kind, int
           caps: Capabilities, holders: bool) -> list[Action]:
     """Weights for inactive replicas; LoadParams only by a policy that has no other method, or
     when no replica of the cluster holds weights (busy sources make the targets wait a round)."""
-    targets = _in(free, State.INACTIVE)[:need[kind]]
-    if not targets:
+    targets = _in(free, State.INACTIVE)
+    if not targets or need[kind] <= 0:
         return []
-    sources = _sources(free)
+    # weights move shard t to tp_rank t: sources and targets of one group size (the first target's);
+    # when only groups of other sizes could send, the targets load from storage
+    size = targets[0].tp
+    targets = [t for t in targets if t.tp == size][:need[kind]]
+    others = _sources(free)
+    sources = [s for s in others if s.tp == size]
+    holders = holders and (bool(sources) or not others)
     live = caps.live and kind is Kind.PREFILL
     transfers = any(m in TRANSFER_METHODS for m in caps.methods)
     for method in caps.methods:

@@ -112,7 +112,7 @@ class Autoscaler:
         idle_since = s.since if s.role is State.IDLE else None
         busy = 1 if h.id in self.executor.busy else 0
         return ReplicaSample(h.id, s.role, s.used_blocks, s.info.num_blocks_total, busy, idle_since,
-                             batch=len(s.held), tpot=self.rates.tpot(h.id))
+                             batch=len(s.held), tpot=self.rates.tpot(h.id), tp=s.info.tp_size)
 
     def poke(self) -> None:
         """The queue or the arrivals changed: plan now if the snapshot says prefill is urgent

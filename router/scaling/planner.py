@@ -69,6 +69,7 @@ class ReplicaSample:
     idle_since: float | None = None  # when it became IDLE (keep-alive clock)
     batch: int = 0  # requests it holds (decode: its running batch and what is arriving)
     tpot: float = 0.0  # its measured seconds per decode step (running average; 0 = not measured)
+    tp: int = 1  # ranks of its tensor-parallel group (it counts as one replica whatever its size)
 
 
 @dataclass(frozen=True)

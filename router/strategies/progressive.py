@@ -52,7 +52,7 @@ class Progressive(MigrationStrategy):
     async def _stream(self, job: PrefillJob, dst: ReplicaHandle) -> None:
         src, moves = job.replica, job.moves
         spec, t0 = spec_for(job.batch_id, job.members, src.block_size), moves.now()
-        receive = asyncio.create_task(dst.client.immigrate(spec, [src.rank], [dst.rank]))
+        receive = asyncio.create_task(dst.client.immigrate(spec, src.ranks, dst.ranks))
         # a receiver that is unreachable is dead now, not when the sender's connect gives up on it
         receive.add_done_callback(lambda done: moves.mark_dead_if_gone(dst, done))
         try:

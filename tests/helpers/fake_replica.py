@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -68,8 +68,13 @@ class FakeReplica(pb_grpc.TextGenerationServiceServicer):
     """The fake servicer; `calls` records method names in order."""
 
     def __init__(self, rank: int, fabric: FakeFabric, num_blocks: int = 256, block_size: int = 16,
-                 eos: int | None = None, loaded: bool = True, migrate: bool = True) -> None:
+                 eos: int | None = None, loaded: bool = True, migrate: bool = True, tp: int = 1) -> None:
         self.rank, self.fabric = rank, fabric
+        self.tp = tp  # a tensor-parallel group of global ranks rank .. rank + tp - 1
+        self.rank_lists: list[tuple[str, tuple[int, ...], tuple[int, ...]]] = []  # (call, src, dst) of moves
+        # a tensor-parallel group that lost a rank: rank 0 still answers Info and ClearCache (they run
+        # no collective), every other call (Health too) fails UNAVAILABLE, for good
+        self.broken = False
         self.state = FakeBatches(num_blocks, block_size, eos)
         self.weights = FakeWeights(loaded)
         self.calls: list[str] = []
@@ -153,6 +158,8 @@ class FakeReplica(pb_grpc.TextGenerationServiceServicer):
     async def enter(self, name: str, context: Context) -> None:
         """Record a call; fail it if the test said so."""
         self.calls.append(name)
+        if self.broken and name not in ("Info", "ClearCache"):
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"{name}: the tensor-parallel group lost a rank")
         if name in self.fail:
             await context.abort(self.fail.pop(name), f"injected failure of {name}")
         if name in self.peer_fail:
@@ -174,7 +181,8 @@ class FakeReplica(pb_grpc.TextGenerationServiceServicer):
             dtype="float32", device_type="cpu", model_id="fake", num_layers=NUM_LAYERS,
             block_size=s.block_size,
             num_blocks_total=s.num_blocks, num_blocks_free=s.free, embed_ready=ready,
-            num_layers_loaded=NUM_LAYERS if ready else 0, lm_head_ready=ready, rank=self.rank, tp_size=1,
+            num_layers_loaded=NUM_LAYERS if ready else 0, lm_head_ready=ready, rank=self.rank,
+            tp_size=self.tp,
             num_cached_batches=len(s.batches), max_input_tokens=s.max_input_tokens,
             max_total_tokens=s.max_total_tokens, fabric=self.fabric_kind,
         )
@@ -239,6 +247,7 @@ class FakeReplica(pb_grpc.TextGenerationServiceServicer):
     # --------------------------------------------------------------------- migration
     @rpc
     async def Migrate(self, request: pb.MigrateRequest, context: Context) -> pb.MigrateResponse:
+        self._per_rank("Migrate", request.src, request.dst)
         reqs = self.state.get(request.batch.id)
         self.fabric.slot(self.rank, request.dst[0], request.batch.id).set_result(sent_copy(reqs))
         cached = self.state.cached(request.batch.id)
@@ -251,6 +260,7 @@ class FakeReplica(pb_grpc.TextGenerationServiceServicer):
 
     @rpc
     async def Immigrate(self, request: pb.ImmigrateRequest, context: Context) -> pb.ImmigrateResponse:
+        self._per_rank("Immigrate", request.src, request.dst)
         key = (request.src[0], self.rank, request.batch.id)
         self.immigrating += 1
         self.max_immigrating = max(self.max_immigrating, self.immigrating)
@@ -292,13 +302,26 @@ class FakeReplica(pb_grpc.TextGenerationServiceServicer):
         await self.weights.run_blocking("TanzBroadcast", receives=receives, sends=not receives)
         return pb.BroadcastResponse()
 
+    def _per_rank(self, call: str, src: Sequence[int], dst: Sequence[int]) -> None:
+        """A KV move names one rank per tp_rank on each side (the seeds' contract), as a real group checks."""
+        self.rank_lists.append((call, tuple(src), tuple(dst)))
+        if len(src) != self.tp or len(dst) != self.tp:
+            raise Refused(grpc.StatusCode.INVALID_ARGUMENT,
+                          f"{call}: src {list(src)} and dst {list(dst)} need one rank per tp_rank "
+                          f"({self.tp})")
+
     def _member(self, request: pb.BroadcastRequest, tanz: bool) -> bool:
-        """Whether this replica receives in a valid broadcast (INVALID_ARGUMENT for an invalid one)."""
+        """Whether this replica receives in a valid broadcast (INVALID_ARGUMENT for an invalid one):
+        every rank of every group named, groups contiguous (this group's ranks in a row)."""
         sources, dests = list(request.src_ranks), list(request.dst_ranks)
+        self.rank_lists.append(("TanzBroadcast" if tanz else "RdmaBroadcast", tuple(sources), tuple(dests)))
         members = sources + dests
         uneven = tanz and bool(sources) and len(dests) % len(sources) != 0
         twice = len(set(members)) != len(members)
-        if not sources or not dests or uneven or twice or self.rank not in members:
+        group = list(range(self.rank, self.rank + self.tp))
+        start = members.index(self.rank) if self.rank in members else -1
+        split = len(sources) % self.tp or len(dests) % self.tp or members[start:start + self.tp] != group
+        if not sources or not dests or uneven or twice or self.rank not in members or split:
             raise Refused(grpc.StatusCode.INVALID_ARGUMENT, f"not a valid broadcast for rank {self.rank}: "
                                                             f"{sources} -> {dests}")
         return self.rank in dests

@@ -79,3 +79,13 @@ def test_pinned_cluster_spawns_each_role_on_its_cores(tmp_path: Path) -> None:
     assert cluster._engine_args("decode", 0) == ["--engine-cpus", *map(str, sorted(own))]
     assert cluster._cpus("prefill", 0) == cluster._cpus("router", 0) == shared
     assert cluster._engine_args("prefill", 0) == cluster._engine_args("router", 0) == []
+
+
+def test_up_tp_gives_each_group_consecutive_ranks(tmp_path: Path) -> None:
+    config = UpConfig(model=tmp_path, prefill=0, decode=2, tp=2, link_gbps=1.0, log_dir=tmp_path)
+    cluster = LocalCluster(config)
+    table = load_rank_table(cluster._fabric_args([7001, 7002, 7003, 7004])[1])
+    assert [(e.rank, e.node, e.tp_group) for e in table] == [(0, "n0", None), (1, "n0", 0), (2, "n1", None),
+                                                              (3, "n1", 2)]
+    args = cluster.replica_argv(1, "decode", 5000, [])
+    assert args[args.index("--rank") + 1] == "2"  # replica 1: ranks 2 and 3

@@ -147,3 +147,16 @@ def test_a_replica_is_used_by_one_action_only() -> None:
         else:
             named.append(a.replica)
     assert len(named) == len(set(named))
+
+
+def tp(i: int, state: State, size: int) -> ReplicaSample:
+    return ReplicaSample(ReplicaId(i), state, 0, 100, tp=size)
+
+
+def test_a_group_counts_as_one_replica_and_takes_weights_from_groups_of_its_size() -> None:
+    s = snap(tp(0, State.DECODE, 1), tp(1, State.DECODE, 2), tp(2, State.INACTIVE, 2),
+             tp(3, State.INACTIVE, 2))
+    assert choose(want(decode=2), s, MULTICAST) == [Load(Method.CHAIN, ids(1), ids(2, 3), Kind.DECODE)]
+    # only a tp1 replica holds weights: the tp2 group loads from the model root instead
+    s = snap(tp(0, State.DECODE, 1), tp(2, State.INACTIVE, 2))
+    assert choose(want(decode=1), s, MULTICAST) == [Load(Method.LOAD_DISK, (), ids(2), Kind.DECODE)]
