@@ -179,9 +179,6 @@ class UpConfig:
         if self.tp < 1 or (self.tp > 1 and self.engine != "torch"):
             raise ValueError(f"--tp must be >= 1, and > 1 only for the torch engine (got {self.tp}, "
                              f"{self.engine})")
-        if self.tp > 1 and ((self.prefill and self.decode) or self.inactive):
-            raise ValueError("tensor-parallel replicas cannot move KV or weights yet: with --tp give only "
-                             "prefill or only decode replicas (they serve colocated) and no --inactive ones")
         if self.engine != "torch" and self.device not in ("auto", "cpu"):
             raise ValueError(f"--device {self.device} is for the torch engine; simulated replicas use none")
         if self.inactive and self.engine == "torch" and not (self.model / "config.json").is_file():

@@ -116,7 +116,7 @@ class MigrationCalls:
         """PrefillV2 with MIGRATE or MIGRATE_PROGRESSIVE: prefill here, KV to `pipe_peer[0]`."""
         parts = self._parts()
         progressive = bool(call.forward_case & PrefillCase.MIGRATE_PROGRESSIVE)
-        peer = _one(call.pipe_peer, "pipe_peer")
+        peer = self._one(call.pipe_peer, "pipe_peer")
         return parts.prefill.run(call.batch, peer, progressive, ctx.remaining(), ctx.cancellation)
 
 

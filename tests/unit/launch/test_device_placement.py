@@ -166,5 +166,6 @@ def test_up_passes_tp_to_every_replica(tmp_path: Path, monkeypatch: pytest.Monke
     assert "--tp" not in UpConfig(model=tmp_path).replica_args()
     with pytest.raises(ValueError, match="--tp must be >= 1, and > 1 only for the torch engine"):
         UpConfig(model=tmp_path, engine="simulated", tp=2)
-    with pytest.raises(ValueError, match="cannot move KV or weights yet"):
-        UpConfig(model=tmp_path, prefill=1, decode=1, tp=2)  # a P/D split migrates KV
+    split = cluster_of(tmp_path, monkeypatch, 6, device="cuda", prefill=1, decode=1, inactive=1, tp=2)
+    assert [flag(a, "--device") for a in argv(cluster)] == ["cuda:0", "cuda:2"]  # groups move KV per rank
+    assert [flag(a, "--device") for a in argv(split)] == ["cuda:0", "cuda:2", "cuda:4"]
