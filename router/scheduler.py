@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 from router import strategies
@@ -64,12 +64,12 @@ class ClusterScheduler:
 
     def __init__(self, config: RouterConfig, decoder: TokenDecoder, connect: Connect,
                  metrics: RouterMetrics | None = None, kv_bytes_per_token: int = 0,
-                 clock: Callable[[], float] = now) -> None:
+                 clock: Callable[[], float] = now, ids: Iterator[int] | None = None) -> None:
         self.config = config
         self.metrics = metrics or RouterMetrics()
         self.clock = clock
         self.wakeups = Wakeups()
-        self.replicas = Replicas()
+        self.replicas = Replicas(ids)
         self.replicas.on_move = self._moved
         self.replicas.on_info = self._info
         self.prefix = PrefixRouting(Routing(config.routing), config.routing_max_load, self.metrics)
