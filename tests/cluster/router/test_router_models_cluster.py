@@ -36,9 +36,10 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 @pytest.fixture(scope="module")
 def cluster(models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
-    config = UpConfig(model=models["alpha"], models=[f"beta={models['beta']},min-prefill=0,min-decode=0,keep-alive=0.5"],
-                      prefill=1, decode=0, inactive=1, http_port=0, admin_port=0, num_blocks=256,
-                      scaling="multicast", router_flag=["wake-timeout=60", "min-decode=0"], log_dir=tmp_path_factory.mktemp("up-logs"),
+    beta = f"beta={models['beta']},min-prefill=0,min-decode=0,keep-alive=0.5"
+    config = UpConfig(model=models["alpha"], models=[beta], prefill=1, decode=0, inactive=1, http_port=0,
+                      admin_port=0, num_blocks=256, scaling="multicast",
+                      router_flag=["wake-timeout=60", "min-decode=0"], log_dir=tmp_path_factory.mktemp("up-logs"),
                       ready_timeout=120)
     with LocalCluster(config) as running:
         yield running
@@ -69,7 +70,8 @@ def test_a_model_at_zero_wakes_on_its_first_request_and_both_equal_transformers(
     assert unknown.status_code == 404 and unknown.json()["error"]["code"] == "model_not_found"
 
 
-def test_an_idle_model_goes_back_to_zero_and_wakes_again(cluster: LocalCluster, models: dict[str, Path]) -> None:
+def test_an_idle_model_goes_back_to_zero_and_wakes_again(cluster: LocalCluster,
+                                                         models: dict[str, Path]) -> None:
     oracle = GreedyOracle(models["beta"])
     first = complete(cluster.http_url, "beta", PROMPTS[0])
     assert first.status_code == 200
