@@ -39,8 +39,8 @@ def cluster(models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -
     beta = f"beta={models['beta']},min-prefill=0,min-decode=0,keep-alive=0.5"
     config = UpConfig(model=models["alpha"], models=[beta], prefill=1, decode=0, inactive=1, http_port=0,
                       admin_port=0, num_blocks=256, scaling="multicast",
-                      router_flag=["wake-timeout=60", "min-decode=0"], log_dir=tmp_path_factory.mktemp("up-logs"),
-                      ready_timeout=120)
+                      router_flag=["wake-timeout=60", "min-decode=0"],
+                      log_dir=tmp_path_factory.mktemp("up-logs"), ready_timeout=120)
     with LocalCluster(config) as running:
         yield running
 
