@@ -41,6 +41,7 @@ from router.routing import Routing
 from router.scaling.autoscaler import Autoscaler
 from router.scaling.rates import Rates
 from router.scaling.timeline import Timeline
+from router.states import HOLDS_WEIGHTS
 from router.strategies.base import MigrationStrategy, Mode
 from router.types import BatchId, GenerateRequest, ReplicaId, RequestId, StepResult, TokenDecoder
 from router.wakeup import Wakeups
@@ -364,15 +365,26 @@ class ClusterScheduler:
         self.metrics.update_replicas(h.state for h in self.replicas.values())
 
     async def _poll(self, handle: ReplicaHandle) -> None:
+        before = (handle.state.role, handle.state.since)
         try:
             info = await asyncio.wait_for(handle.client.info(), self.config.heartbeat_interval * 2)
         except (ReplicaCallError, TimeoutError):
             return
         handle.state.info = info
+        if handle.state.alive and self._restarted(handle, before):
+            self.mark_dead(handle.id, "it answers without the weights it held: its process restarted")
         if handle.state.alive:
             self.heartbeats.beat(handle.id, self.clock())
         elif not self._stopping:
             await self._revive(handle)
+
+    def _restarted(self, handle: ReplicaHandle, before: tuple[State, float]) -> bool:
+        """A replica that held weights answers without them (its state unchanged across the call, no
+        scaling action on it): its process restarted within the heartbeat deadline, so it is the
+        same member coming back (dead, then revived: `_revive`), not a replica still serving."""
+        s = handle.state
+        return ((s.role, s.since) == before and s.role in HOLDS_WEIGHTS and not s.info.loaded
+                and handle.id not in self.scaling.executor.busy)
 
     async def _revive(self, handle: ReplicaHandle) -> None:
         """A dead polled replica answers again (restarted, or its death was a glitch): free whatever it
