@@ -82,6 +82,9 @@ class CellCluster:
     def start(self, timeout: float) -> None:
         """Start every replica, then the router; returns once the router's ready line came."""
         flags = router_flags()
+        if "--models" in self.shape.router_args and self.shape.engine.simulated:
+            raise RuntimeError("several models (router --models) run on simulated replicas in virtual time "
+                               "only: `pdcluster simulate` this file (`up --models` serves torch replicas)")
         if self.policy != STATIC_POLICY and "scaling" not in flags:
             raise RuntimeError(f"scaling policy {self.policy!r} needs the router's --scaling flag, which "
                                "this router does not have yet (only 'static' runs)")

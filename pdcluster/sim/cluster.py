@@ -12,7 +12,10 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+import dataclasses
+import itertools
+from collections import Counter
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -28,9 +31,13 @@ from replica.engine.sim.cost import kv_bytes_per_token
 from replica.engine.sim.factory import build_simulated
 from replica.model.layout import ITEMSIZE, WeightLayout
 from router.config import RouterConfig
+from router.models import ModelSpec
+from router.pools import ModelPools
 from router.replica_api import ReplicaApi
 from router.replicas import State
 from router.scheduler import ClusterScheduler
+from router.serve_models import model_config
+from router.types import Scheduler
 
 VIRTUAL_BYTE_SCALE = "1e-12"
 """The replicas' own buffers are no more than a byte per page and region: the virtual network
@@ -95,6 +102,42 @@ class VirtualCluster:
         self.hw = Hardware(Network(shape.places), self.router_config.transfer_timeout)
         self.replicas = build_replicas(shape, self.hw)
         self.scheduler: ClusterScheduler | None = None
+        self.pools: ModelPools | None = None  # several models (`--models` in the router args)
+        self.fronts: dict[str, Scheduler] = {}  # each model's Scheduler when several
+
+    def _model_scheduler(self, spec: ModelSpec, first: bool, connect: Callable[[str], ReplicaApi],
+                         kv_bytes: int, ids: Iterator[int]) -> ClusterScheduler:
+        """One model's scheduler; every model writes the one timeline (one clock, ids unique)."""
+        config = dataclasses.replace(model_config(self.router_config, spec, first),
+                                     timeline=self.router_config.timeline)
+        return ClusterScheduler(config, SilentDecoder(), connect, kv_bytes_per_token=kv_bytes,
+                                clock=asyncio.get_running_loop().time, ids=ids)
+
+    async def _start_models(self, connect: Callable[[str], ReplicaApi], kv_bytes: int,
+                            weight_bytes: int) -> ClusterScheduler:
+        """Several models of the replicas' card: the loaded replicas are dealt to the models in turn,
+        each role on its own (as a static deployment provisions every model: 4 prefill and 4 decode
+        replicas give 4 models one of each); the inactive ones are the shared spare pool
+        (`router/pools.py`)."""
+        specs, ids = self.router_config.model_specs(), itertools.count(0)
+        scheds = {s.name: self._model_scheduler(s, i == 0, connect, kv_bytes, ids)
+                  for i, s in enumerate(specs)}
+        spare, dealt = [], Counter[str]()
+        for replica, role in zip(self.replicas, self.shape.roles, strict=True):
+            if role == "inactive":
+                spare.append(replica.address)
+                continue
+            spec = specs[dealt[role] % len(specs)]
+            dealt[role] += 1
+            replica.weights.params.model_name = spec.path.name  # its host copy's name at a reset
+            await scheds[spec.name].add_replica(replica.address, State(role))
+        for sched in scheds.values():
+            sched.weight_bytes = weight_bytes
+        config = self.router_config
+        self.pools = ModelPools(scheds, spare, config.wake_timeout, config.plan_interval)
+        await self.pools.start()
+        self.fronts = {name: self.pools.front(name) for name in scheds}
+        return scheds[specs[0].name]
 
     async def start(self) -> ClusterScheduler:
         """The scheduler over every replica, started (the caller's loop is the virtual one)."""
@@ -105,11 +148,15 @@ class VirtualCluster:
 
         first = self.replicas[0]
         config, dtype = first.engine.runner.config, first.engine.meta.dtype
+        kv_bytes = kv_bytes_per_token(config, ITEMSIZE[dtype])
+        weight_bytes = WeightLayout.for_config(config, dtype).total_bytes
+        if self.router_config.models:
+            self.scheduler = await self._start_models(connect, kv_bytes, weight_bytes)
+            return self.scheduler
         loop = asyncio.get_running_loop()
-        sched = ClusterScheduler(self.router_config, SilentDecoder(), connect,
-                                 kv_bytes_per_token=kv_bytes_per_token(config, ITEMSIZE[dtype]),
+        sched = ClusterScheduler(self.router_config, SilentDecoder(), connect, kv_bytes_per_token=kv_bytes,
                                  clock=loop.time)
-        sched.weight_bytes = WeightLayout.for_config(config, dtype).total_bytes
+        sched.weight_bytes = weight_bytes
         for replica, role in zip(self.replicas, self.shape.roles, strict=True):
             await sched.add_replica(replica.address, State(role))
         await sched.start()
@@ -117,6 +164,8 @@ class VirtualCluster:
         return sched
 
     async def stop(self) -> None:
-        """Stop the scheduler (its loops, the autoscaler)."""
-        if self.scheduler is not None:
+        """Stop the scheduler (its loops, the autoscaler); every model's when several."""
+        if self.pools is not None:
+            await self.pools.stop()
+        elif self.scheduler is not None:
             await self.scheduler.stop()
