@@ -30,6 +30,7 @@ from replica.engine.sim.clock import TallyClock
 from replica.engine.sim.cost import kv_bytes_per_token
 from replica.engine.sim.factory import build_simulated
 from replica.model.layout import ITEMSIZE, WeightLayout
+from replica.params.store import ParamStore
 from router.config import RouterConfig
 from router.models import ModelSpec
 from router.pools import ModelPools
@@ -84,6 +85,7 @@ def build_replicas(shape: VirtualShape, hw: Hardware) -> list[VirtualReplica]:
         config = replica_config(shape, rank, role)
         clock = TallyClock()
         engine, params = build_simulated(config, clock)
+        _scale_host_cache(config, params, engine.runner.config, engine.meta.dtype)
         replica = VirtualReplica(rank, engine, params, clock, hw, config.disk_gbps, config.host_gbps)
         hw.replicas[rank] = replica
         replicas.append(replica)
@@ -125,6 +127,7 @@ class VirtualCluster:
         spare, dealt = [], Counter[str]()
         for replica, role in zip(self.replicas, self.shape.roles, strict=True):
             if role == "inactive":
+                _name_host_copy(replica.weights.params, specs[0].path.name)
                 spare.append(replica.address)
                 continue
             spec = specs[dealt[role] % len(specs)]
@@ -169,3 +172,26 @@ class VirtualCluster:
             await self.pools.stop()
         elif self.scheduler is not None:
             await self.scheduler.stop()
+
+
+def _name_host_copy(params: ParamStore, name: str) -> None:
+    """An inactive replica started with the card's host copy (`--host-cache`) holds the first model
+    (the card it was started with): its copy and its buffer's name are that model's."""
+    if params.model_name:
+        return
+    params.model_name = name
+    copy = params.host_cache.peek("")
+    if copy is not None:  # re-keyed: the unnamed copy is evicted first when both do not fit
+        params.host_cache.put(name, copy, params.layout.total_bytes)
+
+
+def _scale_host_cache(config: ReplicaConfig, params: ParamStore, card: Any, dtype: str) -> None:
+    """`--host-cache-bytes` in the card's real bytes, kept as the same share of a model's bytes in
+    the virtual replica's tiny buffer (at VIRTUAL_BYTE_SCALE a byte count rounds to nothing: 16 GB of
+    a 13.5 GB model is 1.19 models here too); the start-up host copy taken again under it."""
+    if not config.host_cache_bytes:
+        return
+    real = WeightLayout.for_config(card, dtype).total_bytes
+    params.host_cache.capacity = config.host_cache_bytes * params.layout.total_bytes // real
+    if config.host_cache and params.host_copy is None:
+        params.warm_host_copy(Path("."))
