@@ -66,20 +66,26 @@ def test_a_model_with_enough_inactive_replicas_borrows_none_and_keeps_them_while
     assert (decided.lend, decided.release) == ({}, {})
 
 
-def test_wake_prefers_an_idle_replica_then_p2p_then_the_host_cache() -> None:
+def test_wake_prefers_an_idle_replica_then_p2p_then_loadparams() -> None:
     live = get("live").caps
     assert wake_action([sample(1, State.INACTIVE), sample(2, State.IDLE)], live) == Reactivate(
         ReplicaId(2), Kind.PREFILL)
     assert wake_action([sample(1, State.INACTIVE), sample(3, State.DECODE)], live) == Load(
         Method.P2P, (ReplicaId(3),), (ReplicaId(1),), Kind.PREFILL)
     loaded = wake_action([sample(1, State.INACTIVE)], live)
-    assert isinstance(loaded, Load) and loaded.method is Method.LOAD_HOST and loaded.targets == (1,)
+    assert isinstance(loaded, Load) and loaded.method is Method.LOAD_DISK and loaded.targets == (1,)
 
 
-def test_wake_loads_from_disk_under_stop_the_world_and_skips_busy_replicas() -> None:
-    action = wake_action([sample(1, State.INACTIVE), sample(2, State.IDLE, transfers=1)],
-                         get("stop-the-world").caps)
-    assert isinstance(action, Load) and action.method is Method.LOAD_DISK
+@pytest.mark.parametrize(("policy", "method"), [
+    ("host-cache", Method.LOAD_HOST), ("stop-the-world", Method.LOAD_DISK),
+    ("multicast", Method.LOAD_DISK), ("static", Method.LOAD_DISK)])
+def test_wake_reads_the_host_cache_only_under_a_policy_that_loads_from_it(policy: str,
+                                                                          method: Method) -> None:
+    action = wake_action([sample(1, State.INACTIVE), sample(2, State.IDLE, transfers=1)], get(policy).caps)
+    assert isinstance(action, Load) and action.method is method
+
+
+def test_wake_skips_busy_replicas() -> None:
     assert wake_action([sample(1, State.INACTIVE, transfers=1)], get("live").caps) is None
     assert wake_action([], get("live").caps) is None
 

@@ -1,5 +1,6 @@
 """Several models in virtual time: requests assigned to models, a model at zero woken by its first
-request (host-cache miss → disk, the shared spare replica lent), and the comparison's ratios."""
+request (under host-cache: a miss, the spare's copy is the other model's → disk; the shared spare
+replica lent), and the comparison's ratios."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from pdcluster.experiment.workloads import assign_models
 from pdcluster.sim.cell import execute
 from pdcluster.sim.ratios import ratios, replica_seconds
 
-CELL = "two.full.multicast@nics__mixed__r0"
+CELL = "two.full.host-cache@nics__mixed__r0"
 
 
 def _experiment(tmp_path: Path, tokenizer: Path) -> Path:
@@ -22,7 +23,7 @@ def _experiment(tmp_path: Path, tokenizer: Path) -> Path:
     path.write_text(f"""
 name = "two models, one at zero"
 strategies = ["full"]
-policies = ["multicast"]
+policies = ["host-cache"]
 seeds = [3]
 [model]
 path = "{tokenizer}"
