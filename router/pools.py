@@ -116,13 +116,17 @@ class ModelPools:
 
     async def wake(self, name: str) -> None:
         """Until model `name` has a serving replica (one wake per model at a time, shared by its
-        waiting requests); TimeoutError after `wake_timeout` seconds."""
+        waiting requests); TimeoutError once that wake has run `wake_timeout` seconds."""
         task = self._waking.get(name)
         if task is None:
-            task = asyncio.create_task(self._wake(name), name=f"wake-{name}")
+            task = asyncio.create_task(self._wake_within(name), name=f"wake-{name}")
             self._waking[name] = task
             task.add_done_callback(lambda _t: self._waking.pop(name, None))
-        await asyncio.wait_for(asyncio.shield(task), self.wake_timeout)
+        await asyncio.shield(task)  # a waiter that goes away leaves the wake to the others
+
+    async def _wake_within(self, name: str) -> None:
+        async with asyncio.timeout(self.wake_timeout):
+            await self._wake(name)
 
     async def _wake(self, name: str) -> None:
         sched = self.schedulers[name]
