@@ -420,9 +420,10 @@ class ReplicaClient:
         await self._call("TanzBroadcast", req, self.transfer_timeout)
 
     async def load_params(self, from_host: bool, model: str = "") -> None:
-        """Fill the weights from the model root (`model`: a folder under it) or the host-memory copy."""
+        """Fill the weights from the model root (`model`: a folder under it) or the host-memory copy
+        (of `model`; empty: of the replica's own model)."""
         if from_host:
-            req = pb.LoadParamsRequest(load_case=pb.LOAD_FROM_HOST_MEM)
+            req = pb.LoadParamsRequest(load_case=pb.LOAD_FROM_HOST_MEM, model_name=model)
         else:
             req = pb.LoadParamsRequest(load_case=pb.LOAD_FROM_DISK, model_name=model)
         await self._call("LoadParams", req, self.transfer_timeout)

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from router import strategies
+from router.models import ModelSpec, parse_model
 from router.scaling import policies
 from router.scaling.planner import Bounds
 from router.security import RouterTls, read_token
@@ -135,6 +136,12 @@ class RouterConfig:
         "one decode replica's KV intake until measured, tokens/s (0 = wait for the first migration)"))
     timeline: Path | None = field(default=None, metadata=_help(
         "write the router's timeline here (JSONL: planner rounds, state changes, transfers, relays)"))
+    models: list[str] = field(default_factory=list, metadata=_help(
+        "more models served beside --model, each NAME=DIR[,min-prefill=N][,min-decode=N][,max-prefill=N]"
+        "[,max-decode=N][,keep-alive=S]: a request's `model` picks one; each model has its own replicas "
+        "and planner, inactive replicas are shared (router/README.md, several models)"))
+    wake_timeout: float = field(default=60.0, metadata=_help(
+        "several models: seconds a request for a model no replica serves waits for one to be loaded"))
 
     def __post_init__(self) -> None:
         self.model = Path(self.model)
@@ -170,7 +177,22 @@ class RouterConfig:
             raise ValueError("--prefill-tokens-per-s and --migration-tokens-per-s must be >= 0")
         if self.timeline is not None:
             self.timeline = Path(self.timeline)
+        self._check_models()
         self._check_security()
+
+    def _check_models(self) -> None:
+        specs = self.model_specs()  # a malformed entry → ValueError
+        names = [s.name for s in specs]
+        if len(set(names)) != len(names):
+            raise ValueError(f"model names must differ (--model-id / folder name and --models): {names}")
+        for spec in specs:
+            spec.bounds(self.bounds())  # contradicting overrides → ValueError
+        if self.wake_timeout <= 0:
+            raise ValueError(f"--wake-timeout must be > 0, got {self.wake_timeout}")
+
+    def model_specs(self) -> list[ModelSpec]:
+        """Every served model: `--model` (named `served_model_id`) first, then `--models`."""
+        return [ModelSpec(self.served_model_id, Path(self.model)), *(parse_model(m) for m in self.models)]
 
     def _check_security(self) -> None:
         for name in ("tls_cert", "tls_key", "tls_ca", "tls_client_ca", "cluster_token_file"):

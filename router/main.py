@@ -35,7 +35,9 @@ from router.replica_api import Connect
 from router.replicas import SERVING, State
 from router.scheduler import ClusterScheduler
 from router.security import warn_if_exposed
+from router.serve_models import build_pools, model_config
 from router.tokenizer import Tokenizer
+from router.types import Scheduler
 
 log = logging.getLogger("pdcluster.router")
 
@@ -154,22 +156,33 @@ async def run_router(config: RouterConfig, stop: asyncio.Event, api_keys: KeyTab
     """Run until `stop` is set; prints one ready line. `api_keys`: read from `config.api_keys` if None."""
     if api_keys is None and config.api_keys is not None:
         api_keys = load_key_file(config.api_keys)
-    tokenizer = Tokenizer.from_model_dir(config.model)
     metrics = RouterMetrics()
-    sched = ClusterScheduler(config, tokenizer, connector(config), metrics)
     deadline = asyncio.get_running_loop().time() + 30
-    for address, role in zip(config.replica, config.roles(), strict=True):
-        await _connect(sched, address, State(role), deadline)
-    dtype = next((h.state.info.dtype for h in sched.replicas.values()), "float32")
-    sched.kv_bytes_per_token = kv_bytes_per_token(config.model, dtype)
-    sched.weight_bytes = weight_bytes(config.model, dtype)
-    await sched.start()
+    if config.models:
+        pools, tokenizers = await build_pools(config, metrics, connector(config), deadline,
+                                              kv_bytes_per_token, weight_bytes)
+        first, *rest = config.model_specs()
+        sched, tokenizer = pools.schedulers[first.name], tokenizers[first.name]
+        more = [(pools.front(m.name), tokenizers[m.name],
+                 serving_info(model_config(config, m, False), pools.schedulers[m.name])) for m in rest]
+        front: Scheduler = pools.front(first.name)
+        await pools.start()
+    else:
+        tokenizer = Tokenizer.from_model_dir(config.model)
+        sched = ClusterScheduler(config, tokenizer, connector(config), metrics)
+        for address, role in zip(config.replica, config.roles(), strict=True):
+            await _connect(sched, address, State(role), deadline)
+        dtype = next((h.state.info.dtype for h in sched.replicas.values()), "float32")
+        sched.kv_bytes_per_token = kv_bytes_per_token(config.model, dtype)
+        sched.weight_bytes = weight_bytes(config.model, dtype)
+        pools, more, front = None, [], sched
+        await sched.start()
     tls = config.tls()
     warn_if_exposed(log, config.host, tls.serves)
     admin, admin_port = await start_admin_server(sched, config.host, config.admin_port, config.admin_token,
                                                  tls)
     sock = _bind(config.host, config.http_port)
-    app = create_app(sched, tokenizer, serving_info(config, sched), metrics.render, api_keys)
+    app = create_app(front, tokenizer, serving_info(config, sched), metrics.render, api_keys, more)
     http = _Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=2,
                                   **tls.uvicorn_options()))
     http_task = asyncio.create_task(http.serve(sockets=[sock]))
@@ -190,7 +203,7 @@ async def run_router(config: RouterConfig, stop: asyncio.Event, api_keys: KeyTab
         with contextlib.suppress(Exception):
             await asyncio.wait_for(http_task, 5)
         await admin.stop(1)
-        await sched.stop()
+        await (pools.stop() if pools is not None else sched.stop())
         sock.close()
         log.info("router stopped")
 

@@ -119,9 +119,10 @@ def fabric_conflict(address: str, info: ReplicaInfo, others: Iterable[ReplicaSta
 class Replicas(Mapping[ReplicaId, ReplicaHandle]):
     """Every replica the router knows (dead ones included), by id."""
 
-    def __init__(self) -> None:
+    def __init__(self, ids: Iterator[int] | None = None) -> None:
         self._handles: dict[ReplicaId, ReplicaHandle] = {}
-        self._ids = itertools.count(0)
+        # several models' registries share one counter: a replica id names one replica router-wide
+        self._ids = ids if ids is not None else itertools.count(0)
         self._roles: Counter[State] = Counter()  # replicas in each state, kept by `_moved`
         self.on_move: Observer | None = None  # told of every state change after the counts
         self.on_info: Callable[[ReplicaState], None] | None = None  # told of every Info a replica gave
@@ -152,6 +153,15 @@ class Replicas(Mapping[ReplicaId, ReplicaHandle]):
         handle = ReplicaHandle(state, client)
         self._handles[handle.id] = handle
         self._roles[role] += 1
+        return handle
+
+    def remove(self, rid: ReplicaId) -> ReplicaHandle:
+        """Forget an inactive replica (it leaves for another model's pool); ValueError for any other."""
+        handle = self[rid]
+        if handle.state.role is not State.INACTIVE:
+            raise ValueError(f"replica {rid} is {handle.state.role.value}: only an inactive one can leave")
+        del self._handles[rid]
+        self._roles[State.INACTIVE] -= 1
         return handle
 
     def _moved(self, state: ReplicaState, old: State, new: State, trigger: Trigger) -> None:

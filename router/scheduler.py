@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 from router import strategies
@@ -41,6 +41,7 @@ from router.routing import Routing
 from router.scaling.autoscaler import Autoscaler
 from router.scaling.rates import Rates
 from router.scaling.timeline import Timeline
+from router.states import HOLDS_WEIGHTS
 from router.strategies.base import MigrationStrategy, Mode
 from router.types import BatchId, GenerateRequest, ReplicaId, RequestId, StepResult, TokenDecoder
 from router.wakeup import Wakeups
@@ -64,12 +65,12 @@ class ClusterScheduler:
 
     def __init__(self, config: RouterConfig, decoder: TokenDecoder, connect: Connect,
                  metrics: RouterMetrics | None = None, kv_bytes_per_token: int = 0,
-                 clock: Callable[[], float] = now) -> None:
+                 clock: Callable[[], float] = now, ids: Iterator[int] | None = None) -> None:
         self.config = config
         self.metrics = metrics or RouterMetrics()
         self.clock = clock
         self.wakeups = Wakeups()
-        self.replicas = Replicas()
+        self.replicas = Replicas(ids)
         self.replicas.on_move = self._moved
         self.replicas.on_info = self._info
         self.prefix = PrefixRouting(Routing(config.routing), config.routing_max_load, self.metrics)
@@ -364,15 +365,26 @@ class ClusterScheduler:
         self.metrics.update_replicas(h.state for h in self.replicas.values())
 
     async def _poll(self, handle: ReplicaHandle) -> None:
+        before = (handle.state.role, handle.state.since)
         try:
             info = await asyncio.wait_for(handle.client.info(), self.config.heartbeat_interval * 2)
         except (ReplicaCallError, TimeoutError):
             return
         handle.state.info = info
+        if handle.state.alive and self._restarted(handle, before):
+            self.mark_dead(handle.id, "it answers without the weights it held: its process restarted")
         if handle.state.alive:
             self.heartbeats.beat(handle.id, self.clock())
         elif not self._stopping:
             await self._revive(handle)
+
+    def _restarted(self, handle: ReplicaHandle, before: tuple[State, float]) -> bool:
+        """A replica that held weights answers without them (its state unchanged across the call, no
+        scaling action on it): its process restarted within the heartbeat deadline, so it is the
+        same member coming back (dead, then revived: `_revive`), not a replica still serving."""
+        s = handle.state
+        return ((s.role, s.since) == before and s.role in HOLDS_WEIGHTS and not s.info.loaded
+                and handle.id not in self.scaling.executor.busy)
 
     async def _revive(self, handle: ReplicaHandle) -> None:
         """A dead polled replica answers again (restarted, or its death was a glitch): free whatever it

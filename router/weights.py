@@ -154,7 +154,7 @@ async def _host_or_disk(target: Member, model: str) -> None:
     """LoadParams from host memory; on a host-cache miss (FAILED_PRECONDITION: the node's host cache
     does not hold the model, `--host-cache-bytes`) from the model root, as ServerlessLLM does."""
     try:
-        await target.client.load_params(from_host=True)
+        await target.client.load_params(from_host=True, model=model)
     except ReplicaCallError as exc:
         if exc.code != "FAILED_PRECONDITION" or "host cache miss" not in exc.details:
             raise

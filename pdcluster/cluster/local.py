@@ -49,6 +49,7 @@ from pdcluster.discovery.discover import visible_gpu_count
 from replica.config import DType, check_device_name
 from router import strategies
 from router.config import Strategy
+from router.models import parse_model
 from router.scaling import policies
 from transfer.fabric import FABRIC_CHOICES, needs_store
 
@@ -59,6 +60,10 @@ class UpConfig:
 
     model: Path = field(metadata={
         "help": "checkpoint folder (--engine simulated: only its tokenizer is read)"})
+    models: list[str] = field(default_factory=list, metadata={"help": (
+        "more models beside --model, NAME=DIR[,min-prefill=N,...] each (the router's --models): folders "
+        "beside --model's (the replicas' model root); every replica starts with --model, inactive ones "
+        "are shared and load whichever model needs them")})
     prefill: int = field(default=1, metadata={"help": "prefill replicas"})
     decode: int = field(default=1, metadata={"help": "decode replicas"})
     inactive: int = field(default=0, metadata={"help": "inactive replicas (no weights; scale-up targets)"})
@@ -155,6 +160,7 @@ class UpConfig:
         if bad:
             raise ValueError(f"--router-flag takes NAME=VALUE (without dashes), got {bad}")
         check_router_flag_names(self.router_flag)
+        self._check_models()
         if (self.tls_cert is None) != (self.tls_key is None):
             raise ValueError("--tls-cert and --tls-key go together")
         if (self.tls_cert is not None or self.tls_client_ca is not None) and self.tls_ca is None:
@@ -185,10 +191,21 @@ class UpConfig:
             raise ValueError(f"--inactive replicas load from the model root, but {self.model} has no "
                              "config.json the replicas can read")
 
+    def _check_models(self) -> None:
+        root = self.model.resolve().parent
+        for spec in (parse_model(m) for m in self.models):  # a malformed entry → ValueError
+            if spec.path.resolve().parent != root:
+                raise ValueError(f"--models {spec.name}: {spec.path} must sit beside {self.model} (in "
+                                 f"{root}, the replicas' model root: LoadParams finds it by its folder name)")
+        if self.models and self.engine != "torch":
+            raise ValueError("--models needs the torch engine")
+
     def router_args(self) -> list[str]:
         """The router flags of `--scaling`, `--routing` and `--router-flag` (a boolean flag as the
         cluster file writes it: `NAME=true` is `--NAME`, `NAME=false` is `--no-NAME`)."""
         args = ["--scaling", self.scaling, "--routing", self.routing]
+        if self.models:
+            args += ["--models", *(_resolved(m) for m in self.models)]
         for flag in self.router_flag:
             name, _, value = flag.partition("=")
             if value.lower() in ("true", "false"):
@@ -451,3 +468,10 @@ class LocalCluster:
 def run(config: UpConfig) -> int:
     """Entry point of `pdcluster up`: start, print the ready line, run until Ctrl-C / SIGTERM."""
     return supervise("pdcluster up", LocalCluster(config))
+
+
+def _resolved(entry: str) -> str:
+    """A `--models` entry with its folder made absolute (the router runs elsewhere)."""
+    spec = parse_model(entry)
+    options = entry.split(",")[1:]
+    return ",".join([f"{spec.name}={spec.path.resolve()}", *options])

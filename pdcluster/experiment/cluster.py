@@ -20,6 +20,8 @@ from __future__ import annotations
 import dataclasses
 import os
 import time
+from collections import Counter
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from pdcluster.cluster.gpu_placement import place_on_devices
@@ -36,6 +38,7 @@ from pdcluster.cluster.replica_process import free_ports
 from pdcluster.discovery.discover import visible_gpu_count
 from pdcluster.experiment.netns import HEAD_ADDRESS, Network
 from pdcluster.experiment.spec import STATIC_POLICY, ClusterShape, ModelSpec, TopologySpec
+from router.models import parse_model
 from transfer.ranktable import RankEntry, RankTable
 
 DEFAULT_PAGES = 512  # KV pages of a torch replica when the experiment names none
@@ -78,10 +81,14 @@ class CellCluster:
         self.http_url = ""
         self.timeline: Path | None = None
         self.model_dir = model.path
+        self.router_extra = list(shape.router_args)  # the shape's router flags (--models rewritten)
 
     def start(self, timeout: float) -> None:
         """Start every replica, then the router; returns once the router's ready line came."""
         flags = router_flags()
+        if "--models" in self.shape.router_args and not self.shape.engine.simulated:
+            raise RuntimeError("several models (router --models) in an experiment need simulated replicas "
+                               "(`pdcluster up --models` serves torch checkpoints)")
         if self.policy != STATIC_POLICY and "scaling" not in flags:
             raise RuntimeError(f"scaling policy {self.policy!r} needs the router's --scaling flag, which "
                                "this router does not have yet (only 'static' runs)")
@@ -91,13 +98,16 @@ class CellCluster:
         (self.folder / "ranks.json").write_text(table.to_json())
         engine = self.shape.engine
         self.model_dir = engine.model_folder(self.model.path, self.folder / "model" / engine.model_card)
+        self.router_extra, folders = several_models(self.shape.router_args, self.model_dir,
+                                                    lambda d: engine.model_folder(self.model.path, d))
+        dealt = deal(self.roles, folders)
         pages = self.model.num_blocks if engine.simulated else (self.model.num_blocks or DEFAULT_PAGES)
         gpus = 0 if engine.simulated or engine.device == "cpu" else visible_gpu_count()
         slots = place_on_devices(len(self.roles), "cpu" if engine.simulated else engine.device, gpus)
         deadline = time.monotonic() + timeout
         for rank, role in enumerate(self.roles):
             entry = table[rank]
-            args = ["replica", "--model", str(self.model_dir), "--host", entry.host, "--port", "0",
+            args = ["replica", "--model", str(dealt[rank]), "--host", entry.host, "--port", "0",
                     "--rank", str(rank), *(["--num-blocks", str(pages)] if pages else []),
                     "--torch-threads", str(self._threads()), "--cluster", str(self.folder / "ranks.json"),
                     "--fabric", engine.fabric, *(["--inactive"] if role == "inactive" else []),
@@ -116,7 +126,7 @@ class CellCluster:
         args = ["router", "--model", str(self.model_dir), "--host", host, "--http-port", str(http),
                 "--admin-port", str(admin), "--strategy", self.strategy,
                 "--replica", *[p.address for p in self.replicas], "--role", *self.roles]
-        args += self.shape.router_args
+        args += self.router_extra
         if "scaling" in flags:
             args += ["--scaling", self.policy]
         if "timeline" in flags:
@@ -165,3 +175,34 @@ class CellCluster:
     def stop(self) -> None:
         """SIGTERM the router, then the replicas; SIGKILL what outlives 10 s."""
         stop_procs([self.router] if self.router else [], self.replicas, timeout=10.0)
+
+
+def several_models(router_args: Sequence[str], first: Path, make: Callable[[Path], Path]
+                   ) -> tuple[list[str], list[Path]]:
+    """`router_args` with each `--models NAME=…` entry's folder made beside `first` (`make(folder)`
+    writes it: the card's config.json and the tokenizer, so the replicas' LoadParams finds it under
+    their model root by its name), and every model's folder, `first` first."""
+    args, folders, models = [], [first], False
+    for word in router_args:
+        models = word == "--models" or (models and not word.startswith("--"))
+        if models and word != "--models":
+            spec = parse_model(word)
+            folder = make(first.parent / spec.name)
+            folders.append(folder)
+            word = ",".join([f"{spec.name}={folder}", *word.split(",")[1:]])
+        args.append(word)
+    return args, folders
+
+
+def deal(roles: Sequence[str], folders: Sequence[Path]) -> list[Path]:
+    """Each replica's --model: the loaded ones dealt to the models in turn, each role on its own (a
+    replica's Info names its model); inactive ones get the first (the shared spare pool)."""
+    dealt: Counter[str] = Counter()
+    out = []
+    for role in roles:
+        if role == "inactive":
+            out.append(folders[0])
+            continue
+        out.append(folders[dealt[role] % len(folders)])
+        dealt[role] += 1
+    return out

@@ -241,6 +241,8 @@ def _workloads(t: Table) -> list[WorkloadSpec]:
         "speed": t.get("speed", float, 1.0, lambda v: v > 0, "must be > 0"),
         "max_input_len": t.get("max_input_len", int, 0, lambda v: v >= 0, "must be >= 0"),
         "max_output_len": t.get("max_output_len", int, 0, lambda v: v >= 0, "must be >= 0"),
+        "models": tuple(t.get("models", list, [], lambda v: all(isinstance(m, str) and m for m in v),
+                              "must be a list of model names")),
     }
     window = t.get("window", list, None)
     if window is not None:

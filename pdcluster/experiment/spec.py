@@ -85,6 +85,7 @@ class WorkloadSpec:
     format: str = ""
     window: tuple[float, float] | None = None
     speed: float = 1.0
+    models: tuple[str, ...] = ()  # several models: each request asks for one (workloads.assign_models)
     max_input_len: int = 0  # 0: the served model's limit
     max_output_len: int = 0
     phases: tuple[tuple[float, float], ...] = ()  # phases: (seconds, requests/s), Poisson within each

@@ -8,7 +8,10 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import random
+from collections.abc import Sequence
 from pathlib import Path
 
 from pdcluster.bench.serving.sender import Served
@@ -41,4 +44,19 @@ def arrivals(spec: WorkloadSpec, seed: int, served: Served) -> list[Arrival]:
             cv = spec.cv if spec.arrival == "gamma" else 1.0
             raw = synthetic(spec.num, spec.rate, cv, inputs, outputs, seed, pairs)
     max_input = min(served.max_input_tokens, spec.max_input_len or served.max_input_tokens)
-    return clip(raw, max_input, served.max_total_tokens, spec.max_output_len)
+    fitted = clip(raw, max_input, served.max_total_tokens, spec.max_output_len)
+    return assign_models(fitted, spec.models, seed)
+
+
+def assign_models(requests: list[Arrival], models: Sequence[str], seed: int) -> list[Arrival]:
+    """Each request asks for one of `models` (none: unchanged). The traces name no model (BurstGPT's
+    two, ChatGPT and GPT-4, are one service's), so the rule is the one serverless-LLM studies use: model
+    popularity is Zipf-like (the k-th model drawn with weight 1 / k, ServerlessLLM's and BlitzScale's
+    multi-model setups), each request drawn independently with the cell's seed: every model's load
+    has the trace's bursts, scaled by its share."""
+    if not models:
+        return requests
+    weights = [1.0 / (k + 1) for k in range(len(models))]
+    rng = random.Random(f"models-{seed}")
+    chosen = rng.choices(list(models), weights, k=len(requests))
+    return [dataclasses.replace(a, model=m) for a, m in zip(requests, chosen, strict=True)]

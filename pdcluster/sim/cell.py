@@ -77,7 +77,7 @@ async def _run(experiment: Experiment, cell: Cell, cluster: VirtualCluster, prog
         requests = build(cell.workload, cell.seed, served)
         prompts = PromptMaker(cell.seed, served.vocab_size).prompts(requests)
         records, duration = await send_all(scheduler, requests, prompts, experiment.request_timeout,
-                                           _reporter(len(requests), progress))
+                                           _reporter(len(requests), progress), cluster.fronts or None)
     finally:
         await cluster.stop()
     return records, duration, served, requests

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 from pdcluster.bench.serving.stats import RequestRecord
 from pdcluster.bench.serving.workload import Arrival
@@ -26,18 +26,21 @@ from router.types import (
 
 
 async def send_all(scheduler: Scheduler, arrivals: Sequence[Arrival], prompts: Sequence[list[int]],
-                   timeout: float, progress: Callable[[int], None] | None = None
-                   ) -> tuple[list[RequestRecord], float]:
+                   timeout: float, progress: Callable[[int], None] | None = None,
+                   models: Mapping[str, Scheduler] | None = None) -> tuple[list[RequestRecord], float]:
     """Every request at its arrival (seconds from now); (records, seconds to the last answer).
 
     One sender sleeps from arrival to arrival and starts each request's task then: the loop's timer
-    heap holds the requests in flight, not every request of the run."""
+    heap holds the requests in flight, not every request of the run. With `models`, a request that
+    names a model (`Arrival.model`) goes to that model's scheduler."""
     loop = asyncio.get_running_loop()
     t0 = loop.time()
     done = [0]
 
     async def one(index: int) -> RequestRecord:
-        record = await _one(scheduler, index, arrivals[index], prompts[index], t0, timeout)
+        arrival = arrivals[index]
+        target = models[arrival.model] if models and arrival.model else scheduler
+        record = await _one(target, index, arrival, prompts[index], t0, timeout)
         done[0] += 1
         if progress is not None:
             progress(done[0])

@@ -12,7 +12,10 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+import dataclasses
+import itertools
+from collections import Counter
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -27,10 +30,15 @@ from replica.engine.sim.clock import TallyClock
 from replica.engine.sim.cost import kv_bytes_per_token
 from replica.engine.sim.factory import build_simulated
 from replica.model.layout import ITEMSIZE, WeightLayout
+from replica.params.store import ParamStore
 from router.config import RouterConfig
+from router.models import ModelSpec
+from router.pools import ModelPools
 from router.replica_api import ReplicaApi
 from router.replicas import State
 from router.scheduler import ClusterScheduler
+from router.serve_models import model_config
+from router.types import Scheduler
 
 VIRTUAL_BYTE_SCALE = "1e-12"
 """The replicas' own buffers are no more than a byte per page and region: the virtual network
@@ -77,6 +85,7 @@ def build_replicas(shape: VirtualShape, hw: Hardware) -> list[VirtualReplica]:
         config = replica_config(shape, rank, role)
         clock = TallyClock()
         engine, params = build_simulated(config, clock)
+        _scale_host_cache(config, params, engine.runner.config, engine.meta.dtype)
         replica = VirtualReplica(rank, engine, params, clock, hw, config.disk_gbps, config.host_gbps)
         hw.replicas[rank] = replica
         replicas.append(replica)
@@ -95,6 +104,43 @@ class VirtualCluster:
         self.hw = Hardware(Network(shape.places), self.router_config.transfer_timeout)
         self.replicas = build_replicas(shape, self.hw)
         self.scheduler: ClusterScheduler | None = None
+        self.pools: ModelPools | None = None  # several models (`--models` in the router args)
+        self.fronts: dict[str, Scheduler] = {}  # each model's Scheduler when several
+
+    def _model_scheduler(self, spec: ModelSpec, first: bool, connect: Callable[[str], ReplicaApi],
+                         kv_bytes: int, ids: Iterator[int]) -> ClusterScheduler:
+        """One model's scheduler; every model writes the one timeline (one clock, ids unique)."""
+        config = dataclasses.replace(model_config(self.router_config, spec, first),
+                                     timeline=self.router_config.timeline)
+        return ClusterScheduler(config, SilentDecoder(), connect, kv_bytes_per_token=kv_bytes,
+                                clock=asyncio.get_running_loop().time, ids=ids)
+
+    async def _start_models(self, connect: Callable[[str], ReplicaApi], kv_bytes: int,
+                            weight_bytes: int) -> ClusterScheduler:
+        """Several models of the replicas' card: the loaded replicas are dealt to the models in turn,
+        each role on its own (as a static deployment provisions every model: 4 prefill and 4 decode
+        replicas give 4 models one of each); the inactive ones are the shared spare pool
+        (`router/pools.py`)."""
+        specs, ids = self.router_config.model_specs(), itertools.count(0)
+        scheds = {s.name: self._model_scheduler(s, i == 0, connect, kv_bytes, ids)
+                  for i, s in enumerate(specs)}
+        spare, dealt = [], Counter[str]()
+        for replica, role in zip(self.replicas, self.shape.roles, strict=True):
+            if role == "inactive":
+                _name_host_copy(replica.weights.params, specs[0].path.name)
+                spare.append(replica.address)
+                continue
+            spec = specs[dealt[role] % len(specs)]
+            dealt[role] += 1
+            replica.weights.params.model_name = spec.path.name  # its host copy's name at a reset
+            await scheds[spec.name].add_replica(replica.address, State(role))
+        for sched in scheds.values():
+            sched.weight_bytes = weight_bytes
+        config = self.router_config
+        self.pools = ModelPools(scheds, spare, config.wake_timeout, config.plan_interval)
+        await self.pools.start()
+        self.fronts = {name: self.pools.front(name) for name in scheds}
+        return scheds[specs[0].name]
 
     async def start(self) -> ClusterScheduler:
         """The scheduler over every replica, started (the caller's loop is the virtual one)."""
@@ -105,11 +151,15 @@ class VirtualCluster:
 
         first = self.replicas[0]
         config, dtype = first.engine.runner.config, first.engine.meta.dtype
+        kv_bytes = kv_bytes_per_token(config, ITEMSIZE[dtype])
+        weight_bytes = WeightLayout.for_config(config, dtype).total_bytes
+        if self.router_config.models:
+            self.scheduler = await self._start_models(connect, kv_bytes, weight_bytes)
+            return self.scheduler
         loop = asyncio.get_running_loop()
-        sched = ClusterScheduler(self.router_config, SilentDecoder(), connect,
-                                 kv_bytes_per_token=kv_bytes_per_token(config, ITEMSIZE[dtype]),
+        sched = ClusterScheduler(self.router_config, SilentDecoder(), connect, kv_bytes_per_token=kv_bytes,
                                  clock=loop.time)
-        sched.weight_bytes = WeightLayout.for_config(config, dtype).total_bytes
+        sched.weight_bytes = weight_bytes
         for replica, role in zip(self.replicas, self.shape.roles, strict=True):
             await sched.add_replica(replica.address, State(role))
         await sched.start()
@@ -117,6 +167,31 @@ class VirtualCluster:
         return sched
 
     async def stop(self) -> None:
-        """Stop the scheduler (its loops, the autoscaler)."""
-        if self.scheduler is not None:
+        """Stop the scheduler (its loops, the autoscaler); every model's when several."""
+        if self.pools is not None:
+            await self.pools.stop()
+        elif self.scheduler is not None:
             await self.scheduler.stop()
+
+
+def _name_host_copy(params: ParamStore, name: str) -> None:
+    """An inactive replica started with the card's host copy (`--host-cache`) holds the first model
+    (the card it was started with): its copy and its buffer's name are that model's."""
+    if params.model_name:
+        return
+    params.model_name = name
+    copy = params.host_cache.peek("")
+    if copy is not None:  # re-keyed: the unnamed copy is evicted first when both do not fit
+        params.host_cache.put(name, copy, params.layout.total_bytes)
+
+
+def _scale_host_cache(config: ReplicaConfig, params: ParamStore, card: Any, dtype: str) -> None:
+    """`--host-cache-bytes` in the card's real bytes, kept as the same share of a model's bytes in
+    the virtual replica's tiny buffer (at VIRTUAL_BYTE_SCALE a byte count rounds to nothing: 16 GB of
+    a 13.5 GB model is 1.19 models here too); the start-up host copy taken again under it."""
+    if not config.host_cache_bytes:
+        return
+    real = WeightLayout.for_config(card, dtype).total_bytes
+    params.host_cache.capacity = config.host_cache_bytes * params.layout.total_bytes // real
+    if config.host_cache and params.host_copy is None:
+        params.warm_host_copy(Path("."))

@@ -289,8 +289,8 @@ class VirtualReplica:
         await self.weights.tanz(list(src_ranks), list(dst_ranks))
 
     async def load_params(self, from_host: bool, model: str = "") -> None:
-        """LoadParams from the emulated disk or host memory (blocking)."""
-        await self.weights.load(from_host)
+        """LoadParams of `model` from the emulated disk or host memory (blocking)."""
+        await self.weights.load(from_host, model)
 
     async def wait_rdma_done(self) -> None:
         """Join the background weight operation."""

@@ -114,10 +114,16 @@ class VirtualWeights:
         self._check("SendParams", lambda: self.params.require_complete(f"sending weights to rank {dst}"))
         self._start("SendParams", self._part(("p2p", self.replica.rank, dst), [self.replica.rank, dst]))
 
+    def _adopt(self, source: int) -> None:
+        """A transfer fills this buffer with the source's model: its host copy is kept under that
+        name at the next ResetStatus (several models, `router/pools.py`)."""
+        self.params.model_name = self.replica.hw.replicas[source].weights.params.model_name
+
     def receive(self, src: int) -> None:
         """RecvParams."""
         self._guard("RecvParams")
         self._check("RecvParams", lambda: self.params.begin_fill(f"receiving weights from rank {src}"))
+        self._adopt(src)
         self._start("RecvParams", self._part(("p2p", src, self.replica.rank), [src, self.replica.rank]))
 
     def chain(self, sources: list[int], targets: list[int]) -> None:
@@ -132,6 +138,8 @@ class VirtualWeights:
             self._check(method, lambda: self.params.require_complete(method))
         else:
             self._check(method, lambda: self.params.begin_fill(method))
+            if source >= 0:
+                self._adopt(source)
 
     async def _part(self, key: tuple[object, ...], chain: list[int]) -> None:
         meeting = await self.replica.hw.meet(key, len(chain))
@@ -171,14 +179,17 @@ class VirtualWeights:
         finally:
             self.blocking = False
 
-    async def load(self, from_host: bool) -> None:
-        """LoadParams from the emulated disk or the host copy, region by region."""
+    async def load(self, from_host: bool, model: str = "") -> None:
+        """LoadParams of `model` (default: the replica's own) from the emulated disk or the host copy,
+        region by region."""
         method = "LoadParams"
         self._guard(method)
-        if from_host and self.params.host_copy is None:
+        name = model or self.params.model_name
+        if from_host and self.params.host_cache.get(name) is None:
             raise self._error(method, FailedPrecondition(
-                "host cache miss: no host-memory copy of the weights"))
+                f"host cache miss: no host-memory copy of {name or 'the weights'}"))
         self._check(method, lambda: self.params.begin_fill(method))
+        self.params.model_name = name
         self.blocking = True
         try:
             rate = self.host_rate if from_host else self.disk_rate

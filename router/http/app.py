@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from fastapi import FastAPI
 from starlette.requests import Request
@@ -10,7 +10,7 @@ from starlette.responses import Response
 
 from router.http import openai_api, tgi_api, tokenize_api
 from router.http.access import Access, ApiKeyMiddleware
-from router.http.common import Backend, backend_of
+from router.http.common import Backend, backend_of, backends_of
 from router.http.errors import APIError, Flavor, error_body
 from router.http.info import ServingInfo
 from router.http.keys import KeyTable
@@ -28,15 +28,18 @@ def create_app(
     info: ServingInfo,
     render_metrics: Callable[[], tuple[bytes, str]],
     api_keys: KeyTable | None = None,
+    more_models: Sequence[tuple[Scheduler, Tokenizer, ServingInfo]] = (),
 ) -> FastAPI:
     """Build the HTTP front end; serve it with uvicorn (`uvicorn.Server(uvicorn.Config(app, ...))`).
 
     With `api_keys`, every /v1/* and TGI generation route needs `Authorization: Bearer KEY` and
-    each key's limits apply (access.py); without, the routes are open.
+    each key's limits apply (access.py); without, the routes are open. `more_models`: further models
+    served beside the default one, chosen by a request's `model` (router/README.md, several models).
     """
     app = FastAPI(title="pdcluster router", version=info.version, docs_url="/docs", redoc_url=None)
     access = Access.from_table(api_keys) if api_keys is not None else None
     app.state.backend = Backend(scheduler, tokenizer, info, render_metrics, access)
+    app.state.backends = {i.model_id: Backend(s, t, i, render_metrics, access) for s, t, i in more_models}
     app.include_router(openai_api.router)
     app.include_router(tgi_api.router)
     app.include_router(tokenize_api.router)
@@ -53,7 +56,7 @@ def create_app(
 
 async def health(request: Request) -> Response:
     """200 when at least one replica can serve, else 503."""
-    healthy = backend_of(request).scheduler.is_healthy()
+    healthy = any(b.scheduler.is_healthy() for b in backends_of(request).values())
     return json_response({"status": "ok" if healthy else "unavailable"}, 200 if healthy else 503)
 
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -13,6 +13,7 @@ from starlette.responses import Response
 from router.http.errors import APIError, Flavor
 from router.http.events import EventFeed, collect, submit, unless_disconnected
 from router.http.info import ServingInfo
+from router.http.validation import check_model
 from router.tokenizer import Tokenizer
 from router.types import ErrorEvent, Event, FinishEvent, GenerateRequest, Scheduler
 
@@ -34,9 +35,37 @@ class Backend:
 
 
 def backend_of(request: Request) -> Backend:
-    """The app's backend."""
+    """The backend of the model the request chose (`model_backend`), else the app's default one."""
+    chosen: Backend | None = getattr(request.state, "backend", None)
+    if chosen is not None:
+        return chosen
     backend: Backend = request.app.state.backend
     return backend
+
+
+def backends_of(request: Request) -> Mapping[str, Backend]:
+    """Every served model's backend by model id, the default one first."""
+    default: Backend = request.app.state.backend
+    more: Mapping[str, Backend] = getattr(request.app.state, "backends", {})
+    return {default.info.model_id: default, **more}
+
+
+def model_backend(request: Request, name: str | None, flavor: Flavor = Flavor.OPENAI) -> Backend:
+    """The backend of the model a request names (absent: the default one); an unknown model is a
+    404 in the route's flavour (OpenAI's `model_not_found`)."""
+    backends = backends_of(request)
+    default: Backend = request.app.state.backend
+    if len(backends) == 1 or name is None:
+        check_model(name, default.info, flavor)
+        chosen = default
+    elif name in backends:
+        chosen = backends[name]
+    else:
+        served = ", ".join(f"`{m}`" for m in backends)
+        raise APIError(f"The model `{name}` does not exist; this server serves {served}.", 404, flavor,
+                       param="model", code="model_not_found")
+    request.state.backend = chosen  # every helper of this request's route serves from it
+    return chosen
 
 
 def new_request_id(prefix: str) -> str:

@@ -12,8 +12,10 @@ from starlette.responses import Response
 
 from router.http.common import (
     backend_of,
+    backends_of,
     finish_all,
     gone_response,
+    model_backend,
     new_request_id,
     start,
 )
@@ -36,7 +38,6 @@ from router.http.tools import (
 from router.http.validation import (
     check_max_new_range,
     check_min_tokens,
-    check_model,
     check_openai_unsupported,
     check_prompt,
     generate_request,
@@ -64,18 +65,20 @@ router = APIRouter()
 
 @router.get("/v1/models")
 async def list_models(request: Request) -> Response:
-    """The one served model."""
-    info = backend_of(request).info
-    model = {
-        "id": info.model_id,
-        "object": "model",
-        "created": info.created,
-        "owned_by": "pdcluster",
-        "root": info.model_root or info.model_id,
-        "parent": None,
-        "max_model_len": info.max_total_tokens,
-    }
-    return json_response({"object": "list", "data": [model]})
+    """Every served model, the default one first."""
+    models = [
+        {
+            "id": info.model_id,
+            "object": "model",
+            "created": info.created,
+            "owned_by": "pdcluster",
+            "root": info.model_root or info.model_id,
+            "parent": None,
+            "max_model_len": info.max_total_tokens,
+        }
+        for info in (b.info for b in backends_of(request).values())
+    ]
+    return json_response({"object": "list", "data": models})
 
 
 @router.post("/v1/completions")
@@ -83,7 +86,7 @@ async def completions(request: Request) -> Response:
     """Text completion of one prompt (text or token ids), streamed or not."""
     backend = backend_of(request)
     body = parse_body(await request.body(), CompletionRequest, OPENAI, backend.info.ignore_unknown_fields)
-    check_model(body.model, backend.info)
+    backend = model_backend(request, body.model)
     check_openai_unsupported(body)
     if body.best_of not in (None, 1):
         raise APIError("only best_of=1 is supported", 400, param="best_of")
@@ -117,7 +120,7 @@ async def chat_completions(request: Request) -> Response:
     """Chat completion: messages rendered with the checkpoint's chat template, streamed or not."""
     backend = backend_of(request)
     body = parse_body(await request.body(), ChatCompletionRequest, OPENAI, backend.info.ignore_unknown_fields)
-    check_model(body.model, backend.info)
+    backend = model_backend(request, body.model)
     check_openai_unsupported(body)
     tools = plan_tools(body.tools, body.tool_choice, body.response_format, body.parallel_tool_calls)
     if tools.tools and not backend.tokenizer.supports_tools:

@@ -210,6 +210,8 @@ class TGIRequest(_Strict):
     inputs: Annotated[str, Field(min_length=1)]
     parameters: TGIParameters = Field(default_factory=TGIParameters)
     stream: bool = False
+    # pdcluster extension (TGI serves one model): which of the router's models; absent = the default
+    model: str | None = None
 
 
 class TokenizeCompletionRequest(_Strict):

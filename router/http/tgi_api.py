@@ -13,6 +13,7 @@ from router.http.common import (
     backend_of,
     finish_all,
     gone_response,
+    model_backend,
     new_request_id,
     start,
 )
@@ -115,8 +116,8 @@ async def compat(request: Request) -> Response:
 
 
 def _prepare(request: Request, raw: bytes) -> _Prepared:
-    backend = backend_of(request)
-    body = parse_body(raw, TGIRequest, TGI, backend.info.ignore_unknown_fields)
+    body = parse_body(raw, TGIRequest, TGI, backend_of(request).info.ignore_unknown_fields)
+    backend = model_backend(request, body.model, TGI)
     params = body.parameters
     check_tgi_unsupported(params, backend.info)
     ids = backend.tokenizer.encode(body.inputs)

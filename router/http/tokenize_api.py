@@ -15,7 +15,7 @@ from fastapi import APIRouter
 from starlette.requests import Request
 from starlette.responses import Response
 
-from router.http.common import backend_of
+from router.http.common import backend_of, model_backend
 from router.http.errors import APIError, Flavor
 from router.http.responses import json_response
 from router.http.schemas import (
@@ -26,7 +26,7 @@ from router.http.schemas import (
     TokenizeCompletionRequest,
 )
 from router.http.tools import template_messages
-from router.http.validation import check_model, parse_body
+from router.http.validation import parse_body
 from router.tokenizer import ChatTemplateError
 
 router = APIRouter()
@@ -52,18 +52,19 @@ async def tokenize(request: Request) -> Response:
     shape = _shape(raw)
     if shape == "tgi":
         return json_response(_tgi_tokens(request, parse_body(raw, TGITokenizeRequest, Flavor.TGI, ignore)))
-    tokenizer = backend.tokenizer
     body: TokenizeChatRequest | TokenizeCompletionRequest
     if shape == "chat":
         body = parse_body(raw, TokenizeChatRequest, Flavor.OPENAI, ignore)
-        check_model(body.model, backend.info)
+        backend = model_backend(request, body.model)
+        tokenizer = backend.tokenizer
         try:
             text = tokenizer.apply_chat_template(template_messages(body.messages), body.add_generation_prompt)
         except ChatTemplateError as exc:
             raise APIError(str(exc), 400, param="messages") from exc
     else:
         body = parse_body(raw, TokenizeCompletionRequest, Flavor.OPENAI, ignore)
-        check_model(body.model, backend.info)
+        backend = model_backend(request, body.model)
+        tokenizer = backend.tokenizer
         text = body.prompt
     ids = tokenizer.encode(text, add_special_tokens=body.add_special_tokens)
     answer: dict[str, Any] = {
@@ -92,7 +93,7 @@ async def detokenize(request: Request) -> Response:
     body = parse_body(
         await request.body(), DetokenizeRequest, Flavor.OPENAI, backend.info.ignore_unknown_fields
     )
-    check_model(body.model, backend.info)
+    backend = model_backend(request, body.model)
     vocab, most = backend.tokenizer.vocab_size, backend.info.max_total_tokens
     if len(body.tokens) > most:
         raise APIError(f"at most {most} token ids (max_model_len)", 400, param="tokens")

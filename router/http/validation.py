@@ -52,12 +52,13 @@ def _drop(data: object, loc: tuple[int | str, ...]) -> None:
         node.pop(loc[-1], None)
 
 
-def check_model(name: str | None, info: ServingInfo) -> None:
+def check_model(name: str | None, info: ServingInfo, flavor: Flavor = Flavor.OPENAI) -> None:
     """The OpenAI `model` field must name the served model (absent means the served one)."""
     if name is not None and name != info.model_id:
         raise APIError(
             f"The model `{name}` does not exist; this server serves `{info.model_id}`.",
             404,
+            flavor,
             param="model",
             code="model_not_found",
         )

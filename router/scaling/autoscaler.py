@@ -163,6 +163,10 @@ class Autoscaler:
         self.timeline.write("restore", replica=replica, role=role.value, action=_describe(action))
         self._start(action)
 
+    def start_action(self, action: Action) -> None:
+        """Run one action now, outside any round (a model woken from zero, `router/pools.py`)."""
+        self._start(action)
+
     def _start(self, action: Action) -> None:
         task = asyncio.create_task(self.executor.run(action), name=f"scale-{action_name(action)}")
         self.tasks.add(task)

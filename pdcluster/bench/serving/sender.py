@@ -112,7 +112,7 @@ async def _one(
     record = RequestRecord(index=index, input_len=arrival.input_len, scheduled=arrival.at,
                            start=time.perf_counter() - t0)
     body = {
-        "model": model,
+        "model": arrival.model or model,  # a request of a several-model workload names its model
         "prompt": prompt,
         "max_tokens": arrival.output_len,
         "temperature": 0,

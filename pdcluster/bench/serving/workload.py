@@ -30,6 +30,7 @@ class Arrival:
     input_len: int
     output_len: int
     hash_ids: tuple[int, ...] = ()
+    model: str = ""  # which of a router's models it asks for ("": the default one)
 
 
 @dataclass(frozen=True)

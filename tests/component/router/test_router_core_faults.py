@@ -168,6 +168,28 @@ def test_a_replica_activated_by_the_router_restarted_without_weights_gets_its_ro
     run(body())
 
 
+def test_a_replica_restarted_within_its_heartbeat_deadline_is_seen_by_its_lost_weights() -> None:
+    async def body() -> None:
+        roles = (State.PREFILL, State.DECODE, State.INACTIVE)
+        async with fake_cluster(roles, Strategy.FULL) as (sched, fakes):
+            await control.activate(sched, [2], State.DECODE, None)  # as the autoscaler would
+            restarted = fakes[2]
+            port = int(restarted.address.rsplit(":", 1)[1])
+            await restarted.stop()
+            restarted.loaded = False  # back before any poll failed: only its Info says it restarted
+            await restarted.start(port)
+            await sched.check_liveness()
+            await eventually_async(lambda: sched.replicas[ReplicaId(2)].state.role is State.DECODE
+                                   and restarted.loaded)
+            assert sched.replicas[ReplicaId(2)].state.lost_role is State.DECODE
+            await fakes[1].stop()  # the batch must decode on the restarted one
+            sched.mark_dead(ReplicaId(1), "stopped by the test")
+            events = await collect(sched.submit(request([3, 3], 4)))
+            assert tokens_of(events) == expected_tokens([3, 3], 4)
+            assert finish_of(events).route.decode_replica == 2
+    run(body())
+
+
 def test_missed_heartbeat_marks_dead_and_requeues() -> None:
     async def body() -> None:
         now = [1000.0]

@@ -1,0 +1,121 @@
+"""Several models in one router: what each model is, and the pure rules that share replicas among them.
+
+```
+ --models NAME=DIR[,min-prefill=N,...]  ──parse_model──► ModelSpec (name, checkpoint, bound overrides)
+ per model: its plan's scale-up, its inactive replicas, a request waiting at zero
+     ──rebalance(needs, spare)──► which inactive replicas go back to the shared pool, how many each
+                                  model borrows from it
+ a model at zero with a request waiting ──wake_action──► Reactivate an idle replica | p2p from a holder
+                                                        | LoadParams (host cache or disk)
+```
+Pure: no asyncio, no replica calls (`router/pools.py` runs them).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from router.scaling.actions import Action, Capabilities, Kind, Load, Reactivate
+from router.scaling.planner import Bounds, ReplicaSample
+from router.states import HOLDS_WEIGHTS, State
+from router.types import ReplicaId
+from router.weights import Method
+
+# per-model bound overrides a `--models` entry may carry (flag spelling → Bounds field, its type)
+_OVERRIDES: dict[str, tuple[str, type]] = {
+    "min-prefill": ("min_prefill", int), "max-prefill": ("max_prefill", int),
+    "min-decode": ("min_decode", int), "max-decode": ("max_decode", int),
+    "keep-alive": ("keep_alive", float),
+}
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """One served model: the name clients use, its checkpoint, and planner bounds of its own."""
+
+    name: str
+    path: Path
+    overrides: Mapping[str, float] = field(default_factory=dict)  # Bounds field → value
+
+    def bounds(self, base: Bounds) -> Bounds:
+        """`base` with this model's overrides (ValueError when they contradict it)."""
+        return dataclasses.replace(base, **self.overrides)  # type: ignore[arg-type]
+
+
+def parse_model(text: str) -> ModelSpec:
+    """`NAME=DIR[,min-prefill=N][,min-decode=N][,max-prefill=N][,max-decode=N][,keep-alive=S]`
+    (ValueError naming what is wrong)."""
+    name, sep, rest = text.partition("=")
+    if not sep or not name or not rest:
+        raise ValueError(f"--models takes NAME=DIR[,key=value...], got {text!r}")
+    path, *options = rest.split(",")
+    overrides: dict[str, float] = {}
+    for option in options:
+        key, eq, value = option.partition("=")
+        if key not in _OVERRIDES or not eq:
+            raise ValueError(f"--models {name}: unknown option {option!r}; options: {', '.join(_OVERRIDES)}")
+        attr, kind = _OVERRIDES[key]
+        try:
+            overrides[attr] = kind(value)
+        except ValueError:
+            raise ValueError(f"--models {name}: {key} must be a number, got {value!r}") from None
+    return ModelSpec(name, Path(path), overrides)
+
+
+@dataclass(frozen=True)
+class PoolNeed:
+    """One model's pool as the sharing rule sees it."""
+
+    want: int  # replicas its plan asks to add (both kinds' scale-up)
+    inactive: tuple[ReplicaId, ...] = ()  # its inactive replicas that no action holds
+    waking: bool = False  # a request waits for its first serving replica
+
+
+@dataclass(frozen=True)
+class Rebalance:
+    """What a sharing round does."""
+
+    release: Mapping[str, tuple[ReplicaId, ...]]  # inactive replicas each model gives back
+    lend: Mapping[str, int]  # spare replicas each model borrows
+
+
+def rebalance(needs: Mapping[str, PoolNeed], spare: int) -> Rebalance:
+    """A model that wants no replica gives its inactive ones back; models short of inactive replicas
+    borrow from the spare ones (those just given back included) — a model waking from zero first,
+    then the largest shortfall, then by name (deterministic)."""
+    release = {m: n.inactive for m, n in needs.items() if n.inactive and n.want == 0 and not n.waking}
+    pool = spare + sum(len(r) for r in release.values())
+    short = {m: max(n.want, 1 if n.waking else 0) - len(n.inactive) for m, n in needs.items()}
+    order = sorted((m for m, k in short.items() if k > 0), key=lambda m: (not needs[m].waking, -short[m], m))
+    lend: dict[str, int] = {}
+    for model in order:
+        given = min(short[model], pool)
+        if given:
+            lend[model] = given
+            pool -= given
+    return Rebalance(release, lend)
+
+
+def wake_action(replicas: Sequence[ReplicaSample], caps: Capabilities) -> Action | None:
+    """How a model with no serving replica gets one, in order of preference: an idle replica that
+    kept its weights serves again; else weights go into an inactive replica p2p from a replica that
+    holds them; else LoadParams — from the node's host cache (from disk on a miss, as ServerlessLLM
+    does) under a policy that loads from it, else from disk. Why not the host cache under every
+    policy: a replica names its host copy after the model it last LoadParams'd, and p2p or multicast
+    weights do not rename it (the transfer carries no model name), so under a transfer policy a host
+    copy may hold another model's weights than its name says. None: no inactive replica."""
+    free = [r for r in replicas if r.transfers == 0]
+    idle = sorted(r.id for r in free if r.state is State.IDLE)
+    if idle:
+        return Reactivate(idle[0], Kind.PREFILL)
+    targets = sorted(r.id for r in free if r.state is State.INACTIVE)
+    if not targets:
+        return None
+    holders = sorted(r.id for r in free if r.state in HOLDS_WEIGHTS)
+    if holders:
+        return Load(Method.P2P, (holders[0],), tuple(targets[:1]), Kind.PREFILL)
+    method = Method.LOAD_HOST if Method.LOAD_HOST in caps.methods else Method.LOAD_DISK
+    return Load(method, (), tuple(targets[:1]), Kind.PREFILL)

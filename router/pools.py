@@ -1,0 +1,208 @@
+"""Several models in one router: one `ClusterScheduler` (queue, replicas, autoscaler) per model, and
+the inactive replicas they share.
+
+```
+ HTTP (the request's `model`) ──► ModelFront(name) ──► that model's ClusterScheduler
+                                      │ no serving replica: wake(name) first (deadline --wake-timeout)
+ ModelPools ── spare: inactive replicas no model holds
+    every --plan-interval: rebalance (models.rebalance) — models that want no replica give their
+    inactive ones back, models short of inactive replicas borrow spares (their autoscaler loads them)
+    wake(name): models.wake_action on the model's pool, borrowing a spare first when it has none
+```
+A replica serves one model at a time: it belongs to one model's scheduler (its model known from
+Info at start, or from what that scheduler loaded into it) or to the spare pool.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator, Mapping, Sequence
+
+from router.errors import ReplicaCallError
+from router.models import PoolNeed, rebalance, wake_action
+from router.replicas import State
+from router.scaling.planner import plan
+from router.scheduler import ClusterScheduler
+from router.types import ErrorEvent, Event, GenerateRequest, ReplicaId, RequestRejected
+
+log = logging.getLogger("pdcluster.router")
+WAKE_POLL_S = 0.05  # how often a waking model looks whether its replica serves yet
+
+
+class ModelPools:
+    """The router's models and the spare inactive replicas they share."""
+
+    def __init__(self, schedulers: Mapping[str, ClusterScheduler], spare: Sequence[str],
+                 wake_timeout: float, interval: float) -> None:
+        self.schedulers = dict(schedulers)
+        self.spare = list(spare)  # addresses of inactive replicas that belong to no model
+        self.wake_timeout = wake_timeout
+        self.interval = interval
+        self.wakes = 0  # models brought back from zero (or to their first replica)
+        self._waking: dict[str, asyncio.Task[None]] = {}
+        self._task: asyncio.Task[None] | None = None
+
+    def front(self, name: str) -> ModelFront:
+        """The `Scheduler` the front end serves model `name` from."""
+        return ModelFront(self, name)
+
+    async def start(self) -> None:
+        """Start every model's scheduler and the sharing rounds."""
+        for sched in self.schedulers.values():
+            await sched.start()
+        self._task = asyncio.create_task(self._loop(), name="model-pools")
+
+    async def stop(self) -> None:
+        """Stop the rounds and every scheduler."""
+        for task in [self._task, *self._waking.values()]:
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(BaseException):
+                    await task
+        for sched in self.schedulers.values():
+            await sched.stop()
+
+    async def _loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.interval)
+            try:
+                await self.rebalance()
+            except Exception:
+                log.exception("model pool round failed")
+
+    def needs(self) -> dict[str, PoolNeed]:
+        """Each model's pool as `models.rebalance` sees it (a model whose policy does not plan wants
+        nothing beyond what a waiting request wakes)."""
+        needs = {}
+        for name, sched in self.schedulers.items():
+            scaling = sched.scaling
+            want = 0
+            if scaling.policy.plans:
+                decided = plan(scaling.snapshot(), scaling.bounds)
+                want = max(decided.prefill.delta, 0) + max(decided.decode.delta, 0)
+            inactive = tuple(sorted(h.id for h in sched.replicas.values() if h.state.role is State.INACTIVE
+                                    and h.id not in scaling.executor.busy))
+            needs[name] = PoolNeed(want, inactive, name in self._waking)
+        return needs
+
+    async def rebalance(self) -> None:
+        """One sharing round: give back, then lend (`models.rebalance`)."""
+        decided = rebalance(self.needs(), len(self.spare))
+        for name, rids in decided.release.items():
+            for rid in rids:
+                address = await release_replica(self.schedulers[name], rid)
+                if address is not None:
+                    self.spare.append(address)
+                    log.info("model %s: replica %s back to the shared pool", name, rid)
+        for name, count in decided.lend.items():
+            for _ in range(count):
+                await self.lend(name)
+
+    async def lend(self, name: str) -> ReplicaId | None:
+        """A spare replica joins model `name`'s pool as inactive (None: no spare, or it did not answer:
+        it is kept out of the pool)."""
+        if not self.spare:
+            return None
+        address = self.spare.pop(0)
+        try:
+            rid = await self.schedulers[name].add_replica(address, State.INACTIVE)
+        except ReplicaCallError as exc:
+            log.warning("spare replica %s cannot join model %s: %s", address, name, exc)
+            return None
+        log.info("model %s: spare replica %s joins as %s", name, address, rid)
+        return rid
+
+    async def wake(self, name: str) -> None:
+        """Until model `name` has a serving replica (one wake per model at a time, shared by its
+        waiting requests); TimeoutError once that wake has run `wake_timeout` seconds."""
+        task = self._waking.get(name)
+        if task is None:
+            task = asyncio.create_task(self._wake_within(name), name=f"wake-{name}")
+            self._waking[name] = task
+            task.add_done_callback(lambda _t: self._waking.pop(name, None))
+        await asyncio.shield(task)  # a waiter that goes away leaves the wake to the others
+
+    async def _wake_within(self, name: str) -> None:
+        async with asyncio.timeout(self.wake_timeout):
+            await self._wake(name)
+
+    async def _wake(self, name: str) -> None:
+        sched = self.schedulers[name]
+        started = False
+        while not sched.is_healthy():
+            if not started:
+                action = wake_action(sched.scaling.snapshot().replicas, sched.scaling.policy.caps)
+                if action is None and await self.lend(name) is not None:
+                    continue
+                if action is not None:
+                    log.info("model %s has no serving replica: %s", name, action)
+                    sched.scaling.timeline.write("wake", model=name, action=str(action))
+                    sched.scaling.start_action(action)
+                    started, self.wakes = True, self.wakes + 1
+            elif not sched.scaling.tasks:  # the load ended (failed: rolled back) without a server
+                started = False
+            await asyncio.sleep(WAKE_POLL_S)
+
+    def is_healthy(self) -> bool:
+        """Some model serves now."""
+        return any(s.is_healthy() for s in self.schedulers.values())
+
+
+async def release_replica(sched: ClusterScheduler, rid: ReplicaId) -> str | None:
+    """An inactive replica leaves `sched`'s pool: it is forgotten (at once, so no round picks it),
+    its loop stopped, its client closed. Returns its address (None: it is not inactive any more, or
+    an action holds it)."""
+    if rid in sched.scaling.executor.busy:
+        return None
+    try:
+        handle = sched.replicas.remove(rid)
+    except (KeyError, ValueError):
+        return None
+    sched.heartbeats.forget(rid)
+    sched.prefix.dead(rid)
+    sched.timeline.write("replica_left", replica=rid, address=handle.state.address)
+    if handle.task is not None:
+        handle.task.cancel()
+        with contextlib.suppress(BaseException):
+            await handle.task
+    await handle.client.close()
+    return handle.state.address
+
+
+class ModelFront:
+    """The `Scheduler` of one model: its scheduler's, waking the model first when nothing serves it."""
+
+    def __init__(self, pools: ModelPools, name: str) -> None:
+        self.pools = pools
+        self.name = name
+
+    def submit(self, request: GenerateRequest) -> AsyncIterator[Event]:
+        """The model's scheduler's stream; at zero, a stream that waits for a replica first."""
+        sched = self.pools.schedulers[self.name]
+        if sched.is_healthy():
+            return sched.submit(request)
+        return self._after_wake(sched, request)
+
+    async def _after_wake(self, sched: ClusterScheduler, request: GenerateRequest) -> AsyncIterator[Event]:
+        try:
+            await self.pools.wake(self.name)
+        except TimeoutError:
+            yield ErrorEvent(f"model {self.name} has no replica serving it and none could be loaded "
+                             f"within {self.pools.wake_timeout:g} s", 503)
+            return
+        try:
+            stream = sched.submit(request)
+        except RequestRejected as exc:
+            yield ErrorEvent(str(exc), exc.http_status)
+            return
+        try:
+            async for event in stream:
+                yield event
+        finally:
+            await stream.aclose()
+
+    def is_healthy(self) -> bool:
+        """The model serves now."""
+        return self.pools.schedulers[self.name].is_healthy()
