@@ -93,8 +93,8 @@ class ReplicaConfig:
     )
     cpu_packed_weights: bool = field(
         default=True,
-        metadata={"help": "with oneDNN (--cpu-onednn): keep a copy of the linear weights in oneDNN's blocked layout "
-                          "(faster matmuls, the same results; twice the weights' memory)"},
+        metadata={"help": "with oneDNN (--cpu-onednn): keep a copy of the linear weights in oneDNN's "
+                          "blocked layout (faster matmuls, the same results; twice the weights' memory)"},
     )
     prefix_cache: bool = field(
         default=True,
