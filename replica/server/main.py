@@ -200,12 +200,23 @@ def serve(config: ReplicaConfig) -> int:
     stop.wait()
     if registration is not None:
         registration.stop()
+    if broken:  # the step in flight fails with TpGroupFailed (at the latest by --tp-timeout): answer it
+        _drain(services, config.tp_timeout + 5)
     services.stop()
     if broken:
         log.error("tensor-parallel group broken (%s): rank 0 exits 1 so that its supervisor restarts "
                   "the whole group", broken[0])
     log.info("replica stopped")
     return 1 if lost.is_set() or broken else 0
+
+
+def _drain(services: _Services, timeout: float) -> None:
+    """Wait (up to `timeout`) for the engine thread to finish the item it runs, so that its caller
+    gets the item's own answer before the connections close."""
+    try:
+        services.worker.call(lambda: None, timeout)
+    except Exception as exc:  # a hung step: stop anyway
+        log.warning("the engine thread did not finish its step within %.0f s: %s", timeout, exc)
 
 
 def _leave_when_group_breaks(config: ReplicaConfig, services: _Services, stop: threading.Event) -> list[str]:

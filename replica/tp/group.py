@@ -19,8 +19,8 @@ import datetime
 import enum
 import pickle
 import threading
-from dataclasses import dataclass
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -123,7 +123,7 @@ class TpGroup:
         self._lock = threading.Lock()
 
     def fail(self, reason: str) -> None:
-        """Mark the group broken for `reason` (the first reason stays) and tell the `when_broken` callbacks."""
+        """Mark the group broken for `reason` (the first reason stays); call the `when_broken` callbacks."""
         with self._lock:
             if self.failed is not None:
                 return

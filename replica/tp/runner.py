@@ -54,7 +54,8 @@ class TpRunner(ModelRunner):
         except RuntimeError as error:  # a collective's error or timeout (DistError), a lost store
             cause = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
             self.group.fail(cause)
-            raise TpGroupFailed(f"a rank of the tensor-parallel group failed during a step ({cause})") from error
+            raise TpGroupFailed(f"a rank of the tensor-parallel group failed during a step ({cause})") \
+                from error
 
     def embed(self, seqs: Sequence[SeqInput]) -> Any:
         """Layer-by-layer forwards are not broadcast to the workers."""

@@ -91,7 +91,9 @@ def _check_broken(stub: pb_grpc.TextGenerationServiceStub) -> None:
     assert health.value.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)
 
 
-def test_tp2_replica_serves_transformers_tokens(tiny_model_factory: Callable[..., Path], tmp_path: Path) -> None:
+def test_tp2_replica_serves_transformers_tokens(
+    tiny_model_factory: Callable[..., Path], tmp_path: Path
+) -> None:
     model = tiny_model_factory(arch="qwen2", kv_heads=1, seed=21)
     port = free_ports(1)[0]
     argv = pdcluster_argv("replica", "--model", str(model), "--port", str(port), "--tp", "2",
