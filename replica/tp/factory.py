@@ -40,7 +40,8 @@ def build_tp_engine(config: ReplicaConfig) -> tuple[Engine, ParamStore]:
     assert config.model is not None and config.num_blocks is not None  # ReplicaConfig checked both
     spec = RankSpec(Path(config.model), choice.torch_dtype, config.num_blocks, config.block_size,
                     choice.attention_backend, config.inactive)
-    endpoints = Endpoints.of(Path(config.cluster) if config.cluster else None, config.rank, config.tp)
+    endpoints = Endpoints.of(Path(config.cluster) if config.cluster else None, config.rank, config.tp,
+                             config.fabric)
     leader = start_group(spec, config.tp, choice.device, config.tp_timeout, endpoints=endpoints)
     atexit.register(leader.stop)
     model_config = ModelConfig.from_dir(Path(config.model))

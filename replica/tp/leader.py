@@ -39,9 +39,10 @@ class Endpoints:
 
     cluster: Path
     base_rank: int
+    fabric: str = "tcp"  # the replica's --fabric: each worker opens its endpoint on it (fabric.py)
 
     @classmethod
-    def of(cls, cluster: Path | None, base_rank: int, world: int) -> Endpoints | None:
+    def of(cls, cluster: Path | None, base_rank: int, world: int, fabric: str = "tcp") -> Endpoints | None:
         """The group's endpoints when the table lists every rank of the group (`tp_group`), else None
         (then migrations and weight operations are refused: `replica.migration.manager`)."""
         if cluster is None:
@@ -54,11 +55,12 @@ class Endpoints:
                         "KV migrations and weight operations are refused", cluster, missing, base_rank,
                         world - 1)
             return None
-        return cls(cluster, base_rank)
+        return cls(cluster, base_rank, fabric)
 
     def args(self, rank: int) -> list[str]:
         """Worker `rank`'s command-line arguments naming its endpoint."""
-        return ["--cluster", str(self.cluster), "--transfer-rank", str(self.base_rank + rank)]
+        return ["--cluster", str(self.cluster), "--transfer-rank", str(self.base_rank + rank),
+                "--fabric", self.fabric]
 
 
 def worker_command(spec: RankSpec, rank: int, world: int, store: str, device: torch.device,
