@@ -1,7 +1,7 @@
 """Which fabric a worker rank opens: the replica's `--fabric` (tcp staged for CUDA buffers, auto as a
 replica resolves it), passed on its command line; a device fabric refused for host buffers before
 anything opens; a tcp endpoint opened on the rank's table entry. (Device fabrics themselves:
-tests/gpu/test_tp_nccl_moves.py.)"""
+tests/gpu/test_tp_device_moves.py.)"""
 
 from __future__ import annotations
 
