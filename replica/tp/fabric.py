@@ -7,8 +7,8 @@
 ```
 `auto` resolves per rank exactly as `replica.cluster.resolve_fabric` does for a replica (a group's
 ranks share a node and a device type, so every rank of a group resolves it alike). nccl and rdma
-meet their peers through the rank table's store, as a one-rank replica does; the store also tells
-tcp peers of a restarted rank's new incarnation.
+meet their peers through the rank table's store, as a one-rank replica does; tcp (or a device
+fabric's control tcp) counts its resets there too (`resets`: a retry right after a reset connects afresh).
 """
 
 from __future__ import annotations
