@@ -228,6 +228,8 @@ def _leave_when_group_breaks(config: ReplicaConfig, services: _Services, stop: t
         from replica.tp.factory import when_group_broken  # a one-rank replica never imports replica.tp
 
         def leave(reason: str) -> None:
+            if stop.is_set():  # stopping already (a signal): a worker ending now is no failure
+                return
             log.error("tensor-parallel group broken: %s; answering calls in flight, then exiting", reason)
             broken.append(reason)
             stop.set()

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import signal
 from pathlib import Path
 
 import torch
@@ -76,6 +77,9 @@ def _endpoint(args: argparse.Namespace, rank: RankModel, host: str, port: int) -
 def main(argv: list[str] | None = None) -> None:
     """Join, load, serve."""
     args = _parser().parse_args(argv)
+    # a terminal's Ctrl-C reaches every process of its group: the leader stops its workers itself
+    # (STOP, or its store closing), so a worker leaving first would read as a broken group
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     logging.basicConfig(level=logging.INFO, format=f"tp rank {args.rank}: %(message)s")
     share_cpu_threads(args.world)
     device = rank_device(torch.device(args.device), args.rank)
