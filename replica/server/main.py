@@ -220,8 +220,8 @@ def _drain(services: _Services, timeout: float) -> None:
 
 
 def _leave_when_group_breaks(config: ReplicaConfig, services: _Services, stop: threading.Event) -> list[str]:
-    """Under `--tp N`: once the group breaks, stop (calls in flight are answered UNAVAILABLE within
-    the gRPC grace, new ones refused) and exit 1; the returned list then holds why."""
+    """Under `--tp N`: once the group breaks, end `serve`'s wait, which answers the step in flight
+    (`_drain`: UNAVAILABLE), stops serving and exits 1; the returned list then holds why."""
     broken: list[str] = []
     engine = services.core.shared.engine
     if config.tp > 1 and engine is not None:
