@@ -7,10 +7,15 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import ClassVar
+
+import pytest
 
 from pdcluster.experiment.load import load_experiment
 from pdcluster.experiment.run import run_experiment
+from pdcluster.sim import cell as cell_module
 from pdcluster.sim.cell import execute
+from pdcluster.sim.cluster import VirtualCluster
 
 CELL = "two.full.live@nics__burst__r0"
 
@@ -79,3 +84,36 @@ def test_a_several_model_cell_repeats_byte_for_byte(tmp_path: Path, tiny_llama: 
     timeline = _timeline(first)
     assert any(r["kind"] == "plan" and r["actions"] for r in timeline)  # the planner acted in it
     assert timeline == _timeline(second)
+
+
+class _Watched(VirtualCluster):
+    """Records, when the run ends, what each replica still holds."""
+
+    held: ClassVar[dict[int, tuple[int, int]]] = {}
+
+    async def stop(self) -> None:
+        for replica in self.replicas:
+            engine = replica.engine
+            _Watched.held[replica.rank] = (engine.blocks.num_used, len(replica.zigzag.tasks))
+        await super().stop()
+
+
+def test_live_scaling_serves_layer_by_layer_and_relays_in_virtual_time(
+        tmp_path: Path, tiny_llama: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under `live` a new prefill replica serves ZagPrefill while its weights land, loaded ones
+    relay its batches after k layers, and both KV halves reach one decode replica: every request
+    succeeds, and no replica keeps a page or a layer-level task at the end."""
+    monkeypatch.setattr(cell_module, "VirtualCluster", _Watched)
+    _Watched.held.clear()
+    run_experiment(load_experiment(_experiment(tmp_path, tiny_llama)), tmp_path / "out", report=False,
+                   execute=execute)
+    folder = tmp_path / "out" / "cells" / CELL
+    records = [json.loads(line) for line in (folder / "requests.jsonl").read_text().splitlines()]
+    assert all(r["success"] for r in records), {r["error"] for r in records}
+    timeline = _timeline(folder)
+    relays = [r for r in timeline if r["kind"] == "relay"]
+    assert any(int(str(r["layer"])) >= 1 for r in relays)  # resumed on the old replica after k layers
+    assert any(r["target"] == "new_prefill" for r in timeline if r["kind"] == "transition")
+    zig = [r for r in records if r["route"]["strategy"] == "zigzag"]
+    assert any(r["route"]["relay_replica"] is not None for r in zig)
+    assert _Watched.held and all(held == (0, 0) for held in _Watched.held.values()), _Watched.held
