@@ -113,6 +113,10 @@ def test_live_scaling_serves_layer_by_layer_and_relays_in_virtual_time(
     timeline = _timeline(folder)
     relays = [r for r in timeline if r["kind"] == "relay"]
     assert any(int(str(r["layer"])) >= 1 for r in relays)  # resumed on the old replica after k layers
+    # the burst's first scale-up: an urgent round with no inactive replica got a shared spare at once
+    # (router/pools.py) and planned again, before the next sharing round
+    first = next(r for r in timeline if r["kind"] == "plan" and r["actions"])
+    assert str(first["reason"]).endswith("a spare lent at once") and float(str(first["t"])) % 0.25 != 0
     assert any(r["target"] == "new_prefill" for r in timeline if r["kind"] == "transition")
     zig = [r for r in records if r["route"]["strategy"] == "zigzag"]
     assert any(r["route"]["relay_replica"] is not None for r in zig)
