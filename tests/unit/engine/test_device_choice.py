@@ -122,7 +122,7 @@ def test_compiled_attention_falls_back_to_torch_without_a_compiler(
     cpu = torch.device("cpu")
     monkeypatch.setattr(compiled_attention, "compiler_missing", lambda: None)
     assert device_mod.choose_attention("compiled", cpu) == "compiled"
-    monkeypatch.setattr(compiled_attention, "compiler_missing", lambda: "no C++ compiler: 'g++' is not on PATH")
+    monkeypatch.setattr(compiled_attention, "compiler_missing", lambda: "no C++ compiler: 'g++' not on PATH")
     with caplog.at_level("WARNING"):
         assert device_mod.choose_attention("compiled", cpu) == "torch"
     assert "falls back to the torch path: no C++ compiler" in caplog.text

@@ -43,7 +43,9 @@ def _decode_step(
 
 @pytest.mark.parametrize("window", [None, 6])
 @pytest.mark.parametrize("seqs", [1, 5])
-def test_kernel_math_equals_the_torch_path(window: int | None, seqs: int, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_kernel_math_equals_the_torch_path(
+    window: int | None, seqs: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
     # the compiled backend's wiring, with the kernel run eagerly (no compiler needed)
     from replica.model import compiled_attention
 
