@@ -18,12 +18,15 @@ import functools
 import os
 import shutil
 import sys
+import time
 from collections.abc import Callable
 
 import torch
 from torch.fx.experimental import _config as shape_config
 
-__all__ = ["compiler_missing", "decode_attention", "paged_decode"]
+from replica.model.kv_pages import PagedKVCache
+
+__all__ = ["compiler_missing", "decode_attention", "paged_decode", "warm"]
 
 # Key positions up to this bound are compared against each row's window; larger than any context.
 _NO_WINDOW = 1 << 40
@@ -111,3 +114,14 @@ def decode_attention(
     _mark_dynamic(q, layer_pages, table, q_pos, low)
     with shape_config.patch(use_duck_shape=False):
         return _compiled()(q, layer_pages, table, q_pos, low)[:seqs]
+
+
+def warm(cache: PagedKVCache, group: int) -> float:
+    """Compile the kernel for `cache`'s model now (a two-sequence step over layer 0, read only);
+    `group`: query heads per KV head (compiled in). Returns the seconds it took."""
+    started = time.perf_counter()
+    shape = (2, cache.num_kv_heads, group, cache.head_dim)
+    q = torch.zeros(shape, dtype=cache.dtype, device=cache.tensor.device)
+    table = torch.zeros((2, 2), dtype=torch.int64, device=q.device)
+    decode_attention(q, cache.layer(0), table, torch.zeros(2, dtype=torch.int64, device=q.device), None)
+    return time.perf_counter() - started
