@@ -112,7 +112,7 @@ def decode_attention(
     # Without duck sizing: dims that happen to be equal (seqs and pages, or 2 and the K|V axis) are
     # not guarded equal, which would compile again when they differ at the next step.
     _mark_dynamic(q, layer_pages, table, q_pos, low)
-    with shape_config.patch(use_duck_shape=False):
+    with shape_config.patch(use_duck_shape=False):  # type: ignore[attr-defined]  # (a config module)
         return _compiled()(q, layer_pages, table, q_pos, low)[:seqs]
 
 
