@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import random
+import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -122,6 +123,7 @@ def build_baseline(
     max_batch_size: int = 0,
     prefix_cache: bool = True,
     cpu_onednn: bool = True,
+    attention_backend: str = "auto",
 ) -> BaselineRound:
     """An in-process engine for one batch of random prompts, cut into prefill batches as the router
     cuts them. Every run sends the same prompts: `prefix_cache=False` keeps a later run from finding
@@ -138,7 +140,9 @@ def build_baseline(
         block_size=block_size,
         prefix_cache=prefix_cache,
         cpu_onednn=cpu_onednn,
+        attention_backend=attention_backend,
     )
+    started = time.perf_counter()
     engine = build_engine(config)
     rng = random.Random(seed)
     vocab = engine.limits.vocab_size
@@ -151,6 +155,8 @@ def build_baseline(
         for i in range(batch_size)
     )
     _warm_up(engine, requests[0])
+    print(f"engine built and warmed up in {time.perf_counter() - started:.1f} s "
+          f"(attention {attention_backend})", file=sys.stderr)
     budget = min(engine.limits.max_prefill_tokens, router_default("max_batch_prefill_tokens"))
     per_batch = max_batch_size or router_default("max_batch_size")
     groups = prefill_groups([input_len] * batch_size, budget, per_batch)

@@ -25,7 +25,7 @@ from replica.engine.memory import available_memory_bytes, blocks_for_memory, cud
 from replica.engine.runner import ModelRunner
 from replica.engine.validation import Limits, derive_limits
 from replica.engine.warmup import MAX_GRAPH_BATCH, profile_inputs, profile_lengths
-from replica.model import linear
+from replica.model import compiled_attention, linear
 from replica.model.attention import PagedKVCache
 from replica.model.config import ModelConfig
 from replica.model.layout import WeightLayout
@@ -86,6 +86,9 @@ def build_engine_and_params(config: ReplicaConfig, device: str | None = None) ->
     meta = _meta(config, choice)
     detok = Detokenizer.from_model_dir(model_dir)
     runner = ModelRunner(model, cache, choice.attention_backend)
+    if choice.attention_backend == "compiled":  # compiled now, not at the first request's decode step
+        group = model_config.num_heads // model_config.num_kv_heads
+        log.info("compiled decode attention built in %.1f s", compiled_attention.warm(cache, group))
     if meta.cuda_graphs:
         # Graphs hold the weights' and pages' addresses, not their values: an inactive replica's
         # graphs serve the weights that arrive later. Warmup captures again after a cache change.

@@ -35,6 +35,7 @@ import torch
 import torch.nn.functional as F
 
 from replica.errors import InvalidArgument
+from replica.model.compiled_attention import decode_attention
 from replica.model.config import ModelConfig
 from replica.model.kv_pages import IndexPack, PagedKVCache, SeqSlice, Span, as_int64, spans
 from replica.model.paged_attention import PagedBatch, paged_attention, triton_available
@@ -58,6 +59,7 @@ class Backend(StrEnum):
 
     TORCH = "torch"
     TRITON = "triton"
+    COMPILED = "compiled"  # torch, but decode groups through the inductor kernel (compiled_attention.py)
 
 
 _BACKENDS = {b.value: b for b in Backend}  # a dict lookup: cheaper per forward than Backend(name)
@@ -279,6 +281,7 @@ class AttentionContext:
         token_ids: list[int] | None = None,
     ) -> None:
         self.cache, self.config, self.num_seqs = cache, config, len(spans)
+        self.compiled = backend is Backend.COMPILED
         bs = cache.block_size
         page_rows = 2 * bs  # a page is block_size K rows then block_size V rows
         last: list[int] = []  # flat index of each sequence's last new token
@@ -355,12 +358,13 @@ class AttentionContext:
         `token_ids` (the flat fed tokens, optional) go to the device in the same copy as the indices
         (`ctx.token_ids`), so a whole forward costs one host→device copy.
 
-        `backend`: "torch" (the reference, and the CPU path) or "triton" (decode and resumed slices
-        through the paged kernel; on the CPU only under TRITON_INTERPRET=1).
+        `backend`: "torch" (the reference, and the CPU path), "triton" (decode and resumed slices
+        through the paged kernel; on the CPU only under TRITON_INTERPRET=1) or "compiled" (torch,
+        with one-token groups through `compiled_attention.py`'s inductor kernel; needs g++).
         """
         kind = _BACKENDS.get(backend)
         if kind is None:
-            raise ValueError(f"unknown attention backend {backend!r} (torch or triton)")
+            raise ValueError(f"unknown attention backend {backend!r} (torch, triton or compiled)")
         if token_ids is not None and len(token_ids) != sum(s.length for s in seqs):
             raise InvalidArgument(f"{len(token_ids)} token ids for {sum(s.length for s in seqs)} new tokens")
         return cls(cache, config, spans(cache, seqs), kind, token_ids)
@@ -422,6 +426,11 @@ class AttentionContext:
     ) -> torch.Tensor:
         kv_heads, head_dim = self.cache.num_kv_heads, self.cache.head_dim
         heads = q.shape[1]
+        if g.slots is None and self.compiled:  # pages read in place by the generated kernel
+            queries = q.reshape(g.num_seqs, kv_heads, heads // kv_heads, head_dim)
+            table = g.table.view(g.num_seqs, g.max_pages)
+            out = decode_attention(queries, self.cache.layer(layer), table, g.q_pos[:, 0], window)
+            return out.reshape(g.num_seqs, heads * head_dim)
         keys, values = self._keys_values(g, layer, window, k, v)
         if g.slots is None:
             # One new token per sequence: no padding; the query heads sharing a KV head become that

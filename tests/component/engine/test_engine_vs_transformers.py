@@ -18,6 +18,7 @@ from transformers import AutoModelForCausalLM
 
 from replica.config import ReplicaConfig
 from replica.engine.factory import build_engine
+from replica.model.compiled_attention import compiler_missing
 from tests.helpers.engine_driver import Driver, reference_greedy, run_mixed_schedule
 
 LOGPROB_ATOL = 1e-4
@@ -38,10 +39,21 @@ def _workload(vocab: int, count: int = 24) -> list[tuple[list[int], int]]:
     return work
 
 
+# the compiled CPU decode attention compiles for seconds: the slow tier
+COMPILED = pytest.param(
+    "compiled", marks=[pytest.mark.long, pytest.mark.skipif(compiler_missing() is not None, reason="no g++")]
+)
+
+
+@pytest.mark.parametrize("backend", ["auto", COMPILED])
 @pytest.mark.parametrize("arch", sorted(ARCHS))
-def test_engine_matches_transformers_greedy(tiny_model_factory: Callable[..., Path], arch: str) -> None:
+def test_engine_matches_transformers_greedy(
+    tiny_model_factory: Callable[..., Path], arch: str, backend: str
+) -> None:
     path = tiny_model_factory(**ARCHS[arch])
-    engine = build_engine(ReplicaConfig(model=path, port=0, num_blocks=200, block_size=8))
+    config = ReplicaConfig(model=path, port=0, num_blocks=200, block_size=8, attention_backend=backend)
+    engine = build_engine(config)
+    assert engine.meta.attention_backend == ("torch" if backend == "auto" else backend)
     total_free = engine.blocks.num_free
     work = _workload(engine.limits.vocab_size)
     driver = Driver(engine)

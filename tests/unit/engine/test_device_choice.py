@@ -112,3 +112,30 @@ def test_host_cache_copy_of_a_cpu_buffer_is_plain_host_memory() -> None:
     copy = CheckpointIO().empty_copy(buffer)
     assert copy.device.type == "cpu" and copy.shape == buffer.shape and copy.dtype == torch.uint8
     assert copy.data_ptr() != buffer.data_ptr()
+
+
+def test_compiled_attention_falls_back_to_torch_without_a_compiler(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    from replica.model import compiled_attention
+
+    cpu = torch.device("cpu")
+    monkeypatch.setattr(compiled_attention, "compiler_missing", lambda: None)
+    assert device_mod.choose_attention("compiled", cpu) == "compiled"
+    monkeypatch.setattr(compiled_attention, "compiler_missing", lambda: "no C++ compiler: 'g++' not on PATH")
+    with caplog.at_level("WARNING"):
+        assert device_mod.choose_attention("compiled", cpu) == "torch"
+    assert "falls back to the torch path: no C++ compiler" in caplog.text
+    with pytest.raises(ValueError, match="compiled is the CPU decode kernel"):
+        device_mod.choose_attention("compiled", torch.device("cuda", 0))
+
+
+def test_compiler_lookup_follows_cxx(monkeypatch: pytest.MonkeyPatch) -> None:
+    from replica.model import compiled_attention
+
+    monkeypatch.setenv("CXX", "/nonexistent/c++")
+    compiled_attention.compiler_missing.cache_clear()
+    try:
+        assert "'/nonexistent/c++' is not on PATH" in (compiled_attention.compiler_missing() or "")
+    finally:
+        compiled_attention.compiler_missing.cache_clear()
