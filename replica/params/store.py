@@ -111,6 +111,19 @@ class ParamStore:
         """A sender must hold every region."""
         self.readiness.require_complete(what)
 
+    def begin_receive(self, what: str, model_name: str) -> None:
+        """`begin_fill` for a transfer into this buffer, which from now on holds `model_name` (the
+        name the transfer's call gave; "" = unknown, so ResetStatus keeps no host copy under a guess)."""
+        self.begin_fill(what)
+        self.model_name = model_name
+
+    def require_model(self, what: str, model_name: str) -> None:
+        """A sender asked for `model_name` must hold it (FAILED_PRECONDITION otherwise; "" on
+        either side: nothing to check)."""
+        if model_name and self.model_name and model_name != self.model_name:
+            raise FailedPrecondition(f"{what}: asked to send model {model_name!r}, but this replica's "
+                                     f"weights are {self.model_name!r}")
+
     # ---------------------------------------------------------------------------- loading
     def resolve(self, model_name: str, model_path: str | None) -> Path:
         """The checkpoint folder a LoadParams names, confined to the model root (symlinks resolved).
@@ -192,10 +205,10 @@ class ParamStore:
         log.info("host cache: %.1f MB of %s kept in host memory", self.layout.total_bytes / 1e6, path.name)
 
     def unload(self) -> None:
-        """ResetStatus: keep the bytes as the host copy (when complete and it fits the host cache,
-        evicting least recently used copies), then mark nothing loaded."""
+        """ResetStatus: keep the bytes as the host copy of `model_name` (when complete, named, and it
+        fits the host cache, evicting least recently used copies), then mark nothing loaded."""
         nbytes = self.layout.total_bytes
-        if self.readiness.complete and self.host_cache.fits(nbytes):
+        if self.readiness.complete and self.model_name and self.host_cache.fits(nbytes):
             copy = self.host_cache.peek(self.model_name)
             copy = copy if copy is not None else self.io.empty_copy(self.buffer)
             self.io.copy(copy, self.buffer, 0, nbytes)

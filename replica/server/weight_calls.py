@@ -160,14 +160,16 @@ class WeightCalls:
         mover, deadline = self._mover(), self._transfer_deadline()
         run = self._per_rank(WeightOp.SEND, lambda: mover.send_to(call.dst, deadline), deadline, False,
                              dests=[call.dst])
-        self._state().ops.start_background("SendParams", lambda: mover.prepare_send(call.dst), run)
+        prepare = functools.partial(mover.prepare_send, call.dst, call.model_name)
+        self._state().ops.start_background("SendParams", prepare, run)
 
     def recv_params(self, call: RecvParams, ctx: CallContext) -> None:
         """RecvParams: p2p from `src` in the background."""
         mover, deadline = self._mover(), self._transfer_deadline()
         run = self._per_rank(WeightOp.RECV, lambda: mover.recv_from(call.src, deadline), deadline, True,
                              sources=[call.src])
-        self._state().ops.start_background("RecvParams", lambda: mover.prepare_recv(call.src), run)
+        prepare = functools.partial(mover.prepare_recv, call.src, call.model_name)
+        self._state().ops.start_background("RecvParams", prepare, run)
 
     def broadcast(self, call: Broadcast, ctx: CallContext) -> None:
         """RdmaBroadcast (background chain), NvlBroadcast (blocking chain), TanzBroadcast (blocking)."""
@@ -177,17 +179,17 @@ class WeightCalls:
             chain, deadline = self._chain(sources, dests), self._transfer_deadline()
             run = self._per_rank(op, lambda: mover.chain(chain, deadline), deadline, mover.rank != chain[0],
                                  sources, dests)
-            ops.start_background(call.kind.value, lambda: mover.prepare_chain(chain), run)
+            ops.start_background(call.kind.value, lambda: mover.prepare_chain(chain, call.model_name), run)
             return
         deadline, cancelled = self._transfer_deadline(ctx), ctx.cancellation
         if call.kind is BroadcastKind.NVL:
             chain = self._chain(sources, dests)
-            prepare = functools.partial(mover.prepare_chain, chain)
+            prepare = functools.partial(mover.prepare_chain, chain, call.model_name)
             own = functools.partial(mover.chain, chain, deadline, cancelled)
             fills = mover.rank != chain[0]
         else:
             src, dst = (sources, dests) if self.tp == 1 else rank_lists(sources, dests, self.tp, 0)
-            prepare = functools.partial(mover.prepare_tanz, src, dst)
+            prepare = functools.partial(mover.prepare_tanz, src, dst, call.model_name)
             own, fills = functools.partial(mover.tanz, src, dst, deadline, cancelled), mover.rank not in src
         run = self._per_rank(op, own, deadline, fills, sources, dests, prepare=prepare)
         ops.run_blocking(call.kind.value, run)

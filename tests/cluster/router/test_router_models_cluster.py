@@ -64,7 +64,7 @@ def test_a_model_at_zero_wakes_on_its_first_request_and_both_equal_transformers(
     # different checkpoints: the equalities above would not hold for the other model's weights
     assert any(oracles["alpha"].ids(p, MAX_NEW) != oracles["beta"].ids(p, MAX_NEW) for p in PROMPTS)
     log = (cluster.log_dir / "router.log").read_text()
-    assert "model beta has no serving replica: Load(method=<Method.LOAD_DISK" in log  # woken from zero
+    assert "model beta has no serving replica: Load(method=<Method.LOAD_HOST" in log  # woken from zero
     assert "model beta: spare replica" in log  # the shared inactive replica was lent to beta
     unknown = complete(cluster.http_url, "gamma", PROMPTS[0])
     assert unknown.status_code == 404 and unknown.json()["error"]["code"] == "model_not_found"
