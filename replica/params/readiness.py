@@ -113,6 +113,12 @@ class ParamReadiness:
             self._prefix = self.num_layers
         self._changed()
 
+    def relayout(self, num_layers: int) -> None:
+        """Nothing is in place, and the buffer now holds a model of `num_layers` layers (a switch)."""
+        with self._cond:
+            self.num_layers = num_layers
+        self.reset()
+
     def reset(self) -> None:
         """Nothing is in place any more (ResetStatus)."""
         with self._cond:

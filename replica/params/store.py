@@ -82,7 +82,8 @@ class ParamStore:
         host_cache_bytes: int = 0, model_name: str = "",
     ) -> None:
         self.layout = layout
-        self.buffer = buffer
+        self.buffer = buffer  # the model's bytes: `layout.total_bytes` at the start of `room`
+        self.room = buffer  # the whole buffer (what the fabric registers): larger with --weight-buffer-bytes
         self.readiness = readiness
         self.model_root = Path(model_root)
         self.host_cache = HostCache(host_cache_bytes)  # the node's copies by model name (LRU)
@@ -90,6 +91,9 @@ class ParamStore:
         self.disk_gbps = disk_gbps
         self.host_gbps = host_gbps
         self.io = io if io is not None else _checkpoint_io()
+        # lays the buffer (and the engine) out for the checkpoint at a path, or FAILED_PRECONDITION
+        # (`replica/engine/switch.py`); None: one layout for life (a different one is refused)
+        self.relayout: Callable[[Path], None] | None = None
 
     # ------------------------------------------------------------------------ region facts
     def regions(self) -> list[tuple[int, int]]:
@@ -113,9 +117,36 @@ class ParamStore:
 
     def begin_receive(self, what: str, model_name: str) -> None:
         """`begin_fill` for a transfer into this buffer, which from now on holds `model_name` (the
-        name the transfer's call gave; "" = unknown, so ResetStatus keeps no host copy under a guess)."""
+        name the transfer's call gave; "" = unknown, so ResetStatus keeps no host copy under a guess).
+        A named model of another shape whose checkpoint is under the model root is laid out first."""
+        path = self._checkpoint_of(model_name) if self.relayout is not None else None
+        if path is not None:
+            self.lay_out_for(path, what)
         self.begin_fill(what)
         self.model_name = model_name
+
+    def lay_out_for(self, path: Path, what: str) -> None:
+        """Before filling the buffer with the checkpoint at `path`: nothing when it lays out like the
+        buffer; else the buffer is laid out for it (`relayout`), refused (FAILED_PRECONDITION) while
+        the weights are complete, or by the switch (too big, batches cached), or without one."""
+        try:
+            self.io.check_layout(path, self.layout)
+            return
+        except FailedPrecondition:
+            if self.relayout is None:
+                raise
+        if self.readiness.complete:
+            raise FailedPrecondition(f"{what}: the weights are already loaded (ResetStatus first)")
+        self.relayout(path)
+
+    def _checkpoint_of(self, model_name: str) -> Path | None:
+        """The checkpoint folder named `model_name` under the model root, or None (none there)."""
+        if not model_name:
+            return None
+        try:
+            return self.resolve(model_name, None)
+        except (NotFound, PermissionDenied):
+            return None
 
     def require_model(self, what: str, model_name: str) -> None:
         """A sender asked for `model_name` must hold it (FAILED_PRECONDITION otherwise; "" on
@@ -144,8 +175,8 @@ class ParamStore:
         return target
 
     def load_from_disk(self, path: Path) -> None:
-        """Fill the buffer from the checkpoint at `path` (already resolved)."""
-        self.io.check_layout(path, self.layout)
+        """Fill the buffer from the checkpoint at `path` (already resolved; laid out for it first)."""
+        self.lay_out_for(path, "LoadParams from disk")
         self.begin_fill("LoadParams from disk")
         self.model_name = path.name
         start = time.perf_counter()
@@ -177,6 +208,9 @@ class ParamStore:
                 f"{self.host_cache.names()}; ResetStatus of a loaded replica keeps one when it fits "
                 f"--host-cache-bytes)"
             )
+        path = self._checkpoint_of(name) if self.relayout is not None else None
+        if path is not None:
+            self.lay_out_for(path, "LoadParams from host memory")
         self.model_name = name
         self.begin_fill("LoadParams from host memory")
         start = time.perf_counter()

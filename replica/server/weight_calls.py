@@ -23,9 +23,10 @@ import json
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
-from replica.cluster import WEIGHT_BUFFER
+from replica.cluster import WEIGHT_BUFFER, kv_layout_of
 from replica.engine.engine import Engine
 from replica.engine.types import HealthState, StepResult
 from replica.engine.validation import admit_batch
@@ -80,12 +81,25 @@ class WeightCalls:
         """Wire the parameter store, the guard, the movers and the zigzag queue (after the fabric)."""
         cluster, config = self.shared.cluster, self.shared.config
         mover = link = None
+        switch = params.relayout
+        if switch is not None:  # on the engine thread (no step runs meanwhile), then the fabric told
+            params.relayout = functools.partial(self._switch, switch, engine, params)
         if cluster is not None:
             cluster.fabric.set_layout(Stream.PARAMS, "weights:" + json.dumps(params.layout.signature()))
             mover = WeightMover(cluster.fabric, params, WEIGHT_BUFFER)
             link = ActivationLink(cluster.fabric, config.transfer_timeout)
         zigzag = ZigzagManager(engine, self.shared.worker, link)
         self.state = WeightState(params, ParamOps(), zigzag, mover, link)
+
+    def _switch(self, switch: Callable[[Path], None], engine: Engine, params: ParamStore, path: Path) -> None:
+        """Lay the replica out for `path`'s model (`replica/engine/switch.py`) on the engine thread,
+        then announce the new KV cache and weight layout on the fabric's handshakes."""
+        self.shared.worker.call(functools.partial(switch, path), self.shared.config.transfer_timeout)
+        cluster = self.shared.cluster
+        if cluster is not None:
+            cache = engine.runner.cache
+            cluster.register_kv(cache.tensor, kv_layout_of(cache, self.tp))
+            cluster.fabric.set_layout(Stream.PARAMS, "weights:" + json.dumps(params.layout.signature()))
 
     def _state(self) -> WeightState:
         if self.state is None:
