@@ -227,6 +227,12 @@ class ReplicaConfig:
                           "another shape lays the buffer and the KV pages out for it (torch engine, "
                           "--tp 1); a model larger than the buffer is refused"},
     )
+    weight_buffer_models: list[Path] = field(
+        default_factory=list,
+        metadata={"help": "checkpoint folders this replica may hold (several models per cluster): the "
+                          "weight buffer gets room for the largest of them in this replica's dtype "
+                          "(with --weight-buffer-bytes: the larger of the two)"},
+    )
     allow_set_status_ready: bool = field(
         default=False,
         metadata={"help": "let SetStatusReady mark the weights loaded without moving them (tests, mocks)"},

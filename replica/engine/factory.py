@@ -61,7 +61,9 @@ def build_engine_and_params(config: ReplicaConfig, device: str | None = None) ->
     dtype, where = choice.torch_dtype, choice.device
     model_config = ModelConfig.from_dir(model_dir)
     layout = WeightLayout.for_config(model_config, dtype_name(dtype))
-    capacity = max(layout.total_bytes, config.weight_buffer_bytes)
+    capacity = max(layout.total_bytes, config.weight_buffer_bytes,
+                   *(WeightLayout.for_config(ModelConfig.from_dir(Path(d)), layout.dtype).total_bytes
+                     for d in config.weight_buffer_models))
     if config.inactive:
         whole = torch.zeros(capacity, dtype=torch.uint8, device=where)
         buffer = whole[: layout.total_bytes]
