@@ -5,8 +5,9 @@ with one replica serving `alpha` and one inactive replica started with alpha too
 sized for the larger (`up` passes `--weight-buffer-models`). `beta` starts at zero: its first
 request waits while the router lends it the shared inactive replica and loads beta into it from the
 model root (the replica switches to beta's shape); then both models answer exactly as transformers
-does on their own checkpoint, and an unknown model is a 404. Idle, beta's planner (min 0 replicas) drains its replica, the keep-alive
-expires and the replica goes back to the shared pool; beta's next request wakes it again.
+does on their own checkpoint, and an unknown model is a 404. Idle, beta's planner (min 0 replicas)
+drains its replica, the keep-alive expires and the replica goes back to the shared pool; beta's next
+request wakes it again.
 """
 
 from __future__ import annotations
