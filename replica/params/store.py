@@ -174,11 +174,13 @@ class ParamStore:
             raise NotFound(f"no checkpoint (config.json) at {target}")
         return target
 
-    def load_from_disk(self, path: Path) -> None:
-        """Fill the buffer from the checkpoint at `path` (already resolved; laid out for it first)."""
+    def load_from_disk(self, path: Path, name: str = "") -> None:
+        """Fill the buffer from the checkpoint at `path` (already resolved; laid out for it first),
+        which holds model `name` from now on (default: the folder's name; the caller's name is kept
+        as given, so a symlinked folder keeps the name callers know it by)."""
         self.lay_out_for(path, "LoadParams from disk")
         self.begin_fill("LoadParams from disk")
-        self.model_name = path.name
+        self.model_name = name or path.name
         start = time.perf_counter()
         pace = _pacer(self.disk_gbps)
         with _progress(self.layout, f"loading {path.name}") as advance:

@@ -157,7 +157,8 @@ class WeightCalls:
             path = state.params.resolve(call.model_name, call.model_path or None)
             remaining = ctx.remaining()  # a load is no transfer: the call's deadline, else a long one
             deadline = Deadline.after(_LOAD_WAIT_S if remaining is None else remaining)
-            load = functools.partial(state.params.load_from_disk, path)
+            name = Path(call.model_path).name if call.model_path else call.model_name
+            load = functools.partial(state.params.load_from_disk, path, name)
             run = self._per_rank(WeightOp.LOAD_DISK, load, deadline, True, path=str(path))
             state.ops.run_blocking("LoadParams(disk)", run)
         elif call.case == LoadCase.HOST_MEM and self.tp > 1:

@@ -7,6 +7,7 @@ a transfer naming no model leaves the receiver's model unknown and keeps no host
 from __future__ import annotations
 
 import functools
+import os
 from collections.abc import Callable
 from pathlib import Path
 
@@ -99,3 +100,10 @@ def test_a_transfer_naming_no_model_keeps_no_host_copy(alpha: Path, tmp_path: Pa
         assert (_info(dst).weights_model, dst.health()) == ("", "serving")
         _reset(dst)
         assert dst.weights.params.host_cache.names() == []  # no copy kept under a guessed name
+        alias = alpha.parent / f"alias-{os.getpid()}"  # a symlinked folder keeps the name it was asked by
+        alias.symlink_to(alpha, target_is_directory=True)
+        try:
+            _load(dst, pb.LOAD_FROM_DISK, alias.name)
+            assert _info(dst).weights_model == alias.name
+        finally:
+            alias.unlink()
