@@ -86,15 +86,15 @@ class ReplicaConfig:
         metadata={"help": "CUDA: capture decode steps as CUDA graphs at bucketed batch sizes at Warmup"},
     )
     cpu_onednn: bool = field(
-        default=False,
+        default=True,
         metadata={"help": "CPU float32: run the linear layers through oneDNN (faster on AVX-512 cores; "
-                          "off by default: its memory grows with every new batch shape, +65-185 MiB/min "
-                          "in `bench soak`)"},
+                          "row counts padded to ~20 buckets whose kernels are built at start, so memory "
+                          "stays flat); --no-cpu-onednn: torch's F.linear (MKL)"},
     )
     cpu_packed_weights: bool = field(
         default=True,
-        metadata={"help": "with --cpu-onednn: keep a copy of the linear weights in oneDNN's blocked layout "
-                          "(faster matmuls, the same results; twice the weights' memory)"},
+        metadata={"help": "with oneDNN (--cpu-onednn): keep a copy of the linear weights in oneDNN's "
+                          "blocked layout (faster matmuls, the same results; twice the weights' memory)"},
     )
     prefix_cache: bool = field(
         default=True,

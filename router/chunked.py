@@ -55,8 +55,10 @@ class ChunkedPrefill:
     """At most one batch being prefilled in chunks on one replica."""
 
     def __init__(self, handle: ReplicaHandle, chunk_tokens: int, answered: Answered, failed: Failed,
-                 on_pages: Callable[[], None], share: float = 1.0) -> None:
+                 on_pages: Callable[[], None], share: float = 1.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.h = handle
+        self.clock = clock
         self.chunk_tokens = chunk_tokens
         self.share = share
         self._owed = 0.0  # seconds of decode steps due before the next chunk
@@ -76,7 +78,7 @@ class ChunkedPrefill:
         self.h.state.hold(pages)
         for m in members:
             m.state.prefilling(self.h.id, True)
-        self._current = _Prefilling(batch_id, members, pages, time.monotonic())
+        self._current = _Prefilling(batch_id, members, pages, self.clock())
         spec = spec_for(batch_id, members, self.h.block_size)
         return await self._call(lambda: self.h.client.prefill(spec, chunk_tokens=self.chunk_tokens))
 
@@ -100,7 +102,7 @@ class ChunkedPrefill:
     async def _call(self, call: Callable[[], Awaitable[StepResult]]) -> LiveBatch | None:
         current = self._current
         assert current is not None
-        began = time.monotonic()
+        began = self.clock()
         try:
             result = await call()
         except ReplicaCallError as exc:
@@ -108,11 +110,11 @@ class ChunkedPrefill:
             self._failed(exc, current.members)
             return None
         if self.share < 1.0:
-            self._owed = (time.monotonic() - began) * (1.0 - self.share) / self.share
+            self._owed = (self.clock() - began) * (1.0 - self.share) / self.share
         if not result.generations and result.batch is not None:
             return None  # more chunks to go
         self._current = None
-        return await self._answered(current.members, current.pages, result, time.monotonic() - current.start)
+        return await self._answered(current.members, current.pages, result, self.clock() - current.start)
 
     def _drop(self, current: _Prefilling) -> None:
         """Forget the batch and release what the router held for it."""

@@ -13,7 +13,7 @@ requests as a whole goes through this protocol, which `scheduler.ClusterSchedule
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -37,6 +37,10 @@ class LoopLimits:
 
 class Cluster(Protocol):
     """The cluster as one replica's loop sees it."""
+
+    clock: Callable[[], float]
+    """The router's clock (monotonic seconds; virtual ones in `pdcluster simulate`): every measured
+    step time is read on it, never on the wall clock."""
 
     @property
     def stopping(self) -> bool:

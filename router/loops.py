@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from collections.abc import Awaitable
 
 from router import strategies, zigzag
@@ -66,7 +65,8 @@ class ReplicaWorker:
         self._prefills: set[asyncio.Task[None]] = set()  # PREFILL mode: prefills on the wire
         self.chunked = ChunkedPrefill(handle, limits.prefill_chunk_tokens, self.prefill_answered,
                                       lambda exc, members: cluster.on_error(handle, exc, members),
-                                      lambda: wakeups.pages(handle.id), limits.prefill_chunk_share)
+                                      lambda: wakeups.pages(handle.id), limits.prefill_chunk_share,
+                                      cluster.clock)
         self._took = False  # this step took a batch off the queue
 
     async def run(self) -> None:
@@ -105,9 +105,9 @@ class ReplicaWorker:
             return await self.decode.step()
         if self.chunked.busy:  # a batch prefilled in chunks goes on whatever the mode now is
             chunked = await self._join(self.chunked.step())
-            began = time.monotonic()
+            began = self.cluster.clock()
             stepped = await self.decode_once()
-            self.chunked.decoded(time.monotonic() - began)
+            self.chunked.decoded(self.cluster.clock() - began)
             return chunked or stepped
         role = self.h.state.role
         if role in ZIGZAG_STATES:
@@ -249,7 +249,7 @@ class ReplicaWorker:
         for m in members:
             m.state.prefilling(self.h.id, from_queue)
         pipe_peer = peer.ranks if peer is not None else ()
-        start = time.monotonic()
+        start = self.cluster.clock()
         try:
             result = await self.h.client.prefill(spec, case, pipe_peer, resume)
         except ReplicaCallError as exc:
@@ -259,7 +259,7 @@ class ReplicaWorker:
                 raise
             self.cluster.on_error(self.h, exc, members)
             return None
-        return await self.prefill_answered(members, pages, result, time.monotonic() - start, case)
+        return await self.prefill_answered(members, pages, result, self.cluster.clock() - start, case)
 
     async def prefill_answered(self, members: list[Member], pages: dict[RequestId, int], result: StepResult,
                                seconds: float, case: PrefillCase = PrefillCase.NORMAL) -> LiveBatch | None:

@@ -8,6 +8,7 @@ the inactive replicas they share.
     every --plan-interval: rebalance (models.rebalance) — models that want no replica give their
     inactive ones back, models short of inactive replicas borrow spares (their autoscaler loads them)
     wake(name): models.wake_action on the model's pool, borrowing a spare first when it has none
+    an urgent round (an arrival) short of an inactive replica: a spare lent at once, then a round
 ```
 A replica serves one model at a time: it belongs to one model's scheduler (its model known from
 Info at start, or from what that scheduler loaded into it) or to the spare pool.
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 from collections.abc import AsyncIterator, Mapping, Sequence
 
@@ -42,7 +44,10 @@ class ModelPools:
         self.interval = interval
         self.wakes = 0  # models brought back from zero (or to their first replica)
         self._waking: dict[str, asyncio.Task[None]] = {}
+        self._lending: dict[str, asyncio.Task[None]] = {}  # spares lent between rounds (urgent)
         self._task: asyncio.Task[None] | None = None
+        for name, sched in self.schedulers.items():
+            sched.scaling.on_short = functools.partial(self._short, name)
 
     def front(self, name: str) -> ModelFront:
         """The `Scheduler` the front end serves model `name` from."""
@@ -57,7 +62,7 @@ class ModelPools:
 
     async def stop(self) -> None:
         """Stop the rounds and every scheduler."""
-        for task in [self._task, *self._waking.values()]:
+        for task in [self._task, *self._waking.values(), *self._lending.values()]:
             if task is not None:
                 task.cancel()
                 with contextlib.suppress(BaseException):
@@ -83,10 +88,27 @@ class ModelPools:
             if scaling.policy.plans:
                 decided = plan(scaling.snapshot(), scaling.bounds)
                 want = max(decided.prefill.delta, 0) + max(decided.decode.delta, 0)
-            inactive = tuple(sorted(h.id for h in sched.replicas.values() if h.state.role is State.INACTIVE
-                                    and h.id not in scaling.executor.busy))
-            needs[name] = PoolNeed(want, inactive, name in self._waking)
+            needs[name] = PoolNeed(want, self._free_inactive(name), name in self._waking)
         return needs
+
+    def _free_inactive(self, name: str) -> tuple[ReplicaId, ...]:
+        """Model `name`'s inactive replicas no action holds."""
+        sched = self.schedulers[name]
+        return tuple(sorted(h.id for h in sched.replicas.values() if h.state.role is State.INACTIVE
+                            and h.id not in sched.scaling.executor.busy))
+
+    def _short(self, name: str, reason: str) -> None:
+        """An urgent round of model `name` wanted prefill and had no inactive replica to load: lend it
+        a spare now, not at the next sharing round (a burst on one model scales it up at once)."""
+        if not self.spare or name in self._lending or self._free_inactive(name):
+            return
+        task = asyncio.create_task(self._lend_now(name, reason), name=f"lend-{name}")
+        self._lending[name] = task
+        task.add_done_callback(lambda _t: self._lending.pop(name, None))
+
+    async def _lend_now(self, name: str, reason: str) -> None:
+        if await self.lend(name) is not None:
+            self.schedulers[name].scaling.round(f"{reason}; a spare lent at once")
 
     async def rebalance(self) -> None:
         """One sharing round: give back, then lend (`models.rebalance`)."""

@@ -63,8 +63,9 @@ class BenchEngineConfig:
         default=1, metadata={"help": "torch intra-op threads here (0 = torch's default)"}
     )
     seed: int = field(default=0, metadata={"help": "seed of the prompts"})
-    cpu_onednn: bool = field(default=False, metadata={"help": (
-        "pdcluster's engine with the replica's --cpu-onednn (oneDNN linears and packed weights)")})
+    cpu_onednn: bool = field(default=True, metadata={"help": (
+        "pdcluster's engine with the replica's --cpu-onednn (oneDNN linears and packed weights, the "
+        "default); --no-cpu-onednn: F.linear")})
 
     def __post_init__(self) -> None:
         if min(self.batch, self.input_len, self.rounds) <= 0 or self.output_len < 2:

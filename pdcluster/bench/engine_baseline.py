@@ -121,7 +121,7 @@ def build_baseline(
     seed: int = 0,
     max_batch_size: int = 0,
     prefix_cache: bool = True,
-    cpu_onednn: bool = False,
+    cpu_onednn: bool = True,
 ) -> BaselineRound:
     """An in-process engine for one batch of random prompts, cut into prefill batches as the router
     cuts them. Every run sends the same prompts: `prefix_cache=False` keeps a later run from finding

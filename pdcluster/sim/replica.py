@@ -22,6 +22,7 @@ from pdcluster.sim import convert
 from pdcluster.sim.hardware import Hardware
 from pdcluster.sim.lane import EngineLane
 from pdcluster.sim.weights import VirtualWeights
+from pdcluster.sim.zigzag import VirtualZigzag
 from replica.engine.batch import Batch
 from replica.engine.engine import Engine
 from replica.engine.sim.clock import TallyClock
@@ -32,7 +33,7 @@ from replica.errors import AlreadyExists, InvalidArgument, ReplicaError
 from replica.migration.manager import seq_pages, skipped_pages, take_for_migration
 from replica.migration.plan import CacheGeometry, total_bytes, with_skips
 from replica.params.store import ParamStore
-from router.errors import ReplicaCallError, ReplicaUnimplemented
+from router.errors import ReplicaCallError
 from router.types import (
     BatchId,
     BatchSpec,
@@ -44,6 +45,7 @@ from router.types import (
     StepResult,
     ZagOutcome,
 )
+from router.zigzag import RELAYED_CASE
 
 T = TypeVar("T")
 
@@ -60,6 +62,7 @@ class VirtualReplica:
         self.hw = hw
         self.weights = VirtualWeights(self, params, disk_gbps, host_gbps)
         self.lane = EngineLane(clock, self.error)  # the engine thread: one call at a time, in order
+        self.zigzag = VirtualZigzag(self)  # layer-level prefill and split KV (live scaling)
         self._incoming: set[int] = set()  # batch ids being immigrated
         self._calls: dict[str, asyncio.Future[Any]] = {}  # pipelined DecodeV2 calls not yet ended
         runner = engine.runner
@@ -96,9 +99,11 @@ class VirtualReplica:
         spec = convert.batch_spec(batch)
         if chunk_tokens and case != PrefillCase.NORMAL:
             raise self.error("PrefillV2", InvalidArgument("chunk_tokens is for a NORMAL prefill only"))
+        if case == RELAYED_CASE and resume is not None and resume >= 1:
+            return await self.zigzag.resumed_prefill(batch, self._one(pipe_peer, "PrefillV2"), resume)
         if resume is not None or case & (PrefillCase.NAIVE_PP | PrefillCase.IMMIGRATE):
-            raise ReplicaUnimplemented(self.address, "PrefillV2", "UNIMPLEMENTED",
-                                       "layer-level prefill is not simulated in virtual time")
+            raise ReplicaCallError(self.address, "PrefillV2", "INVALID_ARGUMENT",
+                                   "a layer-level prefill is NAIVE_PP|IMMIGRATE resumed at a layer ≥ 1")
         if case == PrefillCase.NORMAL:
             prefill = lambda: self.engine.prefill(spec, chunk_tokens)  # noqa: E731
             return convert.step(await self.on_engine("PrefillV2", prefill))
@@ -122,7 +127,7 @@ class VirtualReplica:
 
         batch, result = await self.on_engine("PrefillV2", forward)
         made = self.hw.now()
-        meeting = await self._meet(("kv", self.rank, peer, int(spec.id)), "PrefillV2")
+        meeting = await self.meet(("kv", self.rank, peer, int(spec.id)), "PrefillV2")
         network, nbytes = self.hw.network, self._kv_bytes(batch, meeting.skips)
         if progressive:  # each layer's KV leaves as soon as the forward has made it
             end = network.send_as_made(self.rank, peer, nbytes, began[0], made, self.engine.runner.num_layers)
@@ -151,23 +156,30 @@ class VirtualReplica:
         return batch, result
 
     async def zag_prefill(self, batch: BatchSpec, seq: int) -> ZagOutcome:
-        """Layer-level prefill: not simulated in virtual time."""
-        raise ReplicaUnimplemented(self.address, "ZagPrefill", "UNIMPLEMENTED",
-                                   "not simulated in virtual time")
+        """ZagPrefill: layer by layer as the weights land (zigzag.py)."""
+        return await self.zigzag.zag_prefill(batch, seq)
 
     async def relay(self, old_rank: int, relax_not_head: bool) -> tuple[BatchId, int] | None:
-        """Nothing is ever queued layer by layer here."""
-        return None
+        """Relay: one layer-level prefill handed to `old_rank` (zigzag.py)."""
+        return await self.zigzag.relay(old_rank, relax_not_head)
 
     async def migrate_partial(self, batch: BatchSpec, first: bool, split: int, src: Sequence[int],
                               dst: Sequence[int]) -> CachedBatch:
-        """Partial migrations come only with layer-level prefill: not simulated."""
-        raise ReplicaUnimplemented(self.address, "MigratePartial", "UNIMPLEMENTED", "not simulated")
+        """MigratePartial: layers [0, split) (first) or [split, L) of a split batch (zigzag.py)."""
+        self._split(split, "MigratePartial")
+        return await self.zigzag.migrate_partial(batch, first, split, self._one(dst, "MigratePartial"))
 
     async def immigrate_partial(self, batch: BatchSpec, first: bool, split: int, src: Sequence[int],
                                 dst: Sequence[int]) -> CachedBatch:
-        """Partial migrations come only with layer-level prefill: not simulated."""
-        raise ReplicaUnimplemented(self.address, "ImmigratePartial", "UNIMPLEMENTED", "not simulated")
+        """ImmigratePartial: one half in; the second's answer is the decode-ready batch (zigzag.py)."""
+        self._split(split, "ImmigratePartial")
+        return await self.zigzag.immigrate_partial(batch, first, self._one(src, "ImmigratePartial"))
+
+    def _split(self, split: int, method: str) -> None:
+        layers = self.engine.runner.num_layers
+        if not 0 < split < layers:
+            raise ReplicaCallError(self.address, method, "INVALID_ARGUMENT",
+                                   f"num_layer must be in [1, {layers - 1}] (partial), not {split}")
 
     def start_decode(self, batches: Sequence[CachedBatch], last_tokens: Sequence[Sequence[int]],
                      call_id: str = "", after: str = "") -> Coroutine[Any, Any, StepResult]:
@@ -216,7 +228,7 @@ class VirtualReplica:
         seqs = with_skips(seq_pages(batch), skips) if skips else seq_pages(batch)
         return total_bytes(self.geometry, seqs, range(self.engine.runner.num_layers))
 
-    async def _meet(self, key: tuple[object, ...], method: str, skips: tuple[int, ...] = ()) -> Any:
+    async def meet(self, key: tuple[object, ...], method: str, skips: tuple[int, ...] = ()) -> Any:
         try:
             return await self.hw.meet(key, 2, skips)
         except ReplicaError as exc:
@@ -228,7 +240,7 @@ class VirtualReplica:
         taken = await self.on_engine("Migrate", lambda: take_for_migration(self.engine, spec))
         info = taken.info(self.engine.block_size)
         try:
-            meeting = await self._meet(("kv", self.rank, peer, int(spec.id)), "Migrate")
+            meeting = await self.meet(("kv", self.rank, peer, int(spec.id)), "Migrate")
             end = self.hw.network.send(self.rank, peer, self._kv_bytes(taken, meeting.skips), self.hw.now())
             meeting.end.set_result(end)
             await meeting.ended(self.hw)
@@ -240,25 +252,25 @@ class VirtualReplica:
         """Receiver: admit the batch (same page counts, the prompt pages its cache holds shared),
         receive the rest of its KV, cache it decode-ready."""
         peer, spec = self._one(src, "Immigrate"), convert.batch_spec(batch)
-        admitted = await self.on_engine("Immigrate", lambda: self._admit(spec))
+        admitted = await self.on_engine("Immigrate", lambda: self.admit_incoming(spec))
         skips = skipped_pages(admitted, self.engine.block_size)
         try:
-            meeting = await self._meet(("kv", peer, self.rank, int(spec.id)), "Immigrate", skips)
+            meeting = await self.meet(("kv", peer, self.rank, int(spec.id)), "Immigrate", skips)
             await meeting.ended(self.hw)
         except BaseException:
-            await self.on_engine("Immigrate", lambda: self._drop_incoming(admitted))
+            await self.on_engine("Immigrate", lambda: self.drop_incoming(admitted))
             raise
-        info = await self.on_engine("Immigrate", lambda: self._adopt(admitted))
+        info = await self.on_engine("Immigrate", lambda: self.adopt(admitted))
         return convert.cached(info, tuple(r.cached_tokens for r in admitted))
 
-    def _admit(self, spec: EngineBatch) -> Batch:
+    def admit_incoming(self, spec: EngineBatch) -> Batch:
         if spec.id in self._incoming:
             raise AlreadyExists(f"batch {spec.id} is already being immigrated")
         batch = self.engine.admit(spec, Reuse.WHOLE_PROMPT)
         self._incoming.add(spec.id)
         return batch
 
-    def _adopt(self, batch: Batch) -> Any:
+    def adopt(self, batch: Batch) -> Any:
         self._incoming.discard(batch.id)
         try:
             return self.engine.adopt(batch)
@@ -266,7 +278,7 @@ class VirtualReplica:
             self.engine.blocks.free(batch.pages())
             raise
 
-    def _drop_incoming(self, batch: Batch) -> None:
+    def drop_incoming(self, batch: Batch) -> None:
         self._incoming.discard(batch.id)
         self.engine.blocks.free(batch.pages())
 

@@ -77,6 +77,8 @@ def build_engine_and_params(config: ReplicaConfig, device: str | None = None) ->
     linear.use_onednn(config.cpu_onednn)
     if config.cpu_onednn and config.cpu_packed_weights:
         packing.track(model, readiness)  # before the KV pages are sized: the packs take memory too
+    elif config.cpu_onednn:
+        linear.warm(packing.linear_pairs(model))  # oneDNN's kernels for every row bucket, built now
     root = config.model_root or Path(model_dir).resolve().parent
     params = ParamStore(layout, buffer, readiness, root, config.disk_gbps, config.host_gbps,
                         host_cache_bytes=config.host_cache_bytes, model_name=Path(model_dir).name)

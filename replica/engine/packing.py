@@ -20,15 +20,21 @@ from replica.params.readiness import ParamReadiness, Readiness
 log = logging.getLogger(__name__)
 
 
+def linear_pairs(model: CausalLM) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+    """Every (weight, bias) the model's forward passes to `linear` (projections and the LM head)."""
+    pairs = [pair for m in model.modules() if isinstance(m, Projection) for pair in m._pairs]
+    return [*pairs, (model.lm_head, None)]
+
+
 def linear_weights(model: CausalLM) -> list[torch.Tensor]:
     """Every matrix the model's forward passes to `linear` (projections and the LM head)."""
-    weights = [w for m in model.modules() if isinstance(m, Projection) for w, _ in m._pairs]
-    return [*weights, model.lm_head]
+    return [w for w, _ in linear_pairs(model)]
 
 
 def track(model: CausalLM, readiness: ParamReadiness) -> None:
     """Pack `model`'s weights now if complete, and follow `readiness` from now on."""
-    weights = linear_weights(model)
+    pairs = linear_pairs(model)
+    weights = [w for w, _ in pairs]
     if not any(linear.packable(w) for w in weights):
         return  # another device or dtype: nothing to pack, nothing to follow
 
@@ -37,6 +43,8 @@ def track(model: CausalLM, readiness: ParamReadiness) -> None:
             linear.unpack(weights)
         elif not linear.is_packed(weights[0]):
             log.info("packed linear weights: %.1f MB", linear.pack(weights) / 1e6)
+            # oneDNN's kernels for the packed weights at every row bucket, before they serve
+            log.info("oneDNN warmed: %d calls", linear.warm(pairs))
 
     follow(readiness.snapshot())
     readiness.subscribe(follow)

@@ -2,7 +2,9 @@
 
 Binds the port first (Health answers "loading" while the checkpoint loads), loads the model, then
 prints exactly one line `pdcluster replica serving on HOST:PORT` on stdout (with the real port
-when `--port 0`) and serves until SIGTERM or SIGINT, which shut it down cleanly (exit code 0).
+when `--port 0`) and serves until SIGTERM or SIGINT, which shut it down cleanly (exit code 0). A
+tensor-parallel replica whose group breaks (a rank died) stops the same way and exits 1, so that
+`up` / `launch` supervision restarts the whole group.
 """
 
 from __future__ import annotations
@@ -192,14 +194,48 @@ def serve(config: ReplicaConfig) -> int:
         log.exception("cannot load the model from %s or start the fabric", config.model)
         services.stop()
         return 1
+    broken = _leave_when_group_breaks(config, services, stop)
     print(f"{READY_PREFIX} {config.host}:{services.port}", flush=True)
     registration = _register(config, services.port, security.tls)
     stop.wait()
     if registration is not None:
         registration.stop()
+    if broken:  # the step in flight fails with TpGroupFailed (at the latest by --tp-timeout): answer it
+        _drain(services, config.tp_timeout + 5)
     services.stop()
+    if broken:
+        log.error("tensor-parallel group broken (%s): rank 0 exits 1 so that its supervisor restarts "
+                  "the whole group", broken[0])
     log.info("replica stopped")
-    return 1 if lost.is_set() else 0
+    return 1 if lost.is_set() or broken else 0
+
+
+def _drain(services: _Services, timeout: float) -> None:
+    """Wait (up to `timeout`) for the engine thread to finish the item it runs, so that its caller
+    gets the item's own answer before the connections close."""
+    try:
+        services.worker.call(lambda: None, timeout)
+    except Exception as exc:  # a hung step: stop anyway
+        log.warning("the engine thread did not finish its step within %.0f s: %s", timeout, exc)
+
+
+def _leave_when_group_breaks(config: ReplicaConfig, services: _Services, stop: threading.Event) -> list[str]:
+    """Under `--tp N`: once the group breaks, end `serve`'s wait, which answers the step in flight
+    (`_drain`: UNAVAILABLE), stops serving and exits 1; the returned list then holds why."""
+    broken: list[str] = []
+    engine = services.core.shared.engine
+    if config.tp > 1 and engine is not None:
+        from replica.tp.factory import when_group_broken  # a one-rank replica never imports replica.tp
+
+        def leave(reason: str) -> None:
+            if stop.is_set():  # stopping already (a signal): a worker ending now is no failure
+                return
+            log.error("tensor-parallel group broken: %s; answering calls in flight, then exiting", reason)
+            broken.append(reason)
+            stop.set()
+
+        when_group_broken(engine, leave)
+    return broken
 
 
 def _placement(config: ReplicaConfig) -> CpuPlacement | None:

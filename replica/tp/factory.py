@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import atexit
 import logging
+from collections.abc import Callable
 from pathlib import Path
 
 from replica.config import ReplicaConfig
@@ -20,6 +21,7 @@ from replica.params.readiness import ParamReadiness
 from replica.params.store import ParamStore
 from replica.tp.leader import Endpoints, start_group
 from replica.tp.rank import RankSpec
+from replica.tp.runner import TpRunner
 
 log = logging.getLogger(__name__)
 
@@ -38,7 +40,8 @@ def build_tp_engine(config: ReplicaConfig) -> tuple[Engine, ParamStore]:
     assert config.model is not None and config.num_blocks is not None  # ReplicaConfig checked both
     spec = RankSpec(Path(config.model), choice.torch_dtype, config.num_blocks, config.block_size,
                     choice.attention_backend, config.inactive)
-    endpoints = Endpoints.of(Path(config.cluster) if config.cluster else None, config.rank, config.tp)
+    endpoints = Endpoints.of(Path(config.cluster) if config.cluster else None, config.rank, config.tp,
+                             config.fabric)
     leader = start_group(spec, config.tp, choice.device, config.tp_timeout, endpoints=endpoints)
     atexit.register(leader.stop)
     model_config = ModelConfig.from_dir(Path(config.model))
@@ -58,3 +61,10 @@ def build_tp_engine(config: ReplicaConfig) -> tuple[Engine, ParamStore]:
     detok = Detokenizer.from_model_dir(Path(config.model))
     limits = derive_limits(config, model_config)
     return Engine(leader.runner, detok, limits, meta, readiness), params
+
+
+def when_group_broken(engine: Engine, callback: Callable[[str], None]) -> None:
+    """Call `callback(reason)` once the engine's tensor-parallel group breaks (a rank died or missed
+    a collective's deadline): the replica server then leaves so its supervisor restarts the group."""
+    if isinstance(engine.runner, TpRunner):
+        engine.runner.group.when_broken(callback)

@@ -8,7 +8,9 @@
 Commands go through the store, not a collective, because a worker waits for the next step for as long
 as the replica is idle (no deadline is right for that wait), while the collectives inside a step must
 have one. A worker polls for its next command and leaves when the store is gone (the leader died).
-A group whose collective failed is broken for good (`TpGroupFailed`); the replica must be restarted.
+A group whose collective failed, or whose worker process ended, is broken for good (`TpGroupFailed`):
+`TpGroup.fail` records why once and calls the `when_broken` callbacks (the replica server's: rank 0
+then leaves, so its supervisor restarts the whole group).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import datetime
 import enum
 import pickle
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -115,7 +118,28 @@ class TpGroup:
         dist.init_process_group(backend_for(device), store=store, rank=shard.rank, world_size=shard.world,
                                 timeout=datetime.timedelta(seconds=timeout_s))
         self.commands = CommandChannel(store, shard.world - 1)
-        self.failed: str | None = None
+        self.failed: str | None = None  # why the group broke (None while it works)
+        self._broken: list[Callable[[str], None]] = []
+        self._lock = threading.Lock()
+
+    def fail(self, reason: str) -> None:
+        """Mark the group broken for `reason` (the first reason stays); call the `when_broken` callbacks."""
+        with self._lock:
+            if self.failed is not None:
+                return
+            self.failed = reason
+            callbacks = list(self._broken)
+        for callback in callbacks:
+            callback(reason)
+
+    def when_broken(self, callback: Callable[[str], None]) -> None:
+        """Call `callback(reason)` once the group breaks (at once if it already has)."""
+        with self._lock:
+            failed = self.failed
+            if failed is None:
+                self._broken.append(callback)
+        if failed is not None:
+            callback(failed)
 
     @property
     def is_leader(self) -> bool:

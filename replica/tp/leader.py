@@ -13,6 +13,7 @@ import logging
 import shutil
 import subprocess
 import sys
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -38,9 +39,10 @@ class Endpoints:
 
     cluster: Path
     base_rank: int
+    fabric: str = "tcp"  # the replica's --fabric: each worker opens its endpoint on it (fabric.py)
 
     @classmethod
-    def of(cls, cluster: Path | None, base_rank: int, world: int) -> Endpoints | None:
+    def of(cls, cluster: Path | None, base_rank: int, world: int, fabric: str = "tcp") -> Endpoints | None:
         """The group's endpoints when the table lists every rank of the group (`tp_group`), else None
         (then migrations and weight operations are refused: `replica.migration.manager`)."""
         if cluster is None:
@@ -53,11 +55,12 @@ class Endpoints:
                         "KV migrations and weight operations are refused", cluster, missing, base_rank,
                         world - 1)
             return None
-        return cls(cluster, base_rank)
+        return cls(cluster, base_rank, fabric)
 
     def args(self, rank: int) -> list[str]:
         """Worker `rank`'s command-line arguments naming its endpoint."""
-        return ["--cluster", str(self.cluster), "--transfer-rank", str(self.base_rank + rank)]
+        return ["--cluster", str(self.cluster), "--transfer-rank", str(self.base_rank + rank),
+                "--fabric", self.fabric]
 
 
 def worker_command(spec: RankSpec, rank: int, world: int, store: str, device: torch.device,
@@ -87,11 +90,31 @@ class Leader:
     rank: RankModel
     runner: TpRunner
     workers: list[subprocess.Popen[bytes]] = field(default_factory=list)
+    stopping: bool = False
+
+    def watch(self) -> None:
+        """A worker process that ends before `stop` breaks the group (`TpGroup.fail`) at once, even
+        with no step running: rank 0 learns it without waiting for a collective's deadline."""
+        for rank, worker in enumerate(self.workers, start=1):
+            threading.Thread(target=self._await_worker, args=(rank, worker), name=f"tp-watch-{rank}",
+                             daemon=True).start()
+
+    def _await_worker(self, rank: int, worker: subprocess.Popen[bytes]) -> None:
+        code = worker.wait()
+        if not self.stopping:
+            self.group.fail(f"rank {rank} (pid {worker.pid}) exited with {code}")
 
     def stop(self) -> None:
-        """Tell the workers to leave, wait for them (with a deadline), then leave the group."""
-        if not self.group.failed:
-            self.group.commands.publish(Command(Op.STOP))
+        """Tell the workers to leave, wait for them (with a deadline), then leave the group; a broken
+        group's workers are killed (nothing is left for them to do) and its process group is left as
+        is (a collective may still hang in it). Once: later calls do nothing."""
+        if self.stopping:
+            return
+        self.stopping = True
+        if self.group.failed:
+            self._kill_workers()
+            return
+        self.group.commands.publish(Command(Op.STOP))
         for worker in self.workers:
             try:
                 worker.wait(timeout=10)
@@ -99,6 +122,15 @@ class Leader:
                 worker.kill()
                 worker.wait(timeout=10)
         self.group.close()
+
+    def _kill_workers(self) -> None:
+        for worker in self.workers:
+            if worker.poll() is None:
+                worker.kill()
+            try:
+                worker.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                log.warning("tensor-parallel worker %d did not end after SIGKILL", worker.pid)
 
 
 def start_group(spec: RankSpec, world: int, device: torch.device,
@@ -126,4 +158,6 @@ def start_group(spec: RankSpec, world: int, device: torch.device,
         regions = [(region.kind, region.index) for region in rank.layout.regions]
         readiness = GroupReadiness(rank.model.config.num_layers, not spec.inactive, store, world, regions)
         runner.group_weights = GroupWeights(group, readiness)
-    return Leader(group, rank, runner, workers)
+    leader = Leader(group, rank, runner, workers)
+    leader.watch()
+    return leader

@@ -52,9 +52,10 @@ class TpRunner(ModelRunner):
         except ReplicaError:  # refused inputs: every rank refuses them before its first collective
             raise
         except RuntimeError as error:  # a collective's error or timeout (DistError), a lost store
-            self.group.failed = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
-            raise TpGroupFailed(f"a rank of the tensor-parallel group failed during a step "
-                                f"({self.group.failed})") from error
+            cause = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
+            self.group.fail(cause)
+            raise TpGroupFailed(f"a rank of the tensor-parallel group failed during a step ({cause})") \
+                from error
 
     def embed(self, seqs: Sequence[SeqInput]) -> Any:
         """Layer-by-layer forwards are not broadcast to the workers."""

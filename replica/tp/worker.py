@@ -9,26 +9,26 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import signal
 from pathlib import Path
 
 import torch
 
-from replica.cluster import WEIGHT_BUFFER, ReplicaCluster, kv_layout_of, needs_staging
+from replica.cluster import WEIGHT_BUFFER, kv_layout_of
 from replica.engine.runner import ModelRunner
 from replica.model.layout import Shard
 from replica.model.weights import TORCH_DTYPES
 from replica.params.store import ParamStore
 from replica.params.transfer import WeightMover
+from replica.tp.fabric import open_worker_cluster
 from replica.tp.group import TpGroup, join_store
 from replica.tp.kvmove import SHARD_STREAM, ShardEndpoint
 from replica.tp.rank import RankModel, RankSpec, build_rank, rank_device, share_cpu_threads
 from replica.tp.runner import Endpoint, serve_worker
 from replica.tp.weights import ReportingReadiness, WeightEndpoint
-from transfer.buffers import device_type
 from transfer.core import Stream
-from transfer.fabric import FabricKind
+from transfer.errors import FabricUnavailable
 from transfer.ranktable import load_rank_table
-from transfer.staged.device import TorchDevices
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +48,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--cluster", type=Path, default=None,
                         help="the rank table: this rank's fabric endpoint is entry --transfer-rank")
     parser.add_argument("--transfer-rank", type=int, default=None, help="this rank's global rank")
+    parser.add_argument("--fabric", default="tcp", help="the replica's --fabric (this rank's endpoint's)")
     parser.add_argument("--inactive", action="store_true", help="start without weights")
     return parser
 
@@ -57,10 +58,8 @@ def _endpoint(args: argparse.Namespace, rank: RankModel, host: str, port: int) -
     if args.cluster is None or args.transfer_rank is None:
         return None
     cache = rank.cache
-    devices = [device_type(cache.tensor), device_type(rank.buffer)]
-    staging = TorchDevices() if needs_staging(FabricKind.TCP, devices) else None
-    cluster = ReplicaCluster.start(FabricKind.TCP, load_rank_table(args.cluster), args.transfer_rank, "",
-                                   staging)
+    table = load_rank_table(args.cluster)
+    cluster = open_worker_cluster(args.fabric, table, args.transfer_rank, cache.tensor, rank.buffer)
     layout = kv_layout_of(cache, args.world)
     cluster.register_kv(cache.tensor, layout)
     for stream in (SHARD_STREAM, SHARD_STREAM + 1):
@@ -78,6 +77,9 @@ def _endpoint(args: argparse.Namespace, rank: RankModel, host: str, port: int) -
 def main(argv: list[str] | None = None) -> None:
     """Join, load, serve."""
     args = _parser().parse_args(argv)
+    # a terminal's Ctrl-C reaches every process of its group: the leader stops its workers itself
+    # (STOP, or its store closing), so a worker leaving first would read as a broken group
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     logging.basicConfig(level=logging.INFO, format=f"tp rank {args.rank}: %(message)s")
     share_cpu_threads(args.world)
     device = rank_device(torch.device(args.device), args.rank)
@@ -88,7 +90,11 @@ def main(argv: list[str] | None = None) -> None:
                     args.attention_backend, args.inactive)
     rank = build_rank(spec, group, device)
     runner = ModelRunner(rank.model, rank.cache, spec.attention_backend)  # type: ignore[arg-type]
-    endpoint = _endpoint(args, rank, host, int(port))
+    try:
+        endpoint = _endpoint(args, rank, host, int(port))
+    except (FabricUnavailable, ValueError) as exc:  # one line; rank 0 sees this rank end (leader.watch)
+        log.error("rank %d cannot open its fabric endpoint (--fabric %s): %s", args.rank, args.fabric, exc)
+        raise SystemExit(1) from None
     log.info("joined as rank %d of %d on %s", args.rank, args.world, device)
     try:
         serve_worker(group, runner, endpoint)

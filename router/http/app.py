@@ -49,7 +49,8 @@ def create_app(
     app.add_exception_handler(Exception, _unexpected)
     if access is not None:
         app.add_middleware(ApiKeyMiddleware, access=access)
-    document = build_openapi(app.title, info, tokenizer.vocab_size, keys=access is not None)
+    document = build_openapi(app.title, info, tokenizer.vocab_size, keys=access is not None,
+                             more_model_ids=tuple(i.model_id for _, _, i in more_models))
     app.openapi = lambda: document  # type: ignore[method-assign]  # the routes parse bodies themselves
     return app
 

@@ -99,12 +99,12 @@ _OPERATIONS = (
     _Operation("/v1/models", "get", "The served model (OpenAI)", "openai", None,
                {"schema": ref("ModelList")}, None, True),
     _Operation("/generate", "post", "Generate, one answer (TGI)", "tgi", "TGIGenerateRequest",
-               {"schema": ref("TGIGenerated")}, None, True, True),
+               {"schema": ref("TGIGenerated")}, None, True, True, True),
     _Operation("/generate_stream", "post", "Generate, one SSE event per token (TGI)", "tgi",
-               "TGIStreamRequest", None, "TGIStreamEvent", True, True),
+               "TGIStreamRequest", None, "TGIStreamEvent", True, True, True),
     _Operation("/", "post", "TGI compat: a one-element list, or the stream with `stream: true`", "tgi",
                "TGIRequest", {"schema": {"type": "array", "items": ref("TGIGenerated"), "minItems": 1,
-                                         "maxItems": 1}}, "TGIStreamEvent", True, True),
+                                         "maxItems": 1}}, "TGIStreamEvent", True, True, True),
     _Operation("/tokenize", "post", "Token ids of a prompt or of chat messages (vLLM: `prompt` / "
                "`messages`), or tokens with their offsets (TGI: `inputs`)", "both", "TokenizeRequest",
                {"schema": {"anyOf": [ref("Tokenized"), {"type": "array", "items": ref("TGISimpleToken")}]}},
@@ -208,9 +208,11 @@ def _plain(path: str, summary: str, answers: dict[str, Any]) -> dict[str, Any]:
                     "tags": ["Operations"], "responses": answers}}
 
 
-def build_openapi(title: str, info: ServingInfo, vocab_size: int, keys: bool) -> dict[str, Any]:
-    """The whole document for this router: its model's limits, and auth when `keys` are configured."""
-    limits = RequestLimits.of(info, vocab_size)
+def build_openapi(title: str, info: ServingInfo, vocab_size: int, keys: bool,
+                  more_model_ids: tuple[str, ...] = ()) -> dict[str, Any]:
+    """The whole document for this router: its model's limits (`model` may also name `more_model_ids`),
+    and auth when `keys` are configured."""
+    limits = RequestLimits.of(info, vocab_size, more_model_ids)
     links = _links()
     paths: dict[str, Any] = {}
     for op in _OPERATIONS:

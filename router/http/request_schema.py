@@ -41,12 +41,18 @@ class RequestLimits:
     max_stop_sequences: int
     max_top_n_tokens: int
     ignore_unknown_fields: bool = False  # the schemas then admit additional properties
+    more_model_ids: tuple[str, ...] = ()  # the router's further models (`--models`)
 
     @classmethod
-    def of(cls, info: ServingInfo, vocab_size: int) -> RequestLimits:
-        """The limits of a router serving `info` with a tokenizer of `vocab_size` ids."""
+    def of(cls, info: ServingInfo, vocab_size: int, more_model_ids: tuple[str, ...] = ()) -> RequestLimits:
+        """The limits of a router serving `info` (and `more_model_ids`), tokenizer of `vocab_size` ids."""
         return cls(info.model_id, vocab_size, info.max_input_tokens, info.max_total_tokens,
-                   info.max_stop_sequences, info.max_top_n_tokens, info.ignore_unknown_fields)
+                   info.max_stop_sequences, info.max_top_n_tokens, info.ignore_unknown_fields, more_model_ids)
+
+    @property
+    def model_ids(self) -> list[str]:
+        """Every model a request may name."""
+        return [self.model_id, *self.more_model_ids]
 
 
 def below_regex(limit: int) -> str:
@@ -88,7 +94,7 @@ _MAX_NEW = "tokens to generate; prompt tokens + this must be <= max_total_tokens
 
 
 def _openai_common(props: dict[str, Any], limits: RequestLimits) -> None:
-    props["model"] = {**_nullable({"type": "string", "enum": [limits.model_id]}),
+    props["model"] = {**_nullable({"type": "string", "enum": limits.model_ids}),
                       "description": "the served model (absent = it)"}
     props["max_tokens"] = _max_new(limits, _MAX_NEW)
     props["stop"] = _stops(limits, allow_string=True)
@@ -169,7 +175,7 @@ def _schema(model: type[BaseModel]) -> tuple[dict[str, Any], dict[str, Any]]:
 def _tokenizer_schemas(out: dict[str, dict[str, Any]], limits: RequestLimits) -> None:
     """/tokenize (vLLM's two shapes and TGI's, told apart by `prompt` / `messages` / `inputs`) and
     /detokenize (ids within the vocabulary)."""
-    model = {**_nullable({"type": "string", "enum": [limits.model_id]}), "description": "the served model"}
+    model = {**_nullable({"type": "string", "enum": limits.model_ids}), "description": "the served model"}
     shapes = []
     for kind in (TokenizeCompletionRequest, TokenizeChatRequest, TGITokenizeRequest):
         schema, defs = _schema(kind)
@@ -198,6 +204,8 @@ def request_schemas(limits: RequestLimits) -> dict[str, dict[str, Any]]:
         out[model.__name__] = schema
     tgi, defs = _schema(TGIRequest)
     _tgi_parameters(defs["TGIParameters"], limits)
+    tgi["properties"]["model"] = {**_nullable({"type": "string", "enum": limits.model_ids}),
+                                  "description": "pdcluster's extension: which served model (absent = it)"}
     out.update(defs)
     out["TGIRequest"] = tgi
     for name, stream in (("TGIGenerateRequest", False), ("TGIStreamRequest", True)):  # stream fixed by route

@@ -58,6 +58,9 @@ class Autoscaler:
         self.urgent_rounds = 0
         self.calm_since: float | None = None  # since when decode rounds allowed one replica fewer
         self._last_urgent = -math.inf
+        # an urgent round that wants prefill but finds no replica to load: its pool may get one now
+        # (several models: `router/pools.py` lends a shared spare at once and plans again)
+        self.on_short: Callable[[str], None] | None = None
         self._task: asyncio.Task[None] | None = None
 
     def set_policy(self, name: str) -> str:
@@ -126,9 +129,12 @@ class Autoscaler:
         self._last_urgent = now
         self.urgent_rounds += 1
         try:
-            self.round(reason)
+            decided, actions = self.round(reason)
         except Exception:
             log.exception("urgent scaling round failed")
+            return
+        if not actions and decided.prefill.delta > 0 and self.on_short is not None:
+            self.on_short(reason)
 
     def round(self, reason: str = "interval") -> tuple[Plan, list[Action]]:
         """One planning round: decide, start the actions, write the round (and why it ran) to the

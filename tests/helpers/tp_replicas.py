@@ -30,6 +30,15 @@ class Group:
     rank: int
     tp: int
     inactive: bool = False
+    device: str = "cpu"  # rank 0's (`cuda:i`: its ranks take cuda:i .. cuda:i+tp-1)
+
+
+@dataclass(frozen=True)
+class Fabric:
+    """The replicas' `--fabric` and the rank table's rendezvous store ("" = none; nccl / rdma need one)."""
+
+    kind: str = "tcp"
+    store: str = ""
 
 
 @dataclass
@@ -57,12 +66,13 @@ class Proc:
             time.sleep(0.05)
 
 
-def _start(model: Path, table: Path, group: Group) -> tuple[subprocess.Popen[str], int]:
+def _start(model: Path, table: Path, group: Group, fabric: Fabric) -> tuple[subprocess.Popen[str], int]:
     port = free_ports(1)[0]
+    on_device = ["--device", group.device, "--dtype", "float32"] if group.device != "cpu" else []
     argv = pdcluster_argv("replica", "--model", str(model), "--port", str(port), "--tp", str(group.tp),
                           "--num-blocks", "48", "--block-size", "4", "--tp-timeout", "20",
-                          "--cluster", str(table), "--rank", str(group.rank),
-                          *(["--inactive"] if group.inactive else []))
+                          "--cluster", str(table), "--rank", str(group.rank), "--fabric", fabric.kind,
+                          *on_device, *(["--inactive"] if group.inactive else []))
     process = subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     return process, port
 
@@ -79,22 +89,31 @@ def _ready(stub: pb_grpc.TextGenerationServiceStub, process: subprocess.Popen[st
     raise AssertionError("a replica did not answer Info within 120 s")
 
 
-def _rank_table(path: Path, groups: Sequence[Group]) -> Path:
+def _device(group: Group, r: int) -> str:
+    kind, _, index = group.device.partition(":")
+    return f"{kind}:{int(index or 0) + r}" if kind == "cuda" else kind
+
+
+def _rank_table(path: Path, groups: Sequence[Group], store: str = "") -> Path:
     """A loopback rank table of every group's ranks, contiguous, each worker rank's `tp_group` its
     group's rank 0."""
     ports = iter(free_ports(sum(g.tp for g in groups)))
-    records = [{"rank": g.rank + r, "host": "127.0.0.1", "node": "n0", "device": "cpu",
+    records = [{"rank": g.rank + r, "host": "127.0.0.1", "node": "n0", "device": _device(g, r),
                 "transfer_address": f"127.0.0.1:{next(ports)}", **({"tp_group": g.rank} if r else {})}
                for g in groups for r in range(g.tp)]
-    path.write_text(json.dumps({"ranks": records}))
+    path.write_text(json.dumps({"ranks": records, **({"store": store} if store else {})}))
     return path
 
 
 @contextlib.contextmanager
-def tp_replicas(model: Path, tmp: Path, groups: Sequence[Group]) -> Iterator[list[Proc]]:
-    """The groups' processes (started at once, so they load in parallel), in `groups` order."""
-    table = _rank_table(tmp / "ranks.json", groups)
-    started = [_start(model, table, group) for group in groups]
+def tp_replicas(
+    model: Path, tmp: Path, groups: Sequence[Group], fabric: Fabric | None = None
+) -> Iterator[list[Proc]]:
+    """The groups' processes (started at once, so they load in parallel), in `groups` order, on
+    `fabric` (tcp without a store by default)."""
+    fabric = fabric or Fabric()
+    table = _rank_table(tmp / "ranks.json", groups, fabric.store)
+    started = [_start(model, table, group, fabric) for group in groups]
     channels = [grpc.insecure_channel(f"127.0.0.1:{port}") for _, port in started]
     try:
         procs = []

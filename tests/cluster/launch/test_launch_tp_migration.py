@@ -11,15 +11,11 @@ from pathlib import Path
 import httpx
 import pytest
 
-from replica.server import core
-from replica.server import messages as m
 from tests.helpers.launched import Launched, NodeLine, pdcluster, ready_fields, write_cluster_file
 from tests.helpers.router_cluster import GreedyOracle
 
 pytestmark = [
     pytest.mark.long,  # four rank processes and a router on two cores
-    pytest.mark.skipif(m.Migrate in core.TP_REFUSED,
-                       reason="tp replicas refuse KV migration here (per-rank moves: replica/tp)"),
 ]
 PROMPT, MAX_TOKENS = "hello world, once more", 8
 

@@ -10,15 +10,11 @@ from pathlib import Path
 import httpx
 import pytest
 
-from replica.server import core
-from replica.server import messages as m
 from tests.helpers.launched import Launched, NodeLine, pdcluster, ready_fields, write_cluster_file
 from tests.helpers.router_cluster import GreedyOracle, grpcurl
 
 pytestmark = [
     pytest.mark.long,  # six rank processes and a router on two cores
-    pytest.mark.skipif(m.Broadcast in core.TP_REFUSED,
-                       reason="tp replicas refuse weight transfers here (per-rank chains: replica/tp)"),
 ]
 PROMPT, MAX_TOKENS = "hello world, once more", 8
 

@@ -78,3 +78,13 @@ def test_below_regex_is_exactly_the_ids_below(limit: int) -> None:
     for n in [*range(0, min(limit * 2 + 5, 3000)), limit - 1, limit, limit + 1, limit * 10]:
         assert bool(pattern.match(str(n))) == (n < limit), n
     assert pattern.match(f"00{limit - 1}") and not pattern.match("-1") and not pattern.match("")
+
+
+def test_model_names_every_served_model_and_an_unknown_one_is_a_documented_404() -> None:
+    doc = build_openapi("pdcluster router", INFO, 200, keys=False, more_model_ids=("other",))
+    schemas = doc["components"]["schemas"]
+    for body in ("CompletionRequest", "ChatCompletionRequest", "TGIRequest", "TGIGenerateRequest",
+                 "TGIStreamRequest"):
+        assert schemas[body]["properties"]["model"]["anyOf"][0]["enum"] == ["m", "other"], body
+    for path in ("/v1/completions", "/v1/chat/completions", "/generate", "/generate_stream", "/"):
+        assert "404" in doc["paths"][path]["post"]["responses"], path
