@@ -75,8 +75,9 @@ def build_engine_and_params(config: ReplicaConfig, device: str | None = None) ->
         whole, buffer, model = _with_room(loaded, capacity, dtype)
     readiness = ParamReadiness(model_config.num_layers, loaded=not config.inactive)
     linear.use_onednn(config.cpu_onednn)
+    packs = None
     if config.cpu_onednn and config.cpu_packed_weights:
-        packing.track(model, readiness)  # before the KV pages are sized: the packs take memory too
+        packs = packing.track(model, readiness)  # before the KV pages are sized: the packs take memory too
     elif config.cpu_onednn:
         linear.warm(packing.linear_pairs(model))  # oneDNN's kernels for every row bucket, built now
     root = config.model_root or Path(model_dir).resolve().parent
@@ -100,7 +101,7 @@ def build_engine_and_params(config: ReplicaConfig, device: str | None = None) ->
     engine = Engine(runner, detok, limits, meta, readiness)
     params.room = whole
     if config.tp == 1:
-        params.relayout = ModelSwitch(engine, params, whole, config, dtype)  # another model's shape
+        params.relayout = ModelSwitch(engine, params, whole, config, dtype, packs)  # another model's shape
     return engine, params
 
 

@@ -10,8 +10,8 @@
 
 Only while the weights are not complete and no batch is cached (FAILED_PRECONDITION otherwise): the
 bytes that land next are the new model's. The KV cache keeps its bytes, not its page count: a model
-with more layers or KV heads gets fewer pages. Torch engine at `--tp 1` only; with `--cpu-onednn`
-packed weights a switch is refused (the packs follow the first model's views).
+with more layers or KV heads gets fewer pages. With `--cpu-onednn` packed weights the new model's
+packs follow readiness in place of the old model's. Torch engine at `--tp 1` only.
 """
 
 from __future__ import annotations
@@ -22,17 +22,20 @@ from pathlib import Path
 import torch
 
 from replica.config import ReplicaConfig
+from replica.engine import packing
 from replica.engine.detokenizer import Detokenizer
 from replica.engine.engine import Engine
 from replica.engine.runner import ModelRunner
 from replica.engine.validation import derive_limits
 from replica.engine.warmup import MAX_GRAPH_BATCH
 from replica.errors import FailedPrecondition
+from replica.model import linear
 from replica.model.attention import PagedKVCache
 from replica.model.config import ModelConfig
 from replica.model.layout import WeightLayout
-from replica.model.llama import build_model
+from replica.model.llama import CausalLM, build_model
 from replica.model.weights import dtype_name
+from replica.params.readiness import Listener
 from replica.params.store import ParamStore
 
 log = logging.getLogger(__name__)
@@ -42,8 +45,9 @@ class ModelSwitch:
     """`ParamStore.relayout` of the torch engine: `switch(path)` makes the replica hold `path`'s model."""
 
     def __init__(self, engine: Engine, params: ParamStore, capacity: torch.Tensor, config: ReplicaConfig,
-                 dtype: torch.dtype) -> None:
+                 dtype: torch.dtype, packs: Listener | None = None) -> None:
         self.engine = engine
+        self.packs = packs  # the packed weights' readiness listener of the model held now (--cpu-onednn)
         self.params = params
         self.capacity = capacity  # the whole flat buffer (uint8); the model's views cover its prefix
         self.config = config
@@ -68,7 +72,8 @@ class ModelSwitch:
         model = build_model(model_config, layout, view, self.dtype)
         cache = PagedKVCache.for_model(model_config, num_blocks, old.block_size, self.dtype, device)
         runner = ModelRunner(model, cache, engine.meta.attention_backend)
-        self.params.readiness.relayout(model_config.num_layers)
+        self.params.readiness.relayout(model_config.num_layers)  # the old packs (if any) dropped here
+        self._follow(model)
         self.params.layout, self.params.buffer = layout, view
         limits = derive_limits(self.config, model_config)
         engine.switch_model(runner, Detokenizer.from_model_dir(path), limits, path.name)
@@ -78,6 +83,18 @@ class ModelSwitch:
                  path.name, model_config.num_layers, layout.total_bytes / 1e6, self.capacity.numel() / 1e6,
                  num_blocks)
 
+    def _follow(self, model: CausalLM) -> None:
+        """--cpu-onednn: the new model's packs follow readiness instead of the old model's (or its
+        kernels are warmed, without packed weights)."""
+        readiness = self.params.readiness
+        if self.packs is not None:
+            readiness.unsubscribe(self.packs)
+            self.packs = None
+        if self.config.cpu_onednn and self.config.cpu_packed_weights:
+            self.packs = packing.track(model, readiness)
+        elif self.config.cpu_onednn:
+            linear.warm(packing.linear_pairs(model))
+
     def _check(self, path: Path, layout: WeightLayout) -> None:
         need, room = layout.total_bytes, self.capacity.numel()
         if need > room:
@@ -86,6 +103,3 @@ class ModelSwitch:
                 f"{room} (start it with --weight-buffer-bytes {need} or more)")
         if len(self.engine.store):
             raise FailedPrecondition(f"cannot switch to model {path.name} while batches are cached")
-        if self.config.cpu_onednn and self.config.cpu_packed_weights:
-            raise FailedPrecondition(f"cannot switch to model {path.name}: --cpu-onednn packed weights "
-                                     "follow the first model (start with --no-cpu-packed-weights)")

@@ -139,6 +139,11 @@ class ParamReadiness:
         with self._cond:
             self._listeners.append(listener)
 
+    def unsubscribe(self, listener: Listener) -> None:
+        """Stop calling `listener` (a model switch drops the packs that followed the old model)."""
+        with self._cond:
+            self._listeners = [x for x in self._listeners if x is not listener]
+
     def _changed(self) -> None:
         with self._cond:
             self._cond.notify_all()
