@@ -71,7 +71,7 @@ class InfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class InfoResponse(_message.Message):
-    __slots__ = ("requires_padding", "dtype", "device_type", "window_size", "speculate", "model_id", "num_layers", "block_size", "num_blocks_total", "num_blocks_free", "embed_ready", "num_layers_loaded", "lm_head_ready", "rank", "tp_size", "num_cached_batches", "max_input_tokens", "max_total_tokens", "device", "gpu_name", "attention_backend", "cuda_graphs", "prefix_cache", "num_blocks_cached", "cached_page_hashes", "fabric")
+    __slots__ = ("requires_padding", "dtype", "device_type", "window_size", "speculate", "model_id", "num_layers", "block_size", "num_blocks_total", "num_blocks_free", "embed_ready", "num_layers_loaded", "lm_head_ready", "rank", "tp_size", "num_cached_batches", "max_input_tokens", "max_total_tokens", "device", "gpu_name", "attention_backend", "cuda_graphs", "prefix_cache", "num_blocks_cached", "cached_page_hashes", "fabric", "weights_model")
     REQUIRES_PADDING_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     DEVICE_TYPE_FIELD_NUMBER: _ClassVar[int]
@@ -98,6 +98,7 @@ class InfoResponse(_message.Message):
     NUM_BLOCKS_CACHED_FIELD_NUMBER: _ClassVar[int]
     CACHED_PAGE_HASHES_FIELD_NUMBER: _ClassVar[int]
     FABRIC_FIELD_NUMBER: _ClassVar[int]
+    WEIGHTS_MODEL_FIELD_NUMBER: _ClassVar[int]
     requires_padding: bool
     dtype: str
     device_type: str
@@ -124,7 +125,8 @@ class InfoResponse(_message.Message):
     num_blocks_cached: int
     cached_page_hashes: _containers.RepeatedScalarFieldContainer[int]
     fabric: str
-    def __init__(self, requires_padding: _Optional[bool] = ..., dtype: _Optional[str] = ..., device_type: _Optional[str] = ..., window_size: _Optional[int] = ..., speculate: _Optional[int] = ..., model_id: _Optional[str] = ..., num_layers: _Optional[int] = ..., block_size: _Optional[int] = ..., num_blocks_total: _Optional[int] = ..., num_blocks_free: _Optional[int] = ..., embed_ready: _Optional[bool] = ..., num_layers_loaded: _Optional[int] = ..., lm_head_ready: _Optional[bool] = ..., rank: _Optional[int] = ..., tp_size: _Optional[int] = ..., num_cached_batches: _Optional[int] = ..., max_input_tokens: _Optional[int] = ..., max_total_tokens: _Optional[int] = ..., device: _Optional[str] = ..., gpu_name: _Optional[str] = ..., attention_backend: _Optional[str] = ..., cuda_graphs: _Optional[bool] = ..., prefix_cache: _Optional[bool] = ..., num_blocks_cached: _Optional[int] = ..., cached_page_hashes: _Optional[_Iterable[int]] = ..., fabric: _Optional[str] = ...) -> None: ...
+    weights_model: str
+    def __init__(self, requires_padding: _Optional[bool] = ..., dtype: _Optional[str] = ..., device_type: _Optional[str] = ..., window_size: _Optional[int] = ..., speculate: _Optional[int] = ..., model_id: _Optional[str] = ..., num_layers: _Optional[int] = ..., block_size: _Optional[int] = ..., num_blocks_total: _Optional[int] = ..., num_blocks_free: _Optional[int] = ..., embed_ready: _Optional[bool] = ..., num_layers_loaded: _Optional[int] = ..., lm_head_ready: _Optional[bool] = ..., rank: _Optional[int] = ..., tp_size: _Optional[int] = ..., num_cached_batches: _Optional[int] = ..., max_input_tokens: _Optional[int] = ..., max_total_tokens: _Optional[int] = ..., device: _Optional[str] = ..., gpu_name: _Optional[str] = ..., attention_backend: _Optional[str] = ..., cuda_graphs: _Optional[bool] = ..., prefix_cache: _Optional[bool] = ..., num_blocks_cached: _Optional[int] = ..., cached_page_hashes: _Optional[_Iterable[int]] = ..., fabric: _Optional[str] = ..., weights_model: _Optional[str] = ...) -> None: ...
 
 class ServiceDiscoveryRequest(_message.Message):
     __slots__ = ()
@@ -516,32 +518,38 @@ class ImmigratePartialRequest(_message.Message):
     def __init__(self, batch: _Optional[_Union[Batch, _Mapping]] = ..., fst_or_snd: _Optional[_Union[PartialCase, str]] = ..., num_layer: _Optional[int] = ..., src: _Optional[_Iterable[int]] = ..., dst: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class BroadcastRequest(_message.Message):
-    __slots__ = ("src_ranks", "dst_ranks")
+    __slots__ = ("src_ranks", "dst_ranks", "model_name")
     SRC_RANKS_FIELD_NUMBER: _ClassVar[int]
     DST_RANKS_FIELD_NUMBER: _ClassVar[int]
+    MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     src_ranks: _containers.RepeatedScalarFieldContainer[int]
     dst_ranks: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, src_ranks: _Optional[_Iterable[int]] = ..., dst_ranks: _Optional[_Iterable[int]] = ...) -> None: ...
+    model_name: str
+    def __init__(self, src_ranks: _Optional[_Iterable[int]] = ..., dst_ranks: _Optional[_Iterable[int]] = ..., model_name: _Optional[str] = ...) -> None: ...
 
 class BroadcastResponse(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class SendParamsRequest(_message.Message):
-    __slots__ = ("dst",)
+    __slots__ = ("dst", "model_name")
     DST_FIELD_NUMBER: _ClassVar[int]
+    MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     dst: int
-    def __init__(self, dst: _Optional[int] = ...) -> None: ...
+    model_name: str
+    def __init__(self, dst: _Optional[int] = ..., model_name: _Optional[str] = ...) -> None: ...
 
 class SendParamsResponse(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class RecvParamsRequest(_message.Message):
-    __slots__ = ("src",)
+    __slots__ = ("src", "model_name")
     SRC_FIELD_NUMBER: _ClassVar[int]
+    MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     src: int
-    def __init__(self, src: _Optional[int] = ...) -> None: ...
+    model_name: str
+    def __init__(self, src: _Optional[int] = ..., model_name: _Optional[str] = ...) -> None: ...
 
 class RecvParamsResponse(_message.Message):
     __slots__ = ()

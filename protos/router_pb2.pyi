@@ -71,7 +71,7 @@ ACTIVATION_METHOD_LOAD_DISK: ActivationMethod
 ACTIVATION_METHOD_LOAD_HOST: ActivationMethod
 
 class ReplicaStatus(_message.Message):
-    __slots__ = ("id", "address", "role", "rank", "num_blocks_total", "num_blocks_free", "router_used_blocks", "requests", "inbound_migrations", "outbound_migrations", "registered", "last_heartbeat_age_s", "state", "state_age_s", "tp_size", "ranks")
+    __slots__ = ("id", "address", "role", "rank", "num_blocks_total", "num_blocks_free", "router_used_blocks", "requests", "inbound_migrations", "outbound_migrations", "registered", "last_heartbeat_age_s", "state", "state_age_s", "tp_size", "ranks", "model")
     ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
@@ -88,6 +88,7 @@ class ReplicaStatus(_message.Message):
     STATE_AGE_S_FIELD_NUMBER: _ClassVar[int]
     TP_SIZE_FIELD_NUMBER: _ClassVar[int]
     RANKS_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
     id: int
     address: str
     role: ReplicaRole
@@ -104,11 +105,14 @@ class ReplicaStatus(_message.Message):
     state_age_s: float
     tp_size: int
     ranks: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, id: _Optional[int] = ..., address: _Optional[str] = ..., role: _Optional[_Union[ReplicaRole, str]] = ..., rank: _Optional[int] = ..., num_blocks_total: _Optional[int] = ..., num_blocks_free: _Optional[int] = ..., router_used_blocks: _Optional[int] = ..., requests: _Optional[int] = ..., inbound_migrations: _Optional[int] = ..., outbound_migrations: _Optional[int] = ..., registered: _Optional[bool] = ..., last_heartbeat_age_s: _Optional[float] = ..., state: _Optional[str] = ..., state_age_s: _Optional[float] = ..., tp_size: _Optional[int] = ..., ranks: _Optional[_Iterable[int]] = ...) -> None: ...
+    model: str
+    def __init__(self, id: _Optional[int] = ..., address: _Optional[str] = ..., role: _Optional[_Union[ReplicaRole, str]] = ..., rank: _Optional[int] = ..., num_blocks_total: _Optional[int] = ..., num_blocks_free: _Optional[int] = ..., router_used_blocks: _Optional[int] = ..., requests: _Optional[int] = ..., inbound_migrations: _Optional[int] = ..., outbound_migrations: _Optional[int] = ..., registered: _Optional[bool] = ..., last_heartbeat_age_s: _Optional[float] = ..., state: _Optional[str] = ..., state_age_s: _Optional[float] = ..., tp_size: _Optional[int] = ..., ranks: _Optional[_Iterable[int]] = ..., model: _Optional[str] = ...) -> None: ...
 
 class ListReplicasRequest(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("model",)
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    def __init__(self, model: _Optional[str] = ...) -> None: ...
 
 class ListReplicasResponse(_message.Message):
     __slots__ = ("replicas",)

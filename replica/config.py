@@ -222,6 +222,19 @@ class ReplicaConfig:
                           "memory misses); 0 = unlimited. Simulated: full-size bytes (scaled like the "
                           "weights)"},
     )
+    weight_buffer_bytes: int = field(
+        default=0,
+        metadata={"help": "bytes of the weight buffer (0 = the --model's size): room for the largest "
+                          "model this replica may hold; LoadParams or a transfer naming a model of "
+                          "another shape lays the buffer and the KV pages out for it (torch engine, "
+                          "--tp 1); a model larger than the buffer is refused"},
+    )
+    weight_buffer_models: list[Path] = field(
+        default_factory=list,
+        metadata={"help": "checkpoint folders this replica may hold (several models per cluster): the "
+                          "weight buffer gets room for the largest of them in this replica's dtype "
+                          "(with --weight-buffer-bytes: the larger of the two)"},
+    )
     allow_set_status_ready: bool = field(
         default=False,
         metadata={"help": "let SetStatusReady mark the weights loaded without moving them (tests, mocks)"},
@@ -287,6 +300,9 @@ class ReplicaConfig:
             raise ValueError(f"--gpu-memory-fraction must be in (0, 1], got {self.gpu_memory_fraction}")
         if self.max_batch_prefill_tokens <= 0:
             raise ValueError(f"--max-batch-prefill-tokens must be > 0, not {self.max_batch_prefill_tokens}")
+        if self.weight_buffer_bytes < 0:
+            raise ValueError(f"--weight-buffer-bytes must be >= 0 (0 = the model's size), got "
+                             f"{self.weight_buffer_bytes}")
         if self.host_cache_bytes < 0:
             raise ValueError(f"--host-cache-bytes must be >= 0 (0 = unlimited), got {self.host_cache_bytes}")
         if self.disk_gbps < 0 or self.host_gbps < 0:

@@ -20,6 +20,7 @@ from protos import router_pb2 as pb
 from protos import router_pb2_grpc as pb_grpc
 from router import control, strategies
 from router.errors import ReplicaCallError
+from router.pools import ModelPools
 from router.registry import ReplicaHandle
 from router.replicas import State, TransitionError
 from router.scaling.executor import ACTION_NAMES
@@ -101,8 +102,8 @@ def _role(value: int, default: State | None = None) -> State:
     return _ROLES_BACK[value]
 
 
-def replica_status(hub: ClusterScheduler, h: ReplicaHandle) -> pb.ReplicaStatus:
-    """One replica as a message."""
+def replica_status(hub: ClusterScheduler, h: ReplicaHandle, model: str = "") -> pb.ReplicaStatus:
+    """One replica as a message (`model`: the model whose scheduler holds it)."""
     s = h.state
     age = hub.heartbeats.age(s.id, hub.clock())
     return pb.ReplicaStatus(
@@ -112,20 +113,43 @@ def replica_status(hub: ClusterScheduler, h: ReplicaHandle) -> pb.ReplicaStatus:
         outbound_migrations=s.outbound, registered=s.registered,
         last_heartbeat_age_s=-1.0 if age is None else age, state=s.role.value,
         state_age_s=max(0.0, hub.clock() - s.since), tp_size=s.info.tp_size, ranks=list(s.info.ranks),
+        model=model or hub.config.served_model_id,
     )
 
 
 class AdminService(pb_grpc.RouterAdminServicer):
-    """`router.v1.RouterAdmin` over one scheduler."""
+    """`router.v1.RouterAdmin` over one scheduler, or over every model's (`pools`: ListReplicas lists
+    each model's replicas and the spare pool; calls naming a replica address the model holding it;
+    Stats, RegisterReplica and the strategy and policy calls address the first model, `hub`)."""
 
-    def __init__(self, hub: ClusterScheduler, token: str = "") -> None:
+    def __init__(self, hub: ClusterScheduler, token: str = "", pools: ModelPools | None = None) -> None:
         self.hub = hub
         self.token = token
+        self.pools = pools
+
+    def _models(self) -> dict[str, ClusterScheduler]:
+        """Every model's scheduler by name (one: the router's own)."""
+        if self.pools is None:
+            return {self.hub.config.served_model_id: self.hub}
+        return self.pools.schedulers
+
+    def _holder(self, replica_id: int) -> ClusterScheduler:
+        """The scheduler holding replica `replica_id` (ids are unique router-wide); the first model's
+        when none does (its calls then answer NOT_FOUND)."""
+        return next((s for s in self._models().values() if replica_id in s.replicas), self.hub)
 
     @rpc(mutating=False)
     async def ListReplicas(self, request: pb.ListReplicasRequest, context: grpc.aio.ServicerContext
                            ) -> pb.ListReplicasResponse:
-        statuses = [replica_status(self.hub, h) for h in self.hub.replicas.values()]
+        models = self._models()
+        if request.model and request.model not in models:
+            raise KeyError(f"no model {request.model!r} (served: {', '.join(models)})")
+        statuses = [replica_status(sched, h, name) for name, sched in models.items()
+                    if request.model in ("", name) for h in sched.replicas.values()]
+        if self.pools is not None and not request.model:
+            statuses += [pb.ReplicaStatus(address=a, role=pb.REPLICA_ROLE_INACTIVE, model="",
+                                          state=State.INACTIVE.value, last_heartbeat_age_s=-1.0)
+                         for a in self.pools.spare]
         return pb.ListReplicasResponse(replicas=statuses)
 
     @rpc(mutating=False)
@@ -173,26 +197,28 @@ class AdminService(pb_grpc.RouterAdminServicer):
     @rpc(mutating=True)
     async def SetRole(self, request: pb.SetRoleRequest, context: grpc.aio.ServicerContext
                       ) -> pb.SetRoleResponse:
-        await control.set_role(self.hub, request.replica_id, _role(request.role))
-        h = control.handle_of(self.hub, request.replica_id)
-        return pb.SetRoleResponse(replica=replica_status(self.hub, h))
+        hub = self._holder(request.replica_id)
+        await control.set_role(hub, request.replica_id, _role(request.role))
+        h = control.handle_of(hub, request.replica_id)
+        return pb.SetRoleResponse(replica=replica_status(hub, h))
 
     @rpc(mutating=True)
     async def Drain(self, request: pb.DrainRequest, context: grpc.aio.ServicerContext) -> pb.DrainResponse:
-        control.drain(self.hub, request.replica_id)
-        h = control.handle_of(self.hub, request.replica_id)
-        return pb.DrainResponse(replica=replica_status(self.hub, h))
+        hub = self._holder(request.replica_id)
+        control.drain(hub, request.replica_id)
+        h = control.handle_of(hub, request.replica_id)
+        return pb.DrainResponse(replica=replica_status(hub, h))
 
     @rpc(mutating=True)
     async def ActivateReplica(self, request: pb.ActivateReplicaRequest, context: grpc.aio.ServicerContext
                               ) -> pb.ActivateReplicaResponse:
         method = _METHODS.get(request.method)
         role = _role(request.role, State.DECODE)
-        seconds = await control.activate(self.hub, list(request.replica_ids), role, method,
+        hub = self._holder(request.replica_ids[0]) if request.replica_ids else self.hub
+        seconds = await control.activate(hub, list(request.replica_ids), role, method,
                                          list(request.source_ids))
-        handles = [control.handle_of(self.hub, i) for i in request.replica_ids]
-        return pb.ActivateReplicaResponse(replicas=[replica_status(self.hub, h) for h in handles],
-                                          seconds=seconds)
+        handles = [control.handle_of(hub, i) for i in request.replica_ids]
+        return pb.ActivateReplicaResponse(replicas=[replica_status(hub, h) for h in handles], seconds=seconds)
 
     @rpc(mutating=True)
     async def SetMigrationStrategy(self, request: pb.SetMigrationStrategyRequest,
@@ -223,11 +249,12 @@ def server_credentials(tls: RouterTls) -> grpc.ServerCredentials | None:
 
 
 async def start_admin_server(hub: ClusterScheduler, host: str, port: int, token: str = "",
-                             tls: RouterTls | None = None) -> tuple[grpc.aio.Server, int]:
+                             tls: RouterTls | None = None,
+                             pools: ModelPools | None = None) -> tuple[grpc.aio.Server, int]:
     """Serve RouterAdmin + reflection + grpc.health.v1 on host:port (0 = free port; TLS with
-    `tls.cert`); returns the port."""
+    `tls.cert`; `pools`: a router with several models); returns the port."""
     server = grpc.aio.server()
-    pb_grpc.add_RouterAdminServicer_to_server(AdminService(hub, token), server)
+    pb_grpc.add_RouterAdminServicer_to_server(AdminService(hub, token, pools), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     names = (pb.DESCRIPTOR.services_by_name["RouterAdmin"].full_name,

@@ -238,6 +238,7 @@ def _info(msg: pb.InfoResponse) -> ReplicaInfo:
         lm_head_ready=msg.lm_head_ready, num_cached_batches=msg.num_cached_batches,
         device_type=msg.device_type, fabric=msg.fabric, prefix_cache=msg.prefix_cache,
         cached_page_hashes=tuple(msg.cached_page_hashes), tp_size=max(1, msg.tp_size),
+        weights_model=msg.weights_model,
     )
 
 
@@ -401,22 +402,26 @@ class ReplicaClient:
         req = pb.ImmigrateRequest(batch=batch_pb(batch), src=list(src), dst=list(dst))
         return _immigrated(await self._call("Immigrate", req, self.transfer_timeout))
 
-    async def send_params(self, dst: int) -> None:
-        """Start a background p2p weight send to global rank `dst`."""
-        await self._call("SendParams", pb.SendParamsRequest(dst=dst))
+    async def send_params(self, dst: int, model: str = "") -> None:
+        """Start a background p2p weight send of `model` to global rank `dst`."""
+        await self._call("SendParams", pb.SendParamsRequest(dst=dst, model_name=model))
 
-    async def recv_params(self, src: int) -> None:
-        """Start a background p2p weight receive from global rank `src`."""
-        await self._call("RecvParams", pb.RecvParamsRequest(src=src))
+    async def recv_params(self, src: int, model: str = "") -> None:
+        """Start a background p2p weight receive of `model` from global rank `src`."""
+        await self._call("RecvParams", pb.RecvParamsRequest(src=src, model_name=model))
 
-    async def rdma_broadcast(self, src_ranks: Sequence[int], dst_ranks: Sequence[int]) -> None:
-        """Start this member's part of a chain multicast of the weights."""
-        req = pb.BroadcastRequest(src_ranks=list(src_ranks), dst_ranks=list(dst_ranks))
+    async def rdma_broadcast(
+        self, src_ranks: Sequence[int], dst_ranks: Sequence[int], model: str = ""
+    ) -> None:
+        """Start this member's part of a chain multicast of `model`'s weights."""
+        req = pb.BroadcastRequest(src_ranks=list(src_ranks), dst_ranks=list(dst_ranks), model_name=model)
         await self._call("RdmaBroadcast", req)
 
-    async def tanz_broadcast(self, src_ranks: Sequence[int], dst_ranks: Sequence[int]) -> None:
-        """This member's part of a Tanz broadcast of the weights (blocks until it is done)."""
-        req = pb.BroadcastRequest(src_ranks=list(src_ranks), dst_ranks=list(dst_ranks))
+    async def tanz_broadcast(
+        self, src_ranks: Sequence[int], dst_ranks: Sequence[int], model: str = ""
+    ) -> None:
+        """This member's part of a Tanz broadcast of `model`'s weights (blocks until it is done)."""
+        req = pb.BroadcastRequest(src_ranks=list(src_ranks), dst_ranks=list(dst_ranks), model_name=model)
         await self._call("TanzBroadcast", req, self.transfer_timeout)
 
     async def load_params(self, from_host: bool, model: str = "") -> None:

@@ -180,7 +180,7 @@ async def run_router(config: RouterConfig, stop: asyncio.Event, api_keys: KeyTab
     tls = config.tls()
     warn_if_exposed(log, config.host, tls.serves)
     admin, admin_port = await start_admin_server(sched, config.host, config.admin_port, config.admin_token,
-                                                 tls)
+                                                 tls, pools)
     sock = _bind(config.host, config.http_port)
     app = create_app(front, tokenizer, serving_info(config, sched), metrics.render, api_keys, more)
     http = _Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=2,

@@ -52,7 +52,9 @@ class RouterMetrics:
                                   "to the replica's batches", ["replica"], registry=r)
         self.replica_tp = Gauge("pdcluster_replica_tp_size", "Ranks of the replica's tensor-parallel group "
                                 "(one replica whatever its size)", ["replica"], registry=r)
-        self.replicas_in_state = Gauge("pdcluster_replicas", "Replicas in each state", ["state"], registry=r)
+        self.replicas_in_state = Gauge("pdcluster_replicas", "Replicas in each state, per model (\"\": the "
+                                       "shared spare pool of a router with several models)",
+                                       ["state", "model"], registry=r)
         self.prefix_prompt_tokens = Counter("pdcluster_prefix_cache_prompt_tokens", "Prompt tokens prefilled",
                                             ["replica"], registry=r)
         self.prefix_cached_tokens = Counter("pdcluster_prefix_cache_hit_tokens", "Prompt tokens a prefill "
@@ -102,13 +104,13 @@ class RouterMetrics:
             self.replica_used.labels(rid).set(rep.used_blocks)
             self.replica_tp.labels(rid).set(rep.info.tp_size)
 
-    def count_states(self, states: Iterable[State]) -> None:
-        """Refresh the per-state replica counts."""
+    def count_states(self, states: Iterable[State], model: str = "") -> None:
+        """Refresh model `model`'s per-state replica counts (each model writes its own series)."""
         counts = dict.fromkeys(State, 0)
         for state in states:
             counts[state] += 1
         for state, n in counts.items():
-            self.replicas_in_state.labels(state.value).set(n)
+            self.replicas_in_state.labels(state.value, model).set(n)
 
     def scaling_action(self, action: str, ok: bool) -> None:
         """A scaling action ended."""

@@ -102,11 +102,11 @@ def rebalance(needs: Mapping[str, PoolNeed], spare: int) -> Rebalance:
 def wake_action(replicas: Sequence[ReplicaSample], caps: Capabilities) -> Action | None:
     """How a model with no serving replica gets one, in order of preference: an idle replica that
     kept its weights serves again; else weights go into an inactive replica p2p from a replica that
-    holds them; else LoadParams — from the node's host cache (from disk on a miss, as ServerlessLLM
-    does) under a policy that loads from it, else from disk. Why not the host cache under every
-    policy: a replica names its host copy after the model it last LoadParams'd, and p2p or multicast
-    weights do not rename it (the transfer carries no model name), so under a transfer policy a host
-    copy may hold another model's weights than its name says. None: no inactive replica."""
+    holds them; else LoadParams from the node's host cache (from disk on a miss, as ServerlessLLM
+    does), or from disk alone under a policy that only loads from disk. A host copy's name can be
+    trusted under every policy: every transfer names its model and the receiver records it (a
+    transfer that names none leaves the receiver's model unknown, and no host copy is kept of it).
+    None: no inactive replica."""
     free = [r for r in replicas if r.transfers == 0]
     idle = sorted(r.id for r in free if r.state is State.IDLE)
     if idle:
@@ -117,5 +117,5 @@ def wake_action(replicas: Sequence[ReplicaSample], caps: Capabilities) -> Action
     holders = sorted(r.id for r in free if r.state in HOLDS_WEIGHTS)
     if holders:
         return Load(Method.P2P, (holders[0],), tuple(targets[:1]), Kind.PREFILL)
-    method = Method.LOAD_HOST if Method.LOAD_HOST in caps.methods else Method.LOAD_DISK
+    method = Method.LOAD_DISK if caps.methods == (Method.LOAD_DISK,) else Method.LOAD_HOST
     return Load(method, (), tuple(targets[:1]), Kind.PREFILL)

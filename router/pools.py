@@ -57,6 +57,7 @@ class ModelPools:
         """Start every model's scheduler and the sharing rounds."""
         for sched in self.schedulers.values():
             await sched.start()
+        self.count_spare()
         self._task = asyncio.create_task(self._loop(), name="model-pools")
 
     async def stop(self) -> None:
@@ -121,6 +122,12 @@ class ModelPools:
         for name, count in decided.lend.items():
             for _ in range(count):
                 await self.lend(name)
+        self.count_spare()
+
+    def count_spare(self) -> None:
+        """`pdcluster_replicas{state="inactive",model=""}`: the shared spare pool."""
+        for sched in list(self.schedulers.values())[:1]:  # one registry, shared by every model
+            sched.metrics.count_states([State.INACTIVE] * len(self.spare), "")
 
     async def lend(self, name: str) -> ReplicaId | None:
         """A spare replica joins model `name`'s pool as inactive (None: no spare, or it did not answer:
@@ -134,6 +141,7 @@ class ModelPools:
             log.warning("spare replica %s cannot join model %s: %s", address, name, exc)
             return None
         log.info("model %s: spare replica %s joins as %s", name, address, rid)
+        self.count_spare()
         return rid
 
     async def wake(self, name: str) -> None:

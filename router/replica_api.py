@@ -89,20 +89,26 @@ class ReplicaApi(Protocol):
         """Receiver side of a full KV migration: returns the decode-ready batch."""
         ...
 
-    async def send_params(self, dst: int) -> None:
-        """Start a background p2p weight send to global rank `dst`."""
+    async def send_params(self, dst: int, model: str = "") -> None:
+        """Start a background p2p weight send of `model` (a sender holding another refuses) to
+        global rank `dst`."""
         ...
 
-    async def recv_params(self, src: int) -> None:
-        """Start a background p2p weight receive from global rank `src`."""
+    async def recv_params(self, src: int, model: str = "") -> None:
+        """Start a background p2p weight receive of `model` (recorded as the receiver's model) from
+        global rank `src`."""
         ...
 
-    async def rdma_broadcast(self, src_ranks: Sequence[int], dst_ranks: Sequence[int]) -> None:
-        """Start this member's part of a chain multicast of the weights."""
+    async def rdma_broadcast(
+        self, src_ranks: Sequence[int], dst_ranks: Sequence[int], model: str = ""
+    ) -> None:
+        """Start this member's part of a chain multicast of `model`'s weights."""
         ...
 
-    async def tanz_broadcast(self, src_ranks: Sequence[int], dst_ranks: Sequence[int]) -> None:
-        """This member's part of a Tanz broadcast of the weights (blocks until it is done)."""
+    async def tanz_broadcast(
+        self, src_ranks: Sequence[int], dst_ranks: Sequence[int], model: str = ""
+    ) -> None:
+        """This member's part of a Tanz broadcast of `model`'s weights (blocks until it is done)."""
         ...
 
     async def load_params(self, from_host: bool, model: str = "") -> None:

@@ -267,7 +267,7 @@ class ClusterScheduler:
         log.info("replica %s: %s -> %s (%s)", state.id, old.value, new.value, trigger.value)
         self.timeline.write("transition", replica=state.id, source=old, target=new, trigger=trigger)
         self.metrics.update_replicas([state])
-        self.metrics.count_states(h.state.role for h in self.replicas.values())
+        self.metrics.count_states((h.state.role for h in self.replicas.values()), self.config.served_model_id)
         self.wakeups.all()
 
     def _info(self, state: ReplicaState) -> None:
@@ -331,7 +331,7 @@ class ClusterScheduler:
     async def start(self) -> None:
         """Start the liveness monitor."""
         self._monitor = asyncio.create_task(self._watch(), name="replica-monitor")
-        self.metrics.count_states(h.state.role for h in self.replicas.values())
+        self.metrics.count_states((h.state.role for h in self.replicas.values()), self.config.served_model_id)
         self.scaling.start()
 
     async def stop(self) -> None:

@@ -1,7 +1,8 @@
 """`pdcluster router --models …`: one scheduler per model, the replicas sorted among them by Info.
 
-A replica with weights joins the model its Info names (`model_id`: a model's name or its checkpoint
-folder's name); an inactive one joins the shared spare pool (`router/pools.py`).
+A replica with weights joins the model its Info names (`weights_model`: what its buffer holds; from
+an older replica `model_id`: a model's name or its checkpoint folder's name); an inactive one joins
+the shared spare pool (`router/pools.py`).
 """
 
 from __future__ import annotations
@@ -71,7 +72,7 @@ async def build_pools(config: RouterConfig, metrics: RouterMetrics, connect: Con
     for address, role in zip(config.replica, config.roles(), strict=True):
         info = await probe(connect, address, deadline)
         if info.loaded:
-            await scheds[owner(specs, info.model_id)].add_replica(address, State(role))
+            await scheds[owner(specs, info.weights_model or info.model_id)].add_replica(address, State(role))
         else:
             spare.append(address)
     for spec in specs:

@@ -307,6 +307,7 @@ class ReplicaInfo:
     prefix_cache: bool = False  # automatic prefix caching is on
     cached_page_hashes: tuple[int, ...] = ()  # PageHash of every full page it caches or holds
     tp_size: int = 1  # ranks of its tensor-parallel group (0 from an old replica reads as 1)
+    weights_model: str = ""  # the model its weight buffer holds or last held ("": unknown, old replica)
 
     @property
     def ranks(self) -> tuple[int, ...]:

@@ -1,9 +1,10 @@
 """Moving weights into replicas that have none: the methods, and what a failure leaves behind.
 
 ```
- p2p        SendParams(dst) on a source ‖ RecvParams(src) on the target, then WaitRdmaDone on both
- chain      RdmaBroadcast([src], targets) on every member, then WaitRdmaDone on every member
+ p2p        RecvParams(src) on the target, then SendParams(dst) on a source, then WaitRdmaDone on both
+ chain      RdmaBroadcast([src], targets) on every member (the chain's tail first), then WaitRdmaDone on all
  tanz       TanzBroadcast(sources, targets) on every member (blocking; |targets| % |sources| == 0)
+            (every transfer call names the model: sources holding another refuse, receivers record it)
  load_disk  LoadParams(LOAD_FROM_DISK, model) on each target (blocking)
  load_host  LoadParams(LOAD_FROM_HOST_MEM) on each target (blocking)
 ```
@@ -101,40 +102,45 @@ async def _all(*calls: Awaitable[object]) -> None:
         raise
 
 
-async def _p2p(sources: Sequence[Member], targets: Sequence[Member], _model: str) -> None:
+async def _p2p(sources: Sequence[Member], targets: Sequence[Member], model: str) -> None:
     """One source per target (round robin); a source sends to its targets one after another (a
     replica runs one parameter operation at a time), the sources in parallel."""
     share: dict[int, tuple[Member, list[Member]]] = {}
     for i, t in enumerate(targets):
         src = sources[i % len(sources)]
         share.setdefault(src.rank, (src, []))[1].append(t)
-    await _all(*(_send_each(src, dsts) for src, dsts in share.values()))
+    await _all(*(_send_each(src, dsts, model) for src, dsts in share.values()))
 
 
-async def _send_each(src: Member, targets: list[Member]) -> None:
-    for dst in targets:
-        await _all(src.client.send_params(dst.rank), dst.client.recv_params(src.rank))
+async def _send_each(src: Member, targets: list[Member], model: str) -> None:
+    for dst in targets:  # the receiver's call first: it answers once laid out for `model` (a spare
+        # of another shape switches), so the sender's connection meets the right handshake
+        await dst.client.recv_params(src.rank, model)
+        await src.client.send_params(dst.rank, model)
         await _all(src.client.wait_rdma_done(), dst.client.wait_rdma_done())
 
 
-async def _chain(sources: Sequence[Member], targets: Sequence[Member], _model: str) -> None:
+async def _chain(sources: Sequence[Member], targets: Sequence[Member], model: str) -> None:
     """Chain multicast source → t1 → t2 …: every member starts its part, then all join. Every rank of
     every group is named (the groups contiguous): tp_rank t's chain is `[src_ranks[t]] +
-    dst_ranks[t::tp]`, shard t of the source down rank t of each target."""
+    dst_ranks[t::tp]`, shard t of the source down rank t of each target. The parts start from the
+    chain's tail: each call answers once its member is laid out for `model` (a spare of another
+    shape switches), so every connection from the member before it meets the right handshake."""
     source = sources[0]
     members = [source, *targets]
     src_ranks, dst_ranks = list(source.ranks), _group_ranks(targets)
-    await _all(*(m.client.rdma_broadcast(src_ranks, dst_ranks) for m in members))
+    for member in reversed(members):
+        await member.client.rdma_broadcast(src_ranks, dst_ranks, model)
     await _all(*(m.client.wait_rdma_done() for m in members))
 
 
-async def _tanz(sources: Sequence[Member], targets: Sequence[Member], _model: str) -> None:
+async def _tanz(sources: Sequence[Member], targets: Sequence[Member], model: str) -> None:
     """Every source feeds its lane of targets a stripe; the targets ring-exchange the stripes."""
     if len(targets) % len(sources):
         raise ValueError(f"Tanz needs the targets ({len(targets)}) in equal lanes of the sources "
                          f"({len(sources)})")
     src_ranks, dst_ranks = _group_ranks(sources), _group_ranks(targets)
-    await _all(*(m.client.tanz_broadcast(src_ranks, dst_ranks) for m in [*sources, *targets]))
+    await _all(*(m.client.tanz_broadcast(src_ranks, dst_ranks, model) for m in [*sources, *targets]))
 
 
 def _group_ranks(members: Sequence[Member]) -> list[int]:

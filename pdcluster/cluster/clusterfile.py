@@ -18,6 +18,7 @@ The commented example is in `pdcluster/cluster/README.md`.
 from __future__ import annotations
 
 import enum
+import functools
 import tomllib
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -32,6 +33,7 @@ from pdcluster.cluster.extra_flags import (
     replica_fields,
     router_fields,
 )
+from pdcluster.cluster.models_table import MODEL_KEYS, ModelEntry, check_entries, parse_entry
 from pdcluster.cluster.security import Security, check_files
 from pdcluster.cluster.toml_lines import Path_, line_of, locate
 
@@ -189,6 +191,7 @@ class ClusterFile:
     nodes: tuple[NodeSpec, ...]
     lines: dict[Path_, int]
     security: Security = field(default_factory=Security)  # [tls] and [cluster] token_file
+    models: tuple[ModelEntry, ...] = ()  # [[models]]: more models beside [model] (`models_table.py`)
 
     def error(self, where: Path_, message: str) -> ClusterFileError:
         """An error about the value at `where` (e.g. ("nodes", 2, "devices")), naming its line."""
@@ -203,7 +206,7 @@ class ClusterFile:
         return ("nodes", node.index, "tp") if node.tp else ("launch", "tp")
 
 
-_TOP = {"model", "router", "launch", "ssh", "nodes", "tls", "cluster"}
+_TOP = {"model", "router", "launch", "ssh", "nodes", "tls", "cluster", "models"}
 _TLS = {"certs", "mutual", "router_name", "client"}
 _CLUSTER = {"token_file"}
 _MODEL = {"path", "root"}
@@ -324,7 +327,8 @@ def parse(path: Path, text: str | None = None, files: bool = True) -> ClusterFil
     ssh = _ssh(_Table(path, lines, ("ssh",), data.get("ssh", {}), _SSH), folder)
     security = _security(_Table(path, lines, ("tls",), data.get("tls", {}), _TLS),
                          _Table(path, lines, ("cluster",), data.get("cluster", {}), _CLUSTER), folder)
-    cluster = ClusterFile(path, model, router, launch, ssh, nodes, lines, security)
+    models = _models(path, lines, data.get("models", []), folder, model)
+    cluster = ClusterFile(path, model, router, launch, ssh, nodes, lines, security, models)
     _check_nodes(cluster)
     if files:
         check_files(security, [(n.index, n.address) for n in nodes], router.host, cluster.error)
@@ -336,6 +340,22 @@ def _model(t: _Table, folder: Path) -> ModelSpec:
         raise t.error((), "[model] needs path = the checkpoint folder")
     root = t.get("root", str, "")
     return ModelSpec(_under(folder, t.get("path", str, "")), _under(folder, root) if root else None)
+
+
+def _models(path: Path, lines: dict[Path_, int], raw: object, folder: Path,
+            model: ModelSpec) -> tuple[ModelEntry, ...]:
+    """`[[models]]` (`models_table.py`), every refusal naming the entry's line."""
+    if not isinstance(raw, list):
+        raise ClusterFileError(f"{path}:{line_of(lines, ('models',))}: models must be [[models]] tables")
+    tables = [_Table(path, lines, ("models", i), values, MODEL_KEYS) for i, values in enumerate(raw)]
+
+    def fail(i: int, key: tuple[str, ...], message: str) -> ClusterFileError:
+        return tables[i].error(key, f"{tables[i].name()}: {message}")
+
+    entries = [parse_entry(t.values, functools.partial(_under, folder), functools.partial(fail, i))
+               for i, t in enumerate(tables)]
+    check_entries(entries, model.path.name, model.root or model.path.parent, fail)
+    return tuple(entries)
 
 
 def _router(t: _Table) -> RouterSpec:

@@ -367,6 +367,8 @@ class Commands:
         if p.engine_cpus:
             args += ["--engine-cpus", *map(str, p.engine_cpus)]
         args += self.cluster.security.replica_args(p.node.address, self.node_dir)
+        if self.cluster.models:  # room in the weight buffer for the largest model it may hold
+            args += ["--weight-buffer-models", str(model.path), *(str(m.path) for m in self.cluster.models)]
         args += flag_args(launch.replica_flags)
         return [*args, "--inactive"] if p.role == "inactive" else args
 
@@ -477,4 +479,6 @@ def router_args(cluster: ClusterFile, placements: list[Placement]) -> list[str]:
             "--admin-port", str(r.admin_port), "--strategy", r.strategy, "--scaling", r.scaling,
             "--replica", *[p.address for p in placements], "--role", *[p.role for p in placements],
             *cluster.security.router_args(r.host), *flag_args(r.flags)]
+    if cluster.models:
+        args += ["--models", *(m.router_arg() for m in cluster.models)]
     return [*args, "--admin-token", r.admin_token] if r.admin_token else args

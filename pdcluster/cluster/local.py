@@ -244,6 +244,9 @@ class UpConfig:
             args += ["--host-gbps", str(self.host_gbps)]
         if self.host_cache_bytes:
             args += ["--host-cache-bytes", str(self.host_cache_bytes)]
+        if self.models:  # room in every replica's weight buffer for the largest model it may hold
+            folders = [self.model, *(parse_model(m).path for m in self.models)]
+            args += ["--weight-buffer-models", *(str(Path(f).resolve()) for f in folders)]
         return args
 
 

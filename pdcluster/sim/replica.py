@@ -284,19 +284,24 @@ class VirtualReplica:
 
     # ---- weights (weights.py) --------------------------------------------------------------------
 
-    async def send_params(self, dst: int) -> None:
-        """SendParams: p2p in the background."""
+    async def send_params(self, dst: int, model: str = "") -> None:
+        """SendParams: p2p in the background (`model` unused: a simulated receiver takes its source's
+        model name itself, `weights.py` `_adopt`)."""
         self.weights.send(dst)
 
-    async def recv_params(self, src: int) -> None:
+    async def recv_params(self, src: int, model: str = "") -> None:
         """RecvParams: p2p in the background."""
         self.weights.receive(src)
 
-    async def rdma_broadcast(self, src_ranks: Sequence[int], dst_ranks: Sequence[int]) -> None:
+    async def rdma_broadcast(
+        self, src_ranks: Sequence[int], dst_ranks: Sequence[int], model: str = ""
+    ) -> None:
         """This member's part of a chain multicast, in the background."""
         self.weights.chain(list(src_ranks), list(dst_ranks))
 
-    async def tanz_broadcast(self, src_ranks: Sequence[int], dst_ranks: Sequence[int]) -> None:
+    async def tanz_broadcast(
+        self, src_ranks: Sequence[int], dst_ranks: Sequence[int], model: str = ""
+    ) -> None:
         """This member's part of a Tanz broadcast (blocking)."""
         await self.weights.tanz(list(src_ranks), list(dst_ranks))
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from replica.engine.backend import Runner, SeqInput
@@ -491,6 +491,15 @@ class Engine:
         lost = self.blocks.take_evicted() + self.blocks.cached_hashes()
         self.blocks = BlockManager(runner.cache.num_blocks, runner.cache.block_size, self.meta.prefix_cache)
         self.blocks.note_evicted(lost)  # the router's cache index forgets them with the next response
+
+    def switch_model(self, runner: Runner, detok: Detokenizer, limits: Limits, model_id: str) -> None:
+        """Serve another model (`replica/engine/switch.py`): a runner over its weights and a new KV
+        cache, its tokenizer, limits and name (only while no batch is cached)."""
+        self.replace_cache(runner)
+        self.detok, self.limits = detok, limits
+        self.meta = replace(self.meta, model_id=model_id)
+        self.eos_token_ids = frozenset(runner.config.eos_token_ids)
+        self.grammars = Grammars(detok.tokenizer, limits.vocab_size, self.eos_token_ids)
 
 
 def _row_input(r: RequestState) -> RowInput:

@@ -23,13 +23,14 @@ from replica.engine.device import TORCH_DTYPES, DeviceChoice, choose
 from replica.engine.engine import Engine, EngineMeta
 from replica.engine.memory import available_memory_bytes, blocks_for_memory, cuda_kv_budget
 from replica.engine.runner import ModelRunner
+from replica.engine.switch import ModelSwitch
 from replica.engine.validation import Limits, derive_limits
 from replica.engine.warmup import MAX_GRAPH_BATCH, profile_inputs, profile_lengths
 from replica.model import compiled_attention, linear
 from replica.model.attention import PagedKVCache
 from replica.model.config import ModelConfig
 from replica.model.layout import WeightLayout
-from replica.model.llama import CausalLM, build_model, load_model
+from replica.model.llama import CausalLM, LoadedModel, build_model, load_model
 from replica.model.weights import dtype_name
 from replica.params.readiness import ParamReadiness
 from replica.params.store import ParamStore
@@ -60,17 +61,23 @@ def build_engine_and_params(config: ReplicaConfig, device: str | None = None) ->
     dtype, where = choice.torch_dtype, choice.device
     model_config = ModelConfig.from_dir(model_dir)
     layout = WeightLayout.for_config(model_config, dtype_name(dtype))
+    capacity = max(layout.total_bytes, config.weight_buffer_bytes,
+                   *(WeightLayout.for_config(ModelConfig.from_dir(Path(d)), layout.dtype).total_bytes
+                     for d in config.weight_buffer_models))
     if config.inactive:
-        buffer = torch.zeros(layout.total_bytes, dtype=torch.uint8, device=where)
+        whole = torch.zeros(capacity, dtype=torch.uint8, device=where)
+        buffer = whole[: layout.total_bytes]
         model = build_model(model_config, layout, buffer, dtype)
-        log.info("inactive: weight buffer of %d bytes allocated, nothing loaded", layout.total_bytes)
+        log.info("inactive: weight buffer of %d bytes allocated, nothing loaded", capacity)
     else:
         loaded = load_model(model_dir, dtype, str(where))
         layout, buffer, model = loaded.layout, loaded.buffer, loaded.model
+        whole, buffer, model = _with_room(loaded, capacity, dtype)
     readiness = ParamReadiness(model_config.num_layers, loaded=not config.inactive)
     linear.use_onednn(config.cpu_onednn)
+    packs = None
     if config.cpu_onednn and config.cpu_packed_weights:
-        packing.track(model, readiness)  # before the KV pages are sized: the packs take memory too
+        packs = packing.track(model, readiness)  # before the KV pages are sized: the packs take memory too
     elif config.cpu_onednn:
         linear.warm(packing.linear_pairs(model))  # oneDNN's kernels for every row bucket, built now
     root = config.model_root or Path(model_dir).resolve().parent
@@ -94,7 +101,23 @@ def build_engine_and_params(config: ReplicaConfig, device: str | None = None) ->
         # graphs serve the weights that arrive later. Warmup captures again after a cache change.
         count = runner.capture_graphs(min(MAX_GRAPH_BATCH, num_blocks))
         log.info("decode CUDA graphs: %d batch sizes %s", count, runner.graph_buckets)
-    return Engine(runner, detok, limits, meta, readiness), params
+    engine = Engine(runner, detok, limits, meta, readiness)
+    params.room = whole
+    if config.tp == 1:
+        params.relayout = ModelSwitch(engine, params, whole, config, dtype, packs)  # another model's shape
+    return engine, params
+
+
+def _with_room(loaded: LoadedModel, capacity: int,
+               dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, CausalLM]:
+    """(whole buffer, the model's prefix of it, the model over it): the loaded buffer itself when it
+    is all the room asked for, else copied into the prefix of a larger one (--weight-buffer-bytes)."""
+    if capacity == loaded.layout.total_bytes:
+        return loaded.buffer, loaded.buffer, loaded.model
+    whole = torch.zeros(capacity, dtype=torch.uint8, device=loaded.buffer.device)
+    buffer = whole[: loaded.layout.total_bytes]
+    buffer.copy_(loaded.buffer)
+    return whole, buffer, build_model(loaded.config, loaded.layout, buffer, dtype)
 
 
 def _meta(config: ReplicaConfig, choice: DeviceChoice) -> EngineMeta:

@@ -15,7 +15,7 @@ import torch
 
 from replica.model import linear
 from replica.model.llama import CausalLM, Projection
-from replica.params.readiness import ParamReadiness, Readiness
+from replica.params.readiness import Listener, ParamReadiness, Readiness
 
 log = logging.getLogger(__name__)
 
@@ -31,12 +31,13 @@ def linear_weights(model: CausalLM) -> list[torch.Tensor]:
     return [w for w, _ in linear_pairs(model)]
 
 
-def track(model: CausalLM, readiness: ParamReadiness) -> None:
-    """Pack `model`'s weights now if complete, and follow `readiness` from now on."""
+def track(model: CausalLM, readiness: ParamReadiness) -> Listener | None:
+    """Pack `model`'s weights now if complete, and follow `readiness` from now on; returns the
+    listener (a model switch unsubscribes it), None when nothing is packable."""
     pairs = linear_pairs(model)
     weights = [w for w, _ in pairs]
     if not any(linear.packable(w) for w in weights):
-        return  # another device or dtype: nothing to pack, nothing to follow
+        return None  # another device or dtype: nothing to pack, nothing to follow
 
     def follow(state: Readiness) -> None:
         if not state.complete:
@@ -48,3 +49,4 @@ def track(model: CausalLM, readiness: ParamReadiness) -> None:
 
     follow(readiness.snapshot())
     readiness.subscribe(follow)
+    return follow

@@ -113,6 +113,12 @@ class ParamReadiness:
             self._prefix = self.num_layers
         self._changed()
 
+    def relayout(self, num_layers: int) -> None:
+        """Nothing is in place, and the buffer now holds a model of `num_layers` layers (a switch)."""
+        with self._cond:
+            self.num_layers = num_layers
+        self.reset()
+
     def reset(self) -> None:
         """Nothing is in place any more (ResetStatus)."""
         with self._cond:
@@ -132,6 +138,11 @@ class ParamReadiness:
         """Call `listener(snapshot)` after every change (on the changing thread: keep it quick)."""
         with self._cond:
             self._listeners.append(listener)
+
+    def unsubscribe(self, listener: Listener) -> None:
+        """Stop calling `listener` (a model switch drops the packs that followed the old model)."""
+        with self._cond:
+            self._listeners = [x for x in self._listeners if x is not listener]
 
     def _changed(self) -> None:
         with self._cond:

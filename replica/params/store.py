@@ -82,7 +82,8 @@ class ParamStore:
         host_cache_bytes: int = 0, model_name: str = "",
     ) -> None:
         self.layout = layout
-        self.buffer = buffer
+        self.buffer = buffer  # the model's bytes: `layout.total_bytes` at the start of `room`
+        self.room = buffer  # the whole buffer (what the fabric registers): larger with --weight-buffer-bytes
         self.readiness = readiness
         self.model_root = Path(model_root)
         self.host_cache = HostCache(host_cache_bytes)  # the node's copies by model name (LRU)
@@ -90,6 +91,9 @@ class ParamStore:
         self.disk_gbps = disk_gbps
         self.host_gbps = host_gbps
         self.io = io if io is not None else _checkpoint_io()
+        # lays the buffer (and the engine) out for the checkpoint at a path, or FAILED_PRECONDITION
+        # (`replica/engine/switch.py`); None: one layout for life (a different one is refused)
+        self.relayout: Callable[[Path], None] | None = None
 
     # ------------------------------------------------------------------------ region facts
     def regions(self) -> list[tuple[int, int]]:
@@ -111,6 +115,46 @@ class ParamStore:
         """A sender must hold every region."""
         self.readiness.require_complete(what)
 
+    def begin_receive(self, what: str, model_name: str) -> None:
+        """`begin_fill` for a transfer into this buffer, which from now on holds `model_name` (the
+        name the transfer's call gave; "" = unknown, so ResetStatus keeps no host copy under a guess).
+        A named model of another shape whose checkpoint is under the model root is laid out first."""
+        path = self._checkpoint_of(model_name) if self.relayout is not None else None
+        if path is not None:
+            self.lay_out_for(path, what)
+        self.begin_fill(what)
+        self.model_name = model_name
+
+    def lay_out_for(self, path: Path, what: str) -> None:
+        """Before filling the buffer with the checkpoint at `path`: nothing when it lays out like the
+        buffer; else the buffer is laid out for it (`relayout`), refused (FAILED_PRECONDITION) while
+        the weights are complete, or by the switch (too big, batches cached), or without one."""
+        try:
+            self.io.check_layout(path, self.layout)
+            return
+        except FailedPrecondition:
+            if self.relayout is None:
+                raise
+        if self.readiness.complete:
+            raise FailedPrecondition(f"{what}: the weights are already loaded (ResetStatus first)")
+        self.relayout(path)
+
+    def _checkpoint_of(self, model_name: str) -> Path | None:
+        """The checkpoint folder named `model_name` under the model root, or None (none there)."""
+        if not model_name:
+            return None
+        try:
+            return self.resolve(model_name, None)
+        except (NotFound, PermissionDenied):
+            return None
+
+    def require_model(self, what: str, model_name: str) -> None:
+        """A sender asked for `model_name` must hold it (FAILED_PRECONDITION otherwise; "" on
+        either side: nothing to check)."""
+        if model_name and self.model_name and model_name != self.model_name:
+            raise FailedPrecondition(f"{what}: asked to send model {model_name!r}, but this replica's "
+                                     f"weights are {self.model_name!r}")
+
     # ---------------------------------------------------------------------------- loading
     def resolve(self, model_name: str, model_path: str | None) -> Path:
         """The checkpoint folder a LoadParams names, confined to the model root (symlinks resolved).
@@ -130,11 +174,13 @@ class ParamStore:
             raise NotFound(f"no checkpoint (config.json) at {target}")
         return target
 
-    def load_from_disk(self, path: Path) -> None:
-        """Fill the buffer from the checkpoint at `path` (already resolved)."""
-        self.io.check_layout(path, self.layout)
+    def load_from_disk(self, path: Path, name: str = "") -> None:
+        """Fill the buffer from the checkpoint at `path` (already resolved; laid out for it first),
+        which holds model `name` from now on (default: the folder's name; the caller's name is kept
+        as given, so a symlinked folder keeps the name callers know it by)."""
+        self.lay_out_for(path, "LoadParams from disk")
         self.begin_fill("LoadParams from disk")
-        self.model_name = path.name
+        self.model_name = name or path.name
         start = time.perf_counter()
         pace = _pacer(self.disk_gbps)
         with _progress(self.layout, f"loading {path.name}") as advance:
@@ -164,6 +210,9 @@ class ParamStore:
                 f"{self.host_cache.names()}; ResetStatus of a loaded replica keeps one when it fits "
                 f"--host-cache-bytes)"
             )
+        path = self._checkpoint_of(name) if self.relayout is not None else None
+        if path is not None:
+            self.lay_out_for(path, "LoadParams from host memory")
         self.model_name = name
         self.begin_fill("LoadParams from host memory")
         start = time.perf_counter()
@@ -192,10 +241,10 @@ class ParamStore:
         log.info("host cache: %.1f MB of %s kept in host memory", self.layout.total_bytes / 1e6, path.name)
 
     def unload(self) -> None:
-        """ResetStatus: keep the bytes as the host copy (when complete and it fits the host cache,
-        evicting least recently used copies), then mark nothing loaded."""
+        """ResetStatus: keep the bytes as the host copy of `model_name` (when complete, named, and it
+        fits the host cache, evicting least recently used copies), then mark nothing loaded."""
         nbytes = self.layout.total_bytes
-        if self.readiness.complete and self.host_cache.fits(nbytes):
+        if self.readiness.complete and self.model_name and self.host_cache.fits(nbytes):
             copy = self.host_cache.peek(self.model_name)
             copy = copy if copy is not None else self.io.empty_copy(self.buffer)
             self.io.copy(copy, self.buffer, 0, nbytes)

@@ -83,15 +83,18 @@ class WeightMover:
         if peer == self.rank or peer not in self.fabric.table:
             raise InvalidArgument(f"rank {peer} is not a peer of rank {self.rank} in the rank table")
 
-    def prepare_send(self, peer: int) -> None:
-        """Checks before a background send (so the RPC can refuse at once)."""
+    def prepare_send(self, peer: int, model: str = "") -> None:
+        """Checks before a background send (so the RPC can refuse at once); `model`: what the caller
+        asks to send (a buffer holding another model refuses)."""
         self._check_peer(peer)
         self.store.require_complete(f"sending weights to rank {peer}")
+        self.store.require_model(f"sending weights to rank {peer}", model)
 
-    def prepare_recv(self, peer: int) -> None:
-        """Checks and readiness reset before a background receive."""
+    def prepare_recv(self, peer: int, model: str = "") -> None:
+        """Checks and readiness reset before a background receive of `model` (recorded as the
+        buffer's model; "": unknown)."""
         self._check_peer(peer)
-        self.store.begin_fill(f"receiving weights from rank {peer}")
+        self.store.begin_receive(f"receiving weights from rank {peer}", model)
 
     def send_to(self, peer: int, deadline: Deadline, cancelled: threading.Event | None = None) -> None:
         """p2p: send every region to `peer` (after `prepare_send`); `cancelled` aborts it at once."""
@@ -129,8 +132,8 @@ class WeightMover:
             cancelled,
         )
 
-    def prepare_chain(self, chain: Sequence[int]) -> None:
-        """Checks (and, on a receiver, readiness reset) before a chain multicast."""
+    def prepare_chain(self, chain: Sequence[int], model: str = "") -> None:
+        """Checks (and, on a receiver, readiness reset and `model` recorded) before a chain multicast."""
         if self.rank not in chain:
             raise InvalidArgument(f"rank {self.rank} is not in the chain {list(chain)}")
         if len(set(chain)) != len(chain):
@@ -140,8 +143,9 @@ class WeightMover:
                 self._check_peer(peer)
         if chain[0] == self.rank:
             self.store.require_complete("heading a weight multicast")
+            self.store.require_model("heading a weight multicast", model)
         else:
-            self.store.begin_fill("receiving a weight multicast")
+            self.store.begin_receive("receiving a weight multicast", model)
 
     def chain(
         self, chain: Sequence[int], deadline: Deadline, cancelled: threading.Event | None = None
@@ -165,8 +169,8 @@ class WeightMover:
             cancelled,
         )
 
-    def prepare_tanz(self, sources: Sequence[int], dests: Sequence[int]) -> None:
-        """Checks (and, on a receiver, readiness reset) before a Tanz broadcast."""
+    def prepare_tanz(self, sources: Sequence[int], dests: Sequence[int], model: str = "") -> None:
+        """Checks (and, on a receiver, readiness reset and `model` recorded) before a Tanz broadcast."""
         if not sources or not dests or len(dests) % len(sources):
             raise InvalidArgument(
                 f"Tanz needs sources and a multiple of {len(sources) or 1} destinations, "
@@ -182,8 +186,9 @@ class WeightMover:
                 self._check_peer(peer)
         if self.rank in sources:
             self.store.require_complete("sourcing a Tanz broadcast")
+            self.store.require_model("sourcing a Tanz broadcast", model)
         else:
-            self.store.begin_fill("receiving a Tanz broadcast")
+            self.store.begin_receive("receiving a Tanz broadcast", model)
 
     def tanz(
         self,

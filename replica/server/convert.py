@@ -207,7 +207,8 @@ def warmup_from_pb(msg: pb.WarmupRequest) -> WarmupSpec:
     )
 
 
-def info_to_pb(info: EngineInfo, rank: int, tp_size: int, fabric: str = "") -> pb.InfoResponse:
+def info_to_pb(info: EngineInfo, rank: int, tp_size: int, fabric: str = "",
+               weights_model: str = "") -> pb.InfoResponse:
     """Info facts."""
     msg = pb.InfoResponse(
         requires_padding=False,
@@ -232,6 +233,7 @@ def info_to_pb(info: EngineInfo, rank: int, tp_size: int, fabric: str = "") -> p
         attention_backend=info.attention_backend,
         cuda_graphs=info.cuda_graphs,
         fabric=fabric,
+        weights_model=weights_model,
         prefix_cache=info.prefix_cache,
         num_blocks_cached=info.num_blocks_cached,
         cached_page_hashes=info.cached_page_hashes,

@@ -139,7 +139,7 @@ def load_and_connect(config: ReplicaConfig, services: _Services) -> None:
     if config.tp > 1:  # a group of processes, one shard each (replica/tp/README.md)
         from replica.tp.factory import build_tp_engine as build
     engine, params = services.worker.call(lambda: build(config))
-    services.cluster = build_cluster(config, services.port, engine, params.buffer)
+    services.cluster = build_cluster(config, services.port, engine, params.room)
     services.core.attach(engine, params, services.cluster)
     services.placement.set_serving(True)
 

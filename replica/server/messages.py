@@ -112,6 +112,7 @@ class ReplicaInfo(msgspec.Struct, frozen=True, array_like=True, gc=False):
     rank: int
     tp_size: int
     fabric: str = ""  # the fabric kind this replica moves KV and weights on ("" before it has one)
+    weights_model: str = ""  # the model its weight buffer holds or last held ("": unknown)
 
 
 class Discovery(msgspec.Struct, frozen=True, array_like=True, gc=False):
@@ -308,12 +309,14 @@ class SendParams(Call, frozen=True):
     """SendParams: p2p weights to `dst`, in the background."""
 
     dst: int
+    model_name: str = ""  # the model sent: a sender holding another refuses ("": not checked)
 
 
 class RecvParams(Call, frozen=True):
     """RecvParams: p2p weights from `src`, in the background."""
 
     src: int
+    model_name: str = ""  # the model received, recorded as what the buffer holds ("": unknown)
 
 
 class Broadcast(Call, frozen=True):
@@ -322,6 +325,7 @@ class Broadcast(Call, frozen=True):
     kind: BroadcastKind
     src_ranks: tuple[int, ...]
     dst_ranks: tuple[int, ...]
+    model_name: str = ""  # the model broadcast: checked on sources, recorded on receivers
 
 
 class WaitRdmaDone(Call, frozen=True):

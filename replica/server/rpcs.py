@@ -83,7 +83,7 @@ def _partial(kind: type[m.MigratePartial] | type[m.ImmigratePartial]) -> Callabl
 
 
 def _broadcast(kind: m.BroadcastKind) -> Callable[[pb.BroadcastRequest], m.Call]:
-    return lambda r: m.Broadcast(kind, tuple(r.src_ranks), tuple(r.dst_ranks))
+    return lambda r: m.Broadcast(kind, tuple(r.src_ranks), tuple(r.dst_ranks), r.model_name)
 
 
 # ----------------------------------------------------------------------------------- responses
@@ -156,7 +156,7 @@ def _empty(response: type[Message]) -> Callable[[Any], Message]:
 RPCS: dict[str, Rpc] = {
     "Info": Rpc(
         pb.InfoRequest, lambda r: m.Info(),
-        lambda i: convert.info_to_pb(i.engine, i.rank, i.tp_size, i.fabric),
+        lambda i: convert.info_to_pb(i.engine, i.rank, i.tp_size, i.fabric, i.weights_model),
     ),
     "ConnectPeers": Rpc(
         pb.ConnectPeersRequest,
@@ -194,8 +194,10 @@ RPCS: dict[str, Rpc] = {
         pb.DecodeRequest, lambda r: m.Decode(convert.decode_inputs_from_pb(r.batches)), _decoded_v1
     ),
     "Health": Rpc(pb.HealthRequest, lambda r: m.Health(), lambda state: pb.HealthResponse(state=state.value)),
-    "SendParams": Rpc(pb.SendParamsRequest, lambda r: m.SendParams(r.dst), _empty(pb.SendParamsResponse)),
-    "RecvParams": Rpc(pb.RecvParamsRequest, lambda r: m.RecvParams(r.src), _empty(pb.RecvParamsResponse)),
+    "SendParams": Rpc(pb.SendParamsRequest, lambda r: m.SendParams(r.dst, r.model_name),
+                      _empty(pb.SendParamsResponse)),
+    "RecvParams": Rpc(pb.RecvParamsRequest, lambda r: m.RecvParams(r.src, r.model_name),
+                      _empty(pb.RecvParamsResponse)),
     "LoadParams": Rpc(
         pb.LoadParamsRequest,
         lambda r: m.LoadParams(r.load_case, r.model_name, r.model_path or None),

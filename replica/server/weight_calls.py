@@ -23,9 +23,10 @@ import json
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
-from replica.cluster import WEIGHT_BUFFER
+from replica.cluster import WEIGHT_BUFFER, kv_layout_of
 from replica.engine.engine import Engine
 from replica.engine.types import HealthState, StepResult
 from replica.engine.validation import admit_batch
@@ -80,12 +81,25 @@ class WeightCalls:
         """Wire the parameter store, the guard, the movers and the zigzag queue (after the fabric)."""
         cluster, config = self.shared.cluster, self.shared.config
         mover = link = None
+        switch = params.relayout
+        if switch is not None:  # on the engine thread (no step runs meanwhile), then the fabric told
+            params.relayout = functools.partial(self._switch, switch, engine, params)
         if cluster is not None:
             cluster.fabric.set_layout(Stream.PARAMS, "weights:" + json.dumps(params.layout.signature()))
             mover = WeightMover(cluster.fabric, params, WEIGHT_BUFFER)
             link = ActivationLink(cluster.fabric, config.transfer_timeout)
         zigzag = ZigzagManager(engine, self.shared.worker, link)
         self.state = WeightState(params, ParamOps(), zigzag, mover, link)
+
+    def _switch(self, switch: Callable[[Path], None], engine: Engine, params: ParamStore, path: Path) -> None:
+        """Lay the replica out for `path`'s model (`replica/engine/switch.py`) on the engine thread,
+        then announce the new KV cache and weight layout on the fabric's handshakes."""
+        self.shared.worker.call(functools.partial(switch, path), self.shared.config.transfer_timeout)
+        cluster = self.shared.cluster
+        if cluster is not None:
+            cache = engine.runner.cache
+            cluster.register_kv(cache.tensor, kv_layout_of(cache, self.tp))
+            cluster.fabric.set_layout(Stream.PARAMS, "weights:" + json.dumps(params.layout.signature()))
 
     def _state(self) -> WeightState:
         if self.state is None:
@@ -143,7 +157,8 @@ class WeightCalls:
             path = state.params.resolve(call.model_name, call.model_path or None)
             remaining = ctx.remaining()  # a load is no transfer: the call's deadline, else a long one
             deadline = Deadline.after(_LOAD_WAIT_S if remaining is None else remaining)
-            load = functools.partial(state.params.load_from_disk, path)
+            name = Path(call.model_path).name if call.model_path else call.model_name
+            load = functools.partial(state.params.load_from_disk, path, name)
             run = self._per_rank(WeightOp.LOAD_DISK, load, deadline, True, path=str(path))
             state.ops.run_blocking("LoadParams(disk)", run)
         elif call.case == LoadCase.HOST_MEM and self.tp > 1:
@@ -160,14 +175,16 @@ class WeightCalls:
         mover, deadline = self._mover(), self._transfer_deadline()
         run = self._per_rank(WeightOp.SEND, lambda: mover.send_to(call.dst, deadline), deadline, False,
                              dests=[call.dst])
-        self._state().ops.start_background("SendParams", lambda: mover.prepare_send(call.dst), run)
+        prepare = functools.partial(mover.prepare_send, call.dst, call.model_name)
+        self._state().ops.start_background("SendParams", prepare, run)
 
     def recv_params(self, call: RecvParams, ctx: CallContext) -> None:
         """RecvParams: p2p from `src` in the background."""
         mover, deadline = self._mover(), self._transfer_deadline()
         run = self._per_rank(WeightOp.RECV, lambda: mover.recv_from(call.src, deadline), deadline, True,
                              sources=[call.src])
-        self._state().ops.start_background("RecvParams", lambda: mover.prepare_recv(call.src), run)
+        prepare = functools.partial(mover.prepare_recv, call.src, call.model_name)
+        self._state().ops.start_background("RecvParams", prepare, run)
 
     def broadcast(self, call: Broadcast, ctx: CallContext) -> None:
         """RdmaBroadcast (background chain), NvlBroadcast (blocking chain), TanzBroadcast (blocking)."""
@@ -177,17 +194,17 @@ class WeightCalls:
             chain, deadline = self._chain(sources, dests), self._transfer_deadline()
             run = self._per_rank(op, lambda: mover.chain(chain, deadline), deadline, mover.rank != chain[0],
                                  sources, dests)
-            ops.start_background(call.kind.value, lambda: mover.prepare_chain(chain), run)
+            ops.start_background(call.kind.value, lambda: mover.prepare_chain(chain, call.model_name), run)
             return
         deadline, cancelled = self._transfer_deadline(ctx), ctx.cancellation
         if call.kind is BroadcastKind.NVL:
             chain = self._chain(sources, dests)
-            prepare = functools.partial(mover.prepare_chain, chain)
+            prepare = functools.partial(mover.prepare_chain, chain, call.model_name)
             own = functools.partial(mover.chain, chain, deadline, cancelled)
             fills = mover.rank != chain[0]
         else:
             src, dst = (sources, dests) if self.tp == 1 else rank_lists(sources, dests, self.tp, 0)
-            prepare = functools.partial(mover.prepare_tanz, src, dst)
+            prepare = functools.partial(mover.prepare_tanz, src, dst, call.model_name)
             own, fills = functools.partial(mover.tanz, src, dst, deadline, cancelled), mover.rank not in src
         run = self._per_rank(op, own, deadline, fills, sources, dests, prepare=prepare)
         ops.run_blocking(call.kind.value, run)

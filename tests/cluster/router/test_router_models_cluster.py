@@ -1,11 +1,13 @@
 """Two models in one cluster (`pdcluster up --models`), on real replica processes.
 
-Two tiny checkpoints of one shape and different weights (seeds) sit side by side; the cluster
-starts with one replica serving `alpha` and one inactive replica. `beta` starts at zero: its first
+Two tiny checkpoints of different shapes (layers, hidden size) sit side by side; the cluster starts
+with one replica serving `alpha` and one inactive replica started with alpha too, its weight buffer
+sized for the larger (`up` passes `--weight-buffer-models`). `beta` starts at zero: its first
 request waits while the router lends it the shared inactive replica and loads beta into it from the
-model root; then both models answer exactly as transformers does on their own checkpoint, and an
-unknown model is a 404. Idle, beta's planner (min 0 replicas) drains its replica, the keep-alive
-expires and the replica goes back to the shared pool; beta's next request wakes it again.
+model root (the replica switches to beta's shape); then both models answer exactly as transformers
+does on their own checkpoint, and an unknown model is a 404. Idle, beta's planner (min 0 replicas)
+drains its replica, the keep-alive expires and the replica goes back to the shared pool; beta's next
+request wakes it again.
 """
 
 from __future__ import annotations
@@ -29,8 +31,8 @@ MAX_NEW = 10
 def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("models")  # the replicas' model root: both folders in it
     folders = {"alpha": root / "alpha", "beta": root / "beta"}
-    for seed, folder in enumerate(folders.values()):
-        make_tiny_model(TinyModelConfig(out=folder, seed=seed + 11))
+    make_tiny_model(TinyModelConfig(out=folders["alpha"], seed=11))
+    make_tiny_model(TinyModelConfig(out=folders["beta"], seed=12, layers=3, hidden=96, intermediate=192))
     return folders
 
 
@@ -64,8 +66,10 @@ def test_a_model_at_zero_wakes_on_its_first_request_and_both_equal_transformers(
     # different checkpoints: the equalities above would not hold for the other model's weights
     assert any(oracles["alpha"].ids(p, MAX_NEW) != oracles["beta"].ids(p, MAX_NEW) for p in PROMPTS)
     log = (cluster.log_dir / "router.log").read_text()
-    assert "model beta has no serving replica: Load(method=<Method.LOAD_DISK" in log  # woken from zero
+    assert "model beta has no serving replica: Load(method=<Method.LOAD_HOST" in log  # woken from zero
     assert "model beta: spare replica" in log  # the shared inactive replica was lent to beta
+    replicas = "".join(p.read_text() for p in cluster.log_dir.glob("*.log") if p.name != "router.log")
+    assert "switched to beta: 3 layers" in replicas  # the spare, started as alpha, took beta's shape
     unknown = complete(cluster.http_url, "gamma", PROMPTS[0])
     assert unknown.status_code == 404 and unknown.json()["error"]["code"] == "model_not_found"
 

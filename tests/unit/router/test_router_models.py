@@ -73,14 +73,14 @@ def test_wake_prefers_an_idle_replica_then_p2p_then_loadparams() -> None:
     assert wake_action([sample(1, State.INACTIVE), sample(3, State.DECODE)], live) == Load(
         Method.P2P, (ReplicaId(3),), (ReplicaId(1),), Kind.PREFILL)
     loaded = wake_action([sample(1, State.INACTIVE)], live)
-    assert isinstance(loaded, Load) and loaded.method is Method.LOAD_DISK and loaded.targets == (1,)
+    assert isinstance(loaded, Load) and loaded.method is Method.LOAD_HOST and loaded.targets == (1,)
 
 
 @pytest.mark.parametrize(("policy", "method"), [
     ("host-cache", Method.LOAD_HOST), ("stop-the-world", Method.LOAD_DISK),
-    ("multicast", Method.LOAD_DISK), ("static", Method.LOAD_DISK)])
-def test_wake_reads_the_host_cache_only_under_a_policy_that_loads_from_it(policy: str,
-                                                                          method: Method) -> None:
+    ("multicast", Method.LOAD_HOST), ("static", Method.LOAD_HOST)])
+def test_wake_reads_the_host_cache_unless_the_policy_only_loads_from_disk(policy: str,
+                                                                         method: Method) -> None:
     action = wake_action([sample(1, State.INACTIVE), sample(2, State.IDLE, transfers=1)], get(policy).caps)
     assert isinstance(action, Load) and action.method is method
 
