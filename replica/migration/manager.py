@@ -48,9 +48,10 @@ from replica.migration.plan import (
     total_bytes,
     with_skips,
 )
-from replica.tp.kvmove import Direction, ShardMover, settled, with_shards
+from replica.tp.kvmove import ShardMover, settled, with_shards
 from transfer.core import Deadline
 from transfer.errors import TransferError
+from transfer.plans import OpKind
 
 T = TypeVar("T")
 Defer = Callable[[Callable[[], None]], None]
@@ -180,7 +181,7 @@ class Migrations:
         mover, jobs = self.mover(streamed), []
         if mover is not None:  # the workers move their shards once the have fixed the pages
             regions = with_shards(regions, lambda r: jobs.append(
-                mover.start(Direction.SEND, peer, r, nonce, deadline)))
+                mover.start(OpKind.SEND, peer, r, nonce, deadline)))
         release = self.gates.acquire(peer, deadline.remaining(), cancelled)
         fabric = self.cluster.fabric
         try:
@@ -285,7 +286,7 @@ class Migrations:
                 kept = receiver_runs(batch, geometry, with_skips(seqs, skips), layers, header)
                 mover = self.mover()
                 flat = [region for run in kept for region in run]
-                jobs = [] if mover is None else [mover.start(Direction.RECV, peer, flat, header.nonce,
+                jobs = [] if mover is None else [mover.start(OpKind.RECV, peer, flat, header.nonce,
                                                              deadline)]
                 settled(mover, jobs, deadline, lambda: wire.recv_kv(fabric, peer, header, skips, kept,
                                                                      deadline))

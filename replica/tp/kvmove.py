@@ -20,7 +20,6 @@ each resets its streams with its peer, whose part then fails too) before it wait
 
 from __future__ import annotations
 
-import enum
 import itertools
 import logging
 import threading
@@ -38,6 +37,7 @@ from replica.tp.results import await_results, report
 from transfer.collectives import TransferOptions, recv_regions, send_regions
 from transfer.core import Deadline, control_stream
 from transfer.errors import PeerGone, TransferError
+from transfer.plans import OpKind
 
 log = logging.getLogger(__name__)
 
@@ -52,19 +52,12 @@ Runs = Callable[[Sequence[int]], Iterable[Sequence[Region]]]
 """A migration's runs of regions given the receiver's skips (`replica.migration.wire.Runs`)."""
 
 
-class Direction(enum.Enum):
-    """Which side of a migration a worker's part is."""
-
-    SEND = "send"
-    RECV = "recv"
-
-
 @dataclass(frozen=True)
 class ShardJob:
     """One migration's part for every worker: peers[r] is tp_rank r's peer (global rank)."""
 
     job: str
-    direction: Direction
+    direction: OpKind
     peers: tuple[int, ...]
     regions: tuple[tuple[int, int], ...]
     seconds: float  # the migration's time left when rank 0 published the job
@@ -96,7 +89,7 @@ class ShardMover:
         self.group = group
         self.world = group.shard.world
 
-    def start(self, direction: Direction, peer: int, regions: Sequence[tuple[int, int]], tag: int,
+    def start(self, direction: OpKind, peer: int, regions: Sequence[tuple[int, int]], tag: int,
               deadline: Deadline) -> ShardJob:
         """Tell every worker to move its shard of `regions` with its peer of the group at `peer`."""
         job = ShardJob(f"{time.time_ns()}-{next(_jobs)}", direction, peer_ranks(peer, self.world),
@@ -176,7 +169,7 @@ class ShardEndpoint:
         """Reset the part's streams with its peer until the part ends: a part whose data failed goes
         on to the confirmation (a new receive), which an absent peer would never answer."""
         me, peer = self.cluster.rank, job.peers[self.tp_rank]
-        stream = shard_stream(me, peer) if job.direction is Direction.SEND else shard_stream(peer, me)
+        stream = shard_stream(me, peer) if job.direction is OpKind.SEND else shard_stream(peer, me)
         until = Deadline.after(job.seconds)
         while not until.expired():
             with self._lock:
@@ -209,7 +202,7 @@ class ShardEndpoint:
         with self._lock:
             if not regions or job.job in self._aborted:
                 return
-        if job.direction is Direction.SEND:
+        if job.direction is OpKind.SEND:
             send_regions(fabric, peer, KV_BUFFER, regions, shard_stream(me, peer), deadline, options=options)
         else:
             recv_regions(fabric, peer, KV_BUFFER, regions, shard_stream(peer, me), deadline, options=options)

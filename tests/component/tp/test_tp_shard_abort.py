@@ -19,10 +19,11 @@ from replica.model.config import ModelConfig
 from replica.model.layout import WeightLayout
 from replica.params.store import ParamStore
 from replica.params.transfer import WeightMover
-from replica.tp.kvmove import Direction, ShardAbort, ShardEndpoint, ShardJob
+from replica.tp.kvmove import ShardAbort, ShardEndpoint, ShardJob
 from replica.tp.results import await_results, result_key
 from replica.tp.weights import ReportingReadiness, WeightAbort, WeightEndpoint, WeightJob, WeightOp
 from transfer.core import Deadline
+from transfer.plans import OpKind
 from transfer.ports import free_ports
 from transfer.ranktable import RankTable
 
@@ -43,7 +44,7 @@ def clusters() -> Iterator[list[ReplicaCluster]]:
 def test_an_aborted_part_reports_at_once(clusters: list[ReplicaCluster]) -> None:
     store = dist.HashStore()
     endpoint = ShardEndpoint(clusters[1], store, tp_rank=1)  # tp_rank 1 at global rank 1; peer: 0
-    job = ShardJob("j", Direction.RECV, peers=(9, 0), regions=((0, 1024),), seconds=60.0, tag=7)
+    job = ShardJob("j", OpKind.RECV, peers=(9, 0), regions=((0, 1024),), seconds=60.0, tag=7)
     endpoint.run(job)
     time.sleep(0.3)  # its receive is posted
     start = time.monotonic()
