@@ -24,19 +24,19 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x13protos/router.proto\x12\trouter.v1\"\xff\x02\n\rReplicaStatus\x12\n\n\x02id\x18\x01 \x01(\r\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12$\n\x04role\x18\x03 \x01(\x0e\x32\x16.router.v1.ReplicaRole\x12\x0c\n\x04rank\x18\x04 \x01(\x05\x12\x18\n\x10num_blocks_total\x18\x05 \x01(\r\x12\x17\n\x0fnum_blocks_free\x18\x06 \x01(\r\x12\x1a\n\x12router_used_blocks\x18\x07 \x01(\r\x12\x10\n\x08requests\x18\x08 \x01(\r\x12\x1a\n\x12inbound_migrations\x18\t \x01(\r\x12\x1b\n\x13outbound_migrations\x18\n \x01(\r\x12\x12\n\nregistered\x18\x0b \x01(\x08\x12\x1c\n\x14last_heartbeat_age_s\x18\x0c \x01(\x01\x12\r\n\x05state\x18\r \x01(\t\x12\x13\n\x0bstate_age_s\x18\x0e \x01(\x01\x12\x0f\n\x07tp_size\x18\" \x01(\r\x12\r\n\x05ranks\x18# \x03(\x05\x12\r\n\x05model\x18\x37 \x01(\t\"$\n\x13ListReplicasRequest\x12\r\n\x05model\x18\x15 \x01(\t\"B\n\x14ListReplicasResponse\x12*\n\x08replicas\x18\x01 \x03(\x0b\x32\x18.router.v1.ReplicaStatus\"\x0e\n\x0cStatsRequest\"\x9e\x03\n\rStatsResponse\x12.\n\x08strategy\x18\x01 \x01(\x0e\x32\x1c.router.v1.MigrationStrategy\x12\x13\n\x0bqueue_depth\x18\x02 \x01(\r\x12\x1b\n\x13queue_prompt_tokens\x18\x03 \x01(\x04\x12\x17\n\x0f\x61\x63tive_requests\x18\x04 \x01(\r\x12\x19\n\x11requests_finished\x18\x05 \x01(\x04\x12\x17\n\x0frequests_failed\x18\x06 \x01(\x04\x12\x1a\n\x12requests_cancelled\x18\x07 \x01(\x04\x12\x18\n\x10generated_tokens\x18\x08 \x01(\x04\x12\x12\n\nmigrations\x18\t \x01(\x04\x12\x17\n\x0fmigration_bytes\x18\n \x01(\x04\x12\x19\n\x11requests_requeued\x18\x0b \x01(\x04\x12\x15\n\rstrategy_name\x18\x0c \x01(\t\x12\x16\n\x0escaling_policy\x18\r \x01(\t\x12\x17\n\x0fscaling_actions\x18\x0e \x01(\x04\x12\x18\n\x10scaling_failures\x18\x0f \x01(\x04\"O\n\x16RegisterReplicaRequest\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12$\n\x04role\x18\x02 \x01(\x0e\x32\x16.router.v1.ReplicaRole\"h\n\x17RegisterReplicaResponse\x12\x12\n\nreplica_id\x18\x01 \x01(\r\x12\x1c\n\x14heartbeat_interval_s\x18\x02 \x01(\x01\x12\x1b\n\x13heartbeat_timeout_s\x18\x03 \x01(\x01\"&\n\x10HeartbeatRequest\x12\x12\n\nreplica_id\x18\x01 \x01(\r\"\"\n\x11HeartbeatResponse\x12\r\n\x05known\x18\x01 \x01(\x08\"J\n\x0eSetRoleRequest\x12\x12\n\nreplica_id\x18\x01 \x01(\r\x12$\n\x04role\x18\x02 \x01(\x0e\x32\x16.router.v1.ReplicaRole\"<\n\x0fSetRoleResponse\x12)\n\x07replica\x18\x01 \x01(\x0b\x32\x18.router.v1.ReplicaStatus\"\"\n\x0c\x44rainRequest\x12\x12\n\nreplica_id\x18\x01 \x01(\r\":\n\rDrainResponse\x12)\n\x07replica\x18\x01 \x01(\x0b\x32\x18.router.v1.ReplicaStatus\"\x94\x01\n\x16\x41\x63tivateReplicaRequest\x12\x13\n\x0breplica_ids\x18\x01 \x03(\r\x12$\n\x04role\x18\x02 \x01(\x0e\x32\x16.router.v1.ReplicaRole\x12+\n\x06method\x18\x03 \x01(\x0e\x32\x1b.router.v1.ActivationMethod\x12\x12\n\nsource_ids\x18\x04 \x03(\r\"V\n\x17\x41\x63tivateReplicaResponse\x12*\n\x08replicas\x18\x01 \x03(\x0b\x32\x18.router.v1.ReplicaStatus\x12\x0f\n\x07seconds\x18\x02 \x01(\x01\"[\n\x1bSetMigrationStrategyRequest\x12.\n\x08strategy\x18\x01 \x01(\x0e\x32\x1c.router.v1.MigrationStrategy\x12\x0c\n\x04name\x18\x02 \x01(\t\"e\n\x1cSetMigrationStrategyResponse\x12.\n\x08previous\x18\x01 \x01(\x0e\x32\x1c.router.v1.MigrationStrategy\x12\x15\n\rprevious_name\x18\x02 \x01(\t\"\'\n\x17SetScalingPolicyRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\",\n\x18SetScalingPolicyResponse\x12\x10\n\x08previous\x18\x01 \x01(\t*\xc1\x03\n\x0bReplicaRole\x12\x1c\n\x18REPLICA_ROLE_UNSPECIFIED\x10\x00\x12\x18\n\x14REPLICA_ROLE_PREFILL\x10\x01\x12\x17\n\x13REPLICA_ROLE_DECODE\x10\x02\x12\x1a\n\x16REPLICA_ROLE_COLOCATED\x10\x03\x12\x19\n\x15REPLICA_ROLE_INACTIVE\x10\x04\x12\x18\n\x14REPLICA_ROLE_LOADING\x10\x05\x12\x19\n\x15REPLICA_ROLE_DRAINING\x10\x06\x12#\n\x1fREPLICA_ROLE_MUTATING_TO_DECODE\x10\x07\x12\x15\n\x11REPLICA_ROLE_IDLE\x10\x08\x12\x15\n\x11REPLICA_ROLE_DEAD\x10\t\x12\x1f\n\x1bREPLICA_ROLE_LOADING_DECODE\x10\n\x12\x1c\n\x18REPLICA_ROLE_NEW_PREFILL\x10\x0b\x12#\n\x1fREPLICA_ROLE_REFRACTORY_PREFILL\x10\x0c\x12\x1c\n\x18REPLICA_ROLE_OLD_PREFILL\x10\r\x12 \n\x1cREPLICA_ROLE_DRAINING_DECODE\x10\x0e*\xdb\x01\n\x11MigrationStrategy\x12\"\n\x1eMIGRATION_STRATEGY_UNSPECIFIED\x10\x00\x12\x1b\n\x17MIGRATION_STRATEGY_FULL\x10\x01\x12\"\n\x1eMIGRATION_STRATEGY_PROGRESSIVE\x10\x02\x12\x1d\n\x19MIGRATION_STRATEGY_MUTATE\x10\x03\x12 \n\x1cMIGRATION_STRATEGY_RECOMPUTE\x10\x04\x12 \n\x1cMIGRATION_STRATEGY_COLOCATED\x10\x05*\xcb\x01\n\x10\x41\x63tivationMethod\x12!\n\x1d\x41\x43TIVATION_METHOD_UNSPECIFIED\x10\x00\x12\x19\n\x15\x41\x43TIVATION_METHOD_P2P\x10\x01\x12\x1b\n\x17\x41\x43TIVATION_METHOD_CHAIN\x10\x02\x12\x1a\n\x16\x41\x43TIVATION_METHOD_TANZ\x10\x03\x12\x1f\n\x1b\x41\x43TIVATION_METHOD_LOAD_DISK\x10\x04\x12\x1f\n\x1b\x41\x43TIVATION_METHOD_LOAD_HOST\x10\x05\x32\xda\x05\n\x0bRouterAdmin\x12O\n\x0cListReplicas\x12\x1e.router.v1.ListReplicasRequest\x1a\x1f.router.v1.ListReplicasResponse\x12:\n\x05Stats\x12\x17.router.v1.StatsRequest\x1a\x18.router.v1.StatsResponse\x12X\n\x0fRegisterReplica\x12!.router.v1.RegisterReplicaRequest\x1a\".router.v1.RegisterReplicaResponse\x12\x46\n\tHeartbeat\x12\x1b.router.v1.HeartbeatRequest\x1a\x1c.router.v1.HeartbeatResponse\x12@\n\x07SetRole\x12\x19.router.v1.SetRoleRequest\x1a\x1a.router.v1.SetRoleResponse\x12:\n\x05\x44rain\x12\x17.router.v1.DrainRequest\x1a\x18.router.v1.DrainResponse\x12X\n\x0f\x41\x63tivateReplica\x12!.router.v1.ActivateReplicaRequest\x1a\".router.v1.ActivateReplicaResponse\x12g\n\x14SetMigrationStrategy\x12&.router.v1.SetMigrationStrategyRequest\x1a\'.router.v1.SetMigrationStrategyResponse\x12[\n\x10SetScalingPolicy\x12\".router.v1.SetScalingPolicyRequest\x1a#.router.v1.SetScalingPolicyResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x13protos/router.proto\x12\trouter.v1\"\xff\x02\n\rReplicaStatus\x12\n\n\x02id\x18\x01 \x01(\r\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12$\n\x04role\x18\x03 \x01(\x0e\x32\x16.router.v1.ReplicaRole\x12\x0c\n\x04rank\x18\x04 \x01(\x05\x12\x18\n\x10num_blocks_total\x18\x05 \x01(\r\x12\x17\n\x0fnum_blocks_free\x18\x06 \x01(\r\x12\x1a\n\x12router_used_blocks\x18\x07 \x01(\r\x12\x10\n\x08requests\x18\x08 \x01(\r\x12\x1a\n\x12inbound_migrations\x18\t \x01(\r\x12\x1b\n\x13outbound_migrations\x18\n \x01(\r\x12\x12\n\nregistered\x18\x0b \x01(\x08\x12\x1c\n\x14last_heartbeat_age_s\x18\x0c \x01(\x01\x12\r\n\x05state\x18\r \x01(\t\x12\x13\n\x0bstate_age_s\x18\x0e \x01(\x01\x12\x0f\n\x07tp_size\x18\" \x01(\r\x12\r\n\x05ranks\x18# \x03(\x05\x12\r\n\x05model\x18\x37 \x01(\t\"$\n\x13ListReplicasRequest\x12\r\n\x05model\x18\x15 \x01(\t\"B\n\x14ListReplicasResponse\x12*\n\x08replicas\x18\x01 \x03(\x0b\x32\x18.router.v1.ReplicaStatus\"\x1d\n\x0cStatsRequest\x12\r\n\x05model\x18\x15 \x01(\t\"\xad\x03\n\rStatsResponse\x12.\n\x08strategy\x18\x01 \x01(\x0e\x32\x1c.router.v1.MigrationStrategy\x12\x13\n\x0bqueue_depth\x18\x02 \x01(\r\x12\x1b\n\x13queue_prompt_tokens\x18\x03 \x01(\x04\x12\x17\n\x0f\x61\x63tive_requests\x18\x04 \x01(\r\x12\x19\n\x11requests_finished\x18\x05 \x01(\x04\x12\x17\n\x0frequests_failed\x18\x06 \x01(\x04\x12\x1a\n\x12requests_cancelled\x18\x07 \x01(\x04\x12\x18\n\x10generated_tokens\x18\x08 \x01(\x04\x12\x12\n\nmigrations\x18\t \x01(\x04\x12\x17\n\x0fmigration_bytes\x18\n \x01(\x04\x12\x19\n\x11requests_requeued\x18\x0b \x01(\x04\x12\x15\n\rstrategy_name\x18\x0c \x01(\t\x12\x16\n\x0escaling_policy\x18\r \x01(\t\x12\x17\n\x0fscaling_actions\x18\x0e \x01(\x04\x12\x18\n\x10scaling_failures\x18\x0f \x01(\x04\x12\r\n\x05model\x18\x15 \x01(\t\"^\n\x16RegisterReplicaRequest\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12$\n\x04role\x18\x02 \x01(\x0e\x32\x16.router.v1.ReplicaRole\x12\r\n\x05model\x18\x15 \x01(\t\"h\n\x17RegisterReplicaResponse\x12\x12\n\nreplica_id\x18\x01 \x01(\r\x12\x1c\n\x14heartbeat_interval_s\x18\x02 \x01(\x01\x12\x1b\n\x13heartbeat_timeout_s\x18\x03 \x01(\x01\"&\n\x10HeartbeatRequest\x12\x12\n\nreplica_id\x18\x01 \x01(\r\"\"\n\x11HeartbeatResponse\x12\r\n\x05known\x18\x01 \x01(\x08\"J\n\x0eSetRoleRequest\x12\x12\n\nreplica_id\x18\x01 \x01(\r\x12$\n\x04role\x18\x02 \x01(\x0e\x32\x16.router.v1.ReplicaRole\"<\n\x0fSetRoleResponse\x12)\n\x07replica\x18\x01 \x01(\x0b\x32\x18.router.v1.ReplicaStatus\"\"\n\x0c\x44rainRequest\x12\x12\n\nreplica_id\x18\x01 \x01(\r\":\n\rDrainResponse\x12)\n\x07replica\x18\x01 \x01(\x0b\x32\x18.router.v1.ReplicaStatus\"\x94\x01\n\x16\x41\x63tivateReplicaRequest\x12\x13\n\x0breplica_ids\x18\x01 \x03(\r\x12$\n\x04role\x18\x02 \x01(\x0e\x32\x16.router.v1.ReplicaRole\x12+\n\x06method\x18\x03 \x01(\x0e\x32\x1b.router.v1.ActivationMethod\x12\x12\n\nsource_ids\x18\x04 \x03(\r\"V\n\x17\x41\x63tivateReplicaResponse\x12*\n\x08replicas\x18\x01 \x03(\x0b\x32\x18.router.v1.ReplicaStatus\x12\x0f\n\x07seconds\x18\x02 \x01(\x01\"j\n\x1bSetMigrationStrategyRequest\x12.\n\x08strategy\x18\x01 \x01(\x0e\x32\x1c.router.v1.MigrationStrategy\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\r\n\x05model\x18\x15 \x01(\t\"e\n\x1cSetMigrationStrategyResponse\x12.\n\x08previous\x18\x01 \x01(\x0e\x32\x1c.router.v1.MigrationStrategy\x12\x15\n\rprevious_name\x18\x02 \x01(\t\"6\n\x17SetScalingPolicyRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05model\x18\x15 \x01(\t\",\n\x18SetScalingPolicyResponse\x12\x10\n\x08previous\x18\x01 \x01(\t*\xc1\x03\n\x0bReplicaRole\x12\x1c\n\x18REPLICA_ROLE_UNSPECIFIED\x10\x00\x12\x18\n\x14REPLICA_ROLE_PREFILL\x10\x01\x12\x17\n\x13REPLICA_ROLE_DECODE\x10\x02\x12\x1a\n\x16REPLICA_ROLE_COLOCATED\x10\x03\x12\x19\n\x15REPLICA_ROLE_INACTIVE\x10\x04\x12\x18\n\x14REPLICA_ROLE_LOADING\x10\x05\x12\x19\n\x15REPLICA_ROLE_DRAINING\x10\x06\x12#\n\x1fREPLICA_ROLE_MUTATING_TO_DECODE\x10\x07\x12\x15\n\x11REPLICA_ROLE_IDLE\x10\x08\x12\x15\n\x11REPLICA_ROLE_DEAD\x10\t\x12\x1f\n\x1bREPLICA_ROLE_LOADING_DECODE\x10\n\x12\x1c\n\x18REPLICA_ROLE_NEW_PREFILL\x10\x0b\x12#\n\x1fREPLICA_ROLE_REFRACTORY_PREFILL\x10\x0c\x12\x1c\n\x18REPLICA_ROLE_OLD_PREFILL\x10\r\x12 \n\x1cREPLICA_ROLE_DRAINING_DECODE\x10\x0e*\xdb\x01\n\x11MigrationStrategy\x12\"\n\x1eMIGRATION_STRATEGY_UNSPECIFIED\x10\x00\x12\x1b\n\x17MIGRATION_STRATEGY_FULL\x10\x01\x12\"\n\x1eMIGRATION_STRATEGY_PROGRESSIVE\x10\x02\x12\x1d\n\x19MIGRATION_STRATEGY_MUTATE\x10\x03\x12 \n\x1cMIGRATION_STRATEGY_RECOMPUTE\x10\x04\x12 \n\x1cMIGRATION_STRATEGY_COLOCATED\x10\x05*\xcb\x01\n\x10\x41\x63tivationMethod\x12!\n\x1d\x41\x43TIVATION_METHOD_UNSPECIFIED\x10\x00\x12\x19\n\x15\x41\x43TIVATION_METHOD_P2P\x10\x01\x12\x1b\n\x17\x41\x43TIVATION_METHOD_CHAIN\x10\x02\x12\x1a\n\x16\x41\x43TIVATION_METHOD_TANZ\x10\x03\x12\x1f\n\x1b\x41\x43TIVATION_METHOD_LOAD_DISK\x10\x04\x12\x1f\n\x1b\x41\x43TIVATION_METHOD_LOAD_HOST\x10\x05\x32\xda\x05\n\x0bRouterAdmin\x12O\n\x0cListReplicas\x12\x1e.router.v1.ListReplicasRequest\x1a\x1f.router.v1.ListReplicasResponse\x12:\n\x05Stats\x12\x17.router.v1.StatsRequest\x1a\x18.router.v1.StatsResponse\x12X\n\x0fRegisterReplica\x12!.router.v1.RegisterReplicaRequest\x1a\".router.v1.RegisterReplicaResponse\x12\x46\n\tHeartbeat\x12\x1b.router.v1.HeartbeatRequest\x1a\x1c.router.v1.HeartbeatResponse\x12@\n\x07SetRole\x12\x19.router.v1.SetRoleRequest\x1a\x1a.router.v1.SetRoleResponse\x12:\n\x05\x44rain\x12\x17.router.v1.DrainRequest\x1a\x18.router.v1.DrainResponse\x12X\n\x0f\x41\x63tivateReplica\x12!.router.v1.ActivateReplicaRequest\x1a\".router.v1.ActivateReplicaResponse\x12g\n\x14SetMigrationStrategy\x12&.router.v1.SetMigrationStrategyRequest\x1a\'.router.v1.SetMigrationStrategyResponse\x12[\n\x10SetScalingPolicy\x12\".router.v1.SetScalingPolicyRequest\x1a#.router.v1.SetScalingPolicyResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'protos.router_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_REPLICAROLE']._serialized_start=1979
-  _globals['_REPLICAROLE']._serialized_end=2428
-  _globals['_MIGRATIONSTRATEGY']._serialized_start=2431
-  _globals['_MIGRATIONSTRATEGY']._serialized_end=2650
-  _globals['_ACTIVATIONMETHOD']._serialized_start=2653
-  _globals['_ACTIVATIONMETHOD']._serialized_end=2856
+  _globals['_REPLICAROLE']._serialized_start=2054
+  _globals['_REPLICAROLE']._serialized_end=2503
+  _globals['_MIGRATIONSTRATEGY']._serialized_start=2506
+  _globals['_MIGRATIONSTRATEGY']._serialized_end=2725
+  _globals['_ACTIVATIONMETHOD']._serialized_start=2728
+  _globals['_ACTIVATIONMETHOD']._serialized_end=2931
   _globals['_REPLICASTATUS']._serialized_start=35
   _globals['_REPLICASTATUS']._serialized_end=418
   _globals['_LISTREPLICASREQUEST']._serialized_start=420
@@ -44,37 +44,37 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_LISTREPLICASRESPONSE']._serialized_start=458
   _globals['_LISTREPLICASRESPONSE']._serialized_end=524
   _globals['_STATSREQUEST']._serialized_start=526
-  _globals['_STATSREQUEST']._serialized_end=540
-  _globals['_STATSRESPONSE']._serialized_start=543
-  _globals['_STATSRESPONSE']._serialized_end=957
-  _globals['_REGISTERREPLICAREQUEST']._serialized_start=959
-  _globals['_REGISTERREPLICAREQUEST']._serialized_end=1038
-  _globals['_REGISTERREPLICARESPONSE']._serialized_start=1040
-  _globals['_REGISTERREPLICARESPONSE']._serialized_end=1144
-  _globals['_HEARTBEATREQUEST']._serialized_start=1146
-  _globals['_HEARTBEATREQUEST']._serialized_end=1184
-  _globals['_HEARTBEATRESPONSE']._serialized_start=1186
-  _globals['_HEARTBEATRESPONSE']._serialized_end=1220
-  _globals['_SETROLEREQUEST']._serialized_start=1222
-  _globals['_SETROLEREQUEST']._serialized_end=1296
-  _globals['_SETROLERESPONSE']._serialized_start=1298
-  _globals['_SETROLERESPONSE']._serialized_end=1358
-  _globals['_DRAINREQUEST']._serialized_start=1360
-  _globals['_DRAINREQUEST']._serialized_end=1394
-  _globals['_DRAINRESPONSE']._serialized_start=1396
-  _globals['_DRAINRESPONSE']._serialized_end=1454
-  _globals['_ACTIVATEREPLICAREQUEST']._serialized_start=1457
-  _globals['_ACTIVATEREPLICAREQUEST']._serialized_end=1605
-  _globals['_ACTIVATEREPLICARESPONSE']._serialized_start=1607
-  _globals['_ACTIVATEREPLICARESPONSE']._serialized_end=1693
-  _globals['_SETMIGRATIONSTRATEGYREQUEST']._serialized_start=1695
-  _globals['_SETMIGRATIONSTRATEGYREQUEST']._serialized_end=1786
-  _globals['_SETMIGRATIONSTRATEGYRESPONSE']._serialized_start=1788
-  _globals['_SETMIGRATIONSTRATEGYRESPONSE']._serialized_end=1889
-  _globals['_SETSCALINGPOLICYREQUEST']._serialized_start=1891
-  _globals['_SETSCALINGPOLICYREQUEST']._serialized_end=1930
-  _globals['_SETSCALINGPOLICYRESPONSE']._serialized_start=1932
-  _globals['_SETSCALINGPOLICYRESPONSE']._serialized_end=1976
-  _globals['_ROUTERADMIN']._serialized_start=2859
-  _globals['_ROUTERADMIN']._serialized_end=3589
+  _globals['_STATSREQUEST']._serialized_end=555
+  _globals['_STATSRESPONSE']._serialized_start=558
+  _globals['_STATSRESPONSE']._serialized_end=987
+  _globals['_REGISTERREPLICAREQUEST']._serialized_start=989
+  _globals['_REGISTERREPLICAREQUEST']._serialized_end=1083
+  _globals['_REGISTERREPLICARESPONSE']._serialized_start=1085
+  _globals['_REGISTERREPLICARESPONSE']._serialized_end=1189
+  _globals['_HEARTBEATREQUEST']._serialized_start=1191
+  _globals['_HEARTBEATREQUEST']._serialized_end=1229
+  _globals['_HEARTBEATRESPONSE']._serialized_start=1231
+  _globals['_HEARTBEATRESPONSE']._serialized_end=1265
+  _globals['_SETROLEREQUEST']._serialized_start=1267
+  _globals['_SETROLEREQUEST']._serialized_end=1341
+  _globals['_SETROLERESPONSE']._serialized_start=1343
+  _globals['_SETROLERESPONSE']._serialized_end=1403
+  _globals['_DRAINREQUEST']._serialized_start=1405
+  _globals['_DRAINREQUEST']._serialized_end=1439
+  _globals['_DRAINRESPONSE']._serialized_start=1441
+  _globals['_DRAINRESPONSE']._serialized_end=1499
+  _globals['_ACTIVATEREPLICAREQUEST']._serialized_start=1502
+  _globals['_ACTIVATEREPLICAREQUEST']._serialized_end=1650
+  _globals['_ACTIVATEREPLICARESPONSE']._serialized_start=1652
+  _globals['_ACTIVATEREPLICARESPONSE']._serialized_end=1738
+  _globals['_SETMIGRATIONSTRATEGYREQUEST']._serialized_start=1740
+  _globals['_SETMIGRATIONSTRATEGYREQUEST']._serialized_end=1846
+  _globals['_SETMIGRATIONSTRATEGYRESPONSE']._serialized_start=1848
+  _globals['_SETMIGRATIONSTRATEGYRESPONSE']._serialized_end=1949
+  _globals['_SETSCALINGPOLICYREQUEST']._serialized_start=1951
+  _globals['_SETSCALINGPOLICYREQUEST']._serialized_end=2005
+  _globals['_SETSCALINGPOLICYRESPONSE']._serialized_start=2007
+  _globals['_SETSCALINGPOLICYRESPONSE']._serialized_end=2051
+  _globals['_ROUTERADMIN']._serialized_start=2934
+  _globals['_ROUTERADMIN']._serialized_end=3664
 # @@protoc_insertion_point(module_scope)

@@ -121,11 +121,13 @@ class ListReplicasResponse(_message.Message):
     def __init__(self, replicas: _Optional[_Iterable[_Union[ReplicaStatus, _Mapping]]] = ...) -> None: ...
 
 class StatsRequest(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("model",)
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    def __init__(self, model: _Optional[str] = ...) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("strategy", "queue_depth", "queue_prompt_tokens", "active_requests", "requests_finished", "requests_failed", "requests_cancelled", "generated_tokens", "migrations", "migration_bytes", "requests_requeued", "strategy_name", "scaling_policy", "scaling_actions", "scaling_failures")
+    __slots__ = ("strategy", "queue_depth", "queue_prompt_tokens", "active_requests", "requests_finished", "requests_failed", "requests_cancelled", "generated_tokens", "migrations", "migration_bytes", "requests_requeued", "strategy_name", "scaling_policy", "scaling_actions", "scaling_failures", "model")
     STRATEGY_FIELD_NUMBER: _ClassVar[int]
     QUEUE_DEPTH_FIELD_NUMBER: _ClassVar[int]
     QUEUE_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -141,6 +143,7 @@ class StatsResponse(_message.Message):
     SCALING_POLICY_FIELD_NUMBER: _ClassVar[int]
     SCALING_ACTIONS_FIELD_NUMBER: _ClassVar[int]
     SCALING_FAILURES_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
     strategy: MigrationStrategy
     queue_depth: int
     queue_prompt_tokens: int
@@ -156,15 +159,18 @@ class StatsResponse(_message.Message):
     scaling_policy: str
     scaling_actions: int
     scaling_failures: int
-    def __init__(self, strategy: _Optional[_Union[MigrationStrategy, str]] = ..., queue_depth: _Optional[int] = ..., queue_prompt_tokens: _Optional[int] = ..., active_requests: _Optional[int] = ..., requests_finished: _Optional[int] = ..., requests_failed: _Optional[int] = ..., requests_cancelled: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., migrations: _Optional[int] = ..., migration_bytes: _Optional[int] = ..., requests_requeued: _Optional[int] = ..., strategy_name: _Optional[str] = ..., scaling_policy: _Optional[str] = ..., scaling_actions: _Optional[int] = ..., scaling_failures: _Optional[int] = ...) -> None: ...
+    model: str
+    def __init__(self, strategy: _Optional[_Union[MigrationStrategy, str]] = ..., queue_depth: _Optional[int] = ..., queue_prompt_tokens: _Optional[int] = ..., active_requests: _Optional[int] = ..., requests_finished: _Optional[int] = ..., requests_failed: _Optional[int] = ..., requests_cancelled: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., migrations: _Optional[int] = ..., migration_bytes: _Optional[int] = ..., requests_requeued: _Optional[int] = ..., strategy_name: _Optional[str] = ..., scaling_policy: _Optional[str] = ..., scaling_actions: _Optional[int] = ..., scaling_failures: _Optional[int] = ..., model: _Optional[str] = ...) -> None: ...
 
 class RegisterReplicaRequest(_message.Message):
-    __slots__ = ("address", "role")
+    __slots__ = ("address", "role", "model")
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
     address: str
     role: ReplicaRole
-    def __init__(self, address: _Optional[str] = ..., role: _Optional[_Union[ReplicaRole, str]] = ...) -> None: ...
+    model: str
+    def __init__(self, address: _Optional[str] = ..., role: _Optional[_Union[ReplicaRole, str]] = ..., model: _Optional[str] = ...) -> None: ...
 
 class RegisterReplicaResponse(_message.Message):
     __slots__ = ("replica_id", "heartbeat_interval_s", "heartbeat_timeout_s")
@@ -235,12 +241,14 @@ class ActivateReplicaResponse(_message.Message):
     def __init__(self, replicas: _Optional[_Iterable[_Union[ReplicaStatus, _Mapping]]] = ..., seconds: _Optional[float] = ...) -> None: ...
 
 class SetMigrationStrategyRequest(_message.Message):
-    __slots__ = ("strategy", "name")
+    __slots__ = ("strategy", "name", "model")
     STRATEGY_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
     strategy: MigrationStrategy
     name: str
-    def __init__(self, strategy: _Optional[_Union[MigrationStrategy, str]] = ..., name: _Optional[str] = ...) -> None: ...
+    model: str
+    def __init__(self, strategy: _Optional[_Union[MigrationStrategy, str]] = ..., name: _Optional[str] = ..., model: _Optional[str] = ...) -> None: ...
 
 class SetMigrationStrategyResponse(_message.Message):
     __slots__ = ("previous", "previous_name")
@@ -251,10 +259,12 @@ class SetMigrationStrategyResponse(_message.Message):
     def __init__(self, previous: _Optional[_Union[MigrationStrategy, str]] = ..., previous_name: _Optional[str] = ...) -> None: ...
 
 class SetScalingPolicyRequest(_message.Message):
-    __slots__ = ("name",)
+    __slots__ = ("name", "model")
     NAME_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
     name: str
-    def __init__(self, name: _Optional[str] = ...) -> None: ...
+    model: str
+    def __init__(self, name: _Optional[str] = ..., model: _Optional[str] = ...) -> None: ...
 
 class SetScalingPolicyResponse(_message.Message):
     __slots__ = ("previous",)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import functools
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, TypeVar
 
 import grpc
@@ -52,6 +52,38 @@ _STRATEGIES: dict[str, pb.MigrationStrategy] = {
     Strategy.RECOMPUTE.value: pb.MIGRATION_STRATEGY_RECOMPUTE,
     Strategy.COLOCATED.value: pb.MIGRATION_STRATEGY_COLOCATED,
 }
+
+
+def stats(scheds: Sequence[ClusterScheduler], model: str) -> pb.StatsResponse:
+    """The figures of `scheds` (one model's, or every model's with `model` ""): queues and requests
+    summed, counters read for `model` (every model's series with ""), the strategy and scaling policy
+    of the first."""
+    first = scheds[0]
+    labels = {"model": model} if model else {}
+
+    def total(name: str, **more: str) -> int:
+        return int(first.metrics.total(name, {**labels, **more}))
+
+    names = strategies.names()
+    return pb.StatsResponse(
+        strategy=_STRATEGIES.get(first.strategy.name, pb.MIGRATION_STRATEGY_UNSPECIFIED),
+        strategy_name=first.strategy.name, model=model,
+        queue_depth=sum(len(s.queue) for s in scheds),
+        queue_prompt_tokens=sum(s.queue.waiting_prompt_tokens() for s in scheds),
+        active_requests=sum(len(s.requests) for s in scheds),
+        requests_finished=total("pdcluster_requests_total", outcome="finished"),
+        requests_failed=total("pdcluster_requests_total", outcome="failed"),
+        requests_cancelled=total("pdcluster_requests_total", outcome="cancelled"),
+        generated_tokens=total("pdcluster_generated_tokens_total"),
+        migrations=sum(total("pdcluster_migrations_total", strategy=s) for s in names),
+        migration_bytes=sum(total("pdcluster_migration_bytes_total", strategy=s) for s in names),
+        requests_requeued=total("pdcluster_requests_requeued_total"),
+        scaling_policy=first.scaling.policy.name,
+        scaling_actions=sum(total("pdcluster_scaling_actions_total", action=a) for a in ACTION_NAMES),
+        scaling_failures=sum(total("pdcluster_scaling_actions_total", action=a, outcome="failed")
+                             for a in ACTION_NAMES),
+    )
+
 _STRATEGIES_BACK: dict[int, str] = {int(v): k for k, v in _STRATEGIES.items()}
 _METHODS: dict[int, Method] = {
     pb.ACTIVATION_METHOD_P2P: Method.P2P, pb.ACTIVATION_METHOD_CHAIN: Method.CHAIN,
@@ -120,7 +152,8 @@ def replica_status(hub: ClusterScheduler, h: ReplicaHandle, model: str = "") -> 
 class AdminService(pb_grpc.RouterAdminServicer):
     """`router.v1.RouterAdmin` over one scheduler, or over every model's (`pools`: ListReplicas lists
     each model's replicas and the spare pool; calls naming a replica address the model holding it;
-    Stats, RegisterReplica and the strategy and policy calls address the first model, `hub`)."""
+    Stats, RegisterReplica and the strategy and policy calls take a `model`, "" meaning every model
+    — for RegisterReplica the one its weights are of, the first, `hub`, without weights)."""
 
     def __init__(self, hub: ClusterScheduler, token: str = "", pools: ModelPools | None = None) -> None:
         self.hub = hub
@@ -132,6 +165,34 @@ class AdminService(pb_grpc.RouterAdminServicer):
         if self.pools is None:
             return {self.hub.config.served_model_id: self.hub}
         return self.pools.schedulers
+
+    def _model(self, name: str) -> list[ClusterScheduler]:
+        """Model `name`'s scheduler, or every model's for "" (the first first); KeyError (NOT_FOUND)
+        for a model this router does not serve."""
+        models = self._models()
+        if not name:
+            return list(models.values())
+        if name not in models:
+            raise KeyError(f"no model {name!r} (served: {', '.join(models)})")
+        return [models[name]]
+
+    async def _pool_of(self, address: str, model: str) -> ClusterScheduler:
+        """The scheduler a registering replica joins: the named model's, else the model its weights
+        are of (Info), else the first model's."""
+        if model or self.pools is None:
+            return self._model(model)[0]
+        client = self.hub.connect(address)
+        try:
+            info = await client.info()
+        finally:
+            await client.close()
+        held = info.weights_model or info.model_id
+        found = [s for s in self._models().values()
+                 if held in (s.config.served_model_id, s.config.model.name)]
+        if info.loaded and not found:
+            raise ValueError(f"replica {address} holds model {held!r}, which this router does not serve "
+                             f"({', '.join(self._models())})")
+        return found[0] if info.loaded else self.hub
 
     def _holder(self, replica_id: int) -> ClusterScheduler:
         """The scheduler holding replica `replica_id` (ids are unique router-wide); the first model's
@@ -154,45 +215,24 @@ class AdminService(pb_grpc.RouterAdminServicer):
 
     @rpc(mutating=False)
     async def Stats(self, request: pb.StatsRequest, context: grpc.aio.ServicerContext) -> pb.StatsResponse:
-        hub = self.hub
-        sample = hub.metrics.registry.get_sample_value
-
-        def total(name: str, labels: dict[str, str] | None = None) -> int:
-            return int(sample(name, labels or {}) or 0)
-
-        names = strategies.names()
-        migrations = sum(total("pdcluster_migrations_total", {"strategy": s}) for s in names)
-        nbytes = sum(total("pdcluster_migration_bytes_total", {"strategy": s}) for s in names)
-        return pb.StatsResponse(
-            strategy=_STRATEGIES.get(hub.strategy.name, pb.MIGRATION_STRATEGY_UNSPECIFIED),
-            strategy_name=hub.strategy.name, queue_depth=len(hub.queue),
-            queue_prompt_tokens=hub.queue.waiting_prompt_tokens(), active_requests=len(hub.requests),
-            requests_finished=total("pdcluster_requests_total", {"outcome": "finished"}),
-            requests_failed=total("pdcluster_requests_total", {"outcome": "failed"}),
-            requests_cancelled=total("pdcluster_requests_total", {"outcome": "cancelled"}),
-            generated_tokens=total("pdcluster_generated_tokens_total"), migrations=migrations,
-            migration_bytes=nbytes, requests_requeued=total("pdcluster_requests_requeued_total"),
-            scaling_policy=hub.scaling.policy.name,
-            scaling_actions=sum(total("pdcluster_scaling_actions_total", {"action": a, "outcome": o})
-                                for a in ACTION_NAMES for o in ("ok", "failed")),
-            scaling_failures=sum(total("pdcluster_scaling_actions_total", {"action": a, "outcome": "failed"})
-                                 for a in ACTION_NAMES),
-        )
+        return stats(self._model(request.model), request.model)
 
     @rpc(mutating=True)
     async def RegisterReplica(self, request: pb.RegisterReplicaRequest, context: grpc.aio.ServicerContext
                               ) -> pb.RegisterReplicaResponse:
         if not request.address:
             raise ValueError("address is required")
-        rid = await self.hub.add_replica(request.address, _role(request.role, State.DECODE), registered=True)
-        cfg = self.hub.config
+        sched = await self._pool_of(request.address, request.model)
+        rid = await sched.add_replica(request.address, _role(request.role, State.DECODE), registered=True)
+        cfg = sched.config
         return pb.RegisterReplicaResponse(replica_id=rid, heartbeat_interval_s=cfg.heartbeat_interval,
                                           heartbeat_timeout_s=cfg.heartbeat_timeout)
 
     @rpc(mutating=True)
     async def Heartbeat(self, request: pb.HeartbeatRequest, context: grpc.aio.ServicerContext
                         ) -> pb.HeartbeatResponse:
-        return pb.HeartbeatResponse(known=self.hub.heartbeat(request.replica_id))  # type: ignore[arg-type]
+        hub = self._holder(request.replica_id)
+        return pb.HeartbeatResponse(known=hub.heartbeat(request.replica_id))  # type: ignore[arg-type]
 
     @rpc(mutating=True)
     async def SetRole(self, request: pb.SetRoleRequest, context: grpc.aio.ServicerContext
@@ -226,7 +266,11 @@ class AdminService(pb_grpc.RouterAdminServicer):
         name = request.name or _STRATEGIES_BACK.get(request.strategy)
         if name is None:
             raise ValueError(f"invalid strategy {request.strategy}")
-        previous = self.hub.set_strategy(name).name  # ValueError for an unknown name
+        strategies.get(name)  # ValueError for an unknown name, before any model changes
+        scheds = self._model(request.model)
+        previous = scheds[0].set_strategy(name).name
+        for sched in scheds[1:]:
+            sched.set_strategy(name)
         return pb.SetMigrationStrategyResponse(
             previous=_STRATEGIES.get(previous, pb.MIGRATION_STRATEGY_UNSPECIFIED),
             previous_name=previous)
@@ -234,7 +278,10 @@ class AdminService(pb_grpc.RouterAdminServicer):
     @rpc(mutating=True)
     async def SetScalingPolicy(self, request: pb.SetScalingPolicyRequest,
                                context: grpc.aio.ServicerContext) -> pb.SetScalingPolicyResponse:
-        previous = self.hub.scaling.set_policy(request.name)  # ValueError for an unknown name
+        scheds = self._model(request.model)
+        previous = scheds[0].scaling.set_policy(request.name)  # ValueError for an unknown name
+        for sched in scheds[1:]:
+            sched.scaling.set_policy(request.name)
         return pb.SetScalingPolicyResponse(previous=previous)
 
 

@@ -85,7 +85,7 @@ class Requests:
             tokens += len(gen.tokens)
             if member.state.deliver(gen):
                 self._finish(member.state, "finished")
-        self.metrics.generated_tokens.inc(tokens)  # once per step: a prometheus update takes a lock
+        self.metrics.generated(tokens)
 
     def requeue(self, members: Iterable[Member], reason: str) -> None:
         """Re-run these requests from their generated tokens on another replica (front of the queue)."""
@@ -98,7 +98,7 @@ class Requests:
                 continue
             state.requeues += 1
             state.new_run()
-            self.metrics.requeued.inc()
+            self.metrics.requeue()
             self.queue.push_front(QueueEntry(state.id, state.current(), _alive(state)))
         self._queue_gauges()
         self.wakeups.queue(len(self.queue))
@@ -160,8 +160,7 @@ class Requests:
                                   len(state.original.input_ids), len(state.generated))
 
     def _queue_gauges(self) -> None:
-        self.metrics.queue_depth.set(len(self.queue))
-        self.metrics.queue_tokens.set(self.queue.waiting_prompt_tokens())
+        self.metrics.queue(len(self.queue), self.queue.waiting_prompt_tokens())
 
 
 def check_limits(request: GenerateRequest, serving: ServingLimits) -> None:

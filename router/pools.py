@@ -182,9 +182,10 @@ class ModelPools:
 
 async def release_replica(sched: ClusterScheduler, rid: ReplicaId) -> str | None:
     """An inactive replica leaves `sched`'s pool: it is forgotten (at once, so no round picks it),
-    its loop stopped, its client closed. Returns its address (None: it is not inactive any more, or
-    an action holds it)."""
-    if rid in sched.scaling.executor.busy:
+    its loop stopped, its client closed. Returns its address (None: it is not inactive any more, an
+    action holds it, or it registered itself: it stays where it heartbeats, its id known)."""
+    handle_now = sched.replicas.get(rid)
+    if rid in sched.scaling.executor.busy or handle_now is None or handle_now.state.registered:
         return None
     try:
         handle = sched.replicas.remove(rid)

@@ -34,7 +34,7 @@ from router.migration import Migrations
 from router.prefix_routing import PrefixRouting
 from router.queue import Budgets, RequestQueue
 from router.registry import ReplicaHandle, Replicas, fabric_conflict
-from router.replica_api import Connect
+from router.replica_api import Connect, ReplicaApi
 from router.replicas import SERVING, Heartbeats, ReplicaState, ReplicaView, State, Trigger
 from router.requests import RequestStream, now
 from router.routing import Routing
@@ -67,7 +67,7 @@ class ClusterScheduler:
                  metrics: RouterMetrics | None = None, kv_bytes_per_token: int = 0,
                  clock: Callable[[], float] = now, ids: Iterator[int] | None = None) -> None:
         self.config = config
-        self.metrics = metrics or RouterMetrics()
+        self.metrics = (metrics or RouterMetrics()).for_model(config.served_model_id)
         self.clock = clock
         self.wakeups = Wakeups()
         self.replicas = Replicas(ids)
@@ -91,6 +91,10 @@ class ClusterScheduler:
         self.weight_bytes = 0  # one replica's weights (main.py sets it from the checkpoint)
         self.scaling = Autoscaler(self, config.scaling, config.bounds(), config.plan_interval, self.rates,
                                   self.timeline, self.metrics.scaling_action)
+
+    def connect(self, address: str) -> ReplicaApi:
+        """A client of the replica at `address` (the caller closes it)."""
+        return self._connect(address)
 
     @property
     def queue(self) -> RequestQueue:

@@ -84,10 +84,10 @@ def router_samples(metrics_text: str) -> list[dict[str, Any]]:
                 replicas.setdefault(rid, {})["free_blocks"] = int(sample.value)
             elif sample.name == "pdcluster_replica_router_used_blocks" and rid is not None:
                 replicas.setdefault(rid, {})["used_blocks"] = int(sample.value)
-            elif sample.name == "pdcluster_queue_depth":
-                queue["depth"] = int(sample.value)
+            elif sample.name == "pdcluster_queue_depth":  # one series per model: their sum
+                queue["depth"] = queue.get("depth", 0) + int(sample.value)
             elif sample.name == "pdcluster_queue_prompt_tokens":
-                queue["prompt_tokens"] = int(sample.value)
+                queue["prompt_tokens"] = queue.get("prompt_tokens", 0) + int(sample.value)
     rows: list[dict[str, Any]] = [{"kind": "replica", "replica": rid, **values}
                                   for rid, values in sorted(replicas.items())]
     return [*rows, queue] if len(queue) > 1 else rows

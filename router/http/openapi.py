@@ -88,6 +88,7 @@ class _Operation:
     guarded: bool = False
     generates: bool = False
     not_found: bool = False  # unknown `model`
+    query_model: bool = False  # takes `?model=NAME`
 
 
 _OPERATIONS = (
@@ -111,8 +112,9 @@ _OPERATIONS = (
                not_found=True),
     _Operation("/detokenize", "post", "The text of token ids (vLLM)", "openai", "DetokenizeRequest",
                {"schema": ref("Detokenized")}, not_found=True),
-    _Operation("/info", "get", "The model and the limits this router enforces (TGI)", "open", None,
-               {"schema": ref("TGIInfo")}),
+    _Operation("/info", "get", "The model and the limits this router enforces (TGI); `?model=` another "
+               "served model (a pdcluster extension)", "open", None, {"schema": ref("TGIInfo")},
+               not_found=True, query_model=True),
 )
 
 
@@ -160,7 +162,8 @@ def _ok_description(op: _Operation) -> str:
     return "the answer"
 
 
-def _operation(op: _Operation, keys: bool, links: dict[str, Any]) -> dict[str, Any]:
+def _operation(op: _Operation, keys: bool, links: dict[str, Any],
+               model_ids: tuple[str, ...]) -> dict[str, Any]:
     doc: dict[str, Any] = {
         "summary": op.summary,
         "operationId": op.method + op.path.replace("/", "_").rstrip("_") if op.path != "/" else "post_compat",
@@ -169,6 +172,10 @@ def _operation(op: _Operation, keys: bool, links: dict[str, Any]) -> dict[str, A
     }
     if op.body is not None:
         doc["requestBody"] = {"required": True, "content": {JSON: {"schema": ref(op.body)}}}
+    if op.query_model:
+        doc["parameters"] = [{"name": "model", "in": "query", "required": False,
+                              "schema": {"type": "string", "enum": list(model_ids)},
+                              "description": "a served model (absent: the default one)"}]
     if op.guarded and keys:
         doc["security"] = [{"apiKey": []}]
     if op.path in links:
@@ -216,7 +223,8 @@ def build_openapi(title: str, info: ServingInfo, vocab_size: int, keys: bool,
     links = _links()
     paths: dict[str, Any] = {}
     for op in _OPERATIONS:
-        paths.setdefault(op.path, {})[op.method] = _operation(op, keys, links)
+        paths.setdefault(op.path, {})[op.method] = _operation(op, keys, links,
+                                                              (info.model_id, *more_model_ids))
     paths["/health"] = _plain("/health", "Whether a replica can serve", {
         "200": {"description": "serving", "content": {JSON: {"schema": ref("Health")}}},
         "503": {"description": "no replica can serve", "content": {JSON: {"schema": ref("Health")}}},

@@ -58,8 +58,9 @@ class _Prepared:
 
 @router.get("/info")
 async def info(request: Request) -> Response:
-    """TGI's /info: the model and the limits this router enforces."""
-    backend = backend_of(request)
+    """TGI's /info: the model and the limits this router enforces; `?model=NAME` (a pdcluster
+    extension): another model this router serves (unknown: 404 in TGI's shape)."""
+    backend = model_backend(request, request.query_params.get("model"), TGI)
     served = backend.info
     return json_response(
         {

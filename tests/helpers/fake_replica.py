@@ -82,6 +82,7 @@ class FakeReplica(pb_grpc.TextGenerationServiceServicer):
         self.peer_fail: set[str] = set()  # calls that fail once UNAVAILABLE, blaming the peer
         self.migrate = migrate  # False: migration and weight RPCs answer UNIMPLEMENTED
         self.fabric_kind = "tcp"  # what Info reports as this replica's fabric
+        self.model_name = "fake"  # the model Info names
         self.connected: list[int] = []  # ranks ConnectPeers asked for, in order
         self.step_delay = 0.0
         self.immigrate_delay = 0.0
@@ -178,7 +179,7 @@ class FakeReplica(pb_grpc.TextGenerationServiceServicer):
     async def Info(self, request: pb.InfoRequest, context: Context) -> pb.InfoResponse:
         s, ready = self.state, self.loaded
         return pb.InfoResponse(
-            dtype="float32", device_type="cpu", model_id="fake", num_layers=NUM_LAYERS,
+            dtype="float32", device_type="cpu", model_id=self.model_name, num_layers=NUM_LAYERS,
             block_size=s.block_size,
             num_blocks_total=s.num_blocks, num_blocks_free=s.free, embed_ready=ready,
             num_layers_loaded=NUM_LAYERS if ready else 0, lm_head_ready=ready, rank=self.rank,

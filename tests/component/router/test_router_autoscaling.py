@@ -100,7 +100,7 @@ def test_a_failed_transfer_rolls_back_and_a_later_round_succeeds() -> None:
             assert load.method is Method.P2P  # type: ignore[attr-defined]
             assert states(sched) == [P, D, INACTIVE]  # target back to inactive, source serving
             assert all(f.param_op == "" for f in fakes)  # nothing held
-            assert sched.metrics.registry.get_sample_value(
+            assert sched.metrics.total(
                 "pdcluster_scaling_actions_total", {"action": "load", "outcome": "failed"}) == 1
             await finish_round(sched)
             assert states(sched) == [P, D, P]

@@ -78,3 +78,56 @@ def test_list_replicas_and_metrics_name_each_model(tmp_path: Path) -> None:
             for fake in fakes:
                 await fake.stop()
     run(body())
+
+
+def test_stats_strategy_policy_and_registration_address_each_model() -> None:
+    """Stats of one model or of all, the strategy and scaling policy per model or for all, a replica
+    registering into the model its Info names (or the one asked for), its heartbeats reaching that
+    model, and a registered inactive replica never given back to the spare pool."""
+    async def body() -> None:
+        fabric, ids, metrics = FakeFabric(), itertools.count(0), RouterMetrics()
+        fakes = [FakeReplica(rank, fabric, loaded=rank < 3) for rank in range(4)]
+        fakes[2].model_name = "second"
+        first = _scheduler("first", ids, metrics)
+        second = _scheduler("second", ids, metrics, min_prefill=0, min_decode=0)
+        await first.add_replica(await fakes[0].start(), State.PREFILL)
+        await first.add_replica(await fakes[1].start(), State.DECODE)
+        pools = ModelPools({"first": first, "second": second}, [], 10.0, 0.1)
+        await pools.start()
+        server, port = await start_admin_server(first, "127.0.0.1", 0, pools=pools)
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+                stub = pb_grpc.RouterAdminStub(channel)
+                done = await asyncio.wait_for(collect(pools.front("first").submit(request([5], 4))), 20)
+                assert tokens_of(done) == expected_tokens([5], 4)
+                every, one, other = [await stub.Stats(pb.StatsRequest(model=m)) for m in ("", "first", "second")]
+                assert (every.requests_finished, one.requests_finished, other.requests_finished) == (1, 1, 0)
+                assert (every.generated_tokens, other.generated_tokens) == (4, 0)
+                assert (one.model, other.model) == ("first", "second")
+                await stub.SetMigrationStrategy(pb.SetMigrationStrategyRequest(name="recompute", model="second"))
+                assert (first.strategy.name, second.strategy.name) == ("full", "recompute")
+                await stub.SetMigrationStrategy(pb.SetMigrationStrategyRequest(name="progressive"))
+                assert (first.strategy.name, second.strategy.name) == ("progressive", "progressive")
+                await stub.SetScalingPolicy(pb.SetScalingPolicyRequest(name="multicast", model="second"))
+                assert (first.scaling.policy.name, second.scaling.policy.name) == ("static", "multicast")
+                for call, message in ((stub.Stats, pb.StatsRequest(model="gamma")),
+                                      (stub.SetScalingPolicy, pb.SetScalingPolicyRequest(name="static",
+                                                                                         model="gamma"))):
+                    with pytest.raises(grpc.aio.AioRpcError) as unknown:
+                        await call(message)  # type: ignore[operator]
+                    assert unknown.value.code() == grpc.StatusCode.NOT_FOUND
+                joined = await stub.RegisterReplica(pb.RegisterReplicaRequest(address=await fakes[2].start()))
+                assert joined.replica_id in second.replicas  # the model its weights are of
+                spare = await stub.RegisterReplica(pb.RegisterReplicaRequest(
+                    address=await fakes[3].start(), role=pb.REPLICA_ROLE_INACTIVE, model="second"))
+                assert spare.replica_id in second.replicas
+                beat = await stub.Heartbeat(pb.HeartbeatRequest(replica_id=joined.replica_id))
+                assert beat.known
+                await pools.rebalance()  # second wants nothing: an unregistered inactive one would go
+                assert spare.replica_id in second.replicas and pools.spare == []
+        finally:
+            await server.stop(None)
+            await pools.stop()
+            for fake in fakes:
+                await fake.stop()
+    run(body())

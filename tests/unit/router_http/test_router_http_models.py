@@ -66,3 +66,13 @@ def test_models_lists_every_model_and_health_follows_any(
     data = client.get("/v1/models").json()["data"]
     assert [(m["id"], m["root"]) for m in data] == [("alpha", "/models/alpha"), ("beta", "/models/beta")]
     assert client.get("/health").status_code == 200  # alpha serves (beta is at zero)
+
+
+def test_info_names_the_model_asked_for(two: tuple[TestClient, FakeScheduler, FakeScheduler]) -> None:
+    client = two[0]
+    assert client.get("/info").json()["model_id"] == "alpha"
+    assert client.get("/info", params={"model": "beta"}).json()["model_id"] == "beta"
+    unknown = client.get("/info", params={"model": "gamma"})
+    assert unknown.status_code == 404 and "gamma" in unknown.json()["error"]
+    document = client.get("/openapi.json").json()["paths"]["/info"]["get"]
+    assert [p["name"] for p in document["parameters"]] == ["model"] and "404" in document["responses"]
