@@ -64,6 +64,12 @@ class ReplicaHandle:
         return self.state.alive
 
     @property
+    def layout(self) -> str:
+        """The model its weight buffer is laid out for (what it holds or last held, else the checkpoint
+        it started with)."""
+        return self.state.info.weights_model or self.state.info.model_id
+
+    @property
     def block_size(self) -> int:
         """Tokens per KV page."""
         return self.state.info.block_size

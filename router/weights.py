@@ -74,6 +74,12 @@ class Member(Protocol):
         """Not declared dead."""
         ...
 
+    @property
+    def layout(self) -> str:
+        """The model its weight buffer is laid out for (Info: what it holds or last held, else the
+        checkpoint it started with)."""
+        ...
+
 
 async def move(method: Method, sources: Sequence[Member], targets: Sequence[Member], model: str = "") -> None:
     """Give every target the weights by `method`; on failure settle the members, then raise."""
@@ -84,7 +90,8 @@ async def move(method: Method, sources: Sequence[Member], targets: Sequence[Memb
     try:
         await _RUN[method](sources, targets, model)
     except BaseException:
-        if method in (Method.P2P, Method.CHAIN):  # their parts run in the background: join them
+        if method in (Method.P2P, Method.CHAIN, Method.TANZ):  # background parts (a Tanz may run as a
+            # chain, `_tanz`): join them
             await settle([*sources, *targets])
         raise
 
@@ -135,7 +142,14 @@ async def _chain(sources: Sequence[Member], targets: Sequence[Member], model: st
 
 
 async def _tanz(sources: Sequence[Member], targets: Sequence[Member], model: str) -> None:
-    """Every source feeds its lane of targets a stripe; the targets ring-exchange the stripes."""
+    """Every source feeds its lane of targets a stripe; the targets ring-exchange the stripes. Its
+    members' calls run at once and each blocks to the end, so a target that must first be laid out
+    for another model could meet a peer's connection before it switched: such a load runs as a
+    chain from the first source instead (its parts start at the tail, each once laid out)."""
+    if model and any(t.layout != model for t in targets):
+        log.info("Tanz into replicas laid out for another model than %s: a chain instead", model)
+        await _chain(sources[:1], targets, model)
+        return
     if len(targets) % len(sources):
         raise ValueError(f"Tanz needs the targets ({len(targets)}) in equal lanes of the sources "
                          f"({len(sources)})")
