@@ -239,6 +239,7 @@ def _info(msg: pb.InfoResponse) -> ReplicaInfo:
         device_type=msg.device_type, fabric=msg.fabric, prefix_cache=msg.prefix_cache,
         cached_page_hashes=tuple(msg.cached_page_hashes), tp_size=max(1, msg.tp_size),
         weights_model=msg.weights_model,
+        host_copies=tuple((c.model, c.bytes) for c in msg.host_copies),
     )
 
 
@@ -402,9 +403,12 @@ class ReplicaClient:
         req = pb.ImmigrateRequest(batch=batch_pb(batch), src=list(src), dst=list(dst))
         return _immigrated(await self._call("Immigrate", req, self.transfer_timeout))
 
-    async def send_params(self, dst: int, model: str = "") -> None:
-        """Start a background p2p weight send of `model` to global rank `dst`."""
-        await self._call("SendParams", pb.SendParamsRequest(dst=dst, model_name=model))
+    async def send_params(self, dst: int, model: str = "", host_copy: bool = False) -> None:
+        """Start a background p2p weight send of `model` to global rank `dst` (`host_copy`: of the
+        replica's host-memory copy of `model`, not of its weight buffer)."""
+        request = pb.SendParamsRequest(dst=dst, host_copy_model=model if host_copy else "",
+                                       model_name="" if host_copy else model)
+        await self._call("SendParams", request)
 
     async def recv_params(self, src: int, model: str = "") -> None:
         """Start a background p2p weight receive of `model` from global rank `src`."""

@@ -7,7 +7,9 @@ the inactive replicas they share.
  ModelPools ── spare: inactive replicas no model holds
     every --plan-interval: rebalance (models.rebalance) — models that want no replica give their
     inactive ones back, models short of inactive replicas borrow spares (their autoscaler loads them)
-    wake(name): models.wake_action on the model's pool, borrowing a spare first when it has none
+    wake(name): models.wake_action on the model's pool, borrowing a spare first when it has none;
+                it sees every replica's host copies (its own pool's, the other pools', the spares'
+                read by Info), and a peer whose host copy is sent is held meanwhile (`peer`)
     an urgent round (an arrival) short of an inactive replica: a spare lent at once, then a round
 ```
 A replica serves one model at a time: it belongs to one model's scheduler (its model known from
@@ -21,9 +23,11 @@ import contextlib
 import functools
 import logging
 from collections.abc import AsyncIterator, Mapping, Sequence
+from dataclasses import dataclass
 
 from router.errors import ReplicaCallError
-from router.models import PoolNeed, rebalance, wake_action
+from router.models import HostCopies, PoolNeed, rebalance, wake_action
+from router.replica_api import ReplicaApi
 from router.replicas import State
 from router.scaling.planner import plan
 from router.scheduler import ClusterScheduler
@@ -48,6 +52,7 @@ class ModelPools:
         self._task: asyncio.Task[None] | None = None
         for name, sched in self.schedulers.items():
             sched.scaling.on_short = functools.partial(self._short, name)
+            sched.scaling.executor.peer_source = self.peer
 
     def front(self, name: str) -> ModelFront:
         """The `Scheduler` the front end serves model `name` from."""
@@ -163,7 +168,9 @@ class ModelPools:
         started = False
         while not sched.is_healthy():
             if not started:
-                action = wake_action(sched.scaling.snapshot().replicas, sched.scaling.policy.caps)
+                own = {h.id: _models(h.state.info.host_copies) for h in sched.replicas.values()}
+                action = wake_action(sched.scaling.snapshot().replicas, sched.scaling.policy.caps, name,
+                                     own, await self.host_copies(name))
                 if action is None and await self.lend(name) is not None:
                     continue
                 if action is not None:
@@ -178,6 +185,71 @@ class ModelPools:
     def is_healthy(self) -> bool:
         """Some model serves now."""
         return any(s.is_healthy() for s in self.schedulers.values())
+
+    async def host_copies(self, name: str) -> list[HostCopies]:
+        """The host copies of every replica outside model `name`'s pool that could send one now:
+        the other models' replicas with no action in flight (their last Info), and the spares (an
+        Info each, now; one that does not answer is left out)."""
+        found = [HostCopies(h.state.address, _models(h.state.info.host_copies))
+                 for other, sched in self.schedulers.items() if other != name
+                 for h in sched.replicas.values()
+                 if h.state.alive and h.id not in sched.scaling.executor.busy and h.state.info.host_copies]
+        for address in list(self.spare):
+            client = self._connect(address)
+            try:
+                info = await client.info()
+            except ReplicaCallError:
+                continue
+            finally:
+                await client.close()
+            if info.host_copies:
+                found.append(HostCopies(address, _models(info.host_copies)))
+        return found
+
+    def _connect(self, address: str) -> ReplicaApi:
+        return next(iter(self.schedulers.values())).connect(address)
+
+    @contextlib.asynccontextmanager
+    async def peer(self, address: str) -> AsyncIterator[Peer]:
+        """The replica at `address` (another model's, or a spare) as a weight source while the
+        context lasts: held busy in its model's pool, or out of the spare pool (no model borrows it
+        meanwhile); ValueError when it is in neither (taken since, or gone)."""
+        for sched in self.schedulers.values():
+            handle = next((h for h in sched.replicas.values() if h.state.address == address), None)
+            if handle is None:
+                continue
+            if handle.id in sched.scaling.executor.busy or not handle.state.alive:
+                raise ValueError(f"replica {address} is busy or gone: its host copy cannot be sent now")
+            sched.scaling.executor.busy.add(handle.id)
+            try:
+                yield Peer(handle.rank, handle.ranks, handle.client)
+            finally:
+                sched.scaling.executor.busy.discard(handle.id)
+            return
+        if address not in self.spare:
+            raise ValueError(f"replica {address} is in no pool any more: its host copy cannot be sent")
+        self.spare.remove(address)
+        client = self._connect(address)
+        try:
+            info = await client.info()
+            yield Peer(info.rank, info.ranks, client)
+        finally:
+            await client.close()
+            self.spare.append(address)
+
+
+@dataclass(frozen=True)
+class Peer:
+    """A replica outside the pool a transfer is for, as its source (`router.weights.Member`)."""
+
+    rank: int
+    ranks: tuple[int, ...]
+    client: ReplicaApi
+    alive: bool = True
+
+
+def _models(copies: Sequence[tuple[str, int]]) -> frozenset[str]:
+    return frozenset(name for name, _ in copies)
 
 
 async def release_replica(sched: ClusterScheduler, rid: ReplicaId) -> str | None:

@@ -89,9 +89,10 @@ class ReplicaApi(Protocol):
         """Receiver side of a full KV migration: returns the decode-ready batch."""
         ...
 
-    async def send_params(self, dst: int, model: str = "") -> None:
+    async def send_params(self, dst: int, model: str = "", host_copy: bool = False) -> None:
         """Start a background p2p weight send of `model` (a sender holding another refuses) to
-        global rank `dst`."""
+        global rank `dst`; `host_copy`: of the sender's host-memory copy of `model` instead of its
+        weight buffer (NOT_FOUND when it holds none)."""
         ...
 
     async def recv_params(self, src: int, model: str = "") -> None:

@@ -34,7 +34,7 @@ from router.migration import Migrations
 from router.prefix_routing import PrefixRouting
 from router.queue import Budgets, RequestQueue
 from router.registry import ReplicaHandle, Replicas, fabric_conflict
-from router.replica_api import Connect
+from router.replica_api import Connect, ReplicaApi
 from router.replicas import SERVING, Heartbeats, ReplicaState, ReplicaView, State, Trigger
 from router.requests import RequestStream, now
 from router.routing import Routing
@@ -233,6 +233,10 @@ class ClusterScheduler:
             self.wakeups.all()
 
     # ---- replicas ----------------------------------------------------------------------------------
+
+    def connect(self, address: str) -> ReplicaApi:
+        """A new client of the replica at `address` (the caller closes it)."""
+        return self._connect(address)
 
     async def add_replica(self, address: str, role: State, registered: bool = False) -> ReplicaId:
         """Connect to a replica, read its Info and start its loop."""

@@ -7,6 +7,8 @@
             (every transfer call names the model: sources holding another refuse, receivers record it)
  load_disk  LoadParams(LOAD_FROM_DISK, model) on each target (blocking)
  load_host  LoadParams(LOAD_FROM_HOST_MEM) on each target (blocking)
+ host_peer  RecvParams(src) on the target, then SendParams(dst, host_copy_model) on the source (a
+            replica of another pool or a spare, whose host memory holds the model), WaitRdmaDone on both
 ```
 `become_ready` gives targets whose weights are complete their role. Used by the operator's
 ActivateReplica (`control.py`) and by the autoscaler's executor (`scaling/executor.py`). A failed
@@ -39,6 +41,7 @@ class Method(enum.Enum):
     P2P = "p2p"
     LOAD_DISK = "load_disk"  # LoadParams from the model root
     LOAD_HOST = "load_host"  # LoadParams from the node's host-memory copy
+    HOST_PEER = "host_peer"  # another replica's host-memory copy over the network (SendParams)
 
 
 TRANSFER_METHODS = (Method.TANZ, Method.CHAIN, Method.P2P)  # from replicas that hold weights
@@ -79,12 +82,12 @@ async def move(method: Method, sources: Sequence[Member], targets: Sequence[Memb
     """Give every target the weights by `method`; on failure settle the members, then raise."""
     if not targets:
         raise ValueError("no replica to give weights to")
-    if method in TRANSFER_METHODS and not sources:
+    if (method in TRANSFER_METHODS or method is Method.HOST_PEER) and not sources:
         raise ValueError(f"{method.value} needs a source replica that holds the weights")
     try:
         await _RUN[method](sources, targets, model)
     except BaseException:
-        if method in (Method.P2P, Method.CHAIN):  # their parts run in the background: join them
+        if method in (Method.P2P, Method.CHAIN, Method.HOST_PEER):  # parts in the background: join them
             await settle([*sources, *targets])
         raise
 
@@ -112,12 +115,17 @@ async def _p2p(sources: Sequence[Member], targets: Sequence[Member], model: str)
     await _all(*(_send_each(src, dsts, model) for src, dsts in share.values()))
 
 
-async def _send_each(src: Member, targets: list[Member], model: str) -> None:
+async def _send_each(src: Member, targets: list[Member], model: str, host_copy: bool = False) -> None:
     for dst in targets:  # the receiver's call first: it answers once laid out for `model` (a spare
         # of another shape switches), so the sender's connection meets the right handshake
         await dst.client.recv_params(src.rank, model)
-        await src.client.send_params(dst.rank, model)
+        await src.client.send_params(dst.rank, model, host_copy=host_copy)
         await _all(src.client.wait_rdma_done(), dst.client.wait_rdma_done())
+
+
+async def _host_peer(sources: Sequence[Member], targets: Sequence[Member], model: str) -> None:
+    """The first source's host-memory copy of `model` to every target, one after another."""
+    await _send_each(sources[0], list(targets), model, host_copy=True)
 
 
 async def _chain(sources: Sequence[Member], targets: Sequence[Member], model: str) -> None:
@@ -169,7 +177,7 @@ async def _host_or_disk(target: Member, model: str) -> None:
 
 
 _RUN = {Method.P2P: _p2p, Method.CHAIN: _chain, Method.TANZ: _tanz, Method.LOAD_DISK: _load_disk,
-        Method.LOAD_HOST: _load_host}
+        Method.LOAD_HOST: _load_host, Method.HOST_PEER: _host_peer}
 
 
 async def settle(members: Sequence[Member]) -> None:

@@ -7,6 +7,7 @@ layer i+1 is still on the wire. Who plays which part is derived from the rank li
 
 ```
  p2p     send_to(dst) ───────────────────────────────► recv_from(src)
+ host    send_host_copy(dst): a host-memory copy ────► recv_from(src)   (the buffer untouched)
  chain   [head] ─► r1 ─► r2 ─► … (store-and-forward per chunk)         RdmaBroadcast / NvlBroadcast
  Tanz    s sources, lanes of |dst|/s receivers get stripes, then rings all-gather them   TanzBroadcast
 ```
@@ -41,6 +42,8 @@ from transfer.errors import PeerTimeout as TransferTimeout
 from transfer.fabric import Fabric
 
 log = logging.getLogger(__name__)
+
+HOST_COPY_BUFFER = "weights-host"  # the fabric name of a host copy while it is being sent
 
 
 def replica_error(exc: TransferError, what: str) -> ReplicaError:
@@ -89,6 +92,31 @@ class WeightMover:
         self._check_peer(peer)
         self.store.require_complete(f"sending weights to rank {peer}")
         self.store.require_model(f"sending weights to rank {peer}", model)
+
+    def prepare_send_host(self, peer: int, model: str) -> None:
+        """Checks before a background send of the host copy of `model` (NOT_FOUND: none held), which
+        is registered on the fabric for the send (a fabric that cannot move host memory refuses)."""
+        self._check_peer(peer)
+        copy = self.store.host_copy_to_send(model)
+        try:
+            self.fabric.register(HOST_COPY_BUFFER, copy)
+        except ValueError as exc:
+            raise FailedPrecondition(f"this fabric cannot send host memory: {exc}") from exc
+
+    def send_host_copy(self, peer: int, model: str, deadline: Deadline,
+                       cancelled: threading.Event | None = None) -> None:
+        """Send the host copy of `model` to `peer` region by region (after `prepare_send_host`); the
+        receiver runs `recv_from`, so its layers become usable as they land."""
+        try:
+            self._run(
+                lambda: send_regions(self.fabric, peer, HOST_COPY_BUFFER, self.store.regions(),
+                                     Stream.PARAMS, deadline, options=self.options),
+                f"sending the host copy of {model} to rank {peer}",
+                [peer],
+                cancelled,
+            )
+        finally:
+            self.fabric.unregister(HOST_COPY_BUFFER)
 
     def prepare_recv(self, peer: int, model: str = "") -> None:
         """Checks and readiness reset before a background receive of `model` (recorded as the

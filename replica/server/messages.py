@@ -113,6 +113,7 @@ class ReplicaInfo(msgspec.Struct, frozen=True, array_like=True, gc=False):
     tp_size: int
     fabric: str = ""  # the fabric kind this replica moves KV and weights on ("" before it has one)
     weights_model: str = ""  # the model its weight buffer holds or last held ("": unknown)
+    host_copies: tuple[tuple[str, int], ...] = ()  # (model, bytes) of its host-memory copies
 
 
 class Discovery(msgspec.Struct, frozen=True, array_like=True, gc=False):
@@ -310,6 +311,7 @@ class SendParams(Call, frozen=True):
 
     dst: int
     model_name: str = ""  # the model sent: a sender holding another refuses ("": not checked)
+    host_copy_model: str = ""  # send this model's host-memory copy instead of the buffer
 
 
 class RecvParams(Call, frozen=True):

@@ -3,6 +3,7 @@
 ```
  LoadParams ─────────────► ParamOps.run_blocking ─► ParamStore.load_from_disk / load_from_host
  SendParams / RecvParams ─► ParamOps.start_background ─► WeightMover.send_to / recv_from ─┐
+   (host_copy_model: send_host_copy, the sender's host-memory copy instead of its buffer)  │
  Broadcast RDMA ──────────► ParamOps.start_background ─► WeightMover.chain ───────────────┤ WaitRdmaDone
  Broadcast NVL / TANZ ────► ParamOps.run_blocking ─► WeightMover.chain / tanz              joins
  ResetStatus / SetStatusReady ─► readiness (refused while an operation holds the guard)
@@ -171,12 +172,26 @@ class WeightCalls:
 
     # --------------------------------------------------------------------- p2p and multicast
     def send_params(self, call: SendParams, ctx: CallContext) -> None:
-        """SendParams: p2p to `dst` in the background."""
+        """SendParams: p2p to `dst` in the background (of a host-memory copy: `_send_host_copy`)."""
+        if call.host_copy_model:
+            self._send_host_copy(call)
+            return
         mover, deadline = self._mover(), self._transfer_deadline()
         run = self._per_rank(WeightOp.SEND, lambda: mover.send_to(call.dst, deadline), deadline, False,
                              dests=[call.dst])
         prepare = functools.partial(mover.prepare_send, call.dst, call.model_name)
         self._state().ops.start_background("SendParams", prepare, run)
+
+    def _send_host_copy(self, call: SendParams) -> None:
+        """SendParams of the host copy of `host_copy_model` (another node's cold start reads this
+        node's host memory over the network, BlitzScale's pool); NOT_FOUND when none is held."""
+        if self.tp > 1:
+            raise FailedPrecondition(f"SendParams of a host copy: a --tp {self.tp} replica keeps no "
+                                     "host-memory copies")
+        mover, deadline, model = self._mover(), self._transfer_deadline(), call.host_copy_model
+        self._state().ops.start_background(
+            "SendParams(host copy)", functools.partial(mover.prepare_send_host, call.dst, model),
+            lambda: mover.send_host_copy(call.dst, model, deadline))
 
     def recv_params(self, call: RecvParams, ctx: CallContext) -> None:
         """RecvParams: p2p from `src` in the background."""

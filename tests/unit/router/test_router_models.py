@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from router.config import RouterConfig
-from router.models import PoolNeed, parse_model, rebalance, wake_action
+from router.models import HostCopies, PoolNeed, parse_model, rebalance, wake_action
 from router.scaling.actions import Kind, Load, Reactivate
 from router.scaling.planner import Bounds, ReplicaSample
 from router.scaling.policies import get
@@ -89,3 +89,37 @@ def test_wake_skips_busy_replicas() -> None:
     assert wake_action([sample(1, State.INACTIVE, transfers=1)], get("live").caps) is None
     assert wake_action([], get("live").caps) is None
 
+
+
+def test_wake_order_own_host_copy_then_a_peers_then_disk() -> None:
+    live, cold = get("live").caps, [sample(1, State.INACTIVE), sample(2, State.INACTIVE)]
+    peers = [HostCopies("h:9", frozenset({"m"})), HostCopies("h:3", frozenset({"m", "x"})),
+             HostCopies("h:1", frozenset({"x"}))]
+    own = {ReplicaId(2): frozenset({"m"})}
+    # the target that holds the model in its own host memory, before any peer
+    assert wake_action(cold, live, "m", own, peers) == Load(Method.LOAD_HOST, (), (ReplicaId(2),), Kind.PREFILL)
+    # else the first peer (by address) holding it sends its copy over the network
+    assert wake_action(cold, live, "m", {}, peers) == Load(
+        Method.HOST_PEER, (), (ReplicaId(1),), Kind.PREFILL, peer="h:3")
+    # no copy anywhere: LoadParams (host cache, then disk on a miss)
+    assert wake_action(cold, live, "y", own, peers) == Load(Method.LOAD_HOST, (), (ReplicaId(1),), Kind.PREFILL)
+    # a replica of the pool that holds the weights comes first of all, a busy one does not count
+    assert wake_action([*cold, sample(4, State.DECODE)], live, "m", own, peers) == Load(
+        Method.P2P, (ReplicaId(4),), (ReplicaId(1),), Kind.PREFILL)
+    assert wake_action([*cold, sample(4, State.DECODE, transfers=1)], live, "m", own, peers).method \
+        is Method.LOAD_HOST  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize(("policy", "method"), [
+    ("multicast", Method.HOST_PEER), ("live", Method.HOST_PEER), ("host-cache", Method.LOAD_HOST),
+    ("stop-the-world", Method.LOAD_DISK), ("static", Method.LOAD_HOST)])
+def test_only_the_network_policies_wake_from_a_peers_host_copy(policy: str, method: Method) -> None:
+    """host-cache is ServerlessLLM's: its own node's host cache, then SSD; stop-the-world: disk."""
+    peers = [HostCopies("h:3", frozenset({"m"}))]
+    holder = sample(4, State.DECODE)
+    action = wake_action([sample(1, State.INACTIVE)], get(policy).caps, "m", {}, peers)
+    assert isinstance(action, Load) and action.method is method and action.targets == (1,)
+    own = {ReplicaId(1): frozenset({"m"})}
+    if policy in ("host-cache", "stop-the-world"):  # no p2p from a holder either: not their methods
+        action = wake_action([sample(1, State.INACTIVE), holder], get(policy).caps, "m", own, peers)
+        assert isinstance(action, Load) and action.method is method

@@ -1,0 +1,77 @@
+"""A model at zero woken from another replica's host memory over the network (BlitzScale's
+cluster-wide pool), on real replicas in this process: replica 0 serves `alpha` and keeps a host
+copy of `beta`; `beta` has no replica, and its first request borrows the spare replica 1, whose
+own host memory holds nothing — replica 0 sends its copy of beta (SendParams `host_copy_model`),
+nothing is read from disk, and both models then answer exactly as transformers does on their own
+checkpoint."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from protos import generate_pb2 as pb
+from router.pools import ModelPools
+from router.replicas import State
+from router.scheduler import ClusterScheduler
+from router.tokenizer import Tokenizer
+from tests.helpers.inproc_cluster import CALL_TIMEOUT, InProcReplica, inproc_cluster
+from tests.helpers.recording_client import recording_connect
+from tests.helpers.router_core import collect, config, greedy, request, run, tokens_of
+
+MAX_NEW = 6
+
+
+def _scheduler(model: Path, ids: itertools.count[int], calls: dict[str, list[str]],
+               **overrides: Any) -> ClusterScheduler:
+    cfg = config(model=model, scaling="multicast", **overrides)
+    return ClusterScheduler(cfg, Tokenizer.from_model_dir(model), recording_connect(cfg, calls),
+                            kv_bytes_per_token=8, ids=ids)
+
+
+def _keep_beta_in_host_memory(replica: InProcReplica, beta: str, alpha: str) -> None:
+    """Replica 0 serves alpha again with host copies of alpha and beta."""
+    stub = replica.stub
+    for load in [None, beta, None, alpha]:
+        if load is None:
+            stub.ResetStatus(pb.ResetStatusRequest(), timeout=CALL_TIMEOUT)
+            continue
+        case = pb.LOAD_FROM_DISK if load == beta else pb.LOAD_FROM_HOST_MEM
+        stub.LoadParams(pb.LoadParamsRequest(load_case=case, model_name=load), timeout=CALL_TIMEOUT)
+
+
+def test_a_model_at_zero_wakes_from_a_peers_host_copy(tiny_model_factory: Callable[..., Path],
+                                                       tmp_path: Path) -> None:
+    alpha = tiny_model_factory(arch="llama", layers=2)
+    beta = tiny_model_factory(arch="llama", layers=2, seed=23)  # one shape, other weights
+    prompt = [5, 17, 42, 9]
+    want = {m: greedy(m)(prompt, MAX_NEW) for m in (alpha, beta)}
+    assert want[alpha] != want[beta]
+
+    def config_for(rank: int) -> dict[str, Any]:
+        return {"num_blocks": 64, "inactive": rank == 1}
+
+    async def body(replicas: list[InProcReplica]) -> None:
+        _keep_beta_in_host_memory(replicas[0], beta.name, alpha.name)
+        address = [f"127.0.0.1:{r.services.port}" for r in replicas]
+        ids, calls = itertools.count(0), {}
+        first = _scheduler(alpha, ids, calls)
+        second = _scheduler(beta, ids, calls, min_prefill=0, min_decode=0)
+        await first.add_replica(address[0], State.COLOCATED)
+        pools = ModelPools({alpha.name: first, beta.name: second}, [address[1]], 30.0, 0.2)
+        await pools.start()
+        try:
+            events = await asyncio.wait_for(collect(pools.front(beta.name).submit(request(prompt, MAX_NEW))), 60)
+            assert tokens_of(events) == want[beta]
+            assert "SendParams" in calls[address[0]] and "LoadParams" not in calls[address[1]]
+            assert pools.wakes == 1 and [h.state.address for h in second.replicas.values()] == [address[1]]
+            events = await asyncio.wait_for(collect(pools.front(alpha.name).submit(request(prompt, MAX_NEW))), 60)
+            assert tokens_of(events) == want[alpha]  # the sender still serves its own model
+        finally:
+            await pools.stop()
+
+    with inproc_cluster(alpha, tmp_path, 2, config_for) as replicas:
+        run(body(replicas))
