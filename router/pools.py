@@ -135,11 +135,14 @@ class ModelPools:
             sched.metrics.count_states([State.INACTIVE] * len(self.spare), "")
 
     async def lend(self, name: str) -> ReplicaId | None:
-        """A spare replica joins model `name`'s pool as inactive (None: no spare, or it did not answer:
-        it is kept out of the pool)."""
-        if not self.spare:
+        """A spare replica joins model `name`'s pool as inactive — one whose host memory holds the
+        model when there is one (a LoadParams from host memory there hits: ServerlessLLM's
+        locality-aware allocation), else the first — (None: no spare, or it did not answer: it is
+        kept out of the pool)."""
+        address = await self._spare_for(self.schedulers[name].model_name)
+        if address is None:
             return None
-        address = self.spare.pop(0)
+        self.spare.remove(address)
         try:
             rid = await self.schedulers[name].add_replica(address, State.INACTIVE)
         except ReplicaCallError as exc:
@@ -169,8 +172,8 @@ class ModelPools:
         while not sched.is_healthy():
             if not started:
                 own = {h.id: _models(h.state.info.host_copies) for h in sched.replicas.values()}
-                action = wake_action(sched.scaling.snapshot().replicas, sched.scaling.policy.caps, name,
-                                     own, await self.host_copies(name))
+                action = wake_action(sched.scaling.snapshot().replicas, sched.scaling.policy.caps,
+                                     sched.model_name, own, await self.host_copies(name))
                 if action is None and await self.lend(name) is not None:
                     continue
                 if action is not None:
@@ -194,6 +197,11 @@ class ModelPools:
                  for other, sched in self.schedulers.items() if other != name
                  for h in sched.replicas.values()
                  if h.state.alive and h.id not in sched.scaling.executor.busy and h.state.info.host_copies]
+        return found + await self._spare_copies()
+
+    async def _spare_copies(self) -> list[HostCopies]:
+        """The spares' host copies, by an Info each now (one that does not answer is left out)."""
+        found = []
         for address in list(self.spare):
             client = self._connect(address)
             try:
@@ -205,6 +213,16 @@ class ModelPools:
             if info.host_copies:
                 found.append(HostCopies(address, _models(info.host_copies)))
         return found
+
+    async def _spare_for(self, model: str) -> str | None:
+        """The spare to lend for `model` (a checkpoint folder's name): the first whose host memory
+        holds it, else the first; None: no spare."""
+        if len(self.spare) > 1:
+            holding = [c.address for c in await self._spare_copies() if model in c.models]
+            chosen = next((a for a in holding if a in self.spare), None)  # a lend meanwhile took none
+            if chosen is not None:
+                return chosen
+        return self.spare[0] if self.spare else None
 
     def _connect(self, address: str) -> ReplicaApi:
         return next(iter(self.schedulers.values())).connect(address)

@@ -2,6 +2,8 @@
 
 ```
  SendParams ‖ RecvParams, RdmaBroadcast (each member)  ─► background part, joined by WaitRdmaDone
+ SendParams of a host copy                              ─► the same p2p, read from host memory: paced
+                                                           at min(the sender's link, --host-gbps)
  TanzBroadcast (each member), LoadParams                ─► blocking
  the members meet; the source schedules each target's regions (embed | layer 0 | … | head, real
  sizes) to land at  start + bytes_before_it / rate + hop · chunk / rate  (pipelined chain; a Tanz
@@ -94,11 +96,12 @@ class VirtualWeights:
             loop.call_at(at, readiness.mark, kind, index)
         return at
 
-    def _chain(self, chain: list[int]) -> float:
-        """Schedule a pipelined chain chain[0] → chain[1] → …; its end."""
+    def _chain(self, chain: list[int], cap: float = 0.0) -> float:
+        """Schedule a pipelined chain chain[0] → chain[1] → … (at most `cap` bytes/s; 0: the links');
+        its end."""
         net, now = self.replica.hw.network, self.replica.hw.now()
         links = [net.link(a, b) for a, b in pairwise(chain)]
-        rate = min((link.rate for link in links if link.rate > 0), default=0.0)
+        rate = min((r for r in [*(link.rate for link in links), cap] if r > 0), default=0.0)
         begin = max([now, *(link.free_at for link in links)])
         hop = CHUNK_BYTES / rate if rate > 0 else 0.0
         end = max(self._land(rank, begin + j * hop, rate) for j, rank in enumerate(chain[1:]))
@@ -108,22 +111,27 @@ class VirtualWeights:
 
     # ---- p2p and chain (background) -------------------------------------------------------------
 
-    def send(self, dst: int) -> None:
-        """SendParams."""
+    def send(self, dst: int, host_copy: str = "") -> None:
+        """SendParams: of the weight buffer, or of the host copy of model `host_copy` (read from host
+        memory at `--host-gbps`, so at the slower of that and the link)."""
         self._guard("SendParams")
-        self._check("SendParams", lambda: self.params.require_complete(f"sending weights to rank {dst}"))
-        self._start("SendParams", self._part(("p2p", self.replica.rank, dst), [self.replica.rank, dst]))
+        if host_copy:
+            self._check("SendParams", lambda: self.params.host_copy_to_send(host_copy))
+        else:
+            self._check("SendParams", lambda: self.params.require_complete(f"sending weights to rank {dst}"))
+        cap = self.host_rate if host_copy else 0.0
+        self._start("SendParams", self._part(("p2p", self.replica.rank, dst), [self.replica.rank, dst], cap))
 
-    def _adopt(self, source: int) -> None:
-        """A transfer fills this buffer with the source's model: its host copy is kept under that
-        name at the next ResetStatus (several models, `router/pools.py`)."""
-        self.params.model_name = self.replica.hw.replicas[source].weights.params.model_name
+    def _adopt(self, source: int, model: str = "") -> None:
+        """A transfer fills this buffer with `model` (""): the source's): its host copy is kept under
+        that name at the next ResetStatus (several models, `router/pools.py`)."""
+        self.params.model_name = model or self.replica.hw.replicas[source].weights.params.model_name
 
-    def receive(self, src: int) -> None:
-        """RecvParams."""
+    def receive(self, src: int, model: str = "") -> None:
+        """RecvParams (of `model`; "": the source's)."""
         self._guard("RecvParams")
         self._check("RecvParams", lambda: self.params.begin_fill(f"receiving weights from rank {src}"))
-        self._adopt(src)
+        self._adopt(src, model)
         self._start("RecvParams", self._part(("p2p", src, self.replica.rank), [src, self.replica.rank]))
 
     def chain(self, sources: list[int], targets: list[int]) -> None:
@@ -141,10 +149,10 @@ class VirtualWeights:
             if source >= 0:
                 self._adopt(source)
 
-    async def _part(self, key: tuple[object, ...], chain: list[int]) -> None:
+    async def _part(self, key: tuple[object, ...], chain: list[int], cap: float = 0.0) -> None:
         meeting = await self.replica.hw.meet(key, len(chain))
         if self.replica.rank == chain[0]:
-            meeting.end.set_result(self._chain(chain))
+            meeting.end.set_result(self._chain(chain, cap))
         await meeting.ended(self.replica.hw)
 
     async def wait(self) -> None:

@@ -13,7 +13,14 @@ import grpc
 import pytest
 
 from protos import generate_pb2 as pb
-from tests.helpers.weights_cluster import CALL_TIMEOUT, InProcReplica, generate, prompts_for, reference, weights_cluster
+from tests.helpers.weights_cluster import (
+    CALL_TIMEOUT,
+    InProcReplica,
+    generate,
+    prompts_for,
+    reference,
+    weights_cluster,
+)
 
 MAX_NEW = 6
 

@@ -57,18 +57,19 @@ def test_a_model_at_zero_wakes_from_a_peers_host_copy(tiny_model_factory: Callab
     async def body(replicas: list[InProcReplica]) -> None:
         _keep_beta_in_host_memory(replicas[0], beta.name, alpha.name)
         address = [f"127.0.0.1:{r.services.port}" for r in replicas]
-        ids, calls = itertools.count(0), {}
+        ids, calls = itertools.count(0), dict[str, list[str]]()
         first = _scheduler(alpha, ids, calls)
         second = _scheduler(beta, ids, calls, min_prefill=0, min_decode=0)
         await first.add_replica(address[0], State.COLOCATED)
         pools = ModelPools({alpha.name: first, beta.name: second}, [address[1]], 30.0, 0.2)
         await pools.start()
         try:
-            events = await asyncio.wait_for(collect(pools.front(beta.name).submit(request(prompt, MAX_NEW))), 60)
+            ask = request(prompt, MAX_NEW)
+            events = await asyncio.wait_for(collect(pools.front(beta.name).submit(ask)), 60)
             assert tokens_of(events) == want[beta]
             assert "SendParams" in calls[address[0]] and "LoadParams" not in calls[address[1]]
             assert pools.wakes == 1 and [h.state.address for h in second.replicas.values()] == [address[1]]
-            events = await asyncio.wait_for(collect(pools.front(alpha.name).submit(request(prompt, MAX_NEW))), 60)
+            events = await asyncio.wait_for(collect(pools.front(alpha.name).submit(ask)), 60)
             assert tokens_of(events) == want[alpha]  # the sender still serves its own model
         finally:
             await pools.stop()

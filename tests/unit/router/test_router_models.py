@@ -97,17 +97,19 @@ def test_wake_order_own_host_copy_then_a_peers_then_disk() -> None:
              HostCopies("h:1", frozenset({"x"}))]
     own = {ReplicaId(2): frozenset({"m"})}
     # the target that holds the model in its own host memory, before any peer
-    assert wake_action(cold, live, "m", own, peers) == Load(Method.LOAD_HOST, (), (ReplicaId(2),), Kind.PREFILL)
+    assert wake_action(cold, live, "m", own, peers) == Load(
+        Method.LOAD_HOST, (), (ReplicaId(2),), Kind.PREFILL)
     # else the first peer (by address) holding it sends its copy over the network
     assert wake_action(cold, live, "m", {}, peers) == Load(
         Method.HOST_PEER, (), (ReplicaId(1),), Kind.PREFILL, peer="h:3")
     # no copy anywhere: LoadParams (host cache, then disk on a miss)
-    assert wake_action(cold, live, "y", own, peers) == Load(Method.LOAD_HOST, (), (ReplicaId(1),), Kind.PREFILL)
+    assert wake_action(cold, live, "y", own, peers) == Load(
+        Method.LOAD_HOST, (), (ReplicaId(1),), Kind.PREFILL)
     # a replica of the pool that holds the weights comes first of all, a busy one does not count
     assert wake_action([*cold, sample(4, State.DECODE)], live, "m", own, peers) == Load(
         Method.P2P, (ReplicaId(4),), (ReplicaId(1),), Kind.PREFILL)
-    assert wake_action([*cold, sample(4, State.DECODE, transfers=1)], live, "m", own, peers).method \
-        is Method.LOAD_HOST  # type: ignore[union-attr]
+    busy = wake_action([*cold, sample(4, State.DECODE, transfers=1)], live, "m", own, peers)
+    assert isinstance(busy, Load) and busy.method is Method.LOAD_HOST
 
 
 @pytest.mark.parametrize(("policy", "method"), [
