@@ -5,6 +5,8 @@
  per model: its plan's scale-up, its inactive replicas, a request waiting at zero
      ──rebalance(needs, spare)──► which inactive replicas go back to the shared pool, how many each
                                   model borrows from it
+ a wake with no spare ──reclaim_order──► another model's idle replica (keep-alive), then a quiet model's
+                                       serving replica (nothing queued or held), to give up its weights
  a model at zero with a request waiting ──wake_action──► Reactivate an idle replica | p2p from a holder
                                                         | LoadParams from the target's own host copy
                                                         | a peer's host copy over the network
@@ -141,3 +143,28 @@ def wake_action(replicas: Sequence[ReplicaSample], caps: Capabilities, model: st
     if senders and Method.HOST_PEER in caps.methods:
         return Load(Method.HOST_PEER, (), (targets[0],), Kind.PREFILL, peer=senders[0])
     return Load(Method.LOAD_HOST, (), (targets[0],), Kind.PREFILL)
+
+
+@dataclass(frozen=True)
+class Held:
+    """A replica of another model's pool, as the reclaim rule sees it."""
+
+    model: str
+    replica: ReplicaId
+    state: State
+    since: float  # when it entered its state
+    quiet: bool  # its model has nothing queued, held, waiting for a wake, or any action in flight
+    arrivals: float  # its model's recent arrival rate (prompt tokens/s)
+
+
+RECLAIMABLE = frozenset({State.PREFILL, State.DECODE, State.COLOCATED})  # drained first, then reset
+
+
+def reclaim_order(held: Sequence[Held]) -> list[Held]:
+    """Which replicas a wake with no spare may take, in order: idle ones (kept only for a keep-alive)
+    idle longest first; then serving replicas of quiet models, the least requested model first (a
+    serverless system's idle instance: nothing in flight), the longest in its state first."""
+    idle = sorted((h for h in held if h.state is State.IDLE), key=lambda h: (h.since, h.replica))
+    quiet = sorted((h for h in held if h.quiet and h.state in RECLAIMABLE),
+                   key=lambda h: (h.arrivals, h.since, h.replica))
+    return [*idle, *quiet]

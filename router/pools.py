@@ -7,7 +7,8 @@ the inactive replicas they share.
  ModelPools ── spare: inactive replicas no model holds
     every --plan-interval: rebalance (models.rebalance) — models that want no replica give their
     inactive ones back, models short of inactive replicas borrow spares (their autoscaler loads them)
-    wake(name): models.wake_action on the model's pool, borrowing a spare first when it has none;
+    wake(name): models.wake_action on the model's pool, borrowing a spare first when it has none
+                (no spare: another model's idle replica, kept for its keep-alive, is reclaimed);
                 it sees every replica's host copies (its own pool's, the other pools', the spares'
                 read by Info), and a peer whose host copy is sent is held meanwhile (`peer`)
     an urgent round (an arrival) short of an inactive replica: a spare lent at once, then a round
@@ -22,11 +23,13 @@ import asyncio
 import contextlib
 import functools
 import logging
+from collections import Counter
 from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass
 
 from router.errors import ReplicaCallError
-from router.models import HostCopies, PoolNeed, rebalance, wake_action
+from router.models import HostCopies, PoolNeed, rebalance, reclaim_order, wake_action
+from router.reclaim import held_by, take_back
 from router.replica_api import ReplicaApi
 from router.replicas import State
 from router.scaling.planner import plan
@@ -48,11 +51,14 @@ class ModelPools:
         self.interval = interval
         self.wakes = 0  # models brought back from zero (or to their first replica)
         self._waking: dict[str, asyncio.Task[None]] = {}
+        self.fronting = Counter[str]()  # requests waiting at each model's front for its wake
         self._lending: dict[str, asyncio.Task[None]] = {}  # spares lent between rounds (urgent)
         self._task: asyncio.Task[None] | None = None
         for name, sched in self.schedulers.items():
             sched.scaling.on_short = functools.partial(self._short, name)
             sched.scaling.executor.peer_source = self.peer
+            # a request waiting at the front for the wake is not queued yet: keep a replica for it
+            sched.scaling.awaited = functools.partial(self.fronting.__getitem__, name)
 
     def front(self, name: str) -> ModelFront:
         """The `Scheduler` the front end serves model `name` from."""
@@ -174,6 +180,8 @@ class ModelPools:
                 own = {h.id: _models(h.state.info.host_copies) for h in sched.replicas.values()}
                 action = wake_action(sched.scaling.snapshot().replicas, sched.scaling.policy.caps,
                                      sched.model_name, own, await self.host_copies(name))
+                if action is None and not self.spare:
+                    await self.reclaim(name)
                 if action is None and await self.lend(name) is not None:
                     continue
                 if action is not None:
@@ -184,6 +192,26 @@ class ModelPools:
             elif not sched.scaling.tasks:  # the load ended (failed: rolled back) without a server
                 started = False
             await asyncio.sleep(WAKE_POLL_S)
+
+    async def reclaim(self, name: str) -> bool:
+        """No spare for model `name`'s wake: another model's replica gives its weights up (they stay
+        in its host memory) and goes to the spare pool (`models.reclaim_order`, `router/reclaim.py`).
+        False: none could be taken."""
+        held = [h for other, sched in self.schedulers.items() if other != name
+                for h in held_by(other, sched, self.fronting[other])]
+        for candidate in reclaim_order(held):
+            sched = self.schedulers[candidate.model]
+            if not await take_back(sched, candidate):
+                continue
+            address = await release_replica(sched, candidate.replica)
+            if address is not None:
+                self.spare.append(address)
+                sched.timeline.write("reclaimed", replica=candidate.replica, model=candidate.model,
+                                     waking=name)
+                log.info("model %s: replica %s of model %s reclaimed for its wake", name, candidate.replica,
+                         candidate.model)
+                return True
+        return False
 
     def is_healthy(self) -> bool:
         """Some model serves now."""
@@ -306,17 +334,19 @@ class ModelFront:
         return self._after_wake(sched, request)
 
     async def _after_wake(self, sched: ClusterScheduler, request: GenerateRequest) -> AsyncIterator[Event]:
+        self.pools.fronting[self.name] += 1
         try:
             await self.pools.wake(self.name)
+            stream = sched.submit(request)  # queued at once: its planner sees it from now on
         except TimeoutError:
             yield ErrorEvent(f"model {self.name} has no replica serving it and none could be loaded "
                              f"within {self.pools.wake_timeout:g} s", 503)
             return
-        try:
-            stream = sched.submit(request)
         except RequestRejected as exc:
             yield ErrorEvent(str(exc), exc.http_status)
             return
+        finally:
+            self.pools.fronting[self.name] -= 1
         try:
             async for event in stream:
                 yield event

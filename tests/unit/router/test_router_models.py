@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from router.config import RouterConfig
-from router.models import HostCopies, PoolNeed, parse_model, rebalance, wake_action
+from router.models import Held, HostCopies, PoolNeed, parse_model, rebalance, reclaim_order, wake_action
 from router.scaling.actions import Kind, Load, Reactivate
 from router.scaling.planner import Bounds, ReplicaSample
 from router.scaling.policies import get
@@ -125,3 +125,16 @@ def test_only_the_network_policies_wake_from_a_peers_host_copy(policy: str, meth
     if policy in ("host-cache", "stop-the-world"):  # no p2p from a holder either: not their methods
         action = wake_action([sample(1, State.INACTIVE), holder], get(policy).caps, "m", own, peers)
         assert isinstance(action, Load) and action.method is method
+
+
+def test_a_wake_without_spares_reclaims_idle_replicas_first_then_the_least_requested_quiet_model() -> None:
+    def held(model: str, rid: int, state: State, since: float, quiet: bool, arrivals: float) -> Held:
+        return Held(model, ReplicaId(rid), state, since, quiet, arrivals)
+
+    busy_model = held("a", 1, State.PREFILL, 0.0, False, 9.0)  # work in flight: never taken
+    idle_late = held("a", 2, State.IDLE, 5.0, False, 9.0)  # its model busy: its keep-alive is still spare
+    idle_early = held("b", 3, State.IDLE, 2.0, True, 1.0)
+    popular, rare = held("c", 4, State.DECODE, 1.0, True, 50.0), held("d", 5, State.PREFILL, 3.0, True, 0.5)
+    loading = held("e", 6, State.LOADING_PREFILL, 0.0, True, 0.0)  # mid-load: not reclaimable
+    order = reclaim_order([busy_model, idle_late, popular, loading, rare, idle_early])
+    assert [h.replica for h in order] == [3, 2, 5, 4]

@@ -135,3 +135,22 @@ def test_the_wake_reads_a_peers_host_memory_only_under_live(cells: Path, cell: s
     assert transfer["seconds"] == pytest.approx(seconds, rel=0.02)  # the real bytes at the link's rate
     first = min(records, key=lambda r: float(r["start"]))
     assert seconds < float(first["ttft"]) < seconds + 1.0  # it waited for the load, then prefilled
+
+
+def test_a_wake_with_no_spare_reclaims_a_quiet_models_replica(tmp_path: Path, tiny_llama: Path) -> None:
+    """Both replicas serve the first model, which gets no request: `second`'s wake finds no spare and
+    takes the quiet model's prefill replica (drained, reset, lent); every request succeeds."""
+    path = _experiment(tmp_path, tiny_llama)
+    text = path.read_text().replace('inactive = 1\n', 'inactive = 0\n', 1)
+    text = text.replace('"second=second,min-prefill=0,min-decode=0"',
+                        '"second=second", "--min-prefill", "0", "--min-decode", "0"', 1)
+    path.write_text(text.replace('name = "c"\nreplicas = 1', 'name = "c"\nreplicas = 0', 1))
+    key = "two.full.live@nics__second__r0"
+    run_experiment(load_experiment(path), tmp_path / "out", report=False, execute=execute, only=[key])
+    folder = tmp_path / "out" / "cells" / key
+    assert all(r["success"] for r in _read(folder, "requests.jsonl"))
+    timeline = _read(folder, "timeline.jsonl")
+    reclaimed = [r for r in timeline if r["kind"] == "reclaimed"]
+    assert reclaimed and reclaimed[0]["model"] == "llama-2-7b" and reclaimed[0]["waking"] == "second"
+    wake = next(r for r in timeline if r["kind"] == "wake")
+    assert "load_host" in wake["action"]  # replica 0's node holds `second` in host memory: a hit there
