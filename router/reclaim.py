@@ -18,6 +18,7 @@ import contextlib
 import logging
 
 from router.models import Held
+from router.registry import ReplicaHandle
 from router.replicas import State
 from router.scaling.actions import Drain, Expire
 from router.scheduler import ClusterScheduler
@@ -30,13 +31,29 @@ POLL_S = 0.01
 
 def held_by(name: str, sched: ClusterScheduler, fronting: int) -> list[Held]:
     """Model `name`'s replicas as `models.reclaim_order` sees them (`fronting`: its requests waiting
-    at the front for a wake)."""
+    at the front for a wake). A serving replica counts as quiet only when its model has no work and
+    keeps its minimum of that kind without it (`--min-prefill`, `--min-decode`: an operator's floor
+    is never reclaimed)."""
     scaling = sched.scaling
     quiet = (not sched.queued()[0] and not fronting and not scaling.tasks
              and all(h.empty for h in sched.replicas.values()))
     arrivals = scaling.rates.arrivals.rate(sched.clock())
-    return [Held(name, h.id, h.state.role, h.state.since, quiet, arrivals)
-            for h in sched.replicas.values() if h.state.alive and h.id not in scaling.executor.busy]
+    live = [h for h in sched.replicas.values() if h.state.alive]
+    return [Held(name, h.id, h.state.role, h.state.since, quiet and _above_floor(sched, live, h.state.role),
+                 arrivals)
+            for h in live if h.id not in scaling.executor.busy]
+
+
+def _above_floor(sched: ClusterScheduler, live: list[ReplicaHandle], role: State) -> bool:
+    """One replica of `role` fewer keeps the model at its bounds' minimum."""
+    bounds = sched.scaling.bounds
+    prefill = sum(1 for h in live if h.state.role in (State.PREFILL, State.COLOCATED))
+    decode = sum(1 for h in live if h.state.role in (State.DECODE, State.COLOCATED))
+    if role is State.PREFILL:
+        return prefill > bounds.min_prefill
+    if role is State.DECODE:
+        return decode > bounds.min_decode
+    return role is not State.COLOCATED or (prefill > bounds.min_prefill and decode > bounds.min_decode)
 
 
 async def take_back(sched: ClusterScheduler, held: Held) -> bool:
