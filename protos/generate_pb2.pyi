@@ -542,26 +542,32 @@ class BroadcastResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class SendParamsRequest(_message.Message):
-    __slots__ = ("dst", "model_name", "host_copy_model")
+    __slots__ = ("dst", "model_name", "host_copy_model", "share", "shares")
     DST_FIELD_NUMBER: _ClassVar[int]
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     HOST_COPY_MODEL_FIELD_NUMBER: _ClassVar[int]
+    SHARE_FIELD_NUMBER: _ClassVar[int]
+    SHARES_FIELD_NUMBER: _ClassVar[int]
     dst: int
     model_name: str
     host_copy_model: str
-    def __init__(self, dst: _Optional[int] = ..., model_name: _Optional[str] = ..., host_copy_model: _Optional[str] = ...) -> None: ...
+    share: int
+    shares: int
+    def __init__(self, dst: _Optional[int] = ..., model_name: _Optional[str] = ..., host_copy_model: _Optional[str] = ..., share: _Optional[int] = ..., shares: _Optional[int] = ...) -> None: ...
 
 class SendParamsResponse(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class RecvParamsRequest(_message.Message):
-    __slots__ = ("src", "model_name")
+    __slots__ = ("src", "model_name", "more_srcs")
     SRC_FIELD_NUMBER: _ClassVar[int]
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
+    MORE_SRCS_FIELD_NUMBER: _ClassVar[int]
     src: int
     model_name: str
-    def __init__(self, src: _Optional[int] = ..., model_name: _Optional[str] = ...) -> None: ...
+    more_srcs: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, src: _Optional[int] = ..., model_name: _Optional[str] = ..., more_srcs: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class RecvParamsResponse(_message.Message):
     __slots__ = ()

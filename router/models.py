@@ -103,6 +103,9 @@ def rebalance(needs: Mapping[str, PoolNeed], spare: int) -> Rebalance:
     return Rebalance(release, lend)
 
 
+HOST_SOURCES = 2  # peers a model at zero reads its host copy from at once, a share of the regions each
+
+
 @dataclass(frozen=True)
 class HostCopies:
     """The host-memory copies of one replica outside the waking model's pool (another model's
@@ -119,9 +122,10 @@ def wake_action(replicas: Sequence[ReplicaSample], caps: Capabilities, model: st
     kept its weights serves again; else weights go into an inactive replica p2p from a replica of
     the pool that holds them (a policy with a transfer method); else LoadParams from a target's own
     host copy (`own`: each inactive replica's host copies); else, under a policy with
-    `Method.HOST_PEER`, a peer's host copy sent over the network (`peers`: every other replica of the
-    cluster, BlitzScale's cluster-wide pool); else LoadParams from the node's host cache, from disk
-    on a miss (as ServerlessLLM does), or from disk alone under a policy that only loads from disk.
+    `Method.HOST_PEER`, peers' host copies sent over the network (`peers`: every other replica of the
+    cluster, BlitzScale's cluster-wide pool; up to HOST_SOURCES of them at once, a share each);
+    else LoadParams from the node's host cache, from disk on a miss (as ServerlessLLM does), or
+    from disk alone under a policy that only loads from disk.
     A host copy's name can be trusted under every policy: every transfer names its model and the
     receiver records it. None: no inactive replica."""
     free = [r for r in replicas if r.transfers == 0]
@@ -140,8 +144,9 @@ def wake_action(replicas: Sequence[ReplicaSample], caps: Capabilities, model: st
     if holding:
         return Load(Method.LOAD_HOST, (), (holding[0],), Kind.PREFILL)
     senders = sorted(p.address for p in peers if model and model in p.models)
-    if senders and Method.HOST_PEER in caps.methods:
-        return Load(Method.HOST_PEER, (), (targets[0],), Kind.PREFILL, peer=senders[0])
+    if senders and Method.HOST_PEER in caps.methods:  # a share from each of the first HOST_SOURCES
+        return Load(Method.HOST_PEER, (), (targets[0],), Kind.PREFILL,
+                    peers=tuple(senders[:HOST_SOURCES]))
     return Load(Method.LOAD_HOST, (), (targets[0],), Kind.PREFILL)
 
 

@@ -7,8 +7,9 @@
             (every transfer call names the model: sources holding another refuse, receivers record it)
  load_disk  LoadParams(LOAD_FROM_DISK, model) on each target (blocking)
  load_host  LoadParams(LOAD_FROM_HOST_MEM) on each target (blocking)
- host_peer  RecvParams(src) on the target, then SendParams(dst, host_copy_model) on the source (a
-            replica of another pool or a spare, whose host memory holds the model), WaitRdmaDone on both
+ host_peer  RecvParams(src, more_srcs) on the target, then SendParams(dst, host_copy_model, share i
+            of n) on each source (replicas of other pools or spares whose host memory holds the model),
+            WaitRdmaDone on all
 ```
 `become_ready` gives targets whose weights are complete their role. Used by the operator's
 ActivateReplica (`control.py`) and by the autoscaler's executor (`scaling/executor.py`). A failed
@@ -124,8 +125,17 @@ async def _send_each(src: Member, targets: list[Member], model: str, host_copy: 
 
 
 async def _host_peer(sources: Sequence[Member], targets: Sequence[Member], model: str) -> None:
-    """The first source's host-memory copy of `model` to every target, one after another."""
-    await _send_each(sources[0], list(targets), model, host_copy=True)
+    """The sources' host-memory copies of `model` to every target, one target after another, each
+    source sending its share of the regions at once (one source: all of them)."""
+    if len(sources) == 1:
+        await _send_each(sources[0], list(targets), model, host_copy=True)
+        return
+    n = len(sources)
+    for dst in targets:
+        await dst.client.recv_params(sources[0].rank, model, more_srcs=[s.rank for s in sources[1:]])
+        for i, src in enumerate(sources):
+            await src.client.send_params(dst.rank, model, host_copy=True, share=i, shares=n)
+        await _all(*(s.client.wait_rdma_done() for s in sources), dst.client.wait_rdma_done())
 
 
 async def _chain(sources: Sequence[Member], targets: Sequence[Member], model: str) -> None:

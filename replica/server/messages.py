@@ -312,6 +312,8 @@ class SendParams(Call, frozen=True):
     dst: int
     model_name: str = ""  # the model sent: a sender holding another refuses ("": not checked)
     host_copy_model: str = ""  # send this model's host-memory copy instead of the buffer
+    share: int = 0  # send only share `share` of `shares` of the regions (replica/params/shares.py)
+    shares: int = 0  # 0: every region
 
 
 class RecvParams(Call, frozen=True):
@@ -319,6 +321,7 @@ class RecvParams(Call, frozen=True):
 
     src: int
     model_name: str = ""  # the model received, recorded as what the buffer holds ("": unknown)
+    more_srcs: tuple[int, ...] = ()  # further sources at once: share i from source i (src first)
 
 
 class Broadcast(Call, frozen=True):

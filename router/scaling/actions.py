@@ -67,7 +67,7 @@ class Load:
     targets: tuple[ReplicaId, ...]
     kind: Kind
     live: bool = False  # new prefill replicas serve layer by layer while loading (zigzag)
-    peer: str = ""  # HOST_PEER: the address of the replica (outside this pool) whose host copy is sent
+    peers: tuple[str, ...] = ()  # HOST_PEER: replicas outside the pool sending host copies, a share each
 
 
 @dataclass(frozen=True)

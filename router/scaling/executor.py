@@ -20,6 +20,7 @@ operations held) and a later round tries again.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Callable, Iterable
 from contextlib import AbstractAsyncContextManager
@@ -174,17 +175,18 @@ class Executor:
             self.timeline.write("transfer", method=action.method, sources=action.sources,
                                 targets=action.targets, role=action.kind, live=action.live, bytes=nbytes,
                                 seconds=round(self.host.clock() - t0, 6), ok=not error, error=error,
-                                **({"peer": action.peer} if action.peer else {}))
+                                **({"peers": action.peers} if action.peers else {}))
 
     async def _move(self, action: Load, sources: list[ReplicaHandle], targets: list[ReplicaHandle]) -> None:
-        """The weights into the targets; a peer outside the pool (HOST_PEER) is borrowed meanwhile."""
-        if not action.peer:
+        """The weights into the targets; peers outside the pool (HOST_PEER) are borrowed meanwhile."""
+        if not action.peers:
             await weights.move(action.method, sources, targets, self.host.model_name)
             return
         if self.peer_source is None:
-            raise ValueError(f"{action.method.value} from {action.peer}: no pools to borrow a peer from")
-        async with self.peer_source(action.peer) as peer:
-            await weights.move(action.method, [peer], targets, self.host.model_name)
+            raise ValueError(f"{action.method.value} from {action.peers}: no pools to borrow a peer from")
+        async with contextlib.AsyncExitStack() as stack:
+            peers = [await stack.enter_async_context(self.peer_source(p)) for p in action.peers]
+            await weights.move(action.method, peers, targets, self.host.model_name)
 
     def _relayers(self, n: int) -> None:
         """As many loaded prefill replicas as new ones (the least loaded first) take relayed batches

@@ -2,7 +2,8 @@
 of another model that its host memory keeps to an inactive peer over the fabric, region by region,
 as it sends its weight buffer; the receiver records the model and generates exactly what
 transformers generates on it, while the sender goes on serving its own model. Info lists the host
-copies (names, bytes); a copy the sender does not hold is NOT_FOUND."""
+copies (names, bytes); a copy the sender does not hold is NOT_FOUND. Two replicas holding the copy
+each send one share of it to one receiver at once (RecvParams `more_srcs`, SendParams `share`)."""
 
 from __future__ import annotations
 
@@ -74,3 +75,27 @@ def test_a_host_copy_the_sender_does_not_hold_is_not_found(alpha: Path, tmp_path
         assert error.value.code() == grpc.StatusCode.NOT_FOUND  # loaded, but no host copy kept yet
         assert alpha.name in str(error.value.details())
         assert src.weights.ops.busy is False  # the guard is free for the next operation
+
+
+def test_two_holders_each_send_a_share_of_the_host_copy(alpha: Path, beta: Path, tmp_path: Path) -> None:
+    prompts = prompts_for(512, count=2)
+    want = reference(beta, prompts, MAX_NEW)
+    with weights_cluster(alpha, tmp_path, 3, inactive=[2]) as (first, second, dst):
+        for holder in (first, second):  # each keeps beta in host memory and serves alpha again
+            for load in (None, beta.name, None, alpha.name):
+                if load is None:
+                    _reset(holder)
+                else:
+                    _load(holder, pb.LOAD_FROM_DISK if load == beta.name else pb.LOAD_FROM_HOST_MEM, load)
+        dst.stub.RecvParams(pb.RecvParamsRequest(src=0, more_srcs=[1], model_name=beta.name),
+                            timeout=CALL_TIMEOUT)
+        for i, holder in enumerate((first, second)):
+            request = pb.SendParamsRequest(dst=2, host_copy_model=beta.name, share=i, shares=2)
+            holder.stub.SendParams(request, timeout=CALL_TIMEOUT)
+        for replica in (first, second, dst):
+            replica.stub.WaitRdmaDone(pb.WaitRdmaDoneRequest(), timeout=CALL_TIMEOUT)
+        assert generate(dst.stub, 1, prompts, MAX_NEW) == want
+        with pytest.raises(grpc.RpcError) as error:  # a share that is not one of them
+            first.stub.SendParams(pb.SendParamsRequest(dst=2, host_copy_model=beta.name, share=2, shares=2),
+                                  timeout=CALL_TIMEOUT)
+        assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT

@@ -1,9 +1,9 @@
 """A model at zero woken from another replica's host memory over the network (BlitzScale's
-cluster-wide pool), on real replicas in this process: replica 0 serves `alpha` and keeps a host
-copy of `beta`; `beta` has no replica, and its first request borrows the spare replica 1, whose
-own host memory holds nothing — replica 0 sends its copy of beta (SendParams `host_copy_model`),
-nothing is read from disk, and both models then answer exactly as transformers does on their own
-checkpoint."""
+cluster-wide pool), on real replicas in this process: replicas 0 (prefill) and 1 (decode) serve
+`alpha` and keep a host copy of `beta`; `beta` has no replica, and its first request borrows the
+spare replica 2, whose own host memory holds nothing — replicas 0 and 1 each send a share of their
+copy of beta (SendParams `host_copy_model`, RecvParams `more_srcs`), nothing is read from disk, and
+both models then answer exactly as transformers does on their own checkpoint."""
 
 from __future__ import annotations
 
@@ -52,27 +52,30 @@ def test_a_model_at_zero_wakes_from_a_peers_host_copy(tiny_model_factory: Callab
     assert want[alpha] != want[beta]
 
     def config_for(rank: int) -> dict[str, Any]:
-        return {"num_blocks": 64, "inactive": rank == 1}
+        return {"num_blocks": 64, "inactive": rank == 2}
 
     async def body(replicas: list[InProcReplica]) -> None:
-        _keep_beta_in_host_memory(replicas[0], beta.name, alpha.name)
+        for holder in replicas[:2]:
+            _keep_beta_in_host_memory(holder, beta.name, alpha.name)
         address = [f"127.0.0.1:{r.services.port}" for r in replicas]
         ids, calls = itertools.count(0), dict[str, list[str]]()
         first = _scheduler(alpha, ids, calls)
         second = _scheduler(beta, ids, calls, min_prefill=0, min_decode=0)
-        await first.add_replica(address[0], State.COLOCATED)
-        pools = ModelPools({alpha.name: first, beta.name: second}, [address[1]], 30.0, 0.2)
+        await first.add_replica(address[0], State.PREFILL)
+        await first.add_replica(address[1], State.DECODE)
+        pools = ModelPools({alpha.name: first, beta.name: second}, [address[2]], 30.0, 0.2)
         await pools.start()
         try:
             ask = request(prompt, MAX_NEW)
             events = await asyncio.wait_for(collect(pools.front(beta.name).submit(ask)), 60)
             assert tokens_of(events) == want[beta]
-            assert "SendParams" in calls[address[0]] and "LoadParams" not in calls[address[1]]
-            assert pools.wakes == 1 and [h.state.address for h in second.replicas.values()] == [address[1]]
+            assert all("SendParams" in calls[a] for a in address[:2])  # a share from each holder
+            assert "LoadParams" not in calls[address[2]]
+            assert pools.wakes == 1 and [h.state.address for h in second.replicas.values()] == [address[2]]
             events = await asyncio.wait_for(collect(pools.front(alpha.name).submit(ask)), 60)
             assert tokens_of(events) == want[alpha]  # the sender still serves its own model
         finally:
             await pools.stop()
 
-    with inproc_cluster(alpha, tmp_path, 2, config_for) as replicas:
+    with inproc_cluster(alpha, tmp_path, 3, config_for) as replicas:
         run(body(replicas))

@@ -94,14 +94,16 @@ def test_wake_skips_busy_replicas() -> None:
 def test_wake_order_own_host_copy_then_a_peers_then_disk() -> None:
     live, cold = get("live").caps, [sample(1, State.INACTIVE), sample(2, State.INACTIVE)]
     peers = [HostCopies("h:9", frozenset({"m"})), HostCopies("h:3", frozenset({"m", "x"})),
-             HostCopies("h:1", frozenset({"x"}))]
+             HostCopies("h:1", frozenset({"x"})), HostCopies("h:5", frozenset({"m"}))]
     own = {ReplicaId(2): frozenset({"m"})}
     # the target that holds the model in its own host memory, before any peer
     assert wake_action(cold, live, "m", own, peers) == Load(
         Method.LOAD_HOST, (), (ReplicaId(2),), Kind.PREFILL)
-    # else the first peer (by address) holding it sends its copy over the network
+    # else the first two peers (by address) holding it send a share of their copies each
     assert wake_action(cold, live, "m", {}, peers) == Load(
-        Method.HOST_PEER, (), (ReplicaId(1),), Kind.PREFILL, peer="h:3")
+        Method.HOST_PEER, (), (ReplicaId(1),), Kind.PREFILL, peers=("h:3", "h:5"))
+    assert wake_action(cold, live, "x", {}, peers) == Load(
+        Method.HOST_PEER, (), (ReplicaId(1),), Kind.PREFILL, peers=("h:1", "h:3"))
     # no copy anywhere: LoadParams (host cache, then disk on a miss)
     assert wake_action(cold, live, "y", own, peers) == Load(
         Method.LOAD_HOST, (), (ReplicaId(1),), Kind.PREFILL)

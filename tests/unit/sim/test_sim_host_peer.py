@@ -4,7 +4,8 @@ spare lent to `second` receives that copy over the sender's 100 Gbit/s NIC (13.5
 1.08 s, host memory being faster), its regions landing as they go; under `host-cache`
 (ServerlessLLM) the spare's own host memory misses and it loads from the 16 Gbit/s disk (6.7 s);
 with a second spare whose node holds `second`, that one is lent and loads from its host memory
-(0.54 s at 200 Gbit/s: the lend is locality-aware)."""
+(0.54 s at 200 Gbit/s: the lend is locality-aware); with two nodes holding it, each sends half
+(0.54 s)."""
 
 from __future__ import annotations
 
@@ -86,6 +87,27 @@ name = "d"
 replicas = 1
 nic_gbps = 100.0
 host_models = ["second"]
+[[topologies]]
+name = "both"
+[[topologies.nodes]]
+name = "a"
+replicas = 1
+nic_gbps = 100.0
+host_models = ["second"]
+[[topologies.nodes]]
+name = "b"
+replicas = 1
+nic_gbps = 100.0
+host_models = ["second"]
+[[topologies.nodes]]
+name = "c"
+replicas = 1
+nic_gbps = 100.0
+[[cells]]
+workload = "second"
+cluster = "two"
+topology = "both"
+policy = "live"
 [[cells]]
 workload = "second"
 cluster = "two"
@@ -118,6 +140,7 @@ def _read(folder: Path, name: str) -> list[dict[str, Any]]:
 
 @pytest.mark.parametrize(("cell", "method", "target", "seconds"), [
     ("two.full.live@nics", "host_peer", "sim://2", 13.5e9 / 12.5e9),
+    ("two.full.live@both", "host_peer", "sim://2", 13.5e9 / 25e9),  # half from each of two holders
     ("two.full.host-cache@nics", "load_host", "sim://2", 13.5e9 / 2e9),  # a miss: from disk
     ("three.full.host-cache@spares", "load_host", "sim://3", 13.5e9 / 25e9)])  # the spare holding it
 def test_the_wake_reads_a_peers_host_memory_only_under_live(cells: Path, cell: str, method: str,
@@ -131,7 +154,8 @@ def test_the_wake_reads_a_peers_host_memory_only_under_live(cells: Path, cell: s
     transfer = next(r for r in timeline if r["kind"] == "transfer")
     joined = {r["replica"]: r["address"] for r in timeline if r["kind"] == "replica"}
     assert transfer["method"] == method and [joined[t] for t in transfer["targets"]] == [target]
-    assert transfer.get("peer", "") == ("sim://0" if method == "host_peer" else "")
+    holders = ["sim://0", "sim://1"] if cell.endswith("both") else ["sim://0"]
+    assert transfer.get("peers", []) == (holders if method == "host_peer" else [])
     assert transfer["seconds"] == pytest.approx(seconds, rel=0.02)  # the real bytes at the link's rate
     first = min(records, key=lambda r: float(r["start"]))
     assert seconds < float(first["ttft"]) < seconds + 1.0  # it waited for the load, then prefilled
