@@ -15,9 +15,11 @@ from typing import Any
 
 import pytest
 
+from pdcluster.experiment.cluster import CellCluster
 from pdcluster.experiment.load import load_experiment
+from pdcluster.experiment.matrix import expand
 from pdcluster.experiment.run import run_experiment
-from pdcluster.sim.cell import execute
+from pdcluster.sim.cell import execute, shape_of
 
 
 def _experiment(tmp_path: Path, tokenizer: Path) -> Path:
@@ -178,3 +180,19 @@ def test_a_wake_with_no_spare_reclaims_a_quiet_models_replica(tmp_path: Path, ti
     assert reclaimed and reclaimed[0]["model"] == "llama-2-7b" and reclaimed[0]["waking"] == "second"
     wake = next(r for r in timeline if r["kind"] == "wake")
     assert "load_host" in wake["action"]  # replica 0's node holds `second` in host memory: a hit there
+
+
+def test_the_scale_to_zero_example_loads_and_places_its_host_copies() -> None:
+    """examples/blitzscale-zero-sim.toml (run by hand, ~70 s): 15 cells; every elastic node's host
+    memory holds two models at start; a process cluster refuses `host_models`."""
+    experiment = load_experiment(Path(__file__).parents[3] / "examples" / "blitzscale-zero-sim.toml")
+    cells = expand(experiment)
+    assert len(cells) == 15 and {c.policy for c in cells} == {"live", "multicast", "stop-the-world",
+                                                                 "host-cache", "static"}
+    nine = next(c for c in cells if c.key.startswith("elastic9.full.live"))
+    places = shape_of(experiment, nine).places
+    assert nine.cluster is not None
+    assert len(places) == 9 and places[0].host_models == ("llama-2-7b", "m4")
+    assert all(len(p.host_models) == 2 for p in places)
+    with pytest.raises(ValueError, match="simulated only"):
+        CellCluster(experiment.model, nine.cluster, "full", "live", nine.topology, Path("."))
