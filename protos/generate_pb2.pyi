@@ -71,7 +71,7 @@ class InfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class InfoResponse(_message.Message):
-    __slots__ = ("requires_padding", "dtype", "device_type", "window_size", "speculate", "model_id", "num_layers", "block_size", "num_blocks_total", "num_blocks_free", "embed_ready", "num_layers_loaded", "lm_head_ready", "rank", "tp_size", "num_cached_batches", "max_input_tokens", "max_total_tokens", "device", "gpu_name", "attention_backend", "cuda_graphs", "prefix_cache", "num_blocks_cached", "cached_page_hashes", "fabric", "weights_model")
+    __slots__ = ("requires_padding", "dtype", "device_type", "window_size", "speculate", "model_id", "num_layers", "block_size", "num_blocks_total", "num_blocks_free", "embed_ready", "num_layers_loaded", "lm_head_ready", "rank", "tp_size", "num_cached_batches", "max_input_tokens", "max_total_tokens", "device", "gpu_name", "attention_backend", "cuda_graphs", "prefix_cache", "num_blocks_cached", "cached_page_hashes", "fabric", "weights_model", "host_copies")
     REQUIRES_PADDING_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     DEVICE_TYPE_FIELD_NUMBER: _ClassVar[int]
@@ -99,6 +99,7 @@ class InfoResponse(_message.Message):
     CACHED_PAGE_HASHES_FIELD_NUMBER: _ClassVar[int]
     FABRIC_FIELD_NUMBER: _ClassVar[int]
     WEIGHTS_MODEL_FIELD_NUMBER: _ClassVar[int]
+    HOST_COPIES_FIELD_NUMBER: _ClassVar[int]
     requires_padding: bool
     dtype: str
     device_type: str
@@ -126,7 +127,16 @@ class InfoResponse(_message.Message):
     cached_page_hashes: _containers.RepeatedScalarFieldContainer[int]
     fabric: str
     weights_model: str
-    def __init__(self, requires_padding: _Optional[bool] = ..., dtype: _Optional[str] = ..., device_type: _Optional[str] = ..., window_size: _Optional[int] = ..., speculate: _Optional[int] = ..., model_id: _Optional[str] = ..., num_layers: _Optional[int] = ..., block_size: _Optional[int] = ..., num_blocks_total: _Optional[int] = ..., num_blocks_free: _Optional[int] = ..., embed_ready: _Optional[bool] = ..., num_layers_loaded: _Optional[int] = ..., lm_head_ready: _Optional[bool] = ..., rank: _Optional[int] = ..., tp_size: _Optional[int] = ..., num_cached_batches: _Optional[int] = ..., max_input_tokens: _Optional[int] = ..., max_total_tokens: _Optional[int] = ..., device: _Optional[str] = ..., gpu_name: _Optional[str] = ..., attention_backend: _Optional[str] = ..., cuda_graphs: _Optional[bool] = ..., prefix_cache: _Optional[bool] = ..., num_blocks_cached: _Optional[int] = ..., cached_page_hashes: _Optional[_Iterable[int]] = ..., fabric: _Optional[str] = ..., weights_model: _Optional[str] = ...) -> None: ...
+    host_copies: _containers.RepeatedCompositeFieldContainer[HostCopy]
+    def __init__(self, requires_padding: _Optional[bool] = ..., dtype: _Optional[str] = ..., device_type: _Optional[str] = ..., window_size: _Optional[int] = ..., speculate: _Optional[int] = ..., model_id: _Optional[str] = ..., num_layers: _Optional[int] = ..., block_size: _Optional[int] = ..., num_blocks_total: _Optional[int] = ..., num_blocks_free: _Optional[int] = ..., embed_ready: _Optional[bool] = ..., num_layers_loaded: _Optional[int] = ..., lm_head_ready: _Optional[bool] = ..., rank: _Optional[int] = ..., tp_size: _Optional[int] = ..., num_cached_batches: _Optional[int] = ..., max_input_tokens: _Optional[int] = ..., max_total_tokens: _Optional[int] = ..., device: _Optional[str] = ..., gpu_name: _Optional[str] = ..., attention_backend: _Optional[str] = ..., cuda_graphs: _Optional[bool] = ..., prefix_cache: _Optional[bool] = ..., num_blocks_cached: _Optional[int] = ..., cached_page_hashes: _Optional[_Iterable[int]] = ..., fabric: _Optional[str] = ..., weights_model: _Optional[str] = ..., host_copies: _Optional[_Iterable[_Union[HostCopy, _Mapping]]] = ...) -> None: ...
+
+class HostCopy(_message.Message):
+    __slots__ = ("model", "bytes")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    bytes: int
+    def __init__(self, model: _Optional[str] = ..., bytes: _Optional[int] = ...) -> None: ...
 
 class ServiceDiscoveryRequest(_message.Message):
     __slots__ = ()
@@ -532,24 +542,32 @@ class BroadcastResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class SendParamsRequest(_message.Message):
-    __slots__ = ("dst", "model_name")
+    __slots__ = ("dst", "model_name", "host_copy_model", "share", "shares")
     DST_FIELD_NUMBER: _ClassVar[int]
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
+    HOST_COPY_MODEL_FIELD_NUMBER: _ClassVar[int]
+    SHARE_FIELD_NUMBER: _ClassVar[int]
+    SHARES_FIELD_NUMBER: _ClassVar[int]
     dst: int
     model_name: str
-    def __init__(self, dst: _Optional[int] = ..., model_name: _Optional[str] = ...) -> None: ...
+    host_copy_model: str
+    share: int
+    shares: int
+    def __init__(self, dst: _Optional[int] = ..., model_name: _Optional[str] = ..., host_copy_model: _Optional[str] = ..., share: _Optional[int] = ..., shares: _Optional[int] = ...) -> None: ...
 
 class SendParamsResponse(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class RecvParamsRequest(_message.Message):
-    __slots__ = ("src", "model_name")
+    __slots__ = ("src", "model_name", "more_srcs")
     SRC_FIELD_NUMBER: _ClassVar[int]
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
+    MORE_SRCS_FIELD_NUMBER: _ClassVar[int]
     src: int
     model_name: str
-    def __init__(self, src: _Optional[int] = ..., model_name: _Optional[str] = ...) -> None: ...
+    more_srcs: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, src: _Optional[int] = ..., model_name: _Optional[str] = ..., more_srcs: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class RecvParamsResponse(_message.Message):
     __slots__ = ()

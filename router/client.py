@@ -239,6 +239,7 @@ def _info(msg: pb.InfoResponse) -> ReplicaInfo:
         device_type=msg.device_type, fabric=msg.fabric, prefix_cache=msg.prefix_cache,
         cached_page_hashes=tuple(msg.cached_page_hashes), tp_size=max(1, msg.tp_size),
         weights_model=msg.weights_model,
+        host_copies=tuple((c.model, c.bytes) for c in msg.host_copies),
     )
 
 
@@ -402,13 +403,19 @@ class ReplicaClient:
         req = pb.ImmigrateRequest(batch=batch_pb(batch), src=list(src), dst=list(dst))
         return _immigrated(await self._call("Immigrate", req, self.transfer_timeout))
 
-    async def send_params(self, dst: int, model: str = "") -> None:
-        """Start a background p2p weight send of `model` to global rank `dst`."""
-        await self._call("SendParams", pb.SendParamsRequest(dst=dst, model_name=model))
+    async def send_params(self, dst: int, model: str = "", host_copy: bool = False, share: int = 0,
+                          shares: int = 0) -> None:
+        """Start a background p2p weight send of `model` to global rank `dst` (`host_copy`: of the
+        replica's host-memory copy of `model`, not of its weight buffer; `shares`: only share `share`)."""
+        request = pb.SendParamsRequest(dst=dst, host_copy_model=model if host_copy else "",
+                                       model_name="" if host_copy else model, share=share, shares=shares)
+        await self._call("SendParams", request)
 
-    async def recv_params(self, src: int, model: str = "") -> None:
-        """Start a background p2p weight receive of `model` from global rank `src`."""
-        await self._call("RecvParams", pb.RecvParamsRequest(src=src, model_name=model))
+    async def recv_params(self, src: int, model: str = "", more_srcs: Sequence[int] = ()) -> None:
+        """Start a background p2p weight receive of `model` from global rank `src` (and `more_srcs`:
+        a share of the regions from each)."""
+        request = pb.RecvParamsRequest(src=src, model_name=model, more_srcs=list(more_srcs))
+        await self._call("RecvParams", request)
 
     async def rdma_broadcast(
         self, src_ranks: Sequence[int], dst_ranks: Sequence[int], model: str = ""

@@ -5,8 +5,12 @@
  per model: its plan's scale-up, its inactive replicas, a request waiting at zero
      ──rebalance(needs, spare)──► which inactive replicas go back to the shared pool, how many each
                                   model borrows from it
+ a wake with no spare ──reclaim_order──► another model's idle replica (keep-alive), then a quiet model's
+                                       serving replica (nothing queued or held), to give up its weights
  a model at zero with a request waiting ──wake_action──► Reactivate an idle replica | p2p from a holder
-                                                        | LoadParams (host cache or disk)
+                                                        | LoadParams from the target's own host copy
+                                                        | a peer's host copy over the network
+                                                        | LoadParams (host cache, else disk)
 ```
 Pure: no asyncio, no replica calls (`router/pools.py` runs them).
 """
@@ -22,7 +26,7 @@ from router.scaling.actions import Action, Capabilities, Kind, Load, Reactivate
 from router.scaling.planner import Bounds, ReplicaSample
 from router.states import HOLDS_WEIGHTS, State
 from router.types import ReplicaId
-from router.weights import Method
+from router.weights import TRANSFER_METHODS, Method
 
 # per-model bound overrides a `--models` entry may carry (flag spelling → Bounds field, its type)
 _OVERRIDES: dict[str, tuple[str, type]] = {
@@ -99,14 +103,31 @@ def rebalance(needs: Mapping[str, PoolNeed], spare: int) -> Rebalance:
     return Rebalance(release, lend)
 
 
-def wake_action(replicas: Sequence[ReplicaSample], caps: Capabilities) -> Action | None:
-    """How a model with no serving replica gets one, in order of preference: an idle replica that
-    kept its weights serves again; else weights go into an inactive replica p2p from a replica that
-    holds them; else LoadParams from the node's host cache (from disk on a miss, as ServerlessLLM
-    does), or from disk alone under a policy that only loads from disk. A host copy's name can be
-    trusted under every policy: every transfer names its model and the receiver records it (a
-    transfer that names none leaves the receiver's model unknown, and no host copy is kept of it).
-    None: no inactive replica."""
+HOST_SOURCES = 2  # peers a model at zero reads its host copy from at once, a share of the regions each
+
+
+@dataclass(frozen=True)
+class HostCopies:
+    """The host-memory copies of one replica outside the waking model's pool (another model's
+    replica, or a spare): what it could send over the network (Info `host_copies`)."""
+
+    address: str
+    models: frozenset[str]
+
+
+def wake_action(replicas: Sequence[ReplicaSample], caps: Capabilities, model: str = "",
+                own: Mapping[ReplicaId, frozenset[str]] | None = None,
+                peers: Sequence[HostCopies] = ()) -> Action | None:
+    """How `model`, with no serving replica, gets one, in order of preference: an idle replica that
+    kept its weights serves again; else weights go into an inactive replica p2p from a replica of
+    the pool that holds them (a policy with a transfer method); else LoadParams from a target's own
+    host copy (`own`: each inactive replica's host copies); else, under a policy with
+    `Method.HOST_PEER`, peers' host copies sent over the network (`peers`: every other replica of the
+    cluster, BlitzScale's cluster-wide pool; up to HOST_SOURCES of them at once, a share each);
+    else LoadParams from the node's host cache, from disk on a miss (as ServerlessLLM does), or
+    from disk alone under a policy that only loads from disk.
+    A host copy's name can be trusted under every policy: every transfer names its model and the
+    receiver records it. None: no inactive replica."""
     free = [r for r in replicas if r.transfers == 0]
     idle = sorted(r.id for r in free if r.state is State.IDLE)
     if idle:
@@ -115,7 +136,40 @@ def wake_action(replicas: Sequence[ReplicaSample], caps: Capabilities) -> Action
     if not targets:
         return None
     holders = sorted(r.id for r in free if r.state in HOLDS_WEIGHTS)
-    if holders:
-        return Load(Method.P2P, (holders[0],), tuple(targets[:1]), Kind.PREFILL)
-    method = Method.LOAD_DISK if caps.methods == (Method.LOAD_DISK,) else Method.LOAD_HOST
-    return Load(method, (), tuple(targets[:1]), Kind.PREFILL)
+    if holders and any(m in TRANSFER_METHODS for m in caps.methods):
+        return Load(Method.P2P, (holders[0],), (targets[0],), Kind.PREFILL)
+    if caps.methods == (Method.LOAD_DISK,):
+        return Load(Method.LOAD_DISK, (), (targets[0],), Kind.PREFILL)
+    holding = [t for t in targets if model and model in (own or {}).get(t, frozenset())]
+    if holding:
+        return Load(Method.LOAD_HOST, (), (holding[0],), Kind.PREFILL)
+    senders = sorted(p.address for p in peers if model and model in p.models)
+    if senders and Method.HOST_PEER in caps.methods:  # a share from each of the first HOST_SOURCES
+        return Load(Method.HOST_PEER, (), (targets[0],), Kind.PREFILL,
+                    peers=tuple(senders[:HOST_SOURCES]))
+    return Load(Method.LOAD_HOST, (), (targets[0],), Kind.PREFILL)
+
+
+@dataclass(frozen=True)
+class Held:
+    """A replica of another model's pool, as the reclaim rule sees it."""
+
+    model: str
+    replica: ReplicaId
+    state: State
+    since: float  # when it entered its state
+    quiet: bool  # its model has nothing queued, held, waiting for a wake, or any action in flight
+    arrivals: float  # its model's recent arrival rate (prompt tokens/s)
+
+
+RECLAIMABLE = frozenset({State.PREFILL, State.DECODE, State.COLOCATED})  # drained first, then reset
+
+
+def reclaim_order(held: Sequence[Held]) -> list[Held]:
+    """Which replicas a wake with no spare may take, in order: idle ones (kept only for a keep-alive)
+    idle longest first; then serving replicas of quiet models, the least requested model first (a
+    serverless system's idle instance: nothing in flight), the longest in its state first."""
+    idle = sorted((h for h in held if h.state is State.IDLE), key=lambda h: (h.since, h.replica))
+    quiet = sorted((h for h in held if h.quiet and h.state in RECLAIMABLE),
+                   key=lambda h: (h.arrivals, h.since, h.replica))
+    return [*idle, *quiet]

@@ -8,6 +8,9 @@ the inactive replicas they share.
     every --plan-interval: rebalance (models.rebalance) — models that want no replica give their
     inactive ones back, models short of inactive replicas borrow spares (their autoscaler loads them)
     wake(name): models.wake_action on the model's pool, borrowing a spare first when it has none
+                (no spare: another model's idle replica, kept for its keep-alive, is reclaimed);
+                it sees every replica's host copies (its own pool's, the other pools', the spares'
+                read by Info), and a peer whose host copy is sent is held meanwhile (`peer`)
     an urgent round (an arrival) short of an inactive replica: a spare lent at once, then a round
 ```
 A replica serves one model at a time: it belongs to one model's scheduler (its model known from
@@ -20,10 +23,14 @@ import asyncio
 import contextlib
 import functools
 import logging
+from collections import Counter
 from collections.abc import AsyncIterator, Mapping, Sequence
+from dataclasses import dataclass
 
 from router.errors import ReplicaCallError
-from router.models import PoolNeed, rebalance, wake_action
+from router.models import HostCopies, PoolNeed, rebalance, reclaim_order, wake_action
+from router.reclaim import held_by, take_back
+from router.replica_api import ReplicaApi
 from router.replicas import State
 from router.scaling.planner import plan
 from router.scheduler import ClusterScheduler
@@ -44,10 +51,14 @@ class ModelPools:
         self.interval = interval
         self.wakes = 0  # models brought back from zero (or to their first replica)
         self._waking: dict[str, asyncio.Task[None]] = {}
+        self.fronting = Counter[str]()  # requests waiting at each model's front for its wake
         self._lending: dict[str, asyncio.Task[None]] = {}  # spares lent between rounds (urgent)
         self._task: asyncio.Task[None] | None = None
         for name, sched in self.schedulers.items():
             sched.scaling.on_short = functools.partial(self._short, name)
+            sched.scaling.executor.peer_source = self.peer
+            # a request waiting at the front for the wake is not queued yet: keep a replica for it
+            sched.scaling.awaited = functools.partial(self.fronting.__getitem__, name)
 
     def front(self, name: str) -> ModelFront:
         """The `Scheduler` the front end serves model `name` from."""
@@ -130,11 +141,14 @@ class ModelPools:
             sched.metrics.count_states([State.INACTIVE] * len(self.spare), "")
 
     async def lend(self, name: str) -> ReplicaId | None:
-        """A spare replica joins model `name`'s pool as inactive (None: no spare, or it did not answer:
-        it is kept out of the pool)."""
-        if not self.spare:
+        """A spare replica joins model `name`'s pool as inactive — one whose host memory holds the
+        model when there is one (a LoadParams from host memory there hits: ServerlessLLM's
+        locality-aware allocation), else the first — (None: no spare, or it did not answer: it is
+        kept out of the pool)."""
+        address = await self._spare_for(self.schedulers[name].model_name)
+        if address is None:
             return None
-        address = self.spare.pop(0)
+        self.spare.remove(address)
         try:
             rid = await self.schedulers[name].add_replica(address, State.INACTIVE)
         except ReplicaCallError as exc:
@@ -163,7 +177,11 @@ class ModelPools:
         started = False
         while not sched.is_healthy():
             if not started:
-                action = wake_action(sched.scaling.snapshot().replicas, sched.scaling.policy.caps)
+                own = {h.id: _models(h.state.info.host_copies) for h in sched.replicas.values()}
+                action = wake_action(sched.scaling.snapshot().replicas, sched.scaling.policy.caps,
+                                     sched.model_name, own, await self.host_copies(name))
+                if action is None and not self.spare:
+                    await self.reclaim(name)
                 if action is None and await self.lend(name) is not None:
                     continue
                 if action is not None:
@@ -175,9 +193,110 @@ class ModelPools:
                 started = False
             await asyncio.sleep(WAKE_POLL_S)
 
+    async def reclaim(self, name: str) -> bool:
+        """No spare for model `name`'s wake: another model's replica gives its weights up (they stay
+        in its host memory) and goes to the spare pool (`models.reclaim_order`, `router/reclaim.py`).
+        False: none could be taken."""
+        held = [h for other, sched in self.schedulers.items() if other != name
+                for h in held_by(other, sched, self.fronting[other])]
+        for candidate in reclaim_order(held):
+            sched = self.schedulers[candidate.model]
+            if not await take_back(sched, candidate):
+                continue
+            address = await release_replica(sched, candidate.replica)
+            if address is not None:
+                self.spare.append(address)
+                sched.timeline.write("reclaimed", replica=candidate.replica, model=candidate.model,
+                                     waking=name)
+                log.info("model %s: replica %s of model %s reclaimed for its wake", name, candidate.replica,
+                         candidate.model)
+                return True
+        return False
+
     def is_healthy(self) -> bool:
         """Some model serves now."""
         return any(s.is_healthy() for s in self.schedulers.values())
+
+    async def host_copies(self, name: str) -> list[HostCopies]:
+        """The host copies of every replica outside model `name`'s pool that could send one now:
+        the other models' replicas with no action in flight (their last Info), and the spares (an
+        Info each, now; one that does not answer is left out)."""
+        found = [HostCopies(h.state.address, _models(h.state.info.host_copies))
+                 for other, sched in self.schedulers.items() if other != name
+                 for h in sched.replicas.values()
+                 if h.state.alive and h.id not in sched.scaling.executor.busy and h.state.info.host_copies]
+        return found + await self._spare_copies()
+
+    async def _spare_copies(self) -> list[HostCopies]:
+        """The spares' host copies, by an Info each now (one that does not answer is left out)."""
+        found = []
+        for address in list(self.spare):
+            client = self._connect(address)
+            try:
+                info = await client.info()
+            except ReplicaCallError:
+                continue
+            finally:
+                await client.close()
+            if info.host_copies:
+                found.append(HostCopies(address, _models(info.host_copies)))
+        return found
+
+    async def _spare_for(self, model: str) -> str | None:
+        """The spare to lend for `model` (a checkpoint folder's name): the first whose host memory
+        holds it, else the first; None: no spare."""
+        if len(self.spare) > 1:
+            holding = [c.address for c in await self._spare_copies() if model in c.models]
+            chosen = next((a for a in holding if a in self.spare), None)  # a lend meanwhile took none
+            if chosen is not None:
+                return chosen
+        return self.spare[0] if self.spare else None
+
+    def _connect(self, address: str) -> ReplicaApi:
+        return next(iter(self.schedulers.values())).connect(address)
+
+    @contextlib.asynccontextmanager
+    async def peer(self, address: str) -> AsyncIterator[Peer]:
+        """The replica at `address` (another model's, or a spare) as a weight source while the
+        context lasts: held busy in its model's pool, or out of the spare pool (no model borrows it
+        meanwhile); ValueError when it is in neither (taken since, or gone)."""
+        for sched in self.schedulers.values():
+            handle = next((h for h in sched.replicas.values() if h.state.address == address), None)
+            if handle is None:
+                continue
+            if handle.id in sched.scaling.executor.busy or not handle.state.alive:
+                raise ValueError(f"replica {address} is busy or gone: its host copy cannot be sent now")
+            sched.scaling.executor.busy.add(handle.id)
+            try:
+                yield Peer(handle.rank, handle.ranks, handle.client, handle.layout)
+            finally:
+                sched.scaling.executor.busy.discard(handle.id)
+            return
+        if address not in self.spare:
+            raise ValueError(f"replica {address} is in no pool any more: its host copy cannot be sent")
+        self.spare.remove(address)
+        client = self._connect(address)
+        try:
+            info = await client.info()
+            yield Peer(info.rank, info.ranks, client, info.weights_model or info.model_id)
+        finally:
+            await client.close()
+            self.spare.append(address)
+
+
+@dataclass(frozen=True)
+class Peer:
+    """A replica outside the pool a transfer is for, as its source (`router.weights.Member`)."""
+
+    rank: int
+    ranks: tuple[int, ...]
+    client: ReplicaApi
+    layout: str  # the model its weight buffer is laid out for
+    alive: bool = True
+
+
+def _models(copies: Sequence[tuple[str, int]]) -> frozenset[str]:
+    return frozenset(name for name, _ in copies)
 
 
 async def release_replica(sched: ClusterScheduler, rid: ReplicaId) -> str | None:
@@ -217,17 +336,19 @@ class ModelFront:
         return self._after_wake(sched, request)
 
     async def _after_wake(self, sched: ClusterScheduler, request: GenerateRequest) -> AsyncIterator[Event]:
+        self.pools.fronting[self.name] += 1
         try:
             await self.pools.wake(self.name)
+            stream = sched.submit(request)  # queued at once: its planner sees it from now on
         except TimeoutError:
             yield ErrorEvent(f"model {self.name} has no replica serving it and none could be loaded "
                              f"within {self.pools.wake_timeout:g} s", 503)
             return
-        try:
-            stream = sched.submit(request)
         except RequestRejected as exc:
             yield ErrorEvent(str(exc), exc.http_status)
             return
+        finally:
+            self.pools.fronting[self.name] -= 1
         try:
             async for event in stream:
                 yield event

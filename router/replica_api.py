@@ -89,14 +89,17 @@ class ReplicaApi(Protocol):
         """Receiver side of a full KV migration: returns the decode-ready batch."""
         ...
 
-    async def send_params(self, dst: int, model: str = "") -> None:
+    async def send_params(self, dst: int, model: str = "", host_copy: bool = False, share: int = 0,
+                          shares: int = 0) -> None:
         """Start a background p2p weight send of `model` (a sender holding another refuses) to
-        global rank `dst`."""
+        global rank `dst`; `host_copy`: of the sender's host-memory copy of `model` instead of its
+        weight buffer (NOT_FOUND when it holds none); `shares` > 0: only share `share` of them
+        (the receiver's RecvParams names every share's source)."""
         ...
 
-    async def recv_params(self, src: int, model: str = "") -> None:
+    async def recv_params(self, src: int, model: str = "", more_srcs: Sequence[int] = ()) -> None:
         """Start a background p2p weight receive of `model` (recorded as the receiver's model) from
-        global rank `src`."""
+        global rank `src` (and `more_srcs` at once: share i of the regions from source i)."""
         ...
 
     async def rdma_broadcast(

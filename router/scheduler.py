@@ -92,10 +92,6 @@ class ClusterScheduler:
         self.scaling = Autoscaler(self, config.scaling, config.bounds(), config.plan_interval, self.rates,
                                   self.timeline, self.metrics.scaling_action)
 
-    def connect(self, address: str) -> ReplicaApi:
-        """A client of the replica at `address` (the caller closes it)."""
-        return self._connect(address)
-
     @property
     def queue(self) -> RequestQueue:
         """Requests waiting for a prefill."""
@@ -237,6 +233,10 @@ class ClusterScheduler:
             self.wakeups.all()
 
     # ---- replicas ----------------------------------------------------------------------------------
+
+    def connect(self, address: str) -> ReplicaApi:
+        """A new client of the replica at `address` (the caller closes it)."""
+        return self._connect(address)
 
     async def add_replica(self, address: str, role: State, registered: bool = False) -> ReplicaId:
         """Connect to a replica, read its Info and start its loop."""

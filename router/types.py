@@ -308,6 +308,7 @@ class ReplicaInfo:
     cached_page_hashes: tuple[int, ...] = ()  # PageHash of every full page it caches or holds
     tp_size: int = 1  # ranks of its tensor-parallel group (0 from an old replica reads as 1)
     weights_model: str = ""  # the model its weight buffer holds or last held ("": unknown, old replica)
+    host_copies: tuple[tuple[str, int], ...] = ()  # (model, bytes) of its host-memory copies
 
     @property
     def ranks(self) -> tuple[int, ...]:

@@ -7,6 +7,9 @@
             (every transfer call names the model: sources holding another refuse, receivers record it)
  load_disk  LoadParams(LOAD_FROM_DISK, model) on each target (blocking)
  load_host  LoadParams(LOAD_FROM_HOST_MEM) on each target (blocking)
+ host_peer  RecvParams(src, more_srcs) on the target, then SendParams(dst, host_copy_model, share i
+            of n) on each source (replicas of other pools or spares whose host memory holds the model),
+            WaitRdmaDone on all
 ```
 `become_ready` gives targets whose weights are complete their role. Used by the operator's
 ActivateReplica (`control.py`) and by the autoscaler's executor (`scaling/executor.py`). A failed
@@ -39,6 +42,7 @@ class Method(enum.Enum):
     P2P = "p2p"
     LOAD_DISK = "load_disk"  # LoadParams from the model root
     LOAD_HOST = "load_host"  # LoadParams from the node's host-memory copy
+    HOST_PEER = "host_peer"  # another replica's host-memory copy over the network (SendParams)
 
 
 TRANSFER_METHODS = (Method.TANZ, Method.CHAIN, Method.P2P)  # from replicas that hold weights
@@ -85,13 +89,13 @@ async def move(method: Method, sources: Sequence[Member], targets: Sequence[Memb
     """Give every target the weights by `method`; on failure settle the members, then raise."""
     if not targets:
         raise ValueError("no replica to give weights to")
-    if method in TRANSFER_METHODS and not sources:
+    if (method in TRANSFER_METHODS or method is Method.HOST_PEER) and not sources:
         raise ValueError(f"{method.value} needs a source replica that holds the weights")
     try:
         await _RUN[method](sources, targets, model)
     except BaseException:
-        if method in (Method.P2P, Method.CHAIN, Method.TANZ):  # background parts (a Tanz may run as a
-            # chain, `_tanz`): join them
+        # parts in the background (a Tanz may run as a chain, `_tanz`): join them
+        if method in (Method.P2P, Method.CHAIN, Method.TANZ, Method.HOST_PEER):
             await settle([*sources, *targets])
         raise
 
@@ -119,12 +123,26 @@ async def _p2p(sources: Sequence[Member], targets: Sequence[Member], model: str)
     await _all(*(_send_each(src, dsts, model) for src, dsts in share.values()))
 
 
-async def _send_each(src: Member, targets: list[Member], model: str) -> None:
+async def _send_each(src: Member, targets: list[Member], model: str, host_copy: bool = False) -> None:
     for dst in targets:  # the receiver's call first: it answers once laid out for `model` (a spare
         # of another shape switches), so the sender's connection meets the right handshake
         await dst.client.recv_params(src.rank, model)
-        await src.client.send_params(dst.rank, model)
+        await src.client.send_params(dst.rank, model, host_copy=host_copy)
         await _all(src.client.wait_rdma_done(), dst.client.wait_rdma_done())
+
+
+async def _host_peer(sources: Sequence[Member], targets: Sequence[Member], model: str) -> None:
+    """The sources' host-memory copies of `model` to every target, one target after another, each
+    source sending its share of the regions at once (one source: all of them)."""
+    if len(sources) == 1:
+        await _send_each(sources[0], list(targets), model, host_copy=True)
+        return
+    n = len(sources)
+    for dst in targets:
+        await dst.client.recv_params(sources[0].rank, model, more_srcs=[s.rank for s in sources[1:]])
+        for i, src in enumerate(sources):
+            await src.client.send_params(dst.rank, model, host_copy=True, share=i, shares=n)
+        await _all(*(s.client.wait_rdma_done() for s in sources), dst.client.wait_rdma_done())
 
 
 async def _chain(sources: Sequence[Member], targets: Sequence[Member], model: str) -> None:
@@ -183,7 +201,7 @@ async def _host_or_disk(target: Member, model: str) -> None:
 
 
 _RUN = {Method.P2P: _p2p, Method.CHAIN: _chain, Method.TANZ: _tanz, Method.LOAD_DISK: _load_disk,
-        Method.LOAD_HOST: _load_host}
+        Method.LOAD_HOST: _load_host, Method.HOST_PEER: _host_peer}
 
 
 async def settle(members: Sequence[Member]) -> None:

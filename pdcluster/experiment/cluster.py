@@ -76,6 +76,9 @@ class CellCluster:
         self.network = network
         self.roles = shape.roles()
         self.nodes = topology.place(self.roles)
+        if any(n.host_models for n in topology.nodes):
+            raise ValueError(f"topology {topology.name!r}: host_models (host memory holding models at start) "
+                             "is simulated only: run the file with `pdcluster simulate`")
         self.replicas: list[Proc] = []
         self.router: Proc | None = None
         self.http_url = ""

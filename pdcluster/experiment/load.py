@@ -317,7 +317,9 @@ def _node(t: Table) -> NodeSpec:
     node = NodeSpec(t.get("name", str, check=lambda v: bool(_NAME.match(v)), need="is not a name"), replicas,
                     t.get("nic_gbps", float, 0.0, _at_least_0, _NEED_0),
                     t.get("intra_gbps", float, 0.0, _at_least_0, _NEED_0),
-                    t.get("latency_ms", float, 0.0, _at_least_0, _NEED_0))
+                    t.get("latency_ms", float, 0.0, _at_least_0, _NEED_0),
+                    tuple(t.get("host_models", list, [], lambda v: all(isinstance(m, str) and m for m in v),
+                                "must be a list of model names")))
     t.done()
     return node
 

@@ -46,7 +46,8 @@ def shape_of(experiment: Experiment, cell: Cell) -> VirtualShape:
     places = []
     for node_index in nodes:
         node = cell.topology.nodes[node_index] if cell.topology.nodes else None
-        places.append(RankPlace(node.name, node.nic_gbps, node.intra_gbps) if node else RankPlace("n0"))
+        places.append(RankPlace(node.name, node.nic_gbps, node.intra_gbps, node.host_models) if node
+                      else RankPlace("n0"))
     return VirtualShape(tuple(roles), shape.engine, tuple(places), shape.replica_args, shape.router_args,
                         experiment.model.num_blocks)
 

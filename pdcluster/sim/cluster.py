@@ -125,7 +125,8 @@ class VirtualCluster:
         scheds = {s.name: self._model_scheduler(s, i == 0, connect, kv_bytes, ids)
                   for i, s in enumerate(specs)}
         spare, dealt = [], Counter[str]()
-        for replica, role in zip(self.replicas, self.shape.roles, strict=True):
+        for replica, role, place in zip(self.replicas, self.shape.roles, self.shape.places, strict=True):
+            _keep_host_models(replica.weights.params, place.host_models)
             if role == "inactive":
                 _name_host_copy(replica.weights.params, specs[0].path.name)
                 spare.append(replica.address)
@@ -172,6 +173,13 @@ class VirtualCluster:
             await self.pools.stop()
         elif self.scheduler is not None:
             await self.scheduler.stop()
+
+
+def _keep_host_models(params: ParamStore, names: Sequence[str]) -> None:
+    """The node's host memory holds these models at start (topology `host_models`): a host copy of
+    each, in order, within `--host-cache-bytes` (a simulated copy: only its size counts)."""
+    for name in names:
+        params.host_cache.put(name, params.io.empty_copy(params.buffer), params.layout.total_bytes)
 
 
 def _name_host_copy(params: ParamStore, name: str) -> None:

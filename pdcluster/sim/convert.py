@@ -94,8 +94,8 @@ def step(result: e.StepResult) -> t.StepResult:
                         None if result.batch is None else cached(result.batch))
 
 
-def info(engine: e.EngineInfo, rank: int) -> t.ReplicaInfo:
-    """Info."""
+def info(engine: e.EngineInfo, rank: int, host_copies: tuple[tuple[str, int], ...] = ()) -> t.ReplicaInfo:
+    """Info (`host_copies`: (model, bytes) of the replica's host-memory copies)."""
     return t.ReplicaInfo(
         model_id=engine.model_id, dtype=engine.dtype, num_layers=engine.num_layers,
         block_size=engine.block_size, num_blocks_total=engine.num_blocks_total,
@@ -103,6 +103,7 @@ def info(engine: e.EngineInfo, rank: int) -> t.ReplicaInfo:
         max_total_tokens=engine.max_total_tokens, num_layers_loaded=engine.num_layers_loaded,
         embed_ready=engine.embed_ready, lm_head_ready=engine.lm_head_ready,
         num_cached_batches=engine.num_cached_batches, device_type=engine.device_type,
+        host_copies=host_copies,
     )
 
 

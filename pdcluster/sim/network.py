@@ -42,6 +42,7 @@ class RankPlace:
     node: str
     nic_gbps: float = 0.0
     intra_gbps: float = 0.0
+    host_models: tuple[str, ...] = ()  # models its node's host memory holds at start
 
 
 class Network:

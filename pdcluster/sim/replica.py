@@ -84,7 +84,7 @@ class VirtualReplica:
 
     async def info(self) -> ReplicaInfo:
         """Info: answered at once, beside the engine's queue (as the replica's server does)."""
-        return convert.info(self.engine.info(), self.rank)
+        return convert.info(self.engine.info(), self.rank, tuple(self.weights.params.host_copies()))
 
     async def health(self) -> str:
         """Health: "serving" once every weight region is there, else "inactive" (a virtual replica
@@ -284,14 +284,16 @@ class VirtualReplica:
 
     # ---- weights (weights.py) --------------------------------------------------------------------
 
-    async def send_params(self, dst: int, model: str = "") -> None:
-        """SendParams: p2p in the background (`model` unused: a simulated receiver takes its source's
-        model name itself, `weights.py` `_adopt`)."""
-        self.weights.send(dst)
+    async def send_params(self, dst: int, model: str = "", host_copy: bool = False, share: int = 0,
+                          shares: int = 0) -> None:
+        """SendParams: p2p in the background, of the weight buffer, or (`host_copy`) of the host copy
+        of `model` (NOT_FOUND when none is held); `shares`: only share `share` of the regions."""
+        self.weights.send(dst, model if host_copy else "", (share, shares))
 
-    async def recv_params(self, src: int, model: str = "") -> None:
-        """RecvParams: p2p in the background."""
-        self.weights.receive(src)
+    async def recv_params(self, src: int, model: str = "", more_srcs: Sequence[int] = ()) -> None:
+        """RecvParams: p2p in the background (from `more_srcs` too: a share each); the buffer holds
+        `model` from now on ("": its source's)."""
+        self.weights.receive(src, model, tuple(more_srcs))
 
     async def rdma_broadcast(
         self, src_ranks: Sequence[int], dst_ranks: Sequence[int], model: str = ""

@@ -2,6 +2,9 @@
 
 ```
  SendParams ‖ RecvParams, RdmaBroadcast (each member)  ─► background part, joined by WaitRdmaDone
+ SendParams of a host copy                              ─► the same p2p, read from host memory: paced
+                                                           at min(the sender's link, --host-gbps)
+ RecvParams from several sources, SendParams of a share ─► each source's share of the regions at once
  TanzBroadcast (each member), LoadParams                ─► blocking
  the members meet; the source schedules each target's regions (embed | layer 0 | … | head, real
  sizes) to land at  start + bytes_before_it / rate + hop · chunk / rate  (pipelined chain; a Tanz
@@ -16,7 +19,7 @@ from host memory needs the host copy (`--host-cache`, or an earlier ResetStatus)
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from itertools import pairwise
 from typing import Protocol
 
@@ -24,6 +27,7 @@ from pdcluster.sim.hardware import Hardware
 from replica.engine.engine import Engine
 from replica.errors import FailedPrecondition, ReplicaError
 from replica.model.layout import WeightLayout
+from replica.params.shares import share_of
 from replica.params.store import ParamStore
 
 
@@ -84,47 +88,72 @@ class VirtualWeights:
 
     # ---- schedule -----------------------------------------------------------------------------------
 
-    def _land(self, rank: int, begin: float, rate: float) -> float:
-        """Mark `rank`'s regions ready as they would land from `begin` at `rate` bytes/s; the end."""
+    def _part_of(self, share: int, shares: int) -> tuple[int, int]:
+        """The region range of share `share` of `shares` (0 shares: every region)."""
+        if shares <= 1 and share == 0:
+            return 0, len(self.regions)
+        return share_of([n for _, _, n in self.regions], share, shares)
+
+    def _land(self, rank: int, begin: float, rate: float, part: tuple[int, int] | None = None) -> float:
+        """Mark `rank`'s regions (those of `part`: a range of them) ready as they would land from
+        `begin` at `rate` bytes/s; the end."""
         loop, at, offset = asyncio.get_running_loop(), begin, 0
         readiness = self.replica.hw.replicas[rank].weights.params.readiness
-        for kind, index, nbytes in self.regions:
+        lo, hi = part if part is not None else (0, len(self.regions))
+        for kind, index, nbytes in self.regions[lo:hi]:
             offset += nbytes
             at = begin + (offset / rate if rate > 0 else 0.0)
             loop.call_at(at, readiness.mark, kind, index)
         return at
 
-    def _chain(self, chain: list[int]) -> float:
-        """Schedule a pipelined chain chain[0] → chain[1] → …; its end."""
+    def _chain(self, chain: list[int], cap: float = 0.0, part: tuple[int, int] | None = None) -> float:
+        """Schedule a pipelined chain chain[0] → chain[1] → … (at most `cap` bytes/s; 0: the links';
+        `part`: only that range of regions); its end."""
         net, now = self.replica.hw.network, self.replica.hw.now()
         links = [net.link(a, b) for a, b in pairwise(chain)]
-        rate = min((link.rate for link in links if link.rate > 0), default=0.0)
+        rate = min((r for r in [*(link.rate for link in links), cap] if r > 0), default=0.0)
         begin = max([now, *(link.free_at for link in links)])
         hop = CHUNK_BYTES / rate if rate > 0 else 0.0
-        end = max(self._land(rank, begin + j * hop, rate) for j, rank in enumerate(chain[1:]))
+        end = max(self._land(rank, begin + j * hop, rate, part) for j, rank in enumerate(chain[1:]))
         for link in links:
             link.free_at = end
         return end
 
     # ---- p2p and chain (background) -------------------------------------------------------------
 
-    def send(self, dst: int) -> None:
-        """SendParams."""
+    def send(self, dst: int, host_copy: str = "", share: tuple[int, int] = (0, 0)) -> None:
+        """SendParams: of the weight buffer, or of the host copy of model `host_copy` (read from host
+        memory at `--host-gbps`, so at the slower of that and the link); only share `share[0]` of
+        `share[1]` of the regions when given."""
         self._guard("SendParams")
-        self._check("SendParams", lambda: self.params.require_complete(f"sending weights to rank {dst}"))
-        self._start("SendParams", self._part(("p2p", self.replica.rank, dst), [self.replica.rank, dst]))
+        part = self._part_or_error(*share)
+        if host_copy:
+            self._check("SendParams", lambda: self.params.host_copy_to_send(host_copy))
+        else:
+            self._check("SendParams", lambda: self.params.require_complete(f"sending weights to rank {dst}"))
+        cap = self.host_rate if host_copy else 0.0
+        key = ("p2p", self.replica.rank, dst)
+        self._start("SendParams", self._part(key, [self.replica.rank, dst], cap, part))
 
-    def _adopt(self, source: int) -> None:
-        """A transfer fills this buffer with the source's model: its host copy is kept under that
-        name at the next ResetStatus (several models, `router/pools.py`)."""
-        self.params.model_name = self.replica.hw.replicas[source].weights.params.model_name
+    def _part_or_error(self, share: int, shares: int) -> tuple[int, int]:
+        try:
+            return self._part_of(share, shares)
+        except ReplicaError as exc:
+            raise self._error("SendParams", exc) from None
 
-    def receive(self, src: int) -> None:
-        """RecvParams."""
+    def _adopt(self, source: int, model: str = "") -> None:
+        """A transfer fills this buffer with `model` (""): the source's): its host copy is kept under
+        that name at the next ResetStatus (several models, `router/pools.py`)."""
+        self.params.model_name = model or self.replica.hw.replicas[source].weights.params.model_name
+
+    def receive(self, src: int, model: str = "", more: tuple[int, ...] = ()) -> None:
+        """RecvParams (of `model`; "": the source's), from `src` and `more` at once (each its share)."""
         self._guard("RecvParams")
         self._check("RecvParams", lambda: self.params.begin_fill(f"receiving weights from rank {src}"))
-        self._adopt(src)
-        self._start("RecvParams", self._part(("p2p", src, self.replica.rank), [src, self.replica.rank]))
+        self._adopt(src, model)
+        me = self.replica.rank
+        parts = [self._part(("p2p", s, me), [s, me]) for s in (src, *more)]
+        self._start("RecvParams", _together(parts))
 
     def chain(self, sources: list[int], targets: list[int]) -> None:
         """RdmaBroadcast: chain = [sources[0]] + targets."""
@@ -141,10 +170,11 @@ class VirtualWeights:
             if source >= 0:
                 self._adopt(source)
 
-    async def _part(self, key: tuple[object, ...], chain: list[int]) -> None:
+    async def _part(self, key: tuple[object, ...], chain: list[int], cap: float = 0.0,
+                    part: tuple[int, int] | None = None) -> None:
         meeting = await self.replica.hw.meet(key, len(chain))
         if self.replica.rank == chain[0]:
-            meeting.end.set_result(self._chain(chain))
+            meeting.end.set_result(self._chain(chain, cap, part))
         await meeting.ended(self.replica.hw)
 
     async def wait(self) -> None:
@@ -201,3 +231,8 @@ class VirtualWeights:
         """ResetStatus: the weights are unloaded (the host copy is kept)."""
         self._guard("ResetStatus")
         self.params.unload()
+
+
+async def _together(parts: Sequence[Awaitable[None]]) -> None:
+    """Every part at once (a receive from several sources)."""
+    await asyncio.gather(*parts)

@@ -34,6 +34,11 @@ class HostCache:
         """Held models, least recently used first."""
         return list(self._copies)
 
+    def nbytes(self, name: str) -> int:
+        """Bytes of `name`'s copy (0: none held)."""
+        entry = self._copies.get(name)
+        return entry[1] if entry is not None else 0
+
     def fits(self, nbytes: int) -> bool:
         """A copy of `nbytes` can be kept at all."""
         return self.capacity == 0 or nbytes <= self.capacity

@@ -87,6 +87,7 @@ class ParamStore:
         self.readiness = readiness
         self.model_root = Path(model_root)
         self.host_cache = HostCache(host_cache_bytes)  # the node's copies by model name (LRU)
+        self._copy_layouts: dict[str, WeightLayout] = {}  # how each host copy is laid out (sending one)
         self.model_name = model_name  # what the buffer holds, or last held (the host copy's key)
         self.disk_gbps = disk_gbps
         self.host_gbps = host_gbps
@@ -199,6 +200,31 @@ class ParamStore:
         """The host-memory copy of this replica's model, or None."""
         return self.host_cache.peek(self.model_name)
 
+    def host_copies(self) -> list[tuple[str, int]]:
+        """(model, bytes) of every host-memory copy held, least recently used first (Info)."""
+        return [(name, self.host_cache.nbytes(name)) for name in self.host_cache.names()]
+
+    def host_copy_to_send(self, model_name: str) -> Any:
+        """The host copy of `model_name` for a peer (SendParams.host_copy_model): NOT_FOUND when none
+        is held; FAILED_PRECONDITION when it is laid out otherwise than the buffer now (the PARAMS
+        stream's handshake announces the buffer's layout, and the regions sent are its)."""
+        copy = self.host_cache.peek(model_name) if model_name else None
+        if copy is None:
+            raise NotFound(f"no host-memory copy of {model_name or '(no model named)'} to send (held: "
+                           f"{self.host_cache.names()})")
+        layout = self._copy_layouts.get(model_name, self.layout)
+        if layout.signature() != self.layout.signature():
+            raise FailedPrecondition(f"the host copy of {model_name} is laid out for another shape than "
+                                     "this replica's weight buffer now; it cannot be sent from here")
+        return copy
+
+    def _keep_host_copy(self, copy: Any) -> None:
+        """Keep `copy` (laid out as the buffer now) as `model_name`'s host copy, when it fits."""
+        if self.host_cache.put(self.model_name, copy, self.layout.total_bytes):
+            self._copy_layouts[self.model_name] = self.layout
+        held = set(self.host_cache.names())
+        self._copy_layouts = {k: v for k, v in self._copy_layouts.items() if k in held}
+
     def load_from_host(self, model_name: str = "") -> None:
         """Fill the buffer from the host-memory copy of `model_name` (default: this replica's model),
         region by region; FAILED_PRECONDITION on a miss (never cached, evicted, or too big)."""
@@ -237,7 +263,7 @@ class ParamStore:
             return
         copy = self.io.empty_copy(self.buffer)
         self.io.load(path, self.layout, copy, lambda _name: None)
-        self.host_cache.put(self.model_name, copy, self.layout.total_bytes)
+        self._keep_host_copy(copy)
         log.info("host cache: %.1f MB of %s kept in host memory", self.layout.total_bytes / 1e6, path.name)
 
     def unload(self) -> None:
@@ -248,7 +274,7 @@ class ParamStore:
             copy = self.host_cache.peek(self.model_name)
             copy = copy if copy is not None else self.io.empty_copy(self.buffer)
             self.io.copy(copy, self.buffer, 0, nbytes)
-            self.host_cache.put(self.model_name, copy, nbytes)
+            self._keep_host_copy(copy)
         self.readiness.reset()
 
 

@@ -7,6 +7,8 @@ layer i+1 is still on the wire. Who plays which part is derived from the rank li
 
 ```
  p2p     send_to(dst) ───────────────────────────────► recv_from(src)
+ host    send_host_copy(dst): a host-memory copy ────► recv_from(src)   (the buffer untouched)
+ shares  send_to / send_host_copy(share i of n) × n ─► recv_from_many([src0, …]) (shares.py split)
  chain   [head] ─► r1 ─► r2 ─► … (store-and-forward per chunk)         RdmaBroadcast / NvlBroadcast
  Tanz    s sources, lanes of |dst|/s receivers get stripes, then rings all-gather them   TanzBroadcast
 ```
@@ -18,6 +20,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 
 from replica.cancellation import aborting
 from replica.errors import (
@@ -27,6 +30,7 @@ from replica.errors import (
     PeerUnavailable,
     ReplicaError,
 )
+from replica.params.shares import share_of
 from replica.params.store import ParamStore
 from transfer.collectives import (
     TransferOptions,
@@ -41,6 +45,8 @@ from transfer.errors import PeerTimeout as TransferTimeout
 from transfer.fabric import Fabric
 
 log = logging.getLogger(__name__)
+
+HOST_COPY_BUFFER = "weights-host"  # the fabric name of a host copy while it is being sent
 
 
 def replica_error(exc: TransferError, what: str) -> ReplicaError:
@@ -90,20 +96,59 @@ class WeightMover:
         self.store.require_complete(f"sending weights to rank {peer}")
         self.store.require_model(f"sending weights to rank {peer}", model)
 
+    def prepare_send_host(self, peer: int, model: str) -> None:
+        """Checks before a background send of the host copy of `model` (NOT_FOUND: none held), which
+        is registered on the fabric for the send (a fabric that cannot move host memory refuses)."""
+        self._check_peer(peer)
+        copy = self.store.host_copy_to_send(model)
+        try:
+            self.fabric.register(HOST_COPY_BUFFER, copy)
+        except ValueError as exc:
+            raise FailedPrecondition(f"this fabric cannot send host memory: {exc}") from exc
+
+    def send_host_copy(self, peer: int, model: str, deadline: Deadline,
+                       cancelled: threading.Event | None = None, share: tuple[int, int] = (0, 0)) -> None:
+        """Send the host copy of `model` (or share `share[0]` of `share[1]` of it) to `peer` region by
+        region (after `prepare_send_host`); the receiver runs `recv_from` (`recv_from_many`), so its
+        layers become usable as they land."""
+        _, regions = self.share(*share)
+        try:
+            self._run(
+                lambda: send_regions(self.fabric, peer, HOST_COPY_BUFFER, regions,
+                                     Stream.PARAMS, deadline, options=self.options),
+                f"sending the host copy of {model} to rank {peer}",
+                [peer],
+                cancelled,
+            )
+        finally:
+            self.fabric.unregister(HOST_COPY_BUFFER)
+
     def prepare_recv(self, peer: int, model: str = "") -> None:
         """Checks and readiness reset before a background receive of `model` (recorded as the
         buffer's model; "": unknown)."""
         self._check_peer(peer)
         self.store.begin_receive(f"receiving weights from rank {peer}", model)
 
-    def send_to(self, peer: int, deadline: Deadline, cancelled: threading.Event | None = None) -> None:
-        """p2p: send every region to `peer` (after `prepare_send`); `cancelled` aborts it at once."""
+    def share(self, share: int = 0, shares: int = 0) -> tuple[int, list[tuple[int, int]]]:
+        """(first region index, (offset, length) of each region) of share `share` of `shares`
+        (`shares.py`; 0 shares: every region)."""
+        regions = self.store.regions()
+        if shares <= 1 and share == 0:
+            return 0, regions
+        begin, end = share_of([n for _, n in regions], share, shares)
+        return begin, regions[begin:end]
+
+    def send_to(self, peer: int, deadline: Deadline, cancelled: threading.Event | None = None,
+                share: tuple[int, int] = (0, 0)) -> None:
+        """p2p: send every region (or share `share[0]` of `share[1]`) to `peer` (after
+        `prepare_send`); `cancelled` aborts it at once."""
+        _, regions = self.share(*share)
         self._run(
             lambda: send_regions(
                 self.fabric,
                 peer,
                 self.buffer_name,
-                self.store.regions(),
+                regions,
                 Stream.PARAMS,
                 deadline,
                 options=self.options,
@@ -131,6 +176,28 @@ class WeightMover:
             [peer],
             cancelled,
         )
+
+    def recv_from_many(self, peers: Sequence[int], deadline: Deadline,
+                       cancelled: threading.Event | None = None) -> None:
+        """Receive share i of the regions from `peers[i]`, all at once, marking each region ready as it
+        lands (after `prepare_recv` of every peer); the first failure aborts the others."""
+        parts = [self.share(i, len(peers)) for i in range(len(peers))]
+
+        def receive(peer: int, base: int, regions: list[tuple[int, int]]) -> None:
+            recv_regions(self.fabric, peer, self.buffer_name, regions, Stream.PARAMS, deadline,
+                         lambda i: self.store.mark_region(base + i), self.options)
+
+        def all_shares() -> None:
+            with ThreadPoolExecutor(len(peers), thread_name_prefix="params-share") as pool:
+                futures = [pool.submit(receive, p, b, r) for p, (b, r) in zip(peers, parts, strict=True)]
+                try:
+                    for future in futures:
+                        future.result()
+                except BaseException:
+                    self._abort(peers, "another share of the weights failed")
+                    raise
+
+        self._run(all_shares, f"receiving weights from ranks {list(peers)}", peers, cancelled)
 
     def prepare_chain(self, chain: Sequence[int], model: str = "") -> None:
         """Checks (and, on a receiver, readiness reset and `model` recorded) before a chain multicast."""

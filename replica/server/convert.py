@@ -208,7 +208,7 @@ def warmup_from_pb(msg: pb.WarmupRequest) -> WarmupSpec:
 
 
 def info_to_pb(info: EngineInfo, rank: int, tp_size: int, fabric: str = "",
-               weights_model: str = "") -> pb.InfoResponse:
+               weights_model: str = "", host_copies: Sequence[tuple[str, int]] = ()) -> pb.InfoResponse:
     """Info facts."""
     msg = pb.InfoResponse(
         requires_padding=False,
@@ -234,6 +234,7 @@ def info_to_pb(info: EngineInfo, rank: int, tp_size: int, fabric: str = "",
         cuda_graphs=info.cuda_graphs,
         fabric=fabric,
         weights_model=weights_model,
+        host_copies=[pb.HostCopy(model=name, bytes=nbytes) for name, nbytes in host_copies],
         prefix_cache=info.prefix_cache,
         num_blocks_cached=info.num_blocks_cached,
         cached_page_hashes=info.cached_page_hashes,

@@ -167,7 +167,8 @@ class ReplicaCore:
         state = self.weights.state
         return m.ReplicaInfo(engine.info(), self.config.rank, tp_size=self.config.tp,
                              fabric=cluster.kind if cluster is not None else "",
-                             weights_model=state.params.model_name if state is not None else "")
+                             weights_model=state.params.model_name if state is not None else "",
+                             host_copies=tuple(state.params.host_copies()) if state is not None else ())
 
     def health(self) -> HealthState:
         """loading until the model is built; then serving / inactive / loading by weight readiness

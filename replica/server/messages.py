@@ -113,6 +113,7 @@ class ReplicaInfo(msgspec.Struct, frozen=True, array_like=True, gc=False):
     tp_size: int
     fabric: str = ""  # the fabric kind this replica moves KV and weights on ("" before it has one)
     weights_model: str = ""  # the model its weight buffer holds or last held ("": unknown)
+    host_copies: tuple[tuple[str, int], ...] = ()  # (model, bytes) of its host-memory copies
 
 
 class Discovery(msgspec.Struct, frozen=True, array_like=True, gc=False):
@@ -310,6 +311,9 @@ class SendParams(Call, frozen=True):
 
     dst: int
     model_name: str = ""  # the model sent: a sender holding another refuses ("": not checked)
+    host_copy_model: str = ""  # send this model's host-memory copy instead of the buffer
+    share: int = 0  # send only share `share` of `shares` of the regions (replica/params/shares.py)
+    shares: int = 0  # 0: every region
 
 
 class RecvParams(Call, frozen=True):
@@ -317,6 +321,7 @@ class RecvParams(Call, frozen=True):
 
     src: int
     model_name: str = ""  # the model received, recorded as what the buffer holds ("": unknown)
+    more_srcs: tuple[int, ...] = ()  # further sources at once: share i from source i (src first)
 
 
 class Broadcast(Call, frozen=True):

@@ -156,7 +156,7 @@ def _empty(response: type[Message]) -> Callable[[Any], Message]:
 RPCS: dict[str, Rpc] = {
     "Info": Rpc(
         pb.InfoRequest, lambda r: m.Info(),
-        lambda i: convert.info_to_pb(i.engine, i.rank, i.tp_size, i.fabric, i.weights_model),
+        lambda i: convert.info_to_pb(i.engine, i.rank, i.tp_size, i.fabric, i.weights_model, i.host_copies),
     ),
     "ConnectPeers": Rpc(
         pb.ConnectPeersRequest,
@@ -194,9 +194,10 @@ RPCS: dict[str, Rpc] = {
         pb.DecodeRequest, lambda r: m.Decode(convert.decode_inputs_from_pb(r.batches)), _decoded_v1
     ),
     "Health": Rpc(pb.HealthRequest, lambda r: m.Health(), lambda state: pb.HealthResponse(state=state.value)),
-    "SendParams": Rpc(pb.SendParamsRequest, lambda r: m.SendParams(r.dst, r.model_name),
+    "SendParams": Rpc(pb.SendParamsRequest,
+                      lambda r: m.SendParams(r.dst, r.model_name, r.host_copy_model, r.share, r.shares),
                       _empty(pb.SendParamsResponse)),
-    "RecvParams": Rpc(pb.RecvParamsRequest, lambda r: m.RecvParams(r.src, r.model_name),
+    "RecvParams": Rpc(pb.RecvParamsRequest, lambda r: m.RecvParams(r.src, r.model_name, tuple(r.more_srcs)),
                       _empty(pb.RecvParamsResponse)),
     "LoadParams": Rpc(
         pb.LoadParamsRequest,

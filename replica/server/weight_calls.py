@@ -3,6 +3,7 @@
 ```
  LoadParams ─────────────► ParamOps.run_blocking ─► ParamStore.load_from_disk / load_from_host
  SendParams / RecvParams ─► ParamOps.start_background ─► WeightMover.send_to / recv_from ─┐
+   (host_copy_model: send_host_copy, the sender's host-memory copy instead of its buffer)  │
  Broadcast RDMA ──────────► ParamOps.start_background ─► WeightMover.chain ───────────────┤ WaitRdmaDone
  Broadcast NVL / TANZ ────► ParamOps.run_blocking ─► WeightMover.chain / tanz              joins
  ResetStatus / SetStatusReady ─► readiness (refused while an operation holds the guard)
@@ -171,16 +172,57 @@ class WeightCalls:
 
     # --------------------------------------------------------------------- p2p and multicast
     def send_params(self, call: SendParams, ctx: CallContext) -> None:
-        """SendParams: p2p to `dst` in the background."""
-        mover, deadline = self._mover(), self._transfer_deadline()
-        run = self._per_rank(WeightOp.SEND, lambda: mover.send_to(call.dst, deadline), deadline, False,
-                             dests=[call.dst])
+        """SendParams: p2p to `dst` in the background (of a host-memory copy: `_send_host_copy`)."""
+        if call.host_copy_model:
+            self._send_host_copy(call)
+            return
+        mover, deadline, share = self._mover(), self._transfer_deadline(), self._share(call)
+        run = self._per_rank(WeightOp.SEND, lambda: mover.send_to(call.dst, deadline, share=share), deadline,
+                             False, dests=[call.dst])
         prepare = functools.partial(mover.prepare_send, call.dst, call.model_name)
         self._state().ops.start_background("SendParams", prepare, run)
 
+    def _send_host_copy(self, call: SendParams) -> None:
+        """SendParams of the host copy of `host_copy_model` (another node's cold start reads this
+        node's host memory over the network, BlitzScale's pool); NOT_FOUND when none is held."""
+        if self.tp > 1:
+            raise FailedPrecondition(f"SendParams of a host copy: a --tp {self.tp} replica keeps no "
+                                     "host-memory copies")
+        mover, deadline, model = self._mover(), self._transfer_deadline(), call.host_copy_model
+        share = self._share(call)
+        self._state().ops.start_background(
+            "SendParams(host copy)", functools.partial(mover.prepare_send_host, call.dst, model),
+            lambda: mover.send_host_copy(call.dst, model, deadline, share=share))
+
+    def _share(self, call: SendParams) -> tuple[int, int]:
+        """The call's share of the regions, checked now (INVALID_ARGUMENT; FAILED_PRECONDITION under
+        --tp N, whose ranks send whole shards)."""
+        if not call.shares and not call.share:
+            return 0, 0
+        if self.tp > 1:
+            raise FailedPrecondition(f"a share of the weights: a --tp {self.tp} replica sends whole shards")
+        self._mover().share(call.share, call.shares)  # INVALID_ARGUMENT for a share out of range
+        return call.share, call.shares
+
     def recv_params(self, call: RecvParams, ctx: CallContext) -> None:
-        """RecvParams: p2p from `src` in the background."""
+        """RecvParams: p2p from `src` in the background (from several sources at once: each its share)."""
         mover, deadline = self._mover(), self._transfer_deadline()
+        if call.more_srcs:
+            if self.tp > 1:
+                raise FailedPrecondition(f"RecvParams from several sources: a --tp {self.tp} replica "
+                                         "receives whole shards")
+            peers = [call.src, *call.more_srcs]
+            mover.share(len(peers) - 1, len(peers))  # INVALID_ARGUMENT: more sources than regions
+
+            def prepare() -> None:
+                if len(set(peers)) != len(peers):
+                    raise InvalidArgument(f"RecvParams sources {peers} name a rank twice")
+                for peer in peers:
+                    mover.prepare_recv(peer, call.model_name)
+
+            self._state().ops.start_background("RecvParams", prepare,
+                                               lambda: mover.recv_from_many(peers, deadline))
+            return
         run = self._per_rank(WeightOp.RECV, lambda: mover.recv_from(call.src, deadline), deadline, True,
                              sources=[call.src])
         prepare = functools.partial(mover.prepare_recv, call.src, call.model_name)

@@ -67,6 +67,7 @@ class Load:
     targets: tuple[ReplicaId, ...]
     kind: Kind
     live: bool = False  # new prefill replicas serve layer by layer while loading (zigzag)
+    peers: tuple[str, ...] = ()  # HOST_PEER: replicas outside the pool sending host copies, a share each
 
 
 @dataclass(frozen=True)
@@ -203,6 +204,8 @@ def _load(kind: Kind, free: dict[ReplicaId, ReplicaSample], need: dict[Kind, int
 def _fit(method: Method, sources: list[ReplicaSample], targets: list[ReplicaSample]
          ) -> tuple[list[ReplicaSample], list[ReplicaSample]] | None:
     """The sources and targets `method` would use, or None when it does not apply."""
+    if method is Method.HOST_PEER:  # needs a peer outside the pool: only a wake picks it (models.py)
+        return None
     if method not in TRANSFER_METHODS:
         return [], targets
     if not sources:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import math
 from collections.abc import Callable
@@ -61,6 +62,9 @@ class Autoscaler:
         # an urgent round that wants prefill but finds no replica to load: its pool may get one now
         # (several models: `router/pools.py` lends a shared spare at once and plans again)
         self.on_short: Callable[[str], None] | None = None
+        # requests waiting outside the queue for this model's wake (several models): while any does,
+        # a round keeps at least one prefill replica (its first serving one is not drained under it)
+        self.awaited: Callable[[], int] | None = None
         self._task: asyncio.Task[None] | None = None
 
     def set_policy(self, name: str) -> str:
@@ -140,7 +144,10 @@ class Autoscaler:
         """One planning round: decide, start the actions, write the round (and why it ran) to the
         timeline."""
         snapshot = self.snapshot()
-        decided = plan(snapshot, self.bounds)
+        bounds = self.bounds
+        if self.awaited is not None and self.awaited() and bounds.min_prefill < 1:
+            bounds = dataclasses.replace(bounds, min_prefill=1)
+        decided = plan(snapshot, bounds)
         actions = choose(decided, snapshot, self.policy.caps)
         self.rounds += 1
         self._record(decided, actions, reason)

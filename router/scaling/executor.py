@@ -20,8 +20,10 @@ operations held) and a later round tries again.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Callable, Iterable
+from contextlib import AbstractAsyncContextManager
 from typing import Protocol
 
 from router import weights, zigzag
@@ -35,6 +37,8 @@ from router.types import ReplicaId
 
 log = logging.getLogger("pdcluster.router")
 
+# a replica outside this pool, by address, as a transfer's source for as long as the context lasts
+PeerSource = Callable[[str], AbstractAsyncContextManager[weights.Member]]
 ACTION_NAMES = ("revive", "reactivate", "mutate", "load", "drain", "expire")
 _SERVES = {Kind.PREFILL: State.PREFILL, Kind.DECODE: State.DECODE}
 _DRAINING = {Kind.PREFILL: State.DRAINING_PREFILL, Kind.DECODE: State.DRAINING_DECODE}
@@ -98,6 +102,7 @@ class Executor:
         self.timeline = timeline
         self.on_done = on_done
         self.busy: set[ReplicaId] = set()
+        self.peer_source: PeerSource | None = None  # set by the model pools (HOST_PEER loads)
 
     async def run(self, action: Action) -> bool:
         """Carry out one action; True when it succeeded (a failure is logged, rolled back, counted)."""
@@ -159,7 +164,7 @@ class Executor:
         nbytes = self.host.weight_bytes * len(targets)
         error = ""
         try:
-            await weights.move(action.method, sources, targets, self.host.model_name)
+            await self._move(action, sources, targets)
             await self._ready(targets, loading, action.kind)
         except BaseException as exc:
             error = repr(exc)
@@ -169,7 +174,19 @@ class Executor:
         finally:
             self.timeline.write("transfer", method=action.method, sources=action.sources,
                                 targets=action.targets, role=action.kind, live=action.live, bytes=nbytes,
-                                seconds=round(self.host.clock() - t0, 6), ok=not error, error=error)
+                                seconds=round(self.host.clock() - t0, 6), ok=not error, error=error,
+                                **({"peers": action.peers} if action.peers else {}))
+
+    async def _move(self, action: Load, sources: list[ReplicaHandle], targets: list[ReplicaHandle]) -> None:
+        """The weights into the targets; peers outside the pool (HOST_PEER) are borrowed meanwhile."""
+        if not action.peers:
+            await weights.move(action.method, sources, targets, self.host.model_name)
+            return
+        if self.peer_source is None:
+            raise ValueError(f"{action.method.value} from {action.peers}: no pools to borrow a peer from")
+        async with contextlib.AsyncExitStack() as stack:
+            peers = [await stack.enter_async_context(self.peer_source(p)) for p in action.peers]
+            await weights.move(action.method, peers, targets, self.host.model_name)
 
     def _relayers(self, n: int) -> None:
         """As many loaded prefill replicas as new ones (the least loaded first) take relayed batches

@@ -4,7 +4,9 @@
 |------------------|---------|------------------------------------------------------|-----------------------|
 | `static`         | off     | never (operators may still call ActivateReplica)     | —                     |
 | `multicast`      | on      | Tanz, chain, p2p from replicas that hold weights;   | no                    |
-|                  |         | LoadParams from the model root when none does         |                       |
+|                  |         | a model at zero: its host copy, else a peer's host    |                       |
+|                  |         | copy over the network; LoadParams from the model root |                       |
+|                  |         | when none does                                        |                       |
 | `live`           | on      | as `multicast`                                       | yes (zigzag prefill)  |
 | `stop-the-world` | on      | LoadParams from the model root (disk)                | no                    |
 | `host-cache`     | on      | LoadParams from the node's host-memory copy          | no                    |
@@ -37,7 +39,8 @@ class Policy:
 
 
 _REGISTRY: dict[str, Policy] = {}
-MULTICAST_METHODS = (Method.TANZ, Method.CHAIN, Method.P2P, Method.LOAD_DISK)
+# HOST_PEER: a model woken from zero by another node's host copy over the network (`models.wake_action`)
+MULTICAST_METHODS = (Method.TANZ, Method.CHAIN, Method.P2P, Method.HOST_PEER, Method.LOAD_DISK)
 
 
 def register(policy: Policy) -> Policy:

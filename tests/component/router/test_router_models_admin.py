@@ -100,11 +100,13 @@ def test_stats_strategy_policy_and_registration_address_each_model() -> None:
                 stub = pb_grpc.RouterAdminStub(channel)
                 done = await asyncio.wait_for(collect(pools.front("first").submit(request([5], 4))), 20)
                 assert tokens_of(done) == expected_tokens([5], 4)
-                every, one, other = [await stub.Stats(pb.StatsRequest(model=m)) for m in ("", "first", "second")]
+                every, one, other = [await stub.Stats(pb.StatsRequest(model=m))
+                                     for m in ("", "first", "second")]
                 assert (every.requests_finished, one.requests_finished, other.requests_finished) == (1, 1, 0)
                 assert (every.generated_tokens, other.generated_tokens) == (4, 0)
                 assert (one.model, other.model) == ("first", "second")
-                await stub.SetMigrationStrategy(pb.SetMigrationStrategyRequest(name="recompute", model="second"))
+                await stub.SetMigrationStrategy(pb.SetMigrationStrategyRequest(name="recompute",
+                                                                               model="second"))
                 assert (first.strategy.name, second.strategy.name) == ("full", "recompute")
                 await stub.SetMigrationStrategy(pb.SetMigrationStrategyRequest(name="progressive"))
                 assert (first.strategy.name, second.strategy.name) == ("progressive", "progressive")
@@ -114,7 +116,7 @@ def test_stats_strategy_policy_and_registration_address_each_model() -> None:
                                       (stub.SetScalingPolicy, pb.SetScalingPolicyRequest(name="static",
                                                                                          model="gamma"))):
                     with pytest.raises(grpc.aio.AioRpcError) as unknown:
-                        await call(message)  # type: ignore[operator]
+                        await call(message)
                     assert unknown.value.code() == grpc.StatusCode.NOT_FOUND
                 joined = await stub.RegisterReplica(pb.RegisterReplicaRequest(address=await fakes[2].start()))
                 assert joined.replica_id in second.replicas  # the model its weights are of

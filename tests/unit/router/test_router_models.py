@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from router.config import RouterConfig
-from router.models import PoolNeed, parse_model, rebalance, wake_action
+from router.models import Held, HostCopies, PoolNeed, parse_model, rebalance, reclaim_order, wake_action
 from router.scaling.actions import Kind, Load, Reactivate
 from router.scaling.planner import Bounds, ReplicaSample
 from router.scaling.policies import get
@@ -89,3 +89,54 @@ def test_wake_skips_busy_replicas() -> None:
     assert wake_action([sample(1, State.INACTIVE, transfers=1)], get("live").caps) is None
     assert wake_action([], get("live").caps) is None
 
+
+
+def test_wake_order_own_host_copy_then_a_peers_then_disk() -> None:
+    live, cold = get("live").caps, [sample(1, State.INACTIVE), sample(2, State.INACTIVE)]
+    peers = [HostCopies("h:9", frozenset({"m"})), HostCopies("h:3", frozenset({"m", "x"})),
+             HostCopies("h:1", frozenset({"x"})), HostCopies("h:5", frozenset({"m"}))]
+    own = {ReplicaId(2): frozenset({"m"})}
+    # the target that holds the model in its own host memory, before any peer
+    assert wake_action(cold, live, "m", own, peers) == Load(
+        Method.LOAD_HOST, (), (ReplicaId(2),), Kind.PREFILL)
+    # else the first two peers (by address) holding it send a share of their copies each
+    assert wake_action(cold, live, "m", {}, peers) == Load(
+        Method.HOST_PEER, (), (ReplicaId(1),), Kind.PREFILL, peers=("h:3", "h:5"))
+    assert wake_action(cold, live, "x", {}, peers) == Load(
+        Method.HOST_PEER, (), (ReplicaId(1),), Kind.PREFILL, peers=("h:1", "h:3"))
+    # no copy anywhere: LoadParams (host cache, then disk on a miss)
+    assert wake_action(cold, live, "y", own, peers) == Load(
+        Method.LOAD_HOST, (), (ReplicaId(1),), Kind.PREFILL)
+    # a replica of the pool that holds the weights comes first of all, a busy one does not count
+    assert wake_action([*cold, sample(4, State.DECODE)], live, "m", own, peers) == Load(
+        Method.P2P, (ReplicaId(4),), (ReplicaId(1),), Kind.PREFILL)
+    busy = wake_action([*cold, sample(4, State.DECODE, transfers=1)], live, "m", own, peers)
+    assert isinstance(busy, Load) and busy.method is Method.LOAD_HOST
+
+
+@pytest.mark.parametrize(("policy", "method"), [
+    ("multicast", Method.HOST_PEER), ("live", Method.HOST_PEER), ("host-cache", Method.LOAD_HOST),
+    ("stop-the-world", Method.LOAD_DISK), ("static", Method.LOAD_HOST)])
+def test_only_the_network_policies_wake_from_a_peers_host_copy(policy: str, method: Method) -> None:
+    """host-cache is ServerlessLLM's: its own node's host cache, then SSD; stop-the-world: disk."""
+    peers = [HostCopies("h:3", frozenset({"m"}))]
+    holder = sample(4, State.DECODE)
+    action = wake_action([sample(1, State.INACTIVE)], get(policy).caps, "m", {}, peers)
+    assert isinstance(action, Load) and action.method is method and action.targets == (1,)
+    own = {ReplicaId(1): frozenset({"m"})}
+    if policy in ("host-cache", "stop-the-world"):  # no p2p from a holder either: not their methods
+        action = wake_action([sample(1, State.INACTIVE), holder], get(policy).caps, "m", own, peers)
+        assert isinstance(action, Load) and action.method is method
+
+
+def test_a_wake_without_spares_reclaims_idle_replicas_first_then_the_least_requested_quiet_model() -> None:
+    def held(model: str, rid: int, state: State, since: float, quiet: bool, arrivals: float) -> Held:
+        return Held(model, ReplicaId(rid), state, since, quiet, arrivals)
+
+    busy_model = held("a", 1, State.PREFILL, 0.0, False, 9.0)  # work in flight: never taken
+    idle_late = held("a", 2, State.IDLE, 5.0, False, 9.0)  # its model busy: its keep-alive is still spare
+    idle_early = held("b", 3, State.IDLE, 2.0, True, 1.0)
+    popular, rare = held("c", 4, State.DECODE, 1.0, True, 50.0), held("d", 5, State.PREFILL, 3.0, True, 0.5)
+    loading = held("e", 6, State.LOADING_PREFILL, 0.0, True, 0.0)  # mid-load: not reclaimable
+    order = reclaim_order([busy_model, idle_late, popular, loading, rare, idle_early])
+    assert [h.replica for h in order] == [3, 2, 5, 4]
