@@ -34,35 +34,36 @@ constexpr int64_t AHEAD = 8;             // rows prefetched ahead
 constexpr int64_t LINE = 64 / sizeof(float);
 constexpr int64_t LANES = 16;            // score rows are padded to this many floats
 
-// exp(x) for x <= 0 (scores minus their maximum); -inf and anything below -87 give 0
-static inline float exp_nonpos(float x) {
-    const float c = x < -87.0f ? -87.0f : x;
-    const float n = std::floor(c * 1.44269504088896341f + 0.5f);
-    const float r = c - n * 0.693359375f + n * 2.12194440e-4f;
-    float p = 1.9875691500e-4f;
+// 16 floats (GCC / clang vector extensions: vector instructions on any target, no intrinsics)
+typedef float vfloat __attribute__((vector_size(LANES * sizeof(float))));
+typedef int32_t vint __attribute__((vector_size(LANES * sizeof(int32_t))));
+
+static inline vfloat load(const float* p) {
+    vfloat v;
+    std::memcpy(&v, p, sizeof v);
+    return v;
+}
+
+static inline void store(float* p, vfloat v) { std::memcpy(p, &v, sizeof v); }
+
+// exp(x) for x <= 0 (scores minus their maximum), lane by lane; -inf and anything below -87 give 0.
+// Cephes' expf: x = n ln2 + r, |r| <= ln2 / 2, exp(r) by a degree-7 polynomial, 2^n by the exponent.
+static inline vfloat exp_nonpos(vfloat x) {
+    const vfloat c = x < -87.0f ? vfloat{} - 87.0f : x;
+    const vfloat t = c * 1.44269504088896341f + 0.5f;
+    const vint truncated = __builtin_convertvector(t, vint);  // toward zero
+    const vint n = truncated + (t < __builtin_convertvector(truncated, vfloat));  // floor: -1 where t < trunc
+    const vfloat nf = __builtin_convertvector(n, vfloat);
+    const vfloat r = c - nf * 0.693359375f + nf * 2.12194440e-4f;
+    vfloat p = vfloat{} + 1.9875691500e-4f;
     p = p * r + 1.3981999507e-3f;
     p = p * r + 8.3334519073e-3f;
     p = p * r + 4.1665795894e-2f;
     p = p * r + 1.6666665459e-1f;
     p = p * r + 5.0000001201e-1f;
     p = p * r * r + r + 1.0f;
-    const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
-    return x < -87.0f ? 0.0f : p * __builtin_bit_cast(float, bits);
-}
-
-static inline float dot(const float* a, const float* b) {
-#if defined(__AVX512F__)
-    if constexpr (HD % 16 == 0) {
-        __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(a), _mm512_loadu_ps(b));
-        for (int64_t d = 16; d < HD; d += 16)
-            acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + d), _mm512_loadu_ps(b + d), acc);
-        return _mm512_reduce_add_ps(acc);
-    }
-#endif
-    float acc = 0.0f;
-#pragma omp simd reduction(+ : acc)
-    for (int64_t d = 0; d < HD; ++d) acc += a[d] * b[d];
-    return acc;
+    const vfloat scale = reinterpret_cast<vfloat>((n + 127) << 23);
+    return x < -87.0f ? vfloat{} : p * scale;
 }
 
 // K (part 0) or V (part 1) row of position `pos` in a sequence's pages
@@ -74,38 +75,76 @@ static inline void prefetch_row(const float* row) {
     for (int64_t c = 0; c < ROW; c += LINE) __builtin_prefetch(row + c);
 }
 
-// scores (H, stride) of one sequence's visible keys, scaled
+// out[h] = q_h . k_(h / GROUP) for every query head h
+static inline void head_scores(const float* q, const float* k, float* out) {
+    int64_t h = 0;
+#if defined(__AVX512F__)
+    if constexpr (HD % 16 == 0) {
+        // four heads at a time: their 16-lane partial sums reduced together (hadd), not one by one
+        for (; h + 4 <= H; h += 4) {
+            __m256 half[4];
+            for (int64_t j = 0; j < 4; ++j) {
+                const float* qh = q + (h + j) * HD;
+                const float* kh = k + ((h + j) / GROUP) * HD;
+                __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(qh), _mm512_loadu_ps(kh));
+                for (int64_t d = 16; d < HD; d += 16)
+                    acc = _mm512_fmadd_ps(_mm512_loadu_ps(qh + d), _mm512_loadu_ps(kh + d), acc);
+                const __m256 high = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc), 1));
+                half[j] = _mm256_add_ps(_mm512_castps512_ps256(acc), high);
+            }
+            const __m256 t =
+                _mm256_hadd_ps(_mm256_hadd_ps(half[0], half[1]), _mm256_hadd_ps(half[2], half[3]));
+            _mm_storeu_ps(out + h, _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1)));
+        }
+    }
+#endif
+    for (; h < H; ++h) {
+        const float* qh = q + h * HD;
+        const float* kh = k + (h / GROUP) * HD;
+        float acc = 0.0f;
+#pragma omp simd reduction(+ : acc)
+        for (int64_t d = 0; d < HD; ++d) acc += qh[d] * kh[d];
+        out[h] = acc;
+    }
+}
+
+// scores (H, stride) of one sequence's visible keys; rows read once, K and V rows prefetched ahead
 static void scores(const float* q, const float* layer, const int64_t* pages, int64_t first, int64_t n,
                    int64_t stride, float* sc) {
     const float scale = 1.0f / std::sqrt(static_cast<float>(HD));
+    float row[H];
     for (int64_t i = 0; i < n; ++i) {
         if (i + AHEAD < n) {  // V too: it is read right after this pass
             prefetch_row(row_at(layer, pages, first + i + AHEAD, 0));
             prefetch_row(row_at(layer, pages, first + i + AHEAD, 1));
         }
-        const float* k = row_at(layer, pages, first + i, 0);
-        for (int64_t h = 0; h < H; ++h) sc[h * stride + i] = dot(q + h * HD, k + (h / GROUP) * HD) * scale;
+        head_scores(q, row_at(layer, pages, first + i, 0), row);
+        for (int64_t h = 0; h < H; ++h) sc[h * stride + i] = row[h] * scale;
     }
 }
 
-// each score row (n keys, padded to stride) becomes its softmax
+// each score row (n keys, padded to stride, a multiple of LANES) becomes its softmax
 static void softmax_rows(float* sc, int64_t n, int64_t stride) {
     for (int64_t h = 0; h < H; ++h) {
         float* row = sc + h * stride;
         for (int64_t i = n; i < stride; ++i) row[i] = -INFINITY;
-        float m = row[0];
-#pragma omp simd reduction(max : m)
-        for (int64_t i = 0; i < stride; ++i) m = row[i] > m ? row[i] : m;
-        float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-        for (int64_t i = 0; i < stride; ++i) {
-            const float e = exp_nonpos(row[i] - m);
-            row[i] = e;
-            sum += e;
+        vfloat top = load(row);
+        for (int64_t i = LANES; i < stride; i += LANES) {
+            const vfloat x = load(row + i);
+            top = x > top ? x : top;
         }
+        float m = top[0];
+        for (int64_t j = 1; j < LANES; ++j) m = top[j] > m ? top[j] : m;
+        vfloat sums{};
+        for (int64_t i = 0; i < stride; i += LANES) {
+            const vfloat e = exp_nonpos(load(row + i) - m);
+            store(row + i, e);
+            sums += e;
+        }
+        float sum = 0.0f;
+        for (int64_t j = 0; j < LANES; ++j) sum += sums[j];
         const float inv = 1.0f / sum;
-#pragma omp simd
-        for (int64_t i = 0; i < stride; ++i) row[i] *= inv;
+        for (int64_t i = 0; i < stride; i += LANES) store(row + i, load(row + i) * inv);
     }
 }
 
