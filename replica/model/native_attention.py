@@ -9,7 +9,8 @@ shape, the compiler and this CPU's feature flags: `-march=native` code never run
 One call per layer attends a decode group: it writes the new tokens' K and V rows into their
 slots (when given them) and reads every visible key and value once, in place, from its page. A
 call costs a few microseconds of Python (ctypes) against ~100 for a torch.compile'd function's
-guards and wrappers. float32 on the CPU only; one thread (the engine's).
+guards and wrappers. float32 on the CPU only. With several torch threads a call's sequences are
+split between the engine thread and a small pool (ctypes releases the GIL), at least 4 each.
 """
 
 from __future__ import annotations
@@ -17,10 +18,12 @@ from __future__ import annotations
 import ctypes
 import functools
 import hashlib
+import itertools
 import os
 import subprocess
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import NamedTuple
 
@@ -34,6 +37,7 @@ __all__ = ["NativeBuildError", "Shape", "build", "compiler_missing", "decode", "
 
 FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-std=c++17", "-shared", "-fPIC")
 _BUILD_S = 120.0  # a compiler that does not answer within this is a build failure
+_SEQS_PER_THREAD = 4  # fewer sequences than this per thread: not worth a split
 
 
 class NativeBuildError(RuntimeError):
@@ -148,19 +152,44 @@ def decode(
     table: (seqs, pages) page ids, every one valid (padding included: the caller validated them);
     q_pos: (seqs,) positions; keys at (q_pos - window, q_pos] are visible. `new_kv` = (k, v, slots):
     (seqs, kv_heads * head_dim) each and their K rows in the layer, written first.
+    With several torch threads the sequences are split between them (ctypes releases the GIL).
     """
     seqs, heads, head_dim = q.shape
     q = _rows(q, heads * head_dim)
     table, q_pos = table.contiguous(), q_pos.contiguous()
     out = q.new_empty((seqs, heads * head_dim))
-    k_ptr = v_ptr = slots_ptr = None
-    k_stride = v_stride = 0
+    pieces = min(torch.get_num_threads(), seqs // _SEQS_PER_THREAD)
+    k = v = slots = None
     if new_kv is not None:
-        k, v, slots = new_kv
         width = layer_pages.shape[3] * layer_pages.shape[4]
-        k, v, slots = _rows(k, width), _rows(v, width), slots.contiguous()
-        k_ptr, v_ptr, slots_ptr = k.data_ptr(), v.data_ptr(), slots.data_ptr()
-        k_stride, v_stride = k.stride(0), v.stride(0)
-    kernel(q.data_ptr(), q.stride(0), k_ptr, k_stride, v_ptr, v_stride, slots_ptr, layer_pages.data_ptr(),
-           table.data_ptr(), table.shape[1], q_pos.data_ptr(), window or 0, out.data_ptr(), seqs)
+        k, v, slots = _rows(new_kv[0], width), _rows(new_kv[1], width), new_kv[2].contiguous()
+        if pieces > 1:  # every new row is written before any piece reads (as one call does)
+            rows = layer_pages.view(-1, width)
+            rows.index_copy_(0, slots, k)
+            rows.index_copy_(0, slots + layer_pages.shape[2], v)
+            k = v = slots = None
+    # each argument's address of sequence 0 and its bytes per sequence (None: not passed)
+    starts = [(t.data_ptr(), t.stride(0) * t.element_size()) if t is not None else None
+              for t in (q, k, v, slots, table, q_pos, out)]
+    strides = [0 if t is None else t.stride(0) for t in (q, k, v)]
+
+    def run(first: int, stop: int) -> None:
+        at = [None if r is None else r[0] + first * r[1] for r in starts]
+        kernel(at[0], strides[0], at[1], strides[1], at[2], strides[2], at[3], layer_pages.data_ptr(),
+               at[4], table.shape[1], at[5], window or 0, at[6], stop - first)
+
+    if pieces <= 1:
+        run(0, seqs)
+        return out
+    bounds = [seqs * i // pieces for i in range(pieces + 1)]
+    others = [_pool(pieces - 1).submit(run, a, b) for a, b in itertools.pairwise(bounds[1:])]
+    run(bounds[0], bounds[1])
+    for done in others:
+        done.result()
     return out
+
+
+@functools.cache
+def _pool(workers: int) -> ThreadPoolExecutor:
+    """Threads for the other pieces of a split call (made by the engine thread: its CPU placement)."""
+    return ThreadPoolExecutor(max_workers=workers, thread_name_prefix="native-attention")

@@ -63,6 +63,21 @@ def test_decode_step_equals_the_torch_path(
     assert torch.equal(cache_got, cache_want)  # the kernel wrote the new K/V rows into their slots
 
 
+def test_several_threads_split_the_sequences_with_the_same_result() -> None:
+    config = _config(None, 8, 2, 16)
+    slices = _decodes(13)
+    alone, cache_alone = _step(config, slices, "native")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(3)  # 13 sequences: pieces of 4, 4 and 5 on three threads
+    try:
+        split, cache_split = _step(config, slices, "native")
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(split, alone) and torch.equal(cache_split, cache_alone)
+    want, _ = _step(config, slices, "torch")
+    torch.testing.assert_close(split, want, atol=1e-5, rtol=1e-5)
+
+
 def test_mixed_batch_decodes_through_the_kernel() -> None:
     # decodes next to a fresh prompt and a resumed slice: K/V written by torch, decodes by the kernel
     config = _config(6)
