@@ -19,6 +19,7 @@ import ctypes
 import functools
 import hashlib
 import itertools
+import logging
 import os
 import subprocess
 import tempfile
@@ -32,6 +33,8 @@ import torch
 from replica.model.compiled_attention import compiler_missing
 from replica.model.kv_pages import PagedKVCache
 from replica.model.native_kernel import SOURCE
+
+log = logging.getLogger(__name__)
 
 __all__ = ["NativeBuildError", "Shape", "build", "compiler_missing", "decode", "kernel_for", "warm"]
 
@@ -118,10 +121,20 @@ def build(shape: Shape) -> ctypes._CFuncPtr:  # type: ignore[name-defined]
 
 
 def kernel_for(cache: PagedKVCache, group: int) -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
-    """The kernel for this cache, or None where it does not apply (not float32 on the CPU)."""
+    """The kernel for this cache, or None where it does not apply (not float32 on the CPU) or
+    cannot be built (said once per shape: e.g. after a model switch to another shape)."""
     if cache.dtype != torch.float32 or cache.tensor.device.type != "cpu":
         return None
-    return build(Shape.of(cache, group))
+    return _built_or_none(Shape.of(cache, group))
+
+
+@functools.cache
+def _built_or_none(shape: Shape) -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
+    try:
+        return build(shape)
+    except NativeBuildError as e:
+        log.warning("decode attention keeps the torch path for %s: %s", shape, e)
+        return None
 
 
 def warm(cache: PagedKVCache, group: int) -> float:

@@ -116,5 +116,9 @@ def test_a_failed_build_is_reported_and_the_replica_keeps_torch(
         with caplog.at_level(logging.WARNING):
             assert factory._kernels_built(choice, cache, config).attention_backend == "torch"
         assert "falls back to the torch path: the native kernel: false failed" in caplog.text
+        # a shape first met later (a model switch) keeps the torch path too, said once
+        with caplog.at_level(logging.WARNING):
+            assert native_attention._built_or_none.__wrapped__(shape) is None
+        assert "decode attention keeps the torch path" in caplog.text
     finally:
         native_attention.compiler_missing.cache_clear()
