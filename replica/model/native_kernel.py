@@ -81,7 +81,7 @@ static inline void head_scores(const float* q, const float* k, float* out) {
 #if defined(__AVX512F__)
     if constexpr (HD % 16 == 0) {
         // four heads at a time: their 16-lane partial sums reduced together (hadd), not one by one
-        for (; h + 4 <= H; h += 4) {
+        for (h = 0; h + 4 <= H; h += 4) {
             __m256 half[4];
             for (int64_t j = 0; j < 4; ++j) {
                 const float* qh = q + (h + j) * HD;
@@ -96,6 +96,7 @@ static inline void head_scores(const float* q, const float* k, float* out) {
                 _mm256_hadd_ps(_mm256_hadd_ps(half[0], half[1]), _mm256_hadd_ps(half[2], half[3]));
             _mm_storeu_ps(out + h, _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1)));
         }
+        h = H / 4 * 4;  // a constant: the loop below then has a known trip count (or none)
     }
 #endif
     for (; h < H; ++h) {
