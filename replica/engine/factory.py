@@ -26,7 +26,7 @@ from replica.engine.runner import ModelRunner
 from replica.engine.switch import ModelSwitch
 from replica.engine.validation import Limits, derive_limits
 from replica.engine.warmup import MAX_GRAPH_BATCH, profile_inputs, profile_lengths
-from replica.model import compiled_attention, linear
+from replica.model import compiled_attention, linear, native_attention
 from replica.model.attention import PagedKVCache
 from replica.model.config import ModelConfig
 from replica.model.layout import WeightLayout
@@ -88,14 +88,12 @@ def build_engine_and_params(config: ReplicaConfig, device: str | None = None) ->
     limits = derive_limits(config, model_config)
     num_blocks = _num_blocks(config, choice, model, limits)
     cache = PagedKVCache.for_model(model_config, num_blocks, config.block_size, dtype, str(where))
+    choice = _kernels_built(choice, cache, model_config)
     log.info("KV cache: %d pages of %d tokens on %s (%s, attention: %s)", num_blocks, config.block_size,
              where, choice.dtype.value, choice.attention_backend)
     meta = _meta(config, choice)
     detok = Detokenizer.from_model_dir(model_dir)
     runner = ModelRunner(model, cache, choice.attention_backend)
-    if choice.attention_backend == "compiled":  # compiled now, not at the first request's decode step
-        group = model_config.num_heads // model_config.num_kv_heads
-        log.info("compiled decode attention built in %.1f s", compiled_attention.warm(cache, group))
     if meta.cuda_graphs:
         # Graphs hold the weights' and pages' addresses, not their values: an inactive replica's
         # graphs serve the weights that arrive later. Warmup captures again after a cache change.
@@ -118,6 +116,21 @@ def _with_room(loaded: LoadedModel, capacity: int,
     buffer = whole[: loaded.layout.total_bytes]
     buffer.copy_(loaded.buffer)
     return whole, buffer, build_model(loaded.config, loaded.layout, buffer, dtype)
+
+
+def _kernels_built(choice: DeviceChoice, cache: PagedKVCache, model_config: ModelConfig) -> DeviceChoice:
+    """Build the CPU decode kernel of the `compiled` / `native` backends now, not at the first decode
+    step; a native kernel that cannot be built leaves the replica on the torch path (logged)."""
+    group = model_config.num_heads // model_config.num_kv_heads
+    if choice.attention_backend == "compiled":
+        log.info("compiled decode attention built in %.1f s", compiled_attention.warm(cache, group))
+    elif choice.attention_backend == "native":
+        try:
+            log.info("native decode attention built in %.2f s", native_attention.warm(cache, group))
+        except native_attention.NativeBuildError as e:
+            log.warning("attention falls back to the torch path: the native kernel: %s", e)
+            return replace(choice, attention_backend="torch")
+    return choice
 
 
 def _meta(config: ReplicaConfig, choice: DeviceChoice) -> EngineMeta:

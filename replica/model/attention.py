@@ -35,6 +35,7 @@ import torch
 import torch.nn.functional as F
 
 from replica.errors import InvalidArgument
+from replica.model import native_attention
 from replica.model.compiled_attention import decode_attention
 from replica.model.config import ModelConfig
 from replica.model.kv_pages import IndexPack, PagedKVCache, SeqSlice, Span, as_int64, spans
@@ -60,6 +61,7 @@ class Backend(StrEnum):
     TORCH = "torch"
     TRITON = "triton"
     COMPILED = "compiled"  # torch, but decode groups through the inductor kernel (compiled_attention.py)
+    NATIVE = "native"  # torch, but decode groups through the C++ kernel (native_attention.py)
 
 
 _BACKENDS = {b.value: b for b in Backend}  # a dict lookup: cheaper per forward than Backend(name)
@@ -282,6 +284,12 @@ class AttentionContext:
     ) -> None:
         self.cache, self.config, self.num_seqs = cache, config, len(spans)
         self.compiled = backend is Backend.COMPILED
+        # the C++ decode kernel (built at start; None where it does not apply: not float32 on the CPU)
+        self.native = (
+            native_attention.kernel_for(cache, config.num_heads // config.num_kv_heads)
+            if backend is Backend.NATIVE
+            else None
+        )
         bs = cache.block_size
         page_rows = 2 * bs  # a page is block_size K rows then block_size V rows
         last: list[int] = []  # flat index of each sequence's last new token
@@ -360,11 +368,12 @@ class AttentionContext:
 
         `backend`: "torch" (the reference, and the CPU path), "triton" (decode and resumed slices
         through the paged kernel; on the CPU only under TRITON_INTERPRET=1) or "compiled" (torch,
-        with one-token groups through `compiled_attention.py`'s inductor kernel; needs g++).
+        with one-token groups through `compiled_attention.py`'s inductor kernel; needs g++) or
+        "native" (torch, with one-token groups through `native_attention.py`'s C++ kernel; needs g++).
         """
         kind = _BACKENDS.get(backend)
         if kind is None:
-            raise ValueError(f"unknown attention backend {backend!r} (torch, triton or compiled)")
+            raise ValueError(f"unknown attention backend {backend!r} (torch, triton, compiled or native)")
         if token_ids is not None and len(token_ids) != sum(s.length for s in seqs):
             raise InvalidArgument(f"{len(token_ids)} token ids for {sum(s.length for s in seqs)} new tokens")
         return cls(cache, config, spans(cache, seqs), kind, token_ids)
@@ -376,6 +385,14 @@ class AttentionContext:
         """
         n, rows = self.num_tokens, self.cache.rows[layer]
         k, v = k.reshape(n, -1).to(rows.dtype), v.reshape(n, -1).to(rows.dtype)  # (n, kv_heads * head_dim)
+        if self.native is not None and self.kernel is None and len(self.groups) == 1:
+            g = self.groups[0]
+            if g.slots is None:  # a decode step: the kernel writes the new K/V rows, then attends
+                table = g.table.view(g.num_seqs, g.max_pages)
+                return native_attention.decode(
+                    self.native, self.cache.layer(layer), q, table, g.q_pos[:, 0], self.windows[layer],
+                    (k, v, self.k_rows),
+                )
         rows.index_copy_(0, self.k_rows, k)
         rows.index_copy_(0, self.v_rows, v)
         window = self.windows[layer]
@@ -426,6 +443,10 @@ class AttentionContext:
     ) -> torch.Tensor:
         kv_heads, head_dim = self.cache.num_kv_heads, self.cache.head_dim
         heads = q.shape[1]
+        if g.slots is None and self.native is not None:  # pages read in place by the C++ kernel
+            table = g.table.view(g.num_seqs, g.max_pages)
+            pages = self.cache.layer(layer)
+            return native_attention.decode(self.native, pages, q, table, g.q_pos[:, 0], window)
         if g.slots is None and self.compiled:  # pages read in place by the generated kernel
             queries = q.reshape(g.num_seqs, kv_heads, heads // kv_heads, head_dim)
             table = g.table.view(g.num_seqs, g.max_pages)

@@ -114,20 +114,21 @@ def test_host_cache_copy_of_a_cpu_buffer_is_plain_host_memory() -> None:
     assert copy.data_ptr() != buffer.data_ptr()
 
 
-def test_compiled_attention_falls_back_to_torch_without_a_compiler(
-    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+@pytest.mark.parametrize("backend", ["compiled", "native"])
+def test_cpu_kernels_fall_back_to_torch_without_a_compiler(
+    backend: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     from replica.model import compiled_attention
 
     cpu = torch.device("cpu")
     monkeypatch.setattr(compiled_attention, "compiler_missing", lambda: None)
-    assert device_mod.choose_attention("compiled", cpu) == "compiled"
+    assert device_mod.choose_attention(backend, cpu) == backend
     monkeypatch.setattr(compiled_attention, "compiler_missing", lambda: "no C++ compiler: 'g++' not on PATH")
     with caplog.at_level("WARNING"):
-        assert device_mod.choose_attention("compiled", cpu) == "torch"
+        assert device_mod.choose_attention(backend, cpu) == "torch"
     assert "falls back to the torch path: no C++ compiler" in caplog.text
-    with pytest.raises(ValueError, match="compiled is the CPU decode kernel"):
-        device_mod.choose_attention("compiled", torch.device("cuda", 0))
+    with pytest.raises(ValueError, match=f"{backend} is the CPU decode kernel"):
+        device_mod.choose_attention(backend, torch.device("cuda", 0))
 
 
 def test_compiler_lookup_follows_cxx(monkeypatch: pytest.MonkeyPatch) -> None:
