@@ -62,9 +62,12 @@ def default_dtype(device: torch.device) -> DType:
 
 
 def choose_attention(asked: str, device: torch.device) -> str:
-    """The paged-attention backend: `auto` is the Triton kernel on CUDA where it can run, else torch."""
-    if asked == "torch" or (asked == "auto" and device.type != "cuda"):
+    """The paged-attention backend: `auto` is the Triton kernel on CUDA where it can run, the native
+    C++ decode kernel on the CPU where a compiler is (`native_attention.py`), else torch."""
+    if asked == "torch":
         return "torch"
+    if asked == "auto" and device.type != "cuda":
+        return _compiled_or_torch(device, "native")
     if asked in ("compiled", "native"):
         return _compiled_or_torch(device, asked)
     if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":

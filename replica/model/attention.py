@@ -284,12 +284,9 @@ class AttentionContext:
     ) -> None:
         self.cache, self.config, self.num_seqs = cache, config, len(spans)
         self.compiled = backend is Backend.COMPILED
-        # the C++ decode kernel (built at start; None where it does not apply: not float32 on the CPU)
-        self.native = (
-            native_attention.kernel_for(cache, config.num_heads // config.num_kv_heads)
-            if backend is Backend.NATIVE
-            else None
-        )
+        # decode groups through the C++ kernel (built at start for the shape the queries have;
+        # `native_attention.decode` answers None where it does not apply: the torch path then)
+        self.native = backend is Backend.NATIVE
         bs = cache.block_size
         page_rows = 2 * bs  # a page is block_size K rows then block_size V rows
         last: list[int] = []  # flat index of each sequence's last new token
@@ -385,14 +382,14 @@ class AttentionContext:
         """
         n, rows = self.num_tokens, self.cache.rows[layer]
         k, v = k.reshape(n, -1).to(rows.dtype), v.reshape(n, -1).to(rows.dtype)  # (n, kv_heads * head_dim)
-        if self.native is not None and self.kernel is None and len(self.groups) == 1:
+        if self.native and self.kernel is None and len(self.groups) == 1:
             g = self.groups[0]
             if g.slots is None:  # a decode step: the kernel writes the new K/V rows, then attends
                 table = g.table.view(g.num_seqs, g.max_pages)
-                return native_attention.decode(
-                    self.native, self.cache.layer(layer), q, table, g.q_pos[:, 0], self.windows[layer],
-                    (k, v, self.k_rows),
-                )
+                out = native_attention.decode(self.cache.layer(layer), q, table, g.q_pos[:, 0],
+                                              self.windows[layer], (k, v, self.k_rows))
+                if out is not None:
+                    return out
         rows.index_copy_(0, self.k_rows, k)
         rows.index_copy_(0, self.v_rows, v)
         window = self.windows[layer]
@@ -443,10 +440,11 @@ class AttentionContext:
     ) -> torch.Tensor:
         kv_heads, head_dim = self.cache.num_kv_heads, self.cache.head_dim
         heads = q.shape[1]
-        if g.slots is None and self.native is not None:  # pages read in place by the C++ kernel
+        if g.slots is None and self.native:  # pages read in place by the C++ kernel
             table = g.table.view(g.num_seqs, g.max_pages)
-            pages = self.cache.layer(layer)
-            return native_attention.decode(self.native, pages, q, table, g.q_pos[:, 0], window)
+            out = native_attention.decode(self.cache.layer(layer), q, table, g.q_pos[:, 0], window)
+            if out is not None:
+                return out
         if g.slots is None and self.compiled:  # pages read in place by the generated kernel
             queries = q.reshape(g.num_seqs, kv_heads, heads // kv_heads, head_dim)
             table = g.table.view(g.num_seqs, g.max_pages)

@@ -151,14 +151,13 @@ def _rows(t: torch.Tensor, width: int) -> torch.Tensor:
 
 
 def decode(
-    kernel: ctypes._CFuncPtr,  # type: ignore[name-defined]
     layer_pages: torch.Tensor,
     q: torch.Tensor,
     table: torch.Tensor,
     q_pos: torch.Tensor,
     window: int | None,
     new_kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
-) -> torch.Tensor:
+) -> torch.Tensor | None:
     """One new token per sequence attends over its pages: (seqs, heads * head_dim).
 
     q: (seqs, heads, head_dim) (rows may be strided); layer_pages: one layer of the cache;
@@ -166,8 +165,20 @@ def decode(
     q_pos: (seqs,) positions; keys at (q_pos - window, q_pos] are visible. `new_kv` = (k, v, slots):
     (seqs, kv_heads * head_dim) each and their K rows in the layer, written first.
     With several torch threads the sequences are split between them (ctypes releases the GIL).
+    The kernel is the one built for the shape these tensors have (a rank of a tensor-parallel group
+    has its own heads); None where there is none (not float32 on the CPU, or it cannot be built):
+    nothing was written then, the caller takes the torch path.
     """
     seqs, heads, head_dim = q.shape
+    _, _, block_size, kv_heads, pages_head_dim = layer_pages.shape
+    if heads % kv_heads or head_dim != pages_head_dim:
+        raise ValueError(f"{heads} query heads of {head_dim} do not fit pages of {kv_heads} KV heads "
+                         f"of {pages_head_dim}")
+    if layer_pages.dtype != torch.float32 or layer_pages.device.type != "cpu":
+        return None
+    kernel = _built_or_none(Shape(block_size, kv_heads, heads // kv_heads, head_dim))
+    if kernel is None:
+        return None
     q = _rows(q, heads * head_dim)
     table, q_pos = table.contiguous(), q_pos.contiguous()
     out = q.new_empty((seqs, heads * head_dim))

@@ -19,6 +19,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from pdcluster.cluster.replica_process import ReplicaProcess
 from protos import generate_pb2 as pb
 from protos import generate_pb2_grpc as pb_grpc
+from replica.model.compiled_attention import compiler_missing
 from tests.helpers.eventually import eventually
 
 NUM_BLOCKS = 96
@@ -59,7 +60,7 @@ def test_info_and_health(replica: ReplicaProcess, stub: pb_grpc.TextGenerationSe
     )
     assert info.dtype == "float32" and info.device_type == "cpu" and info.lm_head_ready
     on_device = (info.device, info.gpu_name, info.attention_backend, info.cuda_graphs)
-    assert on_device == ("cpu", "", "torch", False)
+    assert on_device == ("cpu", "", "torch" if compiler_missing() else "native", False)
     assert stub.Health(pb.HealthRequest(), timeout=DEADLINE).state == "serving"
     with grpc.insecure_channel(replica.address) as channel:
         check = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=DEADLINE)

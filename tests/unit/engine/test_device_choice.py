@@ -54,10 +54,17 @@ def test_dtype_defaults_per_device() -> None:
     assert device_mod.default_dtype(torch.device("cuda", 0)) is DType.BFLOAT16
 
 
-def test_cpu_choice_keeps_float32_and_the_torch_path() -> None:
+def _cpu_auto() -> str:
+    """What `auto` resolves to on the CPU: the native decode kernel where a compiler is."""
+    from replica.model.compiled_attention import compiler_missing
+
+    return "torch" if compiler_missing() else "native"
+
+
+def test_cpu_choice_keeps_float32_and_the_native_kernel() -> None:
     choice = device_mod.choose(_config(device="cpu"))
     assert (choice.device, choice.dtype, choice.attention_backend, choice.gpu_name) == (
-        torch.device("cpu"), DType.FLOAT32, "torch", "")
+        torch.device("cpu"), DType.FLOAT32, _cpu_auto(), "")
     assert device_mod.choose(_config(device="cpu", dtype=DType.BFLOAT16)).torch_dtype is torch.bfloat16
 
 
@@ -67,7 +74,7 @@ def test_attention_backend_choice(monkeypatch: pytest.MonkeyPatch) -> None:
     cuda = torch.device("cuda", 0)
     monkeypatch.setattr(attention, "triton_available", lambda: None)
     assert device_mod.choose_attention("auto", cuda) == "triton"
-    assert device_mod.choose_attention("auto", torch.device("cpu")) == "torch"
+    assert device_mod.choose_attention("auto", torch.device("cpu")) == _cpu_auto()
     assert device_mod.choose_attention("torch", cuda) == "torch"
     with pytest.raises(ValueError, match="TRITON_INTERPRET"):
         device_mod.choose_attention("triton", torch.device("cpu"))
