@@ -7,7 +7,6 @@ each send one share of it to one receiver at once (RecvParams `more_srcs`, SendP
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from pathlib import Path
 
 import grpc
@@ -32,16 +31,6 @@ def _load(replica: InProcReplica, case: pb.LoadParamCase, name: str) -> None:
 
 def _reset(replica: InProcReplica) -> None:
     replica.stub.ResetStatus(pb.ResetStatusRequest(), timeout=CALL_TIMEOUT)
-
-
-@pytest.fixture(scope="module")
-def alpha(tiny_model_factory: Callable[..., Path]) -> Path:
-    return tiny_model_factory(arch="llama", layers=2)
-
-
-@pytest.fixture(scope="module")
-def beta(tiny_model_factory: Callable[..., Path]) -> Path:
-    return tiny_model_factory(arch="llama", layers=2, seed=23)  # one shape, other weights
 
 
 def test_a_host_copy_goes_to_a_peer_and_generates_like_transformers(alpha: Path, beta: Path,

@@ -51,16 +51,6 @@ def _refused(call: Callable[[], object]) -> grpc.RpcError:
     return error.value
 
 
-@pytest.fixture(scope="module")
-def alpha(tiny_model_factory: Callable[..., Path]) -> Path:
-    return tiny_model_factory(arch="llama", layers=2)
-
-
-@pytest.fixture(scope="module")
-def beta(tiny_model_factory: Callable[..., Path]) -> Path:
-    return tiny_model_factory(arch="llama", layers=2, seed=23)  # one shape, other weights
-
-
 def test_p2p_and_chain_name_the_model_and_the_host_copy_keeps_it(alpha: Path, beta: Path,
                                                                   tmp_path: Path) -> None:
     prompts = prompts_for(512, count=2)

@@ -16,6 +16,7 @@ from pdcluster.experiment.run import run_experiment
 from pdcluster.sim import cell as cell_module
 from pdcluster.sim.cell import execute
 from pdcluster.sim.cluster import VirtualCluster
+from tests.helpers.sim_files import simulated_model
 
 CELL = "two.full.live@nics__burst__r0"
 
@@ -27,14 +28,7 @@ name = "two models, a burst"
 strategies = ["full"]
 policies = ["live"]
 seeds = [7]
-[model]
-path = "{tokenizer}"
-engine = "simulated"
-gpu = "a100-80g"
-model_card = "llama-2-7b"
-[slo]
-ttft_ms = 1000
-tpot_ms = 100
+{simulated_model(tokenizer)}\
 [[clusters]]
 name = "two"
 prefill = 2

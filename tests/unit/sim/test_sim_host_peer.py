@@ -20,6 +20,7 @@ from pdcluster.experiment.load import load_experiment
 from pdcluster.experiment.matrix import expand
 from pdcluster.experiment.run import run_experiment
 from pdcluster.sim.cell import execute, shape_of
+from tests.helpers.sim_files import simulated_model, topology
 
 
 def _experiment(tmp_path: Path, tokenizer: Path) -> Path:
@@ -30,14 +31,7 @@ strategies = ["full"]
 policies = ["live", "host-cache"]
 matrix = "list"
 seeds = [0]
-[model]
-path = "{tokenizer}"
-engine = "simulated"
-gpu = "a100-80g"
-model_card = "llama-2-7b"
-[slo]
-ttft_ms = 1000
-tpot_ms = 100
+{simulated_model(tokenizer)}\
 [[clusters]]
 name = "two"
 prefill = 1
@@ -59,52 +53,9 @@ num = 6
 input_len = [128, 256]
 output_len = [4, 8]
 models = ["second"]
-[[topologies]]
-name = "nics"
-[[topologies.nodes]]
-name = "a"
-replicas = 1
-nic_gbps = 100.0
-host_models = ["second"]
-[[topologies.nodes]]
-name = "b"
-replicas = 1
-nic_gbps = 100.0
-[[topologies.nodes]]
-name = "c"
-replicas = 1
-nic_gbps = 100.0
-[[topologies]]
-name = "spares"
-[[topologies.nodes]]
-name = "a"
-replicas = 2
-nic_gbps = 100.0
-[[topologies.nodes]]
-name = "c"
-replicas = 1
-nic_gbps = 100.0
-[[topologies.nodes]]
-name = "d"
-replicas = 1
-nic_gbps = 100.0
-host_models = ["second"]
-[[topologies]]
-name = "both"
-[[topologies.nodes]]
-name = "a"
-replicas = 1
-nic_gbps = 100.0
-host_models = ["second"]
-[[topologies.nodes]]
-name = "b"
-replicas = 1
-nic_gbps = 100.0
-host_models = ["second"]
-[[topologies.nodes]]
-name = "c"
-replicas = 1
-nic_gbps = 100.0
+{topology("nics", [("a", 1, ["second"]), ("b", 1, []), ("c", 1, [])])}\
+{topology("spares", [("a", 2, []), ("c", 1, []), ("d", 1, ["second"])])}\
+{topology("both", [("a", 1, ["second"]), ("b", 1, ["second"]), ("c", 1, [])])}\
 [[cells]]
 workload = "second"
 cluster = "two"

@@ -14,6 +14,7 @@ from pdcluster.experiment.run import run_experiment
 from pdcluster.experiment.workloads import assign_models
 from pdcluster.sim.cell import execute
 from pdcluster.sim.ratios import ratios, replica_seconds
+from tests.helpers.sim_files import simulated_model
 
 CELL = "two.full.host-cache@nics__mixed__r0"
 
@@ -25,14 +26,7 @@ name = "two models, one at zero"
 strategies = ["full"]
 policies = ["host-cache"]
 seeds = [3]
-[model]
-path = "{tokenizer}"
-engine = "simulated"
-gpu = "a100-80g"
-model_card = "llama-2-7b"
-[slo]
-ttft_ms = 1000
-tpot_ms = 100
+{simulated_model(tokenizer)}\
 [[clusters]]
 name = "two"
 prefill = 1
