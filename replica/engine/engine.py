@@ -385,8 +385,9 @@ class Engine:
             for r in requests
         ]
 
-    def _choose(self, requests: Sequence[RequestState], out: Any) -> list[Generation]:
-        """Choose one token per request from a forward's output and account it."""
+    def _choose(self, requests: Sequence[RequestState], out: Any, complete: bool = True) -> list[Generation]:
+        """Choose one token per request from a forward's output and account it (`complete`: every
+        layer's K/V of the prompt is in its pages here, so full pages join the prefix cache)."""
         rows = [_row_input(r) for r in requests]
         choices = self.runner.choose(out, rows)
         generations = []
@@ -398,7 +399,7 @@ class Engine:
                 prompt = request.tokens[: request.prompt_len]
                 prefill = prefill_tokens(prompt, self.runner.prompt_logprobs(out, i, prompt), detok)
             request.num_cached = len(request.tokens)
-            if block and request.num_cached >= (len(request.page_hashes) + 1) * block:  # a page filled
+            if complete and block and request.num_cached >= (len(request.page_hashes) + 1) * block:
                 self.register_pages(request)
             generation = step_generation(request, choice, detok, prefill)
             if request.cached_tokens and len(request.tokens) == request.prompt_len + 1:  # its first token
@@ -406,15 +407,18 @@ class Engine:
             generations.append(generation)
         return generations
 
-    def finish_prefill(self, batch: Batch, out: Any, start_ns: int, forward_ns: int) -> StepResult:
+    def finish_prefill(self, batch: Batch, out: Any, start_ns: int, forward_ns: int,
+                       complete: bool = True) -> StepResult:
         """First tokens of an admitted batch whose forward ran in parts elsewhere (layer-level prefill).
 
         Like the end of `prefill`: choose, cache the batch (or drop it if every request finished);
-        on failure its pages are freed before the error leaves.
+        on failure its pages are freed before the error leaves. `complete` False: only some layers'
+        K/V were written here (a relay's last layers): its pages never join the prefix cache, where
+        a later prompt with the same prefix would read the other layers' stale rows.
         """
         sample_start = time.perf_counter_ns()
         try:
-            generations = self._choose(batch.requests, out)
+            generations = self._choose(batch.requests, out, complete)
         except BaseException:
             self.blocks.free(batch.pages())
             raise

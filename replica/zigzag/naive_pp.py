@@ -39,4 +39,5 @@ def naive_pp_prefill(
     except BaseException:
         engine.blocks.free(batch.pages())
         raise
-    return engine.finish_prefill(batch, out, start, time.perf_counter_ns() - start)
+    # layers [0, start_layer) of these pages were written on the new replica, not here
+    return engine.finish_prefill(batch, out, start, time.perf_counter_ns() - start, complete=start_layer == 0)

@@ -1,7 +1,8 @@
 """Layer-level live prefill: batches start on a replica still receiving weights (regions delivered one
 by one under test control), one is relayed after k layers to the old replica, which finishes it from
 the received activation; the split KV ([0, k) new, [k, L) old) is migrated in two halves to a third
-replica, which decodes exactly transformers' tokens. Page accounting is exact on every replica."""
+replica, which decodes exactly transformers' tokens. Page accounting is exact on every replica; the
+old replica's pages of a relayed prompt never join its prefix cache."""
 
 from __future__ import annotations
 
@@ -123,6 +124,9 @@ def test_batch_relayed_after_k_layers_finishes_on_old_replica(model: Path, tmp_p
         first_tokens = pb.Tokens(ids=[tokens[100][0], tokens[101][0]])
         decode_to_end(third.stub, merged, tokens, first_tokens)
         assert [tokens[100], tokens[101]] == want[:2]
+        # the old replica wrote only layers [k, L) of those pages: none joins its prefix cache (a
+        # later prompt with that prefix, e.g. the same request re-run, would read stale layers)
+        assert not old.stub.Info(pb.InfoRequest(), timeout=CALL_TIMEOUT).cached_page_hashes
 
         assert not second.done()  # batch 2 waits for the rest of the weights
         deliver(old, new, range(1 + SPLIT, LAYERS + 2))
