@@ -157,8 +157,11 @@ def test_concurrent_prefills_and_a_missed_deadline(stub: pb_grpc.TextGenerationS
     assert sorted(r.batch.id for r in results) == list(range(100, 108))
     assert stub.Info(pb.InfoRequest(), timeout=DEADLINE).num_cached_batches == 8
     stub.ClearCache(pb.ClearCacheRequest(), timeout=DEADLINE)
-    # a prompt no other test sent: none of it can come from the prefix cache, so it cannot be quick
-    late = pb.Batch(id=200, requests=[_request(2000, list(range(299, 3, -1)), 50)])
+    # prompts no other test sent: none of them can come from the prefix cache, and four of ~300
+    # tokens take milliseconds even on a fast core, so the 0.5 ms deadline passes first (one alone
+    # could finish within the client's timer slack on a loaded machine)
+    late = pb.Batch(id=200, requests=[_request(2000 + i, [(t * (i + 1)) % 290 + 4 for t in range(296)], 50)
+                                      for i in range(4)])
     with pytest.raises(grpc.RpcError) as info:
         stub.Prefill(pb.PrefillRequest(batch=late), timeout=0.0005)
     assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
