@@ -120,12 +120,19 @@ def build(shape: Shape) -> ctypes._CFuncPtr:  # type: ignore[name-defined]
     return function
 
 
-def kernel_for(cache: PagedKVCache, group: int) -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
-    """The kernel for this cache, or None where it does not apply (not float32 on the CPU) or
-    cannot be built (said once per shape: e.g. after a model switch to another shape)."""
-    if cache.dtype != torch.float32 or cache.tensor.device.type != "cpu":
+def kernel_for(layer_pages: torch.Tensor, heads: int, head_dim: int
+               ) -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
+    """The kernel for `heads` query heads of `head_dim` over these pages (one layer of a cache: a
+    tensor-parallel rank's own heads), or None where it does not apply (not float32 on the CPU) or
+    cannot be built (said once per shape: e.g. after a model switch to another shape); ValueError
+    when the heads do not fit the pages."""
+    _, _, block_size, kv_heads, pages_head_dim = layer_pages.shape
+    if heads % kv_heads or head_dim != pages_head_dim:
+        raise ValueError(f"{heads} query heads of {head_dim} do not fit pages of {kv_heads} KV heads "
+                         f"of {pages_head_dim}")
+    if layer_pages.dtype != torch.float32 or layer_pages.device.type != "cpu":
         return None
-    return _built_or_none(Shape.of(cache, group))
+    return _built_or_none(Shape(block_size, kv_heads, heads // kv_heads, head_dim))
 
 
 @functools.cache
@@ -170,13 +177,7 @@ def decode(
     nothing was written then, the caller takes the torch path.
     """
     seqs, heads, head_dim = q.shape
-    _, _, block_size, kv_heads, pages_head_dim = layer_pages.shape
-    if heads % kv_heads or head_dim != pages_head_dim:
-        raise ValueError(f"{heads} query heads of {head_dim} do not fit pages of {kv_heads} KV heads "
-                         f"of {pages_head_dim}")
-    if layer_pages.dtype != torch.float32 or layer_pages.device.type != "cpu":
-        return None
-    kernel = _built_or_none(Shape(block_size, kv_heads, heads // kv_heads, head_dim))
+    kernel = kernel_for(layer_pages, heads, head_dim)
     if kernel is None:
         return None
     q = _rows(q, heads * head_dim)

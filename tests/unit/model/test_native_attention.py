@@ -93,7 +93,7 @@ def test_mixed_batch_decodes_through_the_kernel() -> None:
 def test_other_dtypes_keep_the_torch_path() -> None:
     config = _config(None)
     cache = PagedKVCache.for_model(config, 8, BLOCK, torch.bfloat16)
-    assert native_attention.kernel_for(cache, 3) is None
+    assert native_attention.kernel_for(cache.layer(0), 3 * cache.num_kv_heads, cache.head_dim) is None
     want, _ = _step(config, _decodes(3), "torch", torch.bfloat16)
     got, _ = _step(config, _decodes(3), "native", torch.bfloat16)
     assert torch.equal(got, want)
