@@ -115,7 +115,8 @@ class TpGroup:
     def __init__(self, shard: Shard, store: dist.TCPStore, device: torch.device,
                  timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
         self.shard, self.store = shard, store
-        dist.init_process_group(backend_for(device), store=store, rank=shard.rank, world_size=shard.world,
+        self.backend = backend_for(device)
+        dist.init_process_group(self.backend, store=store, rank=shard.rank, world_size=shard.world,
                                 timeout=datetime.timedelta(seconds=timeout_s))
         self.commands = CommandChannel(store, shard.world - 1)
         self.failed: str | None = None  # why the group broke (None while it works)

@@ -106,13 +106,17 @@ class Leader:
 
     def stop(self) -> None:
         """Tell the workers to leave, wait for them (with a deadline), then leave the group; a broken
-        group's workers are killed (nothing is left for them to do) and its process group is left as
-        is (a collective may still hang in it). Once: later calls do nothing."""
+        group's workers are killed (nothing is left for them to do). A broken gloo group is left too:
+        with its peers gone its failed collectives end at once, and a gloo thread still releasing one
+        while the interpreter exits aborts the process (`std::terminate`). A broken NCCL group is left
+        as is (a collective may still hang in it). Once: later calls do nothing."""
         if self.stopping:
             return
         self.stopping = True
         if self.group.failed:
             self._kill_workers()
+            if self.group.backend == "gloo":
+                self.group.close()
             return
         self.group.commands.publish(Command(Op.STOP))
         for worker in self.workers:
