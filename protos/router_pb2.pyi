@@ -42,6 +42,7 @@ class ActivationMethod(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     ACTIVATION_METHOD_TANZ: _ClassVar[ActivationMethod]
     ACTIVATION_METHOD_LOAD_DISK: _ClassVar[ActivationMethod]
     ACTIVATION_METHOD_LOAD_HOST: _ClassVar[ActivationMethod]
+    ACTIVATION_METHOD_HOST_PEER: _ClassVar[ActivationMethod]
 REPLICA_ROLE_UNSPECIFIED: ReplicaRole
 REPLICA_ROLE_PREFILL: ReplicaRole
 REPLICA_ROLE_DECODE: ReplicaRole
@@ -69,6 +70,7 @@ ACTIVATION_METHOD_CHAIN: ActivationMethod
 ACTIVATION_METHOD_TANZ: ActivationMethod
 ACTIVATION_METHOD_LOAD_DISK: ActivationMethod
 ACTIVATION_METHOD_LOAD_HOST: ActivationMethod
+ACTIVATION_METHOD_HOST_PEER: ActivationMethod
 
 class ReplicaStatus(_message.Message):
     __slots__ = ("id", "address", "role", "rank", "num_blocks_total", "num_blocks_free", "router_used_blocks", "requests", "inbound_migrations", "outbound_migrations", "registered", "last_heartbeat_age_s", "state", "state_age_s", "tp_size", "ranks", "model")

@@ -19,6 +19,7 @@ from grpc_reflection.v1alpha import reflection
 from protos import router_pb2 as pb
 from protos import router_pb2_grpc as pb_grpc
 from router import control, strategies
+from router.admin_host_peer import activate_from_host_copies
 from router.errors import ReplicaCallError
 from router.pools import ModelPools
 from router.registry import ReplicaHandle
@@ -88,7 +89,7 @@ _STRATEGIES_BACK: dict[int, str] = {int(v): k for k, v in _STRATEGIES.items()}
 _METHODS: dict[int, Method] = {
     pb.ACTIVATION_METHOD_P2P: Method.P2P, pb.ACTIVATION_METHOD_CHAIN: Method.CHAIN,
     pb.ACTIVATION_METHOD_TANZ: Method.TANZ, pb.ACTIVATION_METHOD_LOAD_DISK: Method.LOAD_DISK,
-    pb.ACTIVATION_METHOD_LOAD_HOST: Method.LOAD_HOST,
+    pb.ACTIVATION_METHOD_LOAD_HOST: Method.LOAD_HOST, pb.ACTIVATION_METHOD_HOST_PEER: Method.HOST_PEER,
 }
 
 Req = TypeVar("Req")
@@ -255,8 +256,12 @@ class AdminService(pb_grpc.RouterAdminServicer):
         method = _METHODS.get(request.method)
         role = _role(request.role, State.DECODE)
         hub = self._holder(request.replica_ids[0]) if request.replica_ids else self.hub
-        seconds = await control.activate(hub, list(request.replica_ids), role, method,
-                                         list(request.source_ids))
+        if method is Method.HOST_PEER:
+            seconds = await activate_from_host_copies(hub, self.pools, list(request.replica_ids), role,
+                                                      list(request.source_ids), self._holder)
+        else:
+            seconds = await control.activate(hub, list(request.replica_ids), role, method,
+                                             list(request.source_ids))
         handles = [control.handle_of(hub, i) for i in request.replica_ids]
         return pb.ActivateReplicaResponse(replicas=[replica_status(hub, h) for h in handles], seconds=seconds)
 

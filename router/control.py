@@ -77,16 +77,22 @@ def loading_state(role: State) -> tuple[State, Trigger]:
 
 
 async def activate(hub: ClusterScheduler, target_ids: Sequence[int], role: State,
-                   method: Method | None, source_ids: Sequence[int] = ()) -> float:
-    """Load weights into inactive replicas, then give them `role`; returns seconds."""
+                   method: Method | None, source_ids: Sequence[int] = (),
+                   peers: Sequence[weights.Member] = ()) -> float:
+    """Load weights into inactive replicas, then give them `role`; returns seconds. `Method.HOST_PEER`
+    sends from `peers` (replicas of any model holding a host copy, held by the caller), not from
+    `source_ids`."""
     targets = [handle_of(hub, i) for i in target_ids]
     if not targets:
         raise ValueError("no replica to activate")
     loading, trigger = loading_state(role)
     method = method or (Method.CHAIN if len(targets) > 1 else Method.P2P)
-    sources = [handle_of(hub, i) for i in source_ids]
+    sources: list[weights.Member] = list(peers) if method is Method.HOST_PEER else \
+        [handle_of(hub, i) for i in source_ids]
+    if method is Method.HOST_PEER and not sources:
+        raise TransitionError(f"no replica holds a host copy of {hub.model_name} to send")
     if method in weights.TRANSFER_METHODS:
-        sources = sources or default_sources(hub)[:1]
+        sources = sources or list[weights.Member](default_sources(hub)[:1])
         if not sources:
             raise TransitionError("no loaded replica to send weights from")
     for t in targets:

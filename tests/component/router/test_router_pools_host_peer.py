@@ -32,14 +32,14 @@ def _scheduler(model: Path, ids: itertools.count[int], calls: dict[str, list[str
                             kv_bytes_per_token=8, ids=ids)
 
 
-def _keep_beta_in_host_memory(replica: InProcReplica, beta: str, alpha: str) -> None:
-    """Replica 0 serves alpha again with host copies of alpha and beta."""
+def keep_in_host_memory(replica: InProcReplica, kept: str, serving: str) -> None:
+    """The replica serves `serving` again, with host copies of it and of `kept` (loaded from disk)."""
     stub = replica.stub
-    for load in [None, beta, None, alpha]:
+    for load in [None, kept, None, serving]:
         if load is None:
             stub.ResetStatus(pb.ResetStatusRequest(), timeout=CALL_TIMEOUT)
             continue
-        case = pb.LOAD_FROM_DISK if load == beta else pb.LOAD_FROM_HOST_MEM
+        case = pb.LOAD_FROM_DISK if load == kept else pb.LOAD_FROM_HOST_MEM
         stub.LoadParams(pb.LoadParamsRequest(load_case=case, model_name=load), timeout=CALL_TIMEOUT)
 
 
@@ -56,7 +56,7 @@ def test_a_model_at_zero_wakes_from_a_peers_host_copy(tiny_model_factory: Callab
 
     async def body(replicas: list[InProcReplica]) -> None:
         for holder in replicas[:2]:
-            _keep_beta_in_host_memory(holder, beta.name, alpha.name)
+            keep_in_host_memory(holder, beta.name, alpha.name)
         address = [f"127.0.0.1:{r.services.port}" for r in replicas]
         ids, calls = itertools.count(0), dict[str, list[str]]()
         first = _scheduler(alpha, ids, calls)

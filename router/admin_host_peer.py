@@ -1,0 +1,94 @@
+"""The operator's ActivateReplica by `ACTIVATION_METHOD_HOST_PEER`: inactive replicas of one model
+load it from other replicas' host-memory copies over the network (SendParams `host_copy_model`, a
+share of the regions from each source), as the autoscaler wakes a model at zero (`models.wake_action`).
+
+Sources: the replicas `source_ids` names (any model's), each asked now (Info) whether its host memory
+holds the model (FAILED_PRECONDITION if not); else up to `HOST_SOURCES` replicas whose host memory
+holds it: the model's own other replicas and, with model pools, the other models' replicas and the
+spares. Each source is held busy while it sends (no scaling action, lend or reclaim takes it) and goes
+on serving its own model.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator, Callable, Sequence
+from typing import TYPE_CHECKING
+
+from router import control
+from router.models import HOST_SOURCES
+from router.replicas import State, TransitionError
+from router.types import ReplicaId
+from router.weights import Member, Method
+
+if TYPE_CHECKING:
+    from router.pools import ModelPools
+    from router.scheduler import ClusterScheduler
+
+Holder = Callable[[int], "ClusterScheduler"]  # the scheduler holding a replica id (admin._holder)
+
+
+async def activate_from_host_copies(hub: ClusterScheduler, pools: ModelPools | None,
+                                    target_ids: Sequence[int], role: State, source_ids: Sequence[int],
+                                    holder: Holder) -> float:
+    """Activate `target_ids` (replicas of `hub`'s model) from host copies; returns seconds."""
+    if set(source_ids) & set(target_ids):
+        raise ValueError("a replica cannot send its host copy to itself")
+    model = hub.model_name
+    if source_ids:
+        addresses = [await _holding(holder(i), i, model) for i in source_ids]
+    else:
+        addresses = (await _found(hub, pools, model, target_ids))[:HOST_SOURCES]
+    if not addresses:
+        raise TransitionError(f"no replica's host memory holds {model} (Info host_copies)")
+    async with contextlib.AsyncExitStack() as stack:
+        peers = [await stack.enter_async_context(_borrow(hub, pools, a)) for a in addresses]
+        return await control.activate(hub, target_ids, role, Method.HOST_PEER, peers=peers)
+
+
+async def _holding(sched: ClusterScheduler, rid: int, model: str) -> str:
+    """The address of replica `rid` once its Info (asked now) lists a host copy of `model`."""
+    handle = control.handle_of(sched, rid)
+    copies = [name for name, _ in (await handle.client.info()).host_copies]
+    if model not in copies:
+        raise TransitionError(f"replica {rid}'s host memory holds no copy of {model} "
+                              f"(its host copies: {', '.join(copies) or 'none'})")
+    return handle.state.address
+
+
+async def _found(hub: ClusterScheduler, pools: ModelPools | None, model: str,
+                 target_ids: Sequence[int]) -> list[str]:
+    """Every replica that could send `model`'s host copy now (their last Info; the spares' now)."""
+    targets = {ReplicaId(i) for i in target_ids}
+    own = [h.state.address for h in hub.replicas.values()
+           if h.id not in targets and h.state.alive and h.id not in hub.scaling.executor.busy
+           and model in (name for name, _ in h.state.info.host_copies)]
+    if pools is None:
+        return sorted(own)
+    name = next(key for key, sched in pools.schedulers.items() if sched is hub)
+    return sorted(own) + sorted(c.address for c in await pools.host_copies(name) if model in c.models)
+
+
+@contextlib.asynccontextmanager
+async def _borrow(hub: ClusterScheduler, pools: ModelPools | None, address: str) -> AsyncIterator[Member]:
+    """The replica at `address` as a source, held busy in its pool (or out of the spares) meanwhile."""
+    if pools is not None:
+        try:
+            borrowed = pools.peer(address)
+            peer = await borrowed.__aenter__()
+        except ValueError as exc:  # taken or gone since it was named
+            raise TransitionError(str(exc)) from exc
+        try:
+            yield peer
+        finally:
+            await borrowed.__aexit__(None, None, None)
+        return
+    handle = next((h for h in hub.replicas.values() if h.state.address == address), None)
+    busy = hub.scaling.executor.busy
+    if handle is None or handle.id in busy or not handle.state.alive:
+        raise TransitionError(f"replica {address} is busy or gone: its host copy cannot be sent now")
+    busy.add(handle.id)
+    try:
+        yield handle
+    finally:
+        busy.discard(handle.id)
