@@ -224,6 +224,13 @@ class ReplicaConfig:
                           "memory misses); 0 = unlimited. Simulated: full-size bytes (scaled like the "
                           "weights)"},
     )
+    host_models: list[str] = field(
+        default_factory=list,
+        metadata={"help": "checkpoint folders (names under the model root) kept in host memory from the "
+                          "start, in order, within --host-cache-bytes: peers may be sent them "
+                          "(SendParams host_copy_model) and LoadParams LOAD_FROM_HOST_MEM finds them; "
+                          "each must lay out like the weight buffer"},
+    )
     weight_buffer_bytes: int = field(
         default=0,
         metadata={"help": "bytes of the weight buffer (0 = the --model's size): room for the largest "
@@ -340,6 +347,9 @@ class ReplicaConfig:
             raise ValueError("--tp > 1 runs the torch engine only")
         if self.num_blocks is None:
             raise ValueError("--tp > 1 needs --num-blocks (every rank holds the same pages)")
+        if self.host_models or self.host_cache:
+            raise ValueError("--tp > 1 keeps no host-memory copies of its weights "
+                             "(--host-models, --host-cache)")
         if self.inactive and self.cluster is None:
             raise ValueError("--tp > 1 --inactive needs --cluster: the weights come to every rank over its "
                              "own fabric endpoint (the group's ranks in the rank table)")

@@ -76,9 +76,6 @@ class CellCluster:
         self.network = network
         self.roles = shape.roles()
         self.nodes = topology.place(self.roles)
-        if any(n.host_models for n in topology.nodes):
-            raise ValueError(f"topology {topology.name!r}: host_models (host memory holding models at start) "
-                             "is simulated only: run the file with `pdcluster simulate`")
         self.replicas: list[Proc] = []
         self.router: Proc | None = None
         self.http_url = ""
@@ -114,7 +111,8 @@ class CellCluster:
                     "--rank", str(rank), *(["--num-blocks", str(pages)] if pages else []),
                     "--torch-threads", str(self._threads()), "--cluster", str(self.folder / "ranks.json"),
                     "--fabric", engine.fabric, *(["--inactive"] if role == "inactive" else []),
-                    *engine.replica_args(), *slots[rank].replica_args(), *self.shape.replica_args]
+                    *engine.replica_args(), *slots[rank].replica_args(), *self.host_model_args(rank),
+                    *self.shape.replica_args]
             self.replicas.append(self._spawn(f"replica-{rank}-{role}", role, args, logs, self.nodes[rank],
                                              REPLICA_READY))
         for proc in self.replicas:
@@ -136,6 +134,12 @@ class CellCluster:
             self.timeline = self.folder / "timeline.jsonl"
             args += ["--timeline", str(self.timeline)]
         return args
+
+    def host_model_args(self, rank: int) -> list[str]:
+        """`--host-models` of the models rank `rank`'s node holds in host memory at start (topology
+        `host_models`; each replica process holds its own copies, as its node's would)."""
+        held = self.topology.nodes[self.nodes[rank]].host_models if self.topology.nodes else ()
+        return ["--host-models", *held] if held else []
 
     def _threads(self) -> int:
         """Torch threads per replica: as the experiment says, else the cores shared by the replicas."""

@@ -105,7 +105,7 @@ class NodeSpec:
     nic_gbps: float = 0.0  # this node's NIC, both directions; 0 = unlimited
     intra_gbps: float = 0.0  # between replicas of this node; 0 = unlimited
     latency_ms: float = 0.0  # one way, added to every packet leaving the node
-    host_models: tuple[str, ...] = ()  # models its host memory holds at start (simulated only)
+    host_models: tuple[str, ...] = ()  # models its host memory holds at start (processes: --host-models)
 
 
 @dataclass(frozen=True)

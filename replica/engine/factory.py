@@ -85,6 +85,7 @@ def build_engine_and_params(config: ReplicaConfig, device: str | None = None) ->
                         host_cache_bytes=config.host_cache_bytes, model_name=Path(model_dir).name)
     if config.host_cache:
         params.warm_host_copy(Path(model_dir))
+    params.warm_host_models(config.host_models)
     limits = derive_limits(config, model_config)
     num_blocks = _num_blocks(config, choice, model, limits)
     cache = PagedKVCache.for_model(model_config, num_blocks, config.block_size, dtype, str(where))

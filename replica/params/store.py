@@ -33,11 +33,11 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
-from replica.errors import FailedPrecondition, InvalidArgument, NotFound, PermissionDenied
+from replica.errors import FailedPrecondition, InvalidArgument, NotFound, PermissionDenied, ReplicaError
 from replica.model.layout import Region, WeightLayout
 from replica.params.host_cache import HostCache
 from replica.params.readiness import ParamReadiness
@@ -70,6 +70,10 @@ class WeightIO(Protocol):
 
     def copy(self, dst: Any, src: Any, lo: int, hi: int) -> None:
         """Bytes [lo, hi) of `src` into `dst`."""
+        ...
+
+    def sendable(self, copy: Any, buffer: Any) -> Any:
+        """The bytes a fabric registers to send the host copy `copy` of a model laid out as `buffer`."""
         ...
 
 
@@ -216,12 +220,14 @@ class ParamStore:
         if layout.signature() != self.layout.signature():
             raise FailedPrecondition(f"the host copy of {model_name} is laid out for another shape than "
                                      "this replica's weight buffer now; it cannot be sent from here")
-        return copy
+        return self.io.sendable(copy, self.buffer)
 
-    def _keep_host_copy(self, copy: Any) -> None:
-        """Keep `copy` (laid out as the buffer now) as `model_name`'s host copy, when it fits."""
-        if self.host_cache.put(self.model_name, copy, self.layout.total_bytes):
-            self._copy_layouts[self.model_name] = self.layout
+    def _keep_host_copy(self, copy: Any, name: str = "") -> None:
+        """Keep `copy` (laid out as the buffer now) as the host copy of `name` (default:
+        `model_name`), when it fits."""
+        name = name or self.model_name
+        if self.host_cache.put(name, copy, self.layout.total_bytes):
+            self._copy_layouts[name] = self.layout
         held = set(self.host_cache.names())
         self._copy_layouts = {k: v for k, v in self._copy_layouts.items() if k in held}
 
@@ -253,18 +259,31 @@ class ParamStore:
                 advance(region)
         _log_speed("loaded from host memory", self.layout.total_bytes, start)
 
-    def warm_host_copy(self, path: Path) -> None:
-        """Read the checkpoint at `path` into the host-memory copy (not into the buffer, not paced)."""
+    def warm_host_copy(self, path: Path, name: str = "") -> None:
+        """Read the checkpoint at `path` into a host-memory copy (not into the buffer, not paced),
+        named `name` (default: this replica's model, else the folder's name)."""
         self.io.check_layout(path, self.layout)
-        self.model_name = self.model_name or path.name
+        if not name:
+            self.model_name = self.model_name or path.name
+        name = name or self.model_name
         if not self.host_cache.fits(self.layout.total_bytes):
             log.info("host cache: %s (%.1f MB) does not fit --host-cache-bytes %d", path.name,
                      self.layout.total_bytes / 1e6, self.host_cache.capacity)
             return
         copy = self.io.empty_copy(self.buffer)
         self.io.load(path, self.layout, copy, lambda _name: None)
-        self._keep_host_copy(copy)
-        log.info("host cache: %.1f MB of %s kept in host memory", self.layout.total_bytes / 1e6, path.name)
+        self._keep_host_copy(copy, name)
+        log.info("host cache: %.1f MB of %s kept in host memory", self.layout.total_bytes / 1e6, name)
+
+    def warm_host_models(self, names: Sequence[str]) -> None:
+        """`--host-models`: a host copy of each checkpoint folder named (under the model root), in
+        order, within `--host-cache-bytes` (least recently used evicted); ValueError naming the
+        flag for one that is not there or lays out otherwise than the weight buffer."""
+        for name in names:
+            try:
+                self.warm_host_copy(self.resolve(name, None), name)
+            except ReplicaError as exc:
+                raise ValueError(f"--host-models {name}: {exc}") from None
 
     def unload(self) -> None:
         """ResetStatus: keep the bytes as the host copy of `model_name` (when complete, named, and it

@@ -85,6 +85,7 @@ def build_simulated(config: ReplicaConfig, clock: StepClock | None = None) -> tu
                         model_name=Path(model).name if model is not None else "")
     if config.host_cache:
         params.warm_host_copy(Path(model or "."))  # the card is the checkpoint: nothing is read
+    params.warm_host_models(config.host_models)
     detok = Detokenizer.from_model_dir(model) if model is not None else Detokenizer(None)
     cache = SimKvCache(card, num_blocks, config.block_size, dtype, itemsize, scale)
     picker = token_picker(detok, card, detok.vocab_size)

@@ -8,6 +8,7 @@ readiness rises layer by layer as in the real engine. The card is the checkpoint
 
 from __future__ import annotations
 
+import mmap
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
@@ -53,3 +54,8 @@ class CardIO:
 
     def copy(self, dst: Any, src: Any, lo: int, hi: int) -> None:
         """Zeros onto zeros: nothing to do (the store paces the copy at the host's rate)."""
+
+    def sendable(self, copy: _HostCopy, buffer: Any) -> mmap.mmap:
+        """Zeros the size of the weight buffer, made for this send (a copy holds no bytes to register
+        on the fabric; the bytes on the wire are what a copy's would be)."""
+        return mmap.mmap(-1, len(buffer))

@@ -1,7 +1,9 @@
 """Several models in an experiment of simulated-replica processes (`pdcluster experiment run`): the
 same file `pdcluster simulate` runs (two models, one at zero) runs as processes too — every model's
 folder made beside the first, the spare replica lent to the model at zero and loaded by LoadParams
-under its name, every request answered."""
+under its name, every request answered. With topology `host_models` (the serving node's replicas
+keep the second model in host memory, `--host-models`) the spare on the other node is woken from
+their copies over the network (a share from each), not from disk."""
 
 from __future__ import annotations
 
@@ -18,12 +20,36 @@ pytestmark = pytest.mark.long  # three replica processes and a router: ~30 s on 
 CELL = "two.full.host-cache@nics__mixed__r0"
 
 
-def _experiment(tmp_path: Path, tokenizer: Path) -> Path:
+NODES = """
+[[topologies]]
+name = "nics"
+[[topologies.nodes]]
+name = "a"
+replicas = 3
+nic_gbps = 100.0
+"""
+# the first model's replicas on node a hold `second` in host memory; the spare on node b none
+HELD = """
+[[topologies]]
+name = "nics"
+[[topologies.nodes]]
+name = "a"
+replicas = 2
+nic_gbps = 100.0
+host_models = ["second"]
+[[topologies.nodes]]
+name = "b"
+replicas = 1
+nic_gbps = 100.0
+"""
+
+
+def _experiment(tmp_path: Path, tokenizer: Path, policy: str = "host-cache", nodes: str = NODES) -> Path:
     path = tmp_path / "models.toml"
     path.write_text(f"""
 name = "two models, one at zero, as processes"
 strategies = ["full"]
-policies = ["host-cache"]
+policies = ["{policy}"]
 seeds = [3]
 request_timeout = 120
 startup_timeout = 300
@@ -51,13 +77,7 @@ num = 12
 input_len = [64, 256]
 output_len = [4, 8]
 models = ["llama-2-7b", "second"]  # the first model is named after the card
-[[topologies]]
-name = "nics"
-[[topologies.nodes]]
-name = "a"
-replicas = 3
-nic_gbps = 100.0
-""")
+{nodes}""")
     return path
 
 
@@ -71,3 +91,18 @@ def test_several_models_run_as_simulated_replica_processes(tmp_path: Path, tiny_
     assert "model second: spare replica" in log and "model second has no serving replica" in log
     assert "host cache miss, loading second from disk" in log  # the spare's copy is the first model's
     assert (folder / "model" / "second" / "config.json").is_file()
+
+
+def test_a_model_at_zero_wakes_from_another_nodes_host_memory(tmp_path: Path, tiny_llama: Path) -> None:
+    experiment = load_experiment(_experiment(tmp_path, tiny_llama, "multicast", HELD))
+    run_experiment(experiment, tmp_path / "out", report=False)
+    folder = tmp_path / "out" / "cells" / CELL.replace("host-cache", "multicast")
+    records = [json.loads(line) for line in (folder / "requests.jsonl").read_text().splitlines()]
+    assert len(records) == 12 and all(r["success"] for r in records), [r["error"] for r in records]
+    timeline = [json.loads(line) for line in (folder / "timeline.second.jsonl").read_text().splitlines()]
+    wake = next(r for r in timeline if r["kind"] == "wake")
+    assert "host_peer" in wake["action"], wake
+    moved = [r for r in timeline if r["kind"] == "transfer"]
+    assert moved and moved[0]["method"] == "host_peer" and moved[0]["ok"], moved
+    assert len(moved[0]["peers"]) == 2  # a share from each holder
+    assert not any(r["method"] == "load_disk" for r in moved)

@@ -135,7 +135,7 @@ def test_a_wake_with_no_spare_reclaims_a_quiet_models_replica(tmp_path: Path, ti
 
 def test_the_scale_to_zero_example_loads_and_places_its_host_copies() -> None:
     """examples/blitzscale-zero-sim.toml (run by hand, ~70 s): 15 cells; every elastic node's host
-    memory holds two models at start; a process cluster refuses `host_models`."""
+    memory holds two models at start; as processes, each replica starts with `--host-models`."""
     experiment = load_experiment(Path(__file__).parents[3] / "examples" / "blitzscale-zero-sim.toml")
     cells = expand(experiment)
     assert len(cells) == 15 and {c.policy for c in cells} == {"live", "multicast", "stop-the-world",
@@ -145,5 +145,5 @@ def test_the_scale_to_zero_example_loads_and_places_its_host_copies() -> None:
     assert nine.cluster is not None
     assert len(places) == 9 and places[0].host_models == ("llama-2-7b", "m4")
     assert all(len(p.host_models) == 2 for p in places)
-    with pytest.raises(ValueError, match="simulated only"):
-        CellCluster(experiment.model, nine.cluster, "full", "live", nine.topology, Path("."))
+    procs = CellCluster(experiment.model, nine.cluster, "full", "live", nine.topology, Path("."))
+    assert procs.host_model_args(0) == ["--host-models", "llama-2-7b", "m4"]  # as processes: each replica's
