@@ -66,7 +66,8 @@ def run_matrix(config: MatrixFlags, command: str, execute: Execute | None = None
         return 2
     if config.dry_run:
         for cell, must in plan:
-            print(f"{'run ' if must else 'done'} {cell.key}")
+            left_out = bool(config.only) and not any(o in cell.key for o in config.only)
+            print(f"{'skip' if left_out else 'run ' if must else 'done'} {cell.key}")
         return 0
     result = run_experiment(experiment, config.out, config.force, config.only, execute=execute)
     states = [o.state for o in result.ran.values()]
