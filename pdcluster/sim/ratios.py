@@ -1,10 +1,13 @@
-"""The multi-model comparison's figures and its goals' ratios, from a `pdcluster simulate` folder.
+"""The multi-model comparison's figures and its goals' ratios, from a `pdcluster simulate` folder
+(or a `pdcluster experiment run` one: the same cells as processes).
 
 ```
  DIR/cells/<cell>/summary.json  ─► P99 TTFT, SLO attainment (every SLO)
- DIR/cells/<cell>/timeline.jsonl ─► replica-seconds: virtual seconds of replicas holding weights (any
-                                    state but inactive and dead; a replica leaving a model's pool ends
-                                    its span there), summed over every model's pool
+ DIR/cells/<cell>/timeline*.jsonl ─► replica-seconds: seconds of replicas holding weights (any state
+                                    but inactive and dead; a replica leaving a model's pool ends its
+                                    span there), summed over every model's pool (virtual time: one
+                                    file to the run's end; processes: a file per model, each to its
+                                    last record)
  per workload, `live` against `stop-the-world`, `host-cache` and `static-peak` ─► ratios and goals
 ```
 `python -m pdcluster.sim.ratios DIR` prints the JSON (and writes DIR/ratios.json).
@@ -43,12 +46,24 @@ def replica_seconds(timeline: Iterable[dict[str, Any]], end: float) -> float:
 def cell_figures(folder: Path) -> dict[str, Any]:
     """One cell's policy, workload, P99 TTFT (ms), SLO attainment (%) and replica-seconds."""
     summary = json.loads((folder / "summary.json").read_text())
-    with (folder / "timeline.jsonl").open(encoding="utf-8") as f:
-        timeline = [json.loads(line) for line in f if line.strip()]
+    held = 0.0
+    for path in sorted(folder.glob("timeline*.jsonl")):
+        with path.open(encoding="utf-8") as f:
+            timeline = [json.loads(line) for line in f if line.strip()]
+        held += replica_seconds(timeline, _end(folder, summary, timeline))
     policy = folder.name.split("@")[0].rsplit(".", 1)[-1]
     return {"policy": policy, "workload": summary["workload"], "p99_ttft_ms": summary["p99_ttft_ms"],
-            "slo_attainment_pct": 100 * summary["slo_attainment"]["all"],
-            "replica_seconds": replica_seconds(timeline, float(summary["virtual_seconds"]))}
+            "slo_attainment_pct": 100 * summary["slo_attainment"]["all"], "replica_seconds": held}
+
+
+def _end(folder: Path, summary: dict[str, Any], timeline: list[dict[str, Any]]) -> float:
+    """Where the cell's spans end on `timeline`'s clock: the virtual run's end; for processes, the
+    cell's end (status.json `finished`, wall clock) through the file's first record's `t` and `wall`."""
+    if "virtual_seconds" in summary:
+        return float(summary["virtual_seconds"])
+    finished = float(json.loads((folder / "status.json").read_text())["finished"])
+    first = next((r for r in timeline if "t" in r and "wall" in r), None)
+    return 0.0 if first is None else float(first["t"]) + finished - float(first["wall"])
 
 
 def ratios(cells: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
@@ -78,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
     """Print (and write DIR/ratios.json) the ratios of a simulate folder."""
     args = sys.argv[1:] if argv is None else argv
     if len(args) != 1:
-        print("usage: python -m pdcluster.sim.ratios DIR (a `pdcluster simulate` output folder)",
+        print("usage: python -m pdcluster.sim.ratios DIR (a `pdcluster simulate` or `experiment run` folder)",
               file=sys.stderr)
         return 2
     root = Path(args[0])

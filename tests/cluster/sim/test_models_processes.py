@@ -14,34 +14,14 @@ import pytest
 
 from pdcluster.experiment.load import load_experiment
 from pdcluster.experiment.run import run_experiment
+from tests.helpers.sim_files import topology
 
 pytestmark = pytest.mark.long  # three replica processes and a router: ~30 s on 2 shared cores
 
 CELL = "two.full.host-cache@nics__mixed__r0"
-
-
-NODES = """
-[[topologies]]
-name = "nics"
-[[topologies.nodes]]
-name = "a"
-replicas = 3
-nic_gbps = 100.0
-"""
+NODES = topology("nics", [("a", 3, ())])
 # the first model's replicas on node a hold `second` in host memory; the spare on node b none
-HELD = """
-[[topologies]]
-name = "nics"
-[[topologies.nodes]]
-name = "a"
-replicas = 2
-nic_gbps = 100.0
-host_models = ["second"]
-[[topologies.nodes]]
-name = "b"
-replicas = 1
-nic_gbps = 100.0
-"""
+HELD = topology("nics", [("a", 2, ("second",)), ("b", 1, ())])
 
 
 def _experiment(tmp_path: Path, tokenizer: Path, policy: str = "host-cache", nodes: str = NODES) -> Path:

@@ -13,7 +13,7 @@ from pdcluster.experiment.load import load_experiment
 from pdcluster.experiment.run import run_experiment
 from pdcluster.experiment.workloads import assign_models
 from pdcluster.sim.cell import execute
-from pdcluster.sim.ratios import ratios, replica_seconds
+from pdcluster.sim.ratios import cell_figures, ratios, replica_seconds
 from tests.helpers.sim_files import simulated_model
 
 CELL = "two.full.host-cache@nics__mixed__r0"
@@ -101,3 +101,20 @@ def test_ratios_set_live_against_each_goal() -> None:
     assert figures["p99_ttft_vs_host_cache"]["met"] is False  # 0.6 > 0.5
     assert figures["replica_seconds_vs_static_peak"] == {"ratio": 0.5, "goal": 0.6, "met": True}
     assert figures["slo_points_vs_static_peak"] == {"points": -2.5, "goal": -2.0, "met": False}
+
+
+def test_a_process_cell_sums_every_models_timeline_to_the_cells_end(tmp_path: Path) -> None:
+    """`experiment run` writes a timeline per model, on its own clock, and no virtual end: each
+    file's spans end where the cell finished (status.json, wall clock)."""
+    cell = tmp_path / "two.full.live@nics__w__r0"
+    cell.mkdir()
+    summary = {"workload": "w", "p99_ttft_ms": 700.0, "slo_attainment": {"all": 0.99}}
+    (cell / "summary.json").write_text(json.dumps(summary))
+    (cell / "status.json").write_text(json.dumps({"state": "done", "finished": 1000.0}))
+    first = [{"t": 0.5, "wall": 980.0, "kind": "replica", "replica": 0, "state": "prefill"}]
+    second = [{"t": 0.0, "wall": 985.0, "kind": "replica", "replica": 1, "state": "inactive"},
+              {"t": 5.0, "wall": 990.0, "kind": "transition", "replica": 1, "target": "decode"}]
+    for name, records in (("timeline.jsonl", first), ("timeline.second.jsonl", second)):
+        (cell / name).write_text("".join(json.dumps(r) + "\n" for r in records))
+    figures = cell_figures(cell)
+    assert figures["policy"] == "live" and figures["replica_seconds"] == 20.0 + 10.0
