@@ -2,11 +2,11 @@
 load it from other replicas' host-memory copies over the network (SendParams `host_copy_model`, a
 share of the regions from each source), as the autoscaler wakes a model at zero (`models.wake_action`).
 
-Sources: the replicas `source_ids` names (any model's), each asked now (Info) whether its host memory
-holds the model (FAILED_PRECONDITION if not); else up to `HOST_SOURCES` replicas whose host memory
-holds it: the model's own other replicas and, with model pools, the other models' replicas and the
-spares. Each source is held busy while it sends (no scaling action, lend or reclaim takes it) and goes
-on serving its own model.
+Sources: the replicas `source_ids` names (any model's; one whose host memory, asked as the move
+starts, lacks the model fails it: FAILED_PRECONDITION, the targets inactive again); else up to
+`HOST_SOURCES` replicas whose host memory holds it: the model's own other replicas and, with model
+pools, the other models' replicas and the spares. Each source is held busy while it sends (no scaling
+action, lend or reclaim takes it) and goes on serving its own model.
 """
 
 from __future__ import annotations
@@ -35,8 +35,8 @@ async def activate_from_host_copies(hub: ClusterScheduler, pools: ModelPools | N
     if set(source_ids) & set(target_ids):
         raise ValueError("a replica cannot send its host copy to itself")
     model = hub.model_name
-    if source_ids:
-        addresses = [await _holding(holder(i), i, model) for i in source_ids]
+    if source_ids:  # each one's host copies are checked as the move starts (`weights._host_peer`)
+        addresses = [control.handle_of(holder(i), i).state.address for i in source_ids]
     else:
         addresses = (await _found(hub, pools, model, target_ids))[:HOST_SOURCES]
     if not addresses:
@@ -44,16 +44,6 @@ async def activate_from_host_copies(hub: ClusterScheduler, pools: ModelPools | N
     async with contextlib.AsyncExitStack() as stack:
         peers = [await stack.enter_async_context(_borrow(hub, pools, a)) for a in addresses]
         return await control.activate(hub, target_ids, role, Method.HOST_PEER, peers=peers)
-
-
-async def _holding(sched: ClusterScheduler, rid: int, model: str) -> str:
-    """The address of replica `rid` once its Info (asked now) lists a host copy of `model`."""
-    handle = control.handle_of(sched, rid)
-    copies = [name for name, _ in (await handle.client.info()).host_copies]
-    if model not in copies:
-        raise TransitionError(f"replica {rid}'s host memory holds no copy of {model} "
-                              f"(its host copies: {', '.join(copies) or 'none'})")
-    return handle.state.address
 
 
 async def _found(hub: ClusterScheduler, pools: ModelPools | None, model: str,

@@ -133,7 +133,10 @@ async def _send_each(src: Member, targets: list[Member], model: str, host_copy: 
 
 async def _host_peer(sources: Sequence[Member], targets: Sequence[Member], model: str) -> None:
     """The sources' host-memory copies of `model` to every target, one target after another, each
-    source sending its share of the regions at once (one source: all of them)."""
+    source sending its share of the regions at once (one source: all of them). Each source's Info is
+    asked first: one whose host memory lacks the model (an Info read earlier may be stale) fails the
+    move before any target starts a receive that would wait out its deadline for it."""
+    await _all(*(_holds_host_copy(s, model) for s in sources))
     if len(sources) == 1:
         await _send_each(sources[0], list(targets), model, host_copy=True)
         return
@@ -143,6 +146,14 @@ async def _host_peer(sources: Sequence[Member], targets: Sequence[Member], model
         for i, src in enumerate(sources):
             await src.client.send_params(dst.rank, model, host_copy=True, share=i, shares=n)
         await _all(*(s.client.wait_rdma_done() for s in sources), dst.client.wait_rdma_done())
+
+
+async def _holds_host_copy(source: Member, model: str) -> None:
+    """TransitionError unless `source`'s host memory holds a copy of `model` now (its Info)."""
+    copies = [name for name, _ in (await source.client.info()).host_copies]
+    if model not in copies:
+        raise TransitionError(f"replica {source.client.address}'s host memory holds no copy of {model} "
+                              f"(its host copies: {', '.join(copies) or 'none'})")
 
 
 async def _chain(sources: Sequence[Member], targets: Sequence[Member], model: str) -> None:
