@@ -144,7 +144,15 @@ def heal(cluster: LocalCluster, admin: Admin, rank: int, timeout: float = 120.0)
     every replica has all its pages back."""
     proc = cluster.restart_replica(rank)
     cluster.wait_replica(proc, timeout)
-    wait_for(lambda: admin.replicas()[rank].role != pb.REPLICA_ROLE_DEAD, timeout, f"rank {rank} taken back")
+    ready = time.monotonic()
+
+    def heard_since_ready() -> bool:
+        # the router's last answer from the rank came from the new process (an answer on its port
+        # before it was ready, and a call failing on the old connection after, can flap its state)
+        status, since = admin.replicas()[rank], time.monotonic() - ready
+        return status.role != pb.REPLICA_ROLE_DEAD and 0 <= status.last_heartbeat_age_s < since
+
+    wait_for(heard_since_ready, timeout, f"rank {rank} taken back")
     pages_back(cluster, range(len(cluster.replicas)))
 
 
