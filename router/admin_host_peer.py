@@ -16,13 +16,13 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from typing import TYPE_CHECKING
 
 from router import control
-from router.models import HOST_SOURCES
+from router.models import HOST_SOURCES, HostCopies
+from router.pools import ModelPools, held, holder_of, sendable_copies
 from router.replicas import State, TransitionError
 from router.types import ReplicaId
 from router.weights import Member, Method
 
 if TYPE_CHECKING:
-    from router.pools import ModelPools
     from router.scheduler import ClusterScheduler
 
 Holder = Callable[[int], "ClusterScheduler"]  # the scheduler holding a replica id (admin._holder)
@@ -49,36 +49,25 @@ async def activate_from_host_copies(hub: ClusterScheduler, pools: ModelPools | N
 async def _found(hub: ClusterScheduler, pools: ModelPools | None, model: str,
                  target_ids: Sequence[int]) -> list[str]:
     """Every replica that could send `model`'s host copy now (their last Info; the spares' now)."""
-    targets = {ReplicaId(i) for i in target_ids}
-    own = [h.state.address for h in hub.replicas.values()
-           if h.id not in targets and h.state.alive and h.id not in hub.scaling.executor.busy
-           and model in (name for name, _ in h.state.info.host_copies)]
+    def holding(copies: Sequence[HostCopies]) -> list[str]:
+        return sorted(c.address for c in copies if model in c.models)
+
+    own = holding(sendable_copies(hub, {ReplicaId(i) for i in target_ids}))  # the model's own first
     if pools is None:
-        return sorted(own)
+        return own
     name = next(key for key, sched in pools.schedulers.items() if sched is hub)
-    return sorted(own) + sorted(c.address for c in await pools.host_copies(name) if model in c.models)
+    return own + holding(await pools.host_copies(name))
 
 
 @contextlib.asynccontextmanager
 async def _borrow(hub: ClusterScheduler, pools: ModelPools | None, address: str) -> AsyncIterator[Member]:
     """The replica at `address` as a source, held busy in its pool (or out of the spares) meanwhile."""
     if pools is not None:
-        try:
-            borrowed = pools.peer(address)
-            peer = await borrowed.__aenter__()
-        except ValueError as exc:  # taken or gone since it was named
-            raise TransitionError(str(exc)) from exc
-        try:
+        async with pools.peer(address) as peer:
             yield peer
-        finally:
-            await borrowed.__aexit__(None, None, None)
         return
-    handle = next((h for h in hub.replicas.values() if h.state.address == address), None)
-    busy = hub.scaling.executor.busy
-    if handle is None or handle.id in busy or not handle.state.alive:
-        raise TransitionError(f"replica {address} is busy or gone: its host copy cannot be sent now")
-    busy.add(handle.id)
-    try:
-        yield handle
-    finally:
-        busy.discard(handle.id)
+    found = holder_of([hub], address)
+    if found is None:
+        raise TransitionError(f"replica {address} is gone: its host copy cannot be sent")
+    async with held(*found) as peer:
+        yield peer

@@ -24,14 +24,15 @@ import contextlib
 import functools
 import logging
 from collections import Counter
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from router.errors import ReplicaCallError
 from router.models import HostCopies, PoolNeed, rebalance, reclaim_order, wake_action
 from router.reclaim import held_by, take_back
+from router.registry import ReplicaHandle
 from router.replica_api import ReplicaApi
-from router.replicas import State
+from router.replicas import State, TransitionError
 from router.scaling.planner import plan
 from router.scheduler import ClusterScheduler
 from router.types import ErrorEvent, Event, GenerateRequest, ReplicaId, RequestRejected
@@ -221,10 +222,8 @@ class ModelPools:
         """The host copies of every replica outside model `name`'s pool that could send one now:
         the other models' replicas with no action in flight (their last Info), and the spares (an
         Info each, now; one that does not answer is left out)."""
-        found = [HostCopies(h.state.address, _models(h.state.info.host_copies))
-                 for other, sched in self.schedulers.items() if other != name
-                 for h in sched.replicas.values()
-                 if h.state.alive and h.id not in sched.scaling.executor.busy and h.state.info.host_copies]
+        found = [c for other, sched in self.schedulers.items() if other != name
+                 for c in sendable_copies(sched)]
         return found + await self._spare_copies()
 
     async def _spare_copies(self) -> list[HostCopies]:
@@ -259,21 +258,14 @@ class ModelPools:
     async def peer(self, address: str) -> AsyncIterator[Peer]:
         """The replica at `address` (another model's, or a spare) as a weight source while the
         context lasts: held busy in its model's pool, or out of the spare pool (no model borrows it
-        meanwhile); ValueError when it is in neither (taken since, or gone)."""
-        for sched in self.schedulers.values():
-            handle = next((h for h in sched.replicas.values() if h.state.address == address), None)
-            if handle is None:
-                continue
-            if handle.id in sched.scaling.executor.busy or not handle.state.alive:
-                raise ValueError(f"replica {address} is busy or gone: its host copy cannot be sent now")
-            sched.scaling.executor.busy.add(handle.id)
-            try:
-                yield Peer(handle.rank, handle.ranks, handle.client, handle.layout)
-            finally:
-                sched.scaling.executor.busy.discard(handle.id)
+        meanwhile); TransitionError when it is in neither (taken since, or gone), or busy."""
+        found = holder_of(self.schedulers.values(), address)
+        if found is not None:
+            async with held(*found) as peer:
+                yield peer
             return
         if address not in self.spare:
-            raise ValueError(f"replica {address} is in no pool any more: its host copy cannot be sent")
+            raise TransitionError(f"replica {address} is in no pool any more: its host copy cannot be sent")
         self.spare.remove(address)
         client = self._connect(address)
         try:
@@ -282,6 +274,39 @@ class ModelPools:
         finally:
             await client.close()
             self.spare.append(address)
+
+
+def sendable_copies(sched: ClusterScheduler, leave_out: Collection[ReplicaId] = ()) -> list[HostCopies]:
+    """The host copies of `sched`'s replicas that could send one now: alive, no action in flight,
+    not in `leave_out` (their last Info)."""
+    busy = sched.scaling.executor.busy
+    return [HostCopies(h.state.address, _models(h.state.info.host_copies)) for h in sched.replicas.values()
+            if h.state.alive and h.id not in busy and h.id not in leave_out and h.state.info.host_copies]
+
+
+def holder_of(scheds: Iterable[ClusterScheduler], address: str
+              ) -> tuple[ClusterScheduler, ReplicaHandle] | None:
+    """The scheduler holding the replica at `address`, and its handle (None: no pool holds it)."""
+    for sched in scheds:
+        handle = next((h for h in sched.replicas.values() if h.state.address == address), None)
+        if handle is not None:
+            return sched, handle
+    return None
+
+
+@contextlib.asynccontextmanager
+async def held(sched: ClusterScheduler, handle: ReplicaHandle) -> AsyncIterator[Peer]:
+    """`handle` as a weight source while the context lasts, held busy in `sched` (no scaling action,
+    lend or reclaim takes it); TransitionError when an action holds it already, or it is dead."""
+    busy = sched.scaling.executor.busy
+    if handle.id in busy or not handle.state.alive:
+        raise TransitionError(f"replica {handle.state.address} is busy or gone: its host copy cannot be "
+                              "sent now")
+    busy.add(handle.id)
+    try:
+        yield Peer(handle.rank, handle.ranks, handle.client, handle.layout)
+    finally:
+        busy.discard(handle.id)
 
 
 @dataclass(frozen=True)

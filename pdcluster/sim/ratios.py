@@ -46,24 +46,26 @@ def replica_seconds(timeline: Iterable[dict[str, Any]], end: float) -> float:
 def cell_figures(folder: Path) -> dict[str, Any]:
     """One cell's policy, workload, P99 TTFT (ms), SLO attainment (%) and replica-seconds."""
     summary = json.loads((folder / "summary.json").read_text())
+    virtual = summary.get("virtual_seconds")
+    # virtual time: one timeline to the run's end; processes: a timeline per model, to the cell's end
+    status = None if virtual is not None else json.loads((folder / "status.json").read_text())
+    finished = None if status is None else float(status["finished"])
     held = 0.0
     for path in sorted(folder.glob("timeline*.jsonl")):
         with path.open(encoding="utf-8") as f:
             timeline = [json.loads(line) for line in f if line.strip()]
-        held += replica_seconds(timeline, _end(folder, summary, timeline))
+        end = float(virtual) if finished is None else _on_clock(finished, timeline)
+        held += replica_seconds(timeline, end)
     policy = folder.name.split("@")[0].rsplit(".", 1)[-1]
     return {"policy": policy, "workload": summary["workload"], "p99_ttft_ms": summary["p99_ttft_ms"],
             "slo_attainment_pct": 100 * summary["slo_attainment"]["all"], "replica_seconds": held}
 
 
-def _end(folder: Path, summary: dict[str, Any], timeline: list[dict[str, Any]]) -> float:
-    """Where the cell's spans end on `timeline`'s clock: the virtual run's end; for processes, the
-    cell's end (status.json `finished`, wall clock) through the file's first record's `t` and `wall`."""
-    if "virtual_seconds" in summary:
-        return float(summary["virtual_seconds"])
-    finished = float(json.loads((folder / "status.json").read_text())["finished"])
+def _on_clock(wall: float, timeline: list[dict[str, Any]]) -> float:
+    """Wall-clock time `wall` on `timeline`'s own clock (a process cell writes a timeline per model,
+    each from its own start), through its first record's `t` and `wall`."""
     first = next((r for r in timeline if "t" in r and "wall" in r), None)
-    return 0.0 if first is None else float(first["t"]) + finished - float(first["wall"])
+    return 0.0 if first is None else float(first["t"]) + wall - float(first["wall"])
 
 
 def ratios(cells: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:

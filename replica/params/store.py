@@ -264,8 +264,7 @@ class ParamStore:
         named `name` (default: this replica's model, else the folder's name)."""
         self.io.check_layout(path, self.layout)
         if not name:
-            self.model_name = self.model_name or path.name
-        name = name or self.model_name
+            self.model_name = name = self.model_name or path.name
         if not self.host_cache.fits(self.layout.total_bytes):
             log.info("host cache: %s (%.1f MB) does not fit --host-cache-bytes %d", path.name,
                      self.layout.total_bytes / 1e6, self.host_cache.capacity)

@@ -26,7 +26,12 @@ from router.pools import ModelPools
 from router.replicas import State
 from router.scheduler import ClusterScheduler
 from router.tokenizer import Tokenizer
-from tests.component.router.test_router_pools_host_peer import MAX_NEW, keep_in_host_memory
+from tests.component.router.test_router_pools_host_peer import (
+    MAX_NEW,
+    PROMPT,
+    keep_in_host_memory,
+    two_models,
+)
 from tests.helpers.inproc_cluster import InProcReplica, inproc_cluster
 from tests.helpers.recording_client import recording_connect
 from tests.helpers.router_core import collect, config, greedy, request, run, tokens_of
@@ -49,11 +54,7 @@ async def _refused(stub: rpb_grpc.RouterAdminStub, sources: list[int]) -> grpc.a
 
 def test_activate_replicas_from_peers_host_copies(tiny_model_factory: Callable[..., Path],
                                                   tmp_path: Path) -> None:
-    alpha = tiny_model_factory(arch="llama", layers=2)
-    beta = tiny_model_factory(arch="llama", layers=2, seed=23)  # one shape, other weights
-    prompt = [5, 17, 42, 9]
-    want = {m: greedy(m)(prompt, MAX_NEW) for m in (alpha, beta)}
-    assert want[alpha] != want[beta]
+    alpha, beta, want = two_models(tiny_model_factory)
 
     def config_for(rank: int) -> dict[str, Any]:
         return {"num_blocks": 64, "inactive": rank >= 2}
@@ -92,7 +93,7 @@ def test_activate_replicas_from_peers_host_copies(tiny_model_factory: Callable[.
                 assert [(r.id, r.state) for r in named.replicas] == [(3, "decode")]
                 assert [calls[a].count("SendParams") for a in address[:2]] == [1, 2]
             assert not any("LoadParams" in calls[a] for a in address[2:])
-            ask = request(prompt, MAX_NEW)
+            ask = request(PROMPT, MAX_NEW)
             for model in (beta, alpha):  # the senders still serve their own model
                 events = await asyncio.wait_for(collect(pools.front(model.name).submit(ask)), 60)
                 assert tokens_of(events) == want[model]
@@ -109,8 +110,7 @@ def test_one_model_router_sends_from_its_own_replicas_host_copies(tiny_model_fac
     """Replicas 0 and 1 serve alpha with a host copy of it; the inactive replica 2 loads it from
     theirs and then decodes alone (replica 1 drained): transformers' tokens."""
     alpha = tiny_model_factory(arch="llama", layers=2)
-    prompt = [5, 17, 42, 9]
-    want = greedy(alpha)(prompt, MAX_NEW)
+    want = greedy(alpha)(PROMPT, MAX_NEW)
 
     def config_for(rank: int) -> dict[str, Any]:
         return {"num_blocks": 64, "inactive": rank == 2}
@@ -136,7 +136,7 @@ def test_one_model_router_sends_from_its_own_replicas_host_copies(tiny_model_fac
                     replica_ids=[2], role=rpb.REPLICA_ROLE_DECODE, method=rpb.ACTIVATION_METHOD_HOST_PEER))
                 assert [calls[a].count("SendParams") for a in address[:2]] == [1, 1]
                 await stub.Drain(rpb.DrainRequest(replica_id=1))
-            events = await asyncio.wait_for(collect(sched.submit(request(prompt, MAX_NEW))), 60)
+            events = await asyncio.wait_for(collect(sched.submit(request(PROMPT, MAX_NEW))), 60)
             assert tokens_of(events) == want
             assert "DecodeV2" in calls[address[2]] and "LoadParams" not in calls[address[2]]
         finally:

@@ -23,6 +23,17 @@ from tests.helpers.recording_client import recording_connect
 from tests.helpers.router_core import collect, config, greedy, request, run, tokens_of
 
 MAX_NEW = 6
+PROMPT = [5, 17, 42, 9]
+
+
+def two_models(tiny_model_factory: Callable[..., Path]) -> tuple[Path, Path, dict[Path, list[int]]]:
+    """Checkpoints alpha and beta of one shape and other weights, and transformers' greedy tokens of
+    `PROMPT` on each (they differ: a replica holding the wrong one is seen)."""
+    alpha = tiny_model_factory(arch="llama", layers=2)
+    beta = tiny_model_factory(arch="llama", layers=2, seed=23)
+    want = {m: greedy(m)(PROMPT, MAX_NEW) for m in (alpha, beta)}
+    assert want[alpha] != want[beta]
+    return alpha, beta, want
 
 
 def _scheduler(model: Path, ids: itertools.count[int], calls: dict[str, list[str]],
@@ -45,11 +56,7 @@ def keep_in_host_memory(replica: InProcReplica, kept: str, serving: str) -> None
 
 def test_a_model_at_zero_wakes_from_a_peers_host_copy(tiny_model_factory: Callable[..., Path],
                                                        tmp_path: Path) -> None:
-    alpha = tiny_model_factory(arch="llama", layers=2)
-    beta = tiny_model_factory(arch="llama", layers=2, seed=23)  # one shape, other weights
-    prompt = [5, 17, 42, 9]
-    want = {m: greedy(m)(prompt, MAX_NEW) for m in (alpha, beta)}
-    assert want[alpha] != want[beta]
+    alpha, beta, want = two_models(tiny_model_factory)
 
     def config_for(rank: int) -> dict[str, Any]:
         return {"num_blocks": 64, "inactive": rank == 2}
@@ -66,7 +73,7 @@ def test_a_model_at_zero_wakes_from_a_peers_host_copy(tiny_model_factory: Callab
         pools = ModelPools({alpha.name: first, beta.name: second}, [address[2]], 30.0, 0.2)
         await pools.start()
         try:
-            ask = request(prompt, MAX_NEW)
+            ask = request(PROMPT, MAX_NEW)
             events = await asyncio.wait_for(collect(pools.front(beta.name).submit(ask)), 60)
             assert tokens_of(events) == want[beta]
             assert all("SendParams" in calls[a] for a in address[:2])  # a share from each holder
