@@ -53,6 +53,9 @@ from router.types import (
 CAUSE_KEY, PEER_CAUSE = "x-pdcluster-cause", "peer"  # replica/errors.py: another replica failed
 CALL_KEY = "x-pdcluster-call"
 AFTER_KEY = "x-pdcluster-after"
+# A replica restarted on its address must be reachable again within about a heartbeat: gRPC's own
+# reconnect backoff grows to 2 minutes, during which every call fails UNAVAILABLE at once.
+RECONNECT_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 100), ("grpc.max_reconnect_backoff_ms", 1000)]
 
 
 _ERRORS: dict[grpc.StatusCode, type[ReplicaCallError]] = {
@@ -240,6 +243,7 @@ def _info(msg: pb.InfoResponse) -> ReplicaInfo:
         cached_page_hashes=tuple(msg.cached_page_hashes), tp_size=max(1, msg.tp_size),
         weights_model=msg.weights_model,
         host_copies=tuple((c.model, c.bytes) for c in msg.host_copies),
+        instance=msg.instance,
     )
 
 
@@ -259,7 +263,7 @@ class ReplicaClient:
     def stub(self) -> pb_grpc.TextGenerationServiceStub:
         """The generated stub on a lazily opened channel (opened inside the running event loop)."""
         if self._stub is None:
-            options = [("grpc.max_receive_message_length", 64 << 20)]
+            options = [("grpc.max_receive_message_length", 64 << 20), *RECONNECT_OPTIONS]
             if self.credentials is None:
                 self._channel = grpc.aio.insecure_channel(self.address, options=options)
             else:

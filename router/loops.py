@@ -252,6 +252,10 @@ class ReplicaWorker:
         start = self.cluster.clock()
         try:
             result = await self.h.client.prefill(spec, case, pipe_peer, resume)
+        except asyncio.CancelledError:  # its migration's receiver is gone, or the router stops
+            self.h.state.release(pages)
+            self.wakeups.pages(self.h.id)
+            raise
         except ReplicaCallError as exc:
             self.h.state.release(pages)
             self.wakeups.pages(self.h.id)

@@ -166,11 +166,7 @@ class Migrations:
         spec = live.spec()
         migrate = asyncio.ensure_future(src.client.migrate(spec, src.ranks, dst.ranks))
         immigrate = asyncio.ensure_future(dst.client.immigrate(spec, src.ranks, dst.ranks))
-        # A sender that is gone will send no header: stop the receiver's wait (it frees its pages on
-        # the cancel) instead of letting it run to its deadline with the batch's requests waiting.
-        migrate.add_done_callback(lambda done: _cancel_if_gone(done, immigrate))
-        # and a receiver that is unreachable is dead now, not once the sender's connect gives up on it
-        immigrate.add_done_callback(lambda done: self.mark_dead_if_gone(dst, done))
+        self.pair(src, migrate, dst, immigrate)
         sent, got = await asyncio.gather(migrate, immigrate, return_exceptions=True)
         if isinstance(sent, BaseException) or isinstance(got, BaseException):
             # (a receiver's wait cancelled because its sender is gone is no error of its own)
@@ -189,9 +185,8 @@ class Migrations:
             dst.client.immigrate_partial(spec, False, split, second.ranks, dst.ranks),
         ]
         tasks = [asyncio.ensure_future(c) for c in calls]
-        for sender, receiver in ((tasks[0], tasks[1]), (tasks[2], tasks[3])):
-            sender.add_done_callback(functools.partial(_cancel_if_gone, receiver=receiver))
-        tasks[3].add_done_callback(lambda done: self.mark_dead_if_gone(dst, done))
+        self.pair(first, tasks[0], dst, tasks[1])
+        self.pair(second, tasks[2], dst, tasks[3])
         results = await asyncio.gather(*tasks, return_exceptions=True)
         errors = [r for r in results if isinstance(r, Exception)]
         if errors or any(isinstance(r, BaseException) for r in results):
@@ -238,14 +233,22 @@ class Migrations:
         with contextlib.suppress(ReplicaCallError):
             await handle.client.clear_cache(batch_id)
 
-    def mark_dead_if_gone(self, handle: ReplicaHandle, call: asyncio.Future[Any]) -> None:
-        """`handle`'s own call failed as unreachable (not because of its peer): it is dead."""
+    def pair(self, src: ReplicaHandle, send: asyncio.Future[Any], dst: ReplicaHandle,
+             receive: asyncio.Future[Any]) -> None:
+        """Tie the two calls of one transfer: a side whose own call fails as unreachable is dead at
+        once, and the other side's call is cancelled (the replica ends its part and frees what it
+        held for it) rather than left to wait for its deadline with the batch's requests waiting —
+        a gone sender sends no header, a gone receiver answers none (the sender would wait for its
+        `have`: a receiver restarted on its address takes the connection but never the batch)."""
+        for handle, call, other in ((src, send, receive), (dst, receive, send)):
+            call.add_done_callback(functools.partial(self._one_side_done, handle, other=other))
+
+    def _one_side_done(self, handle: ReplicaHandle, call: asyncio.Future[Any], other: asyncio.Future[Any]
+                       ) -> None:
         if _gone(call):
             self.host.mark_dead(handle.id, str(call.exception()))
-
-    def mark_dead(self, handle: ReplicaHandle, reason: str) -> None:
-        """`handle` is gone."""
-        self.host.mark_dead(handle.id, reason)
+            if not other.done():
+                other.cancel()
 
     def warn_once(self, what: str, errors: Sequence[BaseException]) -> None:
         """Say once per kind that the replicas lack a migration RPC (the batches fall back)."""
@@ -259,18 +262,8 @@ class Migrations:
         return self.clock()
 
 
-def side_of(exc: ReplicaUnavailable, src: ReplicaHandle, dst: ReplicaHandle) -> ReplicaHandle:
-    """Which side of a migration an UNAVAILABLE error came from (the receiver when unclear)."""
-    return src if exc.address == src.state.address else dst
-
-
 def _gone(call: asyncio.Future[Any]) -> bool:
     """The call failed because its replica could not be reached (UNAVAILABLE without a peer cause)."""
     if call.cancelled():
         return False
     return isinstance(call.exception(), ReplicaUnavailable)  # PeerFailed is not one: the caller is alive
-
-
-def _cancel_if_gone(sender: asyncio.Future[Any], receiver: asyncio.Future[Any]) -> None:
-    if _gone(sender) and not receiver.done():
-        receiver.cancel()

@@ -84,10 +84,13 @@ class ReplicaState:
     since: float = 0.0  # when it entered its state (set by the observer; the keep-alive counts from it)
     observer: Observer | None = None
     on_info: Callable[[ReplicaState], None] | None = None  # called after `info` is replaced
+    # the process the router took in at this address (Info `instance`; "": an old replica)
+    process: str = field(default="", init=False)
     _held_pages: int = field(default=0, init=False)  # sum(held.values()), kept as `held` changes
 
     def __post_init__(self) -> None:
         self._held_pages = sum(self.held.values())
+        self.process = self._info.instance
 
     @property
     def info(self) -> ReplicaInfo:

@@ -375,7 +375,9 @@ class ClusterScheduler:
         except (ReplicaCallError, TimeoutError):
             return
         handle.state.info = info
-        if handle.state.alive and self._restarted(handle, before):
+        if handle.state.alive and handle.state.process and info.instance not in ("", handle.state.process):
+            self.mark_dead(handle.id, "another process answers on its address: it restarted")
+        elif handle.state.alive and self._restarted(handle, before):
             self.mark_dead(handle.id, "it answers without the weights it held: its process restarted")
         if handle.state.alive:
             self.heartbeats.beat(handle.id, self.clock())
@@ -403,6 +405,7 @@ class ClusterScheduler:
         if handle.state.alive:  # revived meanwhile by a concurrent poll
             return
         role = handle.state.revive(h.state.role for h in self.replicas.values())
+        handle.state.process = handle.state.info.instance  # the member is this process from now on
         log.warning("replica %s (%s) answers again: back as %s", handle.id, handle.state.address, role.value)
         handle.forget_work()
         self._start_loop(handle)

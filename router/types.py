@@ -309,6 +309,7 @@ class ReplicaInfo:
     tp_size: int = 1  # ranks of its tensor-parallel group (0 from an old replica reads as 1)
     weights_model: str = ""  # the model its weight buffer holds or last held ("": unknown, old replica)
     host_copies: tuple[tuple[str, int], ...] = ()  # (model, bytes) of its host-memory copies
+    instance: str = ""  # the id of its process, new at each start ("": an old replica)
 
     @property
     def ranks(self) -> tuple[int, ...]:

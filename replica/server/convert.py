@@ -208,7 +208,8 @@ def warmup_from_pb(msg: pb.WarmupRequest) -> WarmupSpec:
 
 
 def info_to_pb(info: EngineInfo, rank: int, tp_size: int, fabric: str = "",
-               weights_model: str = "", host_copies: Sequence[tuple[str, int]] = ()) -> pb.InfoResponse:
+               weights_model: str = "", host_copies: Sequence[tuple[str, int]] = (),
+               instance: str = "") -> pb.InfoResponse:
     """Info facts."""
     msg = pb.InfoResponse(
         requires_padding=False,
@@ -238,6 +239,7 @@ def info_to_pb(info: EngineInfo, rank: int, tp_size: int, fabric: str = "",
         prefix_cache=info.prefix_cache,
         num_blocks_cached=info.num_blocks_cached,
         cached_page_hashes=info.cached_page_hashes,
+        instance=instance,
     )
     if info.window_size is not None:
         msg.window_size = info.window_size

@@ -16,6 +16,7 @@ it with the calls they read (`lanes.py`). Nothing here knows about protobuf or g
 from __future__ import annotations
 
 import logging
+import secrets
 import time
 from collections.abc import Callable
 from typing import Any
@@ -69,6 +70,7 @@ class ReplicaCore:
         self.config = config
         self.worker = worker
         self.shared = ServerState(config, worker)
+        self.instance = secrets.token_hex(8)  # Info's `instance`: new with each process (each core)
         self.weights = WeightCalls(self.shared)
         self.migration = MigrationCalls(self.shared)
         fraction = None if config.num_blocks is not None else config.kv_memory_fraction
@@ -168,7 +170,8 @@ class ReplicaCore:
         return m.ReplicaInfo(engine.info(), self.config.rank, tp_size=self.config.tp,
                              fabric=cluster.kind if cluster is not None else "",
                              weights_model=state.params.model_name if state is not None else "",
-                             host_copies=tuple(state.params.host_copies()) if state is not None else ())
+                             host_copies=tuple(state.params.host_copies()) if state is not None else (),
+                             instance=self.instance)
 
     def health(self) -> HealthState:
         """loading until the model is built; then serving / inactive / loading by weight readiness

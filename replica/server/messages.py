@@ -114,6 +114,7 @@ class ReplicaInfo(msgspec.Struct, frozen=True, array_like=True, gc=False):
     fabric: str = ""  # the fabric kind this replica moves KV and weights on ("" before it has one)
     weights_model: str = ""  # the model its weight buffer holds or last held ("": unknown)
     host_copies: tuple[tuple[str, int], ...] = ()  # (model, bytes) of its host-memory copies
+    instance: str = ""  # a random id of this process, new at each start
 
 
 class Discovery(msgspec.Struct, frozen=True, array_like=True, gc=False):

@@ -156,7 +156,8 @@ def _empty(response: type[Message]) -> Callable[[Any], Message]:
 RPCS: dict[str, Rpc] = {
     "Info": Rpc(
         pb.InfoRequest, lambda r: m.Info(),
-        lambda i: convert.info_to_pb(i.engine, i.rank, i.tp_size, i.fabric, i.weights_model, i.host_copies),
+        lambda i: convert.info_to_pb(i.engine, i.rank, i.tp_size, i.fabric, i.weights_model, i.host_copies,
+                                     i.instance),
     ),
     "ConnectPeers": Rpc(
         pb.ConnectPeersRequest,

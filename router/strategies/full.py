@@ -11,7 +11,7 @@ from collections.abc import Sequence
 
 from router.batches import LiveBatch
 from router.errors import PeerFailed, ReplicaUnavailable, ReplicaUnimplemented
-from router.migration import Abandoned, MigrationFailed, Migrations, side_of
+from router.migration import Abandoned, MigrationFailed, Migrations
 from router.registry import ReplicaHandle
 from router.strategies.base import MigrationStrategy
 from router.strategies.recompute import send_tokens
@@ -63,9 +63,8 @@ class Full(MigrationStrategy):
             await send_tokens(moves, src, live, self)
             return
         members = list(live.members.values())
-        for exc in errors:
-            if isinstance(exc, ReplicaUnavailable):
-                moves.mark_dead(side_of(exc, src, dst), str(exc))
+        # a side that was unreachable was marked dead when its call failed (`Migrations.pair`): not
+        # again now, when it may have come back meanwhile
         await moves.clear(src, live.id)
         src.state.release(live.members)
         if any(isinstance(e, ReplicaUnavailable | PeerFailed) for e in errors):  # the requests are fine

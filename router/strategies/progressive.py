@@ -53,10 +53,20 @@ class Progressive(MigrationStrategy):
         src, moves = job.replica, job.moves
         spec, t0 = spec_for(job.batch_id, job.members, src.block_size), moves.now()
         receive = asyncio.create_task(dst.client.immigrate(spec, src.ranks, dst.ranks))
-        # a receiver that is unreachable is dead now, not when the sender's connect gives up on it
-        receive.add_done_callback(lambda done: moves.mark_dead_if_gone(dst, done))
+        send = asyncio.ensure_future(job.prefill(PrefillCase.MIGRATE_PROGRESSIVE, dst, raise_errors=True))
+        # an unreachable receiver is dead now, and the prefill sending to it is cancelled (it would
+        # wait for the receiver's answer until its deadline); an unreachable sender likewise
+        moves.pair(src, send, dst, receive)
         try:
-            live = await job.prefill(PrefillCase.MIGRATE_PROGRESSIVE, dst, raise_errors=True)
+            live = await send
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if task is not None and task.cancelling():
+                raise  # this hand-off itself is cancelled (the router stops)
+            await moves.clear(src, job.batch_id)
+            why = receive.exception() if receive.done() and not receive.cancelled() else "cancelled"
+            moves.requests.requeue(job.members, f"migration failed: {why}")
+            return
         except ReplicaCallError as exc:
             receive.cancel()
             with contextlib.suppress(BaseException):
@@ -88,7 +98,7 @@ class Progressive(MigrationStrategy):
                                batch_id: BatchId, live: LiveBatch | None, exc: ReplicaCallError) -> None:
         """The prefill ran but the receiver failed: the batch is still on P, send it by recompute."""
         await moves.clear(dst, batch_id)
-        # an unreachable receiver was marked dead when its call failed (`mark_dead_if_gone`)
+        # an unreachable receiver was marked dead when its call failed (`Migrations.pair`)
         if isinstance(exc, ReplicaUnimplemented):
             moves.warn_once(self.name, [exc])
         if live is None:

@@ -4,7 +4,9 @@ The router's scenarios run against real replicas (tests/helpers/router_core.py `
 this fake is for what a real one cannot be made to do on cue: a call failing with a chosen code
 (`fail`), an UNAVAILABLE that blames the peer (`peer_fail`), migration RPCs that are not
 implemented (`migrate = False`), slow steps, transfers and loads (`step_delay`, `immigrate_delay`,
-`param_delay`), pages freed late after Migrate (`free_after_migrate`), and counters of what ran
+`param_delay`), pages freed late after Migrate (`free_after_migrate`), a sender that waits for its
+receiver to take the batch (`migrate_waits`, as a real one waits for the receiver's answer), and
+counters of what ran
 at once. It answers like a real replica otherwise — batches and pages (`fake_batches.py`), weights
 (`fake_weights.py`) — which tests/component/router/test_fake_replica_conformance.py checks by
 running one script against both. Replicas started with the same `FakeFabric` migrate KV between
@@ -38,6 +40,7 @@ class FakeFabric:
     """Shared by fake replicas of one test: batches in flight by (src rank, dst rank, batch id)."""
 
     sent: dict[tuple[int, int, int], asyncio.Future[list[FakeRequest]]] = field(default_factory=dict)
+    taken: dict[tuple[int, int, int], asyncio.Future[None]] = field(default_factory=dict)
 
     def slot(self, src: int, dst: int, batch_id: int) -> asyncio.Future[list[FakeRequest]]:
         """The rendezvous of one migration."""
@@ -45,6 +48,10 @@ class FakeFabric:
         if key not in self.sent:
             self.sent[key] = asyncio.get_running_loop().create_future()
         return self.sent[key]
+
+    def taken_by_receiver(self, src: int, dst: int, batch_id: int) -> asyncio.Future[None]:
+        """Set when the receiver of one migration took its batch."""
+        return self.taken.setdefault((src, dst, batch_id), asyncio.get_running_loop().create_future())
 
 
 def rpc(method: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[Any]]:
@@ -83,12 +90,15 @@ class FakeReplica(pb_grpc.TextGenerationServiceServicer):
         self.migrate = migrate  # False: migration and weight RPCs answer UNIMPLEMENTED
         self.fabric_kind = "tcp"  # what Info reports as this replica's fabric
         self.model_name = "fake"  # the model Info names
+        self.instance = f"fake-{rank}"  # Info's process id (a test "restarting" it sets another)
         self.connected: list[int] = []  # ranks ConnectPeers asked for, in order
         self.step_delay = 0.0
         self.immigrate_delay = 0.0
         # A replica frees a migrated batch's pages on its engine thread after answering Migrate; a
         # call sent after that answer can overtake the free there. Seconds the fake lags by.
         self.free_after_migrate = 0.0
+        # Migrate answers only once the receiver took the batch (up to 30 s; a cancel keeps it here)
+        self.migrate_waits = False
         self.refused_pages = 0  # PrefillV2 calls refused for want of pages
         self.immigrating = self.max_immigrating = 0
         self.prefilling = self.max_prefilling = 0  # PrefillV2 calls being served now, and the most at once
@@ -185,7 +195,7 @@ class FakeReplica(pb_grpc.TextGenerationServiceServicer):
             num_layers_loaded=NUM_LAYERS if ready else 0, lm_head_ready=ready, rank=self.rank,
             tp_size=self.tp,
             num_cached_batches=len(s.batches), max_input_tokens=s.max_input_tokens,
-            max_total_tokens=s.max_total_tokens, fabric=self.fabric_kind,
+            max_total_tokens=s.max_total_tokens, fabric=self.fabric_kind, instance=self.instance,
         )
 
     @rpc
@@ -214,8 +224,11 @@ class FakeReplica(pb_grpc.TextGenerationServiceServicer):
         if request.forward_case & (pb.MIGRATE | pb.MIGRATE_PROGRESSIVE):
             # as on a replica: a migrating prefill's batch goes to the peer and is not kept here
             self.fabric.slot(self.rank, request.pipe_peer[0], request.batch.id).set_result(sent_copy(reqs))
-            if cached is not None:
-                self.state.give_back(self.state.batches.pop(request.batch.id))
+            try:
+                await self._receiver_took(request.pipe_peer[0], request.batch.id, "PrefillV2")
+            finally:
+                if cached is not None:
+                    self.state.give_back(self.state.batches.pop(request.batch.id))
         return pb.PrefillV2Response(generations=gens, batch=cached)
 
     @rpc
@@ -252,12 +265,26 @@ class FakeReplica(pb_grpc.TextGenerationServiceServicer):
         reqs = self.state.get(request.batch.id)
         self.fabric.slot(self.rank, request.dst[0], request.batch.id).set_result(sent_copy(reqs))
         cached = self.state.cached(request.batch.id)
-        gone = self.state.batches.pop(request.batch.id)
-        if self.free_after_migrate:
-            asyncio.get_running_loop().call_later(self.free_after_migrate, self.state.give_back, gone)
-        else:
-            self.state.give_back(gone)
+        gone = self.state.batches.pop(request.batch.id)  # a replica's Migrate frees it, even cancelled
+        try:
+            await self._receiver_took(request.dst[0], request.batch.id, "Migrate")
+        finally:
+            if self.free_after_migrate:
+                asyncio.get_running_loop().call_later(self.free_after_migrate, self.state.give_back, gone)
+            else:
+                self.state.give_back(gone)
         return pb.MigrateResponse(batch=cached)
+
+    async def _receiver_took(self, dst: int, batch_id: int, call: str) -> None:
+        """(`migrate_waits`) Wait until the receiver took the batch, as a sender waits for its answer."""
+        if not self.migrate_waits:
+            return
+        try:
+            taken = self.fabric.taken_by_receiver(self.rank, dst, batch_id)
+            await asyncio.wait_for(asyncio.shield(taken), 30)
+        except asyncio.CancelledError:
+            self.cancelled.append(call)
+            raise
 
     @rpc
     async def Immigrate(self, request: pb.ImmigrateRequest, context: Context) -> pb.ImmigrateResponse:
@@ -274,6 +301,8 @@ class FakeReplica(pb_grpc.TextGenerationServiceServicer):
         finally:
             self.immigrating -= 1
         del self.fabric.sent[key]
+        if not (taken := self.fabric.taken_by_receiver(*key)).done():
+            taken.set_result(None)
         need = sum(r.pages for r in got)
         if need > self.state.free:
             raise Refused(grpc.StatusCode.RESOURCE_EXHAUSTED, f"need {need} KV pages, {self.state.free} free")

@@ -109,6 +109,27 @@ def test_a_gone_sender_cancels_the_receivers_wait_and_the_batch_runs_again() -> 
     run(body())
 
 
+@pytest.mark.parametrize(("strategy", "sending_call"), [(Strategy.FULL, "Migrate"),
+                                                     (Strategy.PROGRESSIVE, "PrefillV2")])
+def test_a_gone_receiver_cancels_the_senders_wait_and_the_batch_runs_again(
+    strategy: Strategy, sending_call: str
+) -> None:
+    # Immigrate fails UNAVAILABLE without a cause (the decode replica is unreachable: restarted on its
+    # address, say, its fabric up but its gRPC channel not yet): the sender, waiting for an answer no
+    # receiver will give, is cancelled rather than left to its deadline (the batch's requests with it)
+    async def body() -> None:
+        async with fake_cluster((State.PREFILL, State.DECODE, State.DECODE), strategy) as (sched, fakes):
+            fakes[0].migrate_waits = True
+            fakes[1].fail["Immigrate"] = grpc.StatusCode.UNAVAILABLE
+            fakes[2].fail["Immigrate"] = grpc.StatusCode.UNAVAILABLE
+            events = await asyncio.wait_for(collect(sched.submit(request([6, 3], 5))), 8)
+            assert tokens_of(events) == expected_tokens([6, 3], 5)  # decoded by the prefill replica
+            assert [sched.replicas[ReplicaId(i)].state.role for i in (1, 2)] == [State.DEAD] * 2
+            await eventually_async(lambda: sending_call in fakes[0].cancelled)
+            await pages_back(fakes[:1])
+    run(body())
+
+
 def test_when_every_replica_died_running_and_queued_requests_fail_with_503_instead_of_waiting() -> None:
     async def body() -> None:
         async with fake_cluster(PD, Strategy.FULL, max_batch_size=1) as (sched, fakes):
@@ -187,6 +208,39 @@ def test_a_replica_restarted_within_its_heartbeat_deadline_is_seen_by_its_lost_w
             events = await collect(sched.submit(request([3, 3], 4)))
             assert tokens_of(events) == expected_tokens([3, 3], 4)
             assert finish_of(events).route.decode_replica == 2
+    run(body())
+
+
+def test_a_new_process_on_a_replicas_address_within_its_deadline_is_taken_back_as_a_new_member() -> None:
+    # restarted with its weights (a launcher gives it the model at start) before any poll failed: only
+    # Info's process id tells; the router frees what the old process held, connects it again, and
+    # the replica decodes the next batch (no heartbeat deadline passes: the test polls by hand)
+    async def body() -> None:
+        roles = (State.PREFILL, State.DECODE, State.DECODE)
+        quiet = {"heartbeat_interval": 60, "heartbeat_timeout": 120}
+        async with fake_cluster(roles, Strategy.FULL, **quiet) as (sched, fakes):
+            restarted = fakes[2]
+            port = int(restarted.address.rsplit(":", 1)[1])
+            await restarted.stop()
+            restarted.instance = "fake-2-restarted"
+            connects, clears = restarted.calls.count("ConnectPeers"), restarted.calls.count("ClearCache")
+            await restarted.start(port)
+
+            async def taken_back() -> bool:
+                await sched.check_liveness()  # a poll (the first ones may meet the channel reconnecting)
+                return restarted.calls.count("ConnectPeers") > connects
+
+            await eventually_async(taken_back, 5, 0.05)
+            assert sched.replicas[ReplicaId(2)].state.role is State.DECODE
+            assert restarted.calls.count("ClearCache") == clears + 1
+            await fakes[1].stop()
+            sched.mark_dead(ReplicaId(1), "stopped by the test")
+            events = await collect(sched.submit(request([3, 4], 4)))
+            assert tokens_of(events) == expected_tokens([3, 4], 4)
+            assert finish_of(events).route.decode_replica == 2
+            await sched.check_liveness()  # the same process again: nothing happens
+            assert sched.replicas[ReplicaId(2)].state.role is State.DECODE
+            assert restarted.calls.count("ClearCache") == clears + 1
     run(body())
 
 
