@@ -190,10 +190,12 @@ async def run_router(config: RouterConfig, stop: asyncio.Event, api_keys: KeyTab
         await asyncio.sleep(0.05)
     http_port = sock.getsockname()[1]
     scheme = "https" if tls.serves else "http"
-    print(f"pdcluster router ready: http={scheme}://{config.host}:{http_port} "
-          f"admin={config.host}:{admin_port} "
-          f"strategy={sched.strategy.name} scaling={sched.scaling.policy.name} "
-          f"replicas={len(sched.replicas)}", flush=True)
+    # one write of the whole line (print() writes it and its newline apart under PYTHONUNBUFFERED)
+    sys.stdout.write(f"pdcluster router ready: http={scheme}://{config.host}:{http_port} "
+                     f"admin={config.host}:{admin_port} "
+                     f"strategy={sched.strategy.name} scaling={sched.scaling.policy.name} "
+                     f"replicas={len(sched.replicas)}\n")
+    sys.stdout.flush()
     try:
         stopped = asyncio.ensure_future(stop.wait())
         await asyncio.wait([stopped, http_task], return_when=asyncio.FIRST_COMPLETED)

@@ -126,8 +126,10 @@ class Proc:
                 out.write(line + "\n")
                 out.flush()
                 self._tail.append(line)
-                if self.ready_prefix and not self.ready_line and line.startswith(self.ready_prefix):
-                    self.ready_line = line
+                if self.ready_prefix and not self.ready_line and self.ready_prefix in line:
+                    # from the prefix on: a partial line another process of the session (a library
+                    # of a tp worker writing to the shared stream) left just before it is not part of it
+                    self.ready_line = line[line.index(self.ready_prefix):]
                     self._ready.set()
 
     @property

@@ -95,7 +95,8 @@ def supervise(tool: str, cluster: Supervised) -> int:
             cluster.start()
         finally:
             starting = False
-        print(cluster.ready_line(), flush=True)
+        sys.stdout.write(cluster.ready_line() + "\n")  # one write (print() splits it when unbuffered)
+        sys.stdout.flush()
         failure = Watch(tool, cluster).run(stop)
     except Interrupted:
         pass  # said below

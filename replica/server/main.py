@@ -195,7 +195,10 @@ def serve(config: ReplicaConfig) -> int:
         services.stop()
         return 1
     broken = _leave_when_group_breaks(config, services, stop)
-    print(f"{READY_PREFIX} {config.host}:{services.port}", flush=True)
+    # one write of the whole line: under a launch (`2>&1`) the tp workers' logs share this stream, and
+    # with PYTHONUNBUFFERED print() writes a line and its newline apart, letting another line between
+    sys.stdout.write(f"{READY_PREFIX} {config.host}:{services.port}\n")
+    sys.stdout.flush()
     registration = _register(config, services.port, security.tls)
     stop.wait()
     if registration is not None:
