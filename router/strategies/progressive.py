@@ -63,7 +63,7 @@ class Progressive(MigrationStrategy):
             task = asyncio.current_task()
             if task is not None and task.cancelling():
                 raise  # this hand-off itself is cancelled (the router stops)
-            await moves.clear(src, job.batch_id)
+            # nothing to clear on P: a cancelled MIGRATE_PROGRESSIVE prefill frees its batch there
             why = receive.exception() if receive.done() and not receive.cancelled() else "cancelled"
             moves.requests.requeue(job.members, f"migration failed: {why}")
             return
