@@ -197,6 +197,12 @@ class Heartbeats:
         last = self._last.get(replica)
         return None if last is None else now - last
 
+    def stalled(self, seconds: float, now: float) -> None:
+        """The router itself stalled for `seconds` (its own timers ran that late: a long GC pause, a
+        starved host): that time does not count against any replica (no beat moves past `now`)."""
+        for replica, last in self._last.items():
+            self._last[replica] = min(now, last + seconds)
+
     def expired(self, now: float) -> list[ReplicaId]:
         """Replicas whose deadline passed (they stay tracked until `forget`)."""
         return [r for r, last in self._last.items() if now - last > self.timeout]

@@ -355,25 +355,46 @@ class ClusterScheduler:
         self.timeline.close()
 
     async def _watch(self) -> None:
+        interval = self.config.heartbeat_interval
         while not self._stopping:
-            await asyncio.sleep(self.config.heartbeat_interval)
-            await self.check_liveness()
+            asleep = self.clock()
+            await asyncio.sleep(interval)
+            await self.check_liveness(late=self.clock() - asleep - interval)
 
-    async def check_liveness(self) -> None:
+    async def check_liveness(self, late: float = 0.0) -> None:
         """Poll Info of replicas that do not send heartbeats (dead ones too: they come back when they
-        answer again); expire replicas past their deadline."""
+        answer again); expire replicas past their deadline. A stall of the router itself (`late`: s
+        its monitor woke past its time; a poll that timed out well past its timeout) is credited to
+        every replica first: a router that could not listen convicts nobody for that time."""
         polled = [h for h in self.replicas.values() if not h.state.registered]
-        await asyncio.gather(*(self._poll(h) for h in polled), return_exceptions=True)
+        polls = await asyncio.gather(*(self._poll(h) for h in polled), return_exceptions=True)
+        slept_late = late if late > self._stall_slack else 0.0
+        stalled = slept_late + max((s for s in polls if isinstance(s, float)), default=0.0)
+        if stalled:
+            log.warning("the router stalled %.2f s: credited to every replica's heartbeat deadline", stalled)
+            self.heartbeats.stalled(stalled, self.clock())
         for rid in self.heartbeats.expired(self.clock()):
             self.mark_dead(rid, "missed its heartbeat deadline")
         self.metrics.update_replicas(h.state for h in self.replicas.values())
 
-    async def _poll(self, handle: ReplicaHandle) -> None:
+    @property
+    def _stall_slack(self) -> float:
+        """How late the router's own timers may run before it counts as stalled."""
+        return self.config.heartbeat_interval / 2
+
+    async def _poll(self, handle: ReplicaHandle) -> float:
+        """Poll one replica's Info; the seconds the router was stalled meanwhile (a poll that timed
+        out past its timeout by more than the slack was no fair poll: all of it), else 0."""
         before = (handle.state.role, handle.state.since)
+        timeout = self.config.heartbeat_interval * 2
+        sent = self.clock()
         try:
-            info = await asyncio.wait_for(handle.client.info(), self.config.heartbeat_interval * 2)
-        except (ReplicaCallError, TimeoutError):
-            return
+            info = await asyncio.wait_for(handle.client.info(), timeout)
+        except TimeoutError:
+            took = self.clock() - sent
+            return took if took - timeout > self._stall_slack else 0.0
+        except ReplicaCallError:
+            return 0.0
         handle.state.info = info
         if handle.state.alive and handle.state.process and info.instance not in ("", handle.state.process):
             self.mark_dead(handle.id, "another process answers on its address: it restarted")
@@ -383,6 +404,7 @@ class ClusterScheduler:
             self.heartbeats.beat(handle.id, self.clock())
         elif not self._stopping:
             await self._revive(handle)
+        return 0.0
 
     def _restarted(self, handle: ReplicaHandle, before: tuple[State, float]) -> bool:
         """A replica that held weights answers without them (its state unchanged across the call, no

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -93,6 +94,9 @@ class FakeReplica(pb_grpc.TextGenerationServiceServicer):
         self.instance = f"fake-{rank}"  # Info's process id (a test "restarting" it sets another)
         self.connected: list[int] = []  # ranks ConnectPeers asked for, in order
         self.step_delay = 0.0
+        # the next Info calls block the whole process this long each (time.sleep): in-process the
+        # router shares the fakes' event loop, so its polls in flight stall, as in a long GC pause
+        self.info_stalls: list[float] = []
         self.immigrate_delay = 0.0
         # A replica frees a migrated batch's pages on its engine thread after answering Migrate; a
         # call sent after that answer can overtake the free there. Seconds the fake lags by.
@@ -187,6 +191,8 @@ class FakeReplica(pb_grpc.TextGenerationServiceServicer):
     # ------------------------------------------------------------------------- facts
     @rpc
     async def Info(self, request: pb.InfoRequest, context: Context) -> pb.InfoResponse:
+        if self.info_stalls:
+            time.sleep(self.info_stalls.pop(0))
         s, ready = self.state, self.loaded
         return pb.InfoResponse(
             dtype="float32", device_type="cpu", model_id=self.model_name, num_layers=NUM_LAYERS,

@@ -244,6 +244,27 @@ def test_a_new_process_on_a_replicas_address_within_its_deadline_is_taken_back_a
     run(body())
 
 
+def test_a_router_stall_longer_than_the_heartbeat_deadline_kills_no_replica() -> None:
+    # in-process the router and the fakes share one event loop: an Info that blocks it stalls the
+    # router with its polls in flight (as a long GC pause or a starved host would), past the 0.5 s
+    # deadline; afterwards a replica that really goes is still found dead by its deadline
+    async def body() -> None:
+        async with fake_cluster((State.PREFILL, State.DECODE, State.DECODE)) as (sched, fakes):
+            for fake in fakes[1:]:
+                fake.step_delay = 0.02
+            tasks = [asyncio.create_task(collect(sched.submit(request([6, i], 40)))) for i in range(4)]
+            await eventually_async(lambda: sum(f.calls.count("DecodeV2") for f in fakes) >= 4)
+            fakes[0].info_stalls = [0.8, 0.05, 0.8]  # two stalls, a poll apart
+            await eventually_async(lambda: not fakes[0].info_stalls)
+            results = await asyncio.gather(*tasks)
+            assert [tokens_of(r) for r in results] == [expected_tokens([6, i], 40) for i in range(4)]
+            assert [sched.replicas[ReplicaId(i)].state.role for i in range(3)] == [
+                State.PREFILL, State.DECODE, State.DECODE]
+            await fakes[2].stop()
+            await eventually_async(lambda: sched.replicas[ReplicaId(2)].state.role is State.DEAD, 5)
+    run(body())
+
+
 def test_missed_heartbeat_marks_dead_and_requeues() -> None:
     async def body() -> None:
         now = [1000.0]

@@ -118,6 +118,17 @@ def test_heartbeat_expiry_with_a_fake_clock() -> None:
     assert hb.expired(200.0) == [0] and hb.age(ReplicaId(1), 1.0) is None
 
 
+def test_a_router_stall_is_credited_to_every_deadline_up_to_now() -> None:
+    hb = Heartbeats(timeout=5.0)
+    hb.beat(ReplicaId(0), 100.0)
+    hb.beat(ReplicaId(1), 104.0)
+    hb.stalled(3.0, now=106.0)  # the router could not listen for 3 s
+    assert hb.age(ReplicaId(0), 106.0) == pytest.approx(3.0)
+    assert hb.age(ReplicaId(1), 106.0) == pytest.approx(0.0)  # never a beat in the future
+    assert hb.expired(107.9) == [] and hb.expired(108.1) == [0]  # 100 + 3 + 5, not 105
+    assert hb.expired(111.1) == [0, 1]
+
+
 def test_router_config_roles_and_validation() -> None:
     assert RouterConfig(model="m", replica=["a:1"]).roles() == ["colocated"]  # type: ignore[arg-type]
     assert RouterConfig(model="m", replica=["a:1", "b:2", "c:3"]).roles() == [  # type: ignore[arg-type]
