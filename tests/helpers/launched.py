@@ -78,7 +78,8 @@ class Launched:
         self._stdout: queue.Queue[str | None] = queue.Queue()  # None: stdout closed
         self._stderr: list[str] = []
         threading.Thread(target=self._pump_out, daemon=True).start()
-        threading.Thread(target=self._pump_err, daemon=True).start()
+        self._err_pump = threading.Thread(target=self._pump_err, daemon=True)
+        self._err_pump.start()
 
     def _pump_out(self) -> None:
         assert self.proc.stdout is not None
@@ -103,18 +104,20 @@ class Launched:
         except queue.Empty:
             raise AssertionError(f"no ready line in {timeout} s:\n{self.stderr}") from None
         if line is None:
-            time.sleep(0.5)  # the rest of stderr
+            self._err_pump.join(10)  # the rest of stderr
             raise AssertionError(f"ended with {self.proc.wait(10)} before its ready line:\n{self.stderr}")
         assert " ready: " in line, f"{line}\n{self.stderr}"
         return line
 
     def wait(self, timeout: float) -> int:
-        """Its exit code (it is killed past `timeout`, and the test fails)."""
+        """Its exit code, once all of its stderr is read (it is killed past `timeout`, and the test fails)."""
         try:
-            return self.proc.wait(timeout)
+            code = self.proc.wait(timeout)
         except subprocess.TimeoutExpired:
             self.kill()
             raise AssertionError(f"still running after {timeout} s:\n{self.stderr}") from None
+        self._err_pump.join(10)  # all it wrote is read (a child still holding the pipe: 10 s at most)
+        return code
 
     def kill(self) -> None:
         """SIGKILL it if it still runs (its children die with it: parent-death signal)."""
